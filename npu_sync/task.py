@@ -1,0 +1,92 @@
+"""Tasks and the record of one attempt at running one."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from npu_sync.errors import InvalidTask
+
+
+@dataclass(frozen=True, slots=True)
+class Task:
+    """One unit of work for a worker: a JSON payload POSTed to ``endpoint``.
+
+    Immutable and so safe to share between threads.
+
+    Args:
+        payload: any JSON-serialisable value; the pool does not interpret it.
+        endpoint: path on the worker, default the pool's (``/inference``).
+        timeout: the task's whole deadline in seconds, across every attempt and wait;
+            ``None`` takes the pool's ``timeouts.task``.
+        idempotent: whether a retry after the request may have reached a worker is
+            safe. Non-idempotent tasks are retried only when the request provably never
+            reached the worker (connect errors, an open breaker).
+        task_id: sent as ``X-NPU-Task-Id`` on every attempt; a uuid4 by default.
+    """
+
+    payload: Any
+    endpoint: str | None = None
+    timeout: float | None = None
+    idempotent: bool = True
+    task_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if self.endpoint is not None and (
+            not isinstance(self.endpoint, str) or not self.endpoint.startswith("/")
+        ):
+            raise InvalidTask(f"task endpoint must be a path starting with '/', got {self.endpoint!r}")
+        if self.timeout is not None:
+            if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
+                raise InvalidTask(f"task timeout must be a number of seconds, got {self.timeout!r}")
+            if not math.isfinite(self.timeout) or self.timeout <= 0:
+                raise InvalidTask(f"task timeout must be > 0 seconds, got {self.timeout!r}")
+        if not isinstance(self.task_id, str) or not self.task_id or len(self.task_id) > 200:
+            raise InvalidTask(f"task_id must be a non-empty string of at most 200 chars, got {self.task_id!r}")
+        if not self.task_id.isprintable():
+            raise InvalidTask(f"task_id must be printable, got {self.task_id!r}")
+
+    def body(self) -> bytes:
+        """The payload encoded as JSON; raises InvalidTask when it cannot be."""
+        try:
+            return json.dumps(self.payload, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise InvalidTask(f"task {self.task_id} payload is not JSON-serialisable: {exc}") from None
+
+
+def as_task(task: Task | Any) -> Task:
+    """Accept a Task or a bare payload."""
+    return task if isinstance(task, Task) else Task(payload=task)
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """What happened on one attempt: which worker, the outcome, how long it took."""
+
+    worker_id: str | None
+    error: str | None
+    duration: float
+    status: int | None = None
+    started_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "worker_id": self.worker_id,
+            "error": self.error,
+            "duration": self.duration,
+            "status": self.status,
+            "started_at": self.started_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Attempt:
+        return cls(
+            worker_id=data.get("worker_id"),
+            error=data.get("error"),
+            duration=float(data.get("duration", 0.0)),
+            status=data.get("status"),
+            started_at=float(data.get("started_at", 0.0)),
+        )
