@@ -1,0 +1,1100 @@
+"""Configuration: a pool's YAML parsed and validated into frozen dataclasses.
+
+Two layouts load: the native one under ``npu_workers:`` and the AutoBot one under
+``npu:``. Every problem found is collected and raised together as one
+:class:`~npu_sync.errors.ConfigError`, each message naming its key path, e.g.
+``npu_workers.workers[2].port: must be 1..65535, got 0``. ``docs/configuration.md``
+describes every key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import logging
+import math
+import os
+import re
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import yaml
+
+from npu_sync.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_PORT",
+    "BreakerConfig",
+    "DeadLetterConfig",
+    "HealthConfig",
+    "PoolConfig",
+    "PoolSettings",
+    "RetryConfig",
+    "TLSConfig",
+    "TimeoutConfig",
+    "TransportConfig",
+    "WorkerConfig",
+    "config_for_url",
+    "load_config",
+    "parse_config",
+    "worker_config",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PORT: Final = 8081
+"""The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
+
+
+def _no_headers() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """How to talk TLS to https workers. Immutable, so thread-safe.
+
+    ``verify`` is True/False or the path of a CA bundle; ``cert``/``key`` name a client
+    certificate and its key (``key`` requires ``cert``). Paths are stored absolute.
+    """
+
+    verify: bool | str = True
+    cert: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker as configured. Immutable, so thread-safe.
+
+    ``url`` is normalised to ``scheme://host:port``. Build one with :func:`worker_config`
+    to have it validated; the constructor itself only freezes ``headers``. ``headers``
+    is left out of ``repr()`` because it usually carries credentials.
+    """
+
+    id: str
+    url: str
+    priority: int = 1
+    max_concurrent: int = 8
+    enabled: bool = True
+    # Unhashable, so it takes no part in hash(); equality still compares it.
+    headers: Mapping[str, str] = field(default_factory=_no_headers, hash=False, repr=False)
+    tls: TLSConfig | None = None
+
+    def __post_init__(self) -> None:
+        # A caller's dict must not be able to change a frozen config behind its back.
+        if not isinstance(self.headers, MappingProxyType):
+            object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+
+    @property
+    def scheme(self) -> str:
+        """``http`` or ``https``."""
+        return urlsplit(self.url).scheme
+
+    @property
+    def host(self) -> str:
+        """The host name or IP address (IPv6 without brackets)."""
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        """The TCP port."""
+        parts = urlsplit(self.url)
+        if parts.port is not None:
+            return parts.port
+        return 443 if parts.scheme == "https" else 80
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """The health checker's settings. Immutable, so thread-safe."""
+
+    enabled: bool = True
+    interval: float = 30.0
+    timeout: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    endpoint: str = "/health"
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Per-worker circuit breaker settings. Immutable, so thread-safe."""
+
+    fail_max: int = 5
+    reset_timeout: float = 60.0
+    max_reset_timeout: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retry settings; ``max_retries`` counts attempts after the first. Immutable."""
+
+    max_retries: int = 3
+    backoff_initial: float = 0.05
+    backoff_max: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    """Timeouts in seconds; ``task`` is a task's whole default deadline. Immutable."""
+
+    connect: float = 2.0
+    read: float = 30.0
+    task: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterConfig:
+    """Where failed tasks are recorded. Immutable, so thread-safe.
+
+    ``path`` (sqlite only) is stored absolute, or as ``:memory:``.
+    """
+
+    backend: str = "memory"
+    path: str | None = None
+    max_records: int = 10000
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """The HTTP client and its limits. Immutable, so thread-safe."""
+
+    client: str = "urllib3"
+    max_response_bytes: int = 16 * 1024 * 1024
+    tls: TLSConfig = field(default_factory=TLSConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """The pool's own settings. Immutable, so thread-safe."""
+
+    threads: int = 32
+    default_endpoint: str = "/inference"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A whole, validated pool configuration. Immutable, so thread-safe."""
+
+    workers: tuple[WorkerConfig, ...] = ()
+    health: HealthConfig = field(default_factory=HealthConfig)
+    circuit_breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    dead_letter: DeadLetterConfig = field(default_factory=DeadLetterConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    pool: PoolSettings = field(default_factory=PoolSettings)
+    source: str | None = None
+
+    def worker(self, worker_id: str) -> WorkerConfig:
+        """The worker with this id.
+
+        Raises:
+            KeyError: no worker has that id.
+        """
+        for worker in self.workers:
+            if worker.id == worker_id:
+                return worker
+        raise KeyError(worker_id)
+
+    def tls_for(self, worker: WorkerConfig) -> TLSConfig:
+        """The TLS settings that apply to ``worker``: its own, else the transport's."""
+        return worker.tls if worker.tls is not None else self.transport.tls
+
+
+# ---------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_config(path: str | os.PathLike[str]) -> PoolConfig:
+    """Read and validate a YAML configuration file.
+
+    Relative file paths inside it are resolved against the file's directory.
+
+    Args:
+        path: the YAML file.
+
+    Returns:
+        The validated configuration, with ``source`` set to the file's absolute path.
+
+    Raises:
+        ConfigError: the file cannot be read, is not valid YAML, or fails validation.
+    """
+    name = os.fspath(path)
+    source = os.path.abspath(name)
+    try:
+        with open(name, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {name}: {exc.strerror or exc}", source=source) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"cannot read {name}: not UTF-8 text (byte {exc.start})", source=source
+        ) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = exc.problem or exc.context or "invalid YAML"
+        raise ConfigError(f"YAML syntax error{where}: {problem}", source=source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"YAML error: {exc}", source=source) from None
+    if data is None:
+        raise ConfigError(f"{name} is empty: {_EXPECTED_TOP}", source=source)
+    config = parse_config(data, source=source, base_dir=os.path.dirname(source))
+    logger.debug("loaded %d worker(s) from %s", len(config.workers), source)
+    return config
+
+
+def parse_config(
+    data: Mapping[str, Any], *, source: str | None = None, base_dir: str | None = None
+) -> PoolConfig:
+    """Validate an already-parsed YAML document.
+
+    Args:
+        data: the document: a mapping with a ``npu_workers:`` or ``npu:`` key.
+        source: where it came from, kept in ``PoolConfig.source`` and error messages.
+        base_dir: directory relative file paths are resolved against; the current
+            directory when None.
+
+    Returns:
+        The validated configuration.
+
+    Raises:
+        ConfigError: listing every problem found.
+    """
+    reader = _Reader(expand=True, base_dir=base_dir)
+    config = reader.document(data)
+    if reader.errors:
+        raise ConfigError(reader.errors, source=source)
+    return replace(config, source=source)
+
+
+def config_for_url(url: str) -> PoolConfig:
+    """A configuration of one worker, id ``default``, at ``url``; all else default.
+
+    Used when there is no YAML file at all.
+
+    Raises:
+        ConfigError: the URL is not a valid worker address.
+    """
+    return PoolConfig(workers=(worker_config("default", url),))
+
+
+def worker_config(
+    id: str,
+    url: str | None = None,
+    *,
+    host: str | None = None,
+    port: int | None = None,
+    scheme: str | None = None,
+    priority: int = 1,
+    max_concurrent: int = 8,
+    enabled: bool = True,
+    headers: Mapping[str, str] | None = None,
+    tls: TLSConfig | Mapping[str, Any] | None = None,
+) -> WorkerConfig:
+    """Build a validated worker, with the same rules as a YAML worker entry.
+
+    Give ``url`` or ``host`` (with ``port``, default 8081, and ``scheme``, default
+    http), not both. Values are taken literally: no ``${ENV}`` expansion.
+
+    Returns:
+        The worker, its url normalised.
+
+    Raises:
+        ConfigError: naming each bad argument as ``worker.<name>``.
+    """
+    raw: dict[str, Any] = {
+        "id": id,
+        "priority": priority,
+        "max_concurrent": max_concurrent,
+        "enabled": enabled,
+    }
+    optional = {
+        "url": url,
+        "host": host,
+        "port": port,
+        "scheme": scheme,
+        "headers": headers,
+        "tls": _tls_mapping(tls) if isinstance(tls, TLSConfig) else tls,
+    }
+    raw.update((key, value) for key, value in optional.items() if value is not None)
+    reader = _Reader(expand=False, base_dir=None)
+    worker, _ = reader.worker(raw, "worker", autobot=False, tls_base=TLSConfig())
+    if reader.errors or worker is None:
+        raise ConfigError(reader.errors or ["worker: invalid"])
+    return worker
+
+
+# ---------------------------------------------------------------------------------------
+# Validation
+
+_EXPECTED_TOP = "expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping"
+_LAYOUTS: Final = ("npu_workers", "npu")
+_SECTION_KEYS: Final = frozenset(
+    {
+        "workers",
+        "health",
+        "circuit_breaker",
+        "retry",
+        "timeouts",
+        "dead_letter",
+        "transport",
+        "pool",
+    }
+)
+_WORKER_KEYS: Final = frozenset(
+    {
+        "id",
+        "url",
+        "host",
+        "port",
+        "scheme",
+        "priority",
+        "max_concurrent",
+        "enabled",
+        "headers",
+        "tls",
+    }
+)
+# AutoBot spells capacity max_concurrent_tasks and may name a worker instead of giving an id.
+_AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"name", "max_concurrent_tasks"}
+# Keys AutoBot's own tooling writes that say nothing npu_sync acts on.
+_AUTOBOT_IGNORED_KEYS: Final = frozenset(
+    {"description", "device", "models", "capabilities", "weight", "platform", "assigned_models"}
+)
+_AUTOBOT_DEFAULT_PRIORITY: Final = 5
+_TLS_KEYS: Final = frozenset({"verify", "cert", "key"})
+# Set by the transport per request; a configured value would break de-duplication or framing.
+_RESERVED_HEADERS: Final = frozenset(
+    {"x-npu-task-id", "x-npu-attempt", "content-length", "transfer-encoding"}
+)
+
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_HOST_NAME = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]*[A-Za-z0-9_])?")
+_INVALID: Final = object()
+
+
+class _Reader:
+    """Walks raw YAML data, building config objects and collecting every error."""
+
+    def __init__(self, *, expand: bool, base_dir: str | None) -> None:
+        self.errors: list[str] = []
+        self.expand = expand
+        self.base_dir = base_dir
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}" if path else message)
+
+    # -- the document --------------------------------------------------------------
+
+    def document(self, data: object) -> PoolConfig:
+        if not isinstance(data, Mapping):
+            self.error(
+                "", f"the configuration must be a mapping, got {_show(data)}: {_EXPECTED_TOP}"
+            )
+            return PoolConfig()
+        for key in data:
+            if key not in _LAYOUTS:
+                self.error(str(key), _unknown(key, _LAYOUTS))
+        present = [key for key in _LAYOUTS if key in data]
+        if not present:
+            if not data:
+                self.error("", f"the configuration is empty: {_EXPECTED_TOP}")
+            return PoolConfig()
+        if len(present) > 1:
+            self.error("npu", "cannot be combined with npu_workers: use one layout")
+            return PoolConfig()
+        layout = present[0]
+        section = self.section(data[layout], layout, _SECTION_KEYS)
+        if section is None:
+            return PoolConfig()
+
+        # Workers inherit verify from transport.tls, so it is read first; its errors are
+        # moved after the sections before it so messages follow the usual key order.
+        mark = len(self.errors)
+        transport = self.transport(section.get("transport"), f"{layout}.transport")
+        transport_errors = self.errors[mark:]
+        del self.errors[mark:]
+
+        workers = self.workers(
+            section.get("workers"),
+            f"{layout}.workers",
+            autobot=layout == "npu",
+            tls_base=transport.tls,
+        )
+        health = self.health(section.get("health"), f"{layout}.health")
+        breaker = self.breaker(section.get("circuit_breaker"), f"{layout}.circuit_breaker")
+        retry = self.retry(section.get("retry"), f"{layout}.retry")
+        timeouts = self.timeouts(section.get("timeouts"), f"{layout}.timeouts")
+        dead_letter = self.dead_letter(section.get("dead_letter"), f"{layout}.dead_letter")
+        self.errors.extend(transport_errors)
+        pool = self.pool(section.get("pool"), f"{layout}.pool")
+        return PoolConfig(
+            workers=workers,
+            health=health,
+            circuit_breaker=breaker,
+            retry=retry,
+            timeouts=timeouts,
+            dead_letter=dead_letter,
+            transport=transport,
+            pool=pool,
+        )
+
+    # -- sections --------------------------------------------------------------------
+
+    def health(self, raw: object, path: str) -> HealthConfig:
+        d = HealthConfig()
+        m = self.section(raw, path, HealthConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        return HealthConfig(
+            enabled=self.boolean(m, "enabled", path, d.enabled),
+            interval=self.number(m, "interval", path, d.interval, above=0.0),
+            timeout=self.number(m, "timeout", path, d.timeout, above=0.0),
+            unhealthy_threshold=self.integer(
+                m, "unhealthy_threshold", path, d.unhealthy_threshold, lo=1
+            ),
+            healthy_threshold=self.integer(m, "healthy_threshold", path, d.healthy_threshold, lo=1),
+            endpoint=self.endpoint(m, "endpoint", path, d.endpoint),
+        )
+
+    def breaker(self, raw: object, path: str) -> BreakerConfig:
+        d = BreakerConfig()
+        m = self.section(raw, path, BreakerConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        mark = len(self.errors)
+        config = BreakerConfig(
+            fail_max=self.integer(m, "fail_max", path, d.fail_max, lo=1),
+            reset_timeout=self.number(m, "reset_timeout", path, d.reset_timeout, above=0.0),
+            max_reset_timeout=self.number(
+                m, "max_reset_timeout", path, d.max_reset_timeout, above=0.0
+            ),
+        )
+        if len(self.errors) == mark and config.max_reset_timeout < config.reset_timeout:
+            self.error(
+                f"{path}.max_reset_timeout",
+                f"must be >= reset_timeout ({config.reset_timeout:g}), "
+                f"got {config.max_reset_timeout:g}",
+            )
+        return config
+
+    def retry(self, raw: object, path: str) -> RetryConfig:
+        d = RetryConfig()
+        m = self.section(raw, path, RetryConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        mark = len(self.errors)
+        config = RetryConfig(
+            max_retries=self.integer(m, "max_retries", path, d.max_retries, lo=0),
+            backoff_initial=self.number(m, "backoff_initial", path, d.backoff_initial, lo=0.0),
+            backoff_max=self.number(m, "backoff_max", path, d.backoff_max, lo=0.0),
+        )
+        if len(self.errors) == mark and config.backoff_max < config.backoff_initial:
+            self.error(
+                f"{path}.backoff_max",
+                f"must be >= backoff_initial ({config.backoff_initial:g}), "
+                f"got {config.backoff_max:g}",
+            )
+        return config
+
+    def timeouts(self, raw: object, path: str) -> TimeoutConfig:
+        d = TimeoutConfig()
+        m = self.section(raw, path, TimeoutConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        return TimeoutConfig(
+            connect=self.number(m, "connect", path, d.connect, above=0.0),
+            read=self.number(m, "read", path, d.read, above=0.0),
+            task=self.number(m, "task", path, d.task, above=0.0),
+        )
+
+    def dead_letter(self, raw: object, path: str) -> DeadLetterConfig:
+        d = DeadLetterConfig()
+        m = self.section(raw, path, DeadLetterConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        backend: str | None = d.backend
+        if "backend" in m:
+            backend = self.string(m["backend"], f"{path}.backend")
+            if backend == "redis":
+                self.error(
+                    f"{path}.backend", "'redis' is not supported yet (use 'memory' or 'sqlite')"
+                )
+                backend = None
+            elif backend is not None:
+                backend = self.choice(
+                    backend, m["backend"], f"{path}.backend", ("memory", "sqlite")
+                )
+        file_path = self.file_path(m, "path", path, None)
+        if backend == "sqlite" and m.get("path") is None:
+            self.error(f"{path}.path", "required when backend is 'sqlite'")
+        elif backend == "memory" and m.get("path") is not None:
+            self.error(f"{path}.path", "only used with backend 'sqlite'")
+        return DeadLetterConfig(
+            backend=backend or d.backend,
+            path=file_path,
+            max_records=self.integer(m, "max_records", path, d.max_records, lo=1),
+        )
+
+    def transport(self, raw: object, path: str) -> TransportConfig:
+        d = TransportConfig()
+        m = self.section(raw, path, TransportConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        client = d.client
+        if "client" in m:
+            value = self.string(m["client"], f"{path}.client")
+            if value is not None:
+                client = self.choice(value, m["client"], f"{path}.client", ("urllib3", "requests"))
+        tls = self.tls(m["tls"], f"{path}.tls", TLSConfig()) if "tls" in m else None
+        return TransportConfig(
+            client=client,
+            max_response_bytes=self.integer(
+                m, "max_response_bytes", path, d.max_response_bytes, lo=1
+            ),
+            tls=tls or d.tls,
+        )
+
+    def pool(self, raw: object, path: str) -> PoolSettings:
+        d = PoolSettings()
+        m = self.section(raw, path, PoolSettings.__dataclass_fields__)
+        if m is None:
+            return d
+        return PoolSettings(
+            threads=self.integer(m, "threads", path, d.threads, lo=1),
+            default_endpoint=self.endpoint(m, "default_endpoint", path, d.default_endpoint),
+        )
+
+    def tls(self, raw: object, path: str, base: TLSConfig) -> TLSConfig | None:
+        """TLS settings over ``base``: verify inherits alone, cert and key as a pair."""
+        if raw is None:
+            return None
+        m = self.section(raw, path, _TLS_KEYS)
+        if m is None:
+            return None
+        verify = base.verify
+        if "verify" in m:
+            value = m["verify"]
+            if isinstance(value, bool):
+                verify = value
+            elif isinstance(value, str):
+                bundle = self.file_path(m, "verify", path, None)
+                if bundle is not None:
+                    verify = bundle
+            else:
+                self.error(
+                    f"{path}.verify",
+                    f"must be true, false or the path of a CA bundle, got {_show(value)}",
+                )
+        cert, key = base.cert, base.key
+        if "cert" in m or "key" in m:
+            cert = self.file_path(m, "cert", path, None)
+            key = self.file_path(m, "key", path, None)
+            if key is not None and m.get("cert") is None:
+                self.error(f"{path}.key", "requires cert")
+        return TLSConfig(verify=verify, cert=cert, key=key)
+
+    # -- workers ---------------------------------------------------------------------
+
+    def workers(
+        self, raw: object, path: str, *, autobot: bool, tls_base: TLSConfig
+    ) -> tuple[WorkerConfig, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.error(path, f"must be a list of workers, got {_show(raw)}")
+            return ()
+        built: list[WorkerConfig] = []
+        ids: dict[str, int] = {}
+        urls: dict[str, int] = {}
+        for index, item in enumerate(raw):
+            item_path = f"{path}[{index}]"
+            worker, address_key = self.worker(item, item_path, autobot=autobot, tls_base=tls_base)
+            if worker is None:
+                continue
+            if worker.id:
+                if worker.id in ids:
+                    self.error(
+                        f"{item_path}.id",
+                        f"duplicate id {worker.id!r} (also workers[{ids[worker.id]}])",
+                    )
+                else:
+                    ids[worker.id] = index
+            if worker.url:
+                if worker.url in urls:
+                    self.error(
+                        f"{item_path}.{address_key}",
+                        f"duplicate address {worker.url} (also workers[{urls[worker.url]}])",
+                    )
+                else:
+                    urls[worker.url] = index
+            built.append(worker)
+        if autobot:
+            built = _autobot_tiers(built)
+        return tuple(built)
+
+    def worker(
+        self, raw: object, path: str, *, autobot: bool, tls_base: TLSConfig
+    ) -> tuple[WorkerConfig | None, str]:
+        """One worker entry, and the key its address came from (``url`` or ``host``).
+
+        Invalid fields are recorded as errors and left empty, so the caller can still
+        check the rest of the list; such a worker is never returned to users.
+        """
+        allowed = _AUTOBOT_WORKER_KEYS if autobot else _WORKER_KEYS
+        ignored = _AUTOBOT_IGNORED_KEYS if autobot else frozenset()
+        if raw is None:
+            self.error(path, "must be a mapping, got null")
+            return None, "url"
+        m = self.section(raw, path, allowed, ignored)
+        if m is None:
+            return None, "url"
+        skipped = sorted(str(key) for key in m if key in ignored)
+        if skipped:
+            logger.debug("%s: ignoring AutoBot key(s) %s", path, ", ".join(skipped))
+
+        worker_id = ""
+        if "id" in m:
+            worker_id = self.identifier(m["id"], f"{path}.id")
+        elif autobot and "name" in m:
+            worker_id = self.identifier(m["name"], f"{path}.name")
+        elif not autobot:
+            self.error(f"{path}.id", "required")
+
+        url, address_key = self.address(m, path)
+        if not worker_id and autobot and "id" not in m and "name" not in m and url:
+            worker_id = urlsplit(url).netloc
+
+        if autobot:
+            priority = self.integer(m, "priority", path, _AUTOBOT_DEFAULT_PRIORITY, lo=None)
+            if "max_concurrent" in m and "max_concurrent_tasks" in m:
+                self.error(path, "give max_concurrent or max_concurrent_tasks, not both")
+            capacity_key = (
+                "max_concurrent_tasks" if "max_concurrent_tasks" in m else "max_concurrent"
+            )
+        else:
+            priority = self.integer(m, "priority", path, 1, lo=0)
+            capacity_key = "max_concurrent"
+        return (
+            WorkerConfig(
+                id=worker_id,
+                url=url,
+                priority=priority,
+                max_concurrent=self.integer(m, capacity_key, path, 8, lo=1),
+                enabled=self.boolean(m, "enabled", path, True),
+                headers=self.headers(m.get("headers"), f"{path}.headers"),
+                tls=self.tls(m.get("tls"), f"{path}.tls", tls_base),
+            ),
+            address_key,
+        )
+
+    def identifier(self, raw: object, path: str) -> str:
+        value = self.string(raw, path)
+        if value is None:
+            return ""
+        if (
+            not value
+            or len(value) > 200
+            or any(ch.isspace() or not ch.isprintable() for ch in value)
+        ):
+            self.error(
+                path,
+                f"must be 1..200 printable characters without spaces, got {_show(raw)}",
+            )
+            return ""
+        return value
+
+    def address(self, m: Mapping[Any, Any], path: str) -> tuple[str, str]:
+        """The worker's normalised URL ('' when invalid) and the key it came from."""
+        if "url" in m and "host" in m:
+            self.error(path, "give url or host (with port), not both")
+            return "", "url"
+        if "url" in m:
+            for key in ("port", "scheme"):
+                if key in m:
+                    self.error(f"{path}.{key}", "goes with host, not url: put it in the url")
+            raw = m["url"]
+            text = self.string(raw, f"{path}.url")
+            if text is None:
+                return "", "url"
+            url, problem = _normalise_url(text)
+            if problem:
+                self.error(f"{path}.url", problem.replace("{got}", _show(raw)))
+            return url, "url"
+        if "host" in m:
+            mark = len(self.errors)
+            raw = m["host"]
+            host = self.string(raw, f"{path}.host")
+            port = self.integer(m, "port", path, DEFAULT_PORT, lo=1, hi=65535)
+            scheme = "http"
+            if "scheme" in m:
+                value = self.string(m["scheme"], f"{path}.scheme")
+                if value is not None:
+                    scheme = self.choice(
+                        value.lower(), m["scheme"], f"{path}.scheme", ("http", "https")
+                    )
+            if host is None:
+                return "", "host"
+            normal, problem = _normalise_host(host)
+            if problem:
+                self.error(f"{path}.host", problem.replace("{got}", _show(raw)))
+            # A fallback port or scheme would make a false duplicate-address error.
+            if len(self.errors) > mark:
+                return "", "host"
+            return f"{scheme}://{normal}:{port}", "host"
+        self.error(path, "needs a url, or a host (and port)")
+        return "", "url"
+
+    def headers(self, raw: object, path: str) -> Mapping[str, str]:
+        m = self.section(raw, path, ())
+        if not m:
+            return _no_headers()
+        found: dict[str, str] = {}
+        seen: dict[str, str] = {}
+        for name, value in m.items():
+            item_path = f"{path}.{name}"
+            if not isinstance(name, str) or not _HEADER_NAME.fullmatch(name):
+                self.error(item_path, "is not a valid header name")
+                continue
+            lowered = name.lower()
+            if lowered in _RESERVED_HEADERS:
+                self.error(item_path, "is set by npu_sync itself and cannot be configured")
+                continue
+            if lowered in seen:
+                self.error(item_path, f"duplicate header (also {seen[lowered]!r})")
+                continue
+            seen[lowered] = name
+            text = self.string(value, item_path, show_value=False)
+            if text is None:
+                continue
+            if any(ch in text for ch in "\r\n\0"):
+                # The value is never echoed: headers are where credentials live.
+                self.error(item_path, "must not contain line breaks or NUL characters")
+                continue
+            found[name] = text
+        return MappingProxyType(found)
+
+    # -- leaves ----------------------------------------------------------------------
+
+    def section(
+        self,
+        raw: object,
+        path: str,
+        allowed: Collection[str],
+        ignored: Collection[str] = (),
+    ) -> Mapping[Any, Any] | None:
+        """The mapping at ``path`` (an absent or null one is empty), unknown keys reported.
+
+        An empty ``allowed`` accepts any key (free-form maps such as headers).
+        """
+        if raw is None:
+            return {}
+        if not isinstance(raw, Mapping):
+            self.error(path, f"must be a mapping, got {_show(raw)}")
+            return None
+        if allowed:
+            for key in raw:
+                if key not in allowed and key not in ignored:
+                    self.error(_join(path, key), _unknown(key, allowed))
+        return raw
+
+    def expand_text(self, text: str, path: str) -> str | None:
+        if not self.expand:
+            return text
+        value, problems = _expand(text, os.environ)
+        for problem in problems:
+            self.error(path, problem)
+        return None if problems else value
+
+    def string(self, raw: object, path: str, *, show_value: bool = True) -> str | None:
+        if not isinstance(raw, str):
+            got = _show(raw) if show_value else _kind(raw)
+            self.error(path, f"must be a string, got {got}")
+            return None
+        return self.expand_text(raw, path)
+
+    def scalar(self, raw: object, path: str) -> object:
+        """``raw``, or for a string holding ``${...}`` its expansion read as a YAML scalar.
+
+        That lets ``port: ${NPU_PORT:-8081}`` be an integer; returns _INVALID when the
+        expansion itself failed (the error is recorded).
+        """
+        if not (self.expand and isinstance(raw, str) and "${" in raw):
+            return raw
+        text = self.expand_text(raw, path)
+        if text is None:
+            return _INVALID
+        return _scalar(text)
+
+    def integer(
+        self,
+        m: Mapping[Any, Any],
+        key: str,
+        path: str,
+        default: int,
+        *,
+        lo: int | None,
+        hi: int | None = None,
+    ) -> int:
+        if key not in m:
+            return default
+        item_path, raw = f"{path}.{key}", m[key]
+        value = self.scalar(raw, item_path)
+        if value is _INVALID:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.error(item_path, f"must be an integer, got {_show(raw)}")
+            return default
+        if (lo is not None and value < lo) or (hi is not None and value > hi):
+            bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+            self.error(item_path, f"must be {bound}, got {_show(raw)}")
+            return default
+        return value
+
+    def number(
+        self,
+        m: Mapping[Any, Any],
+        key: str,
+        path: str,
+        default: float,
+        *,
+        above: float | None = None,
+        lo: float | None = None,
+    ) -> float:
+        if key not in m:
+            return default
+        item_path, raw = f"{path}.{key}", m[key]
+        value = self.scalar(raw, item_path)
+        if value is _INVALID:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            self.error(item_path, f"must be a number, got {_show(raw)}")
+            return default
+        number = float(value)
+        if not math.isfinite(number):
+            self.error(item_path, f"must be a finite number, got {_show(raw)}")
+            return default
+        if above is not None and number <= above:
+            self.error(item_path, f"must be > {above:g}, got {_show(raw)}")
+            return default
+        if lo is not None and number < lo:
+            self.error(item_path, f"must be >= {lo:g}, got {_show(raw)}")
+            return default
+        return number
+
+    def boolean(self, m: Mapping[Any, Any], key: str, path: str, default: bool) -> bool:
+        if key not in m:
+            return default
+        item_path, raw = f"{path}.{key}", m[key]
+        value = self.scalar(raw, item_path)
+        if value is _INVALID:
+            return default
+        if not isinstance(value, bool):
+            self.error(item_path, f"must be true or false, got {_show(raw)}")
+            return default
+        return value
+
+    def choice(self, value: str, raw: object, path: str, options: tuple[str, ...]) -> str:
+        if value in options:
+            return value
+        self.error(path, f"must be one of {', '.join(map(repr, options))}, got {_show(raw)}")
+        return options[0]
+
+    def endpoint(self, m: Mapping[Any, Any], key: str, path: str, default: str) -> str:
+        if key not in m:
+            return default
+        raw = m[key]
+        value = self.string(raw, f"{path}.{key}")
+        if value is None:
+            return default
+        if not value.startswith("/") or any(ch.isspace() for ch in value):
+            self.error(f"{path}.{key}", f"must be a path starting with '/', got {_show(raw)}")
+            return default
+        return value
+
+    def file_path(
+        self, m: Mapping[Any, Any], key: str, path: str, default: str | None
+    ) -> str | None:
+        """An optional file path, stored absolute (``:memory:`` is kept as is)."""
+        if key not in m or m[key] is None:
+            return default
+        raw = m[key]
+        value = self.string(raw, f"{path}.{key}")
+        if value is None:
+            return default
+        if not value:
+            self.error(f"{path}.{key}", "must be a non-empty path")
+            return default
+        if value == ":memory:":
+            return value
+        value = os.path.expanduser(value)
+        if not os.path.isabs(value):
+            value = os.path.join(self.base_dir or os.getcwd(), value)
+        return os.path.abspath(value)
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers
+
+
+def _autobot_tiers(workers: list[WorkerConfig]) -> list[WorkerConfig]:
+    """Map AutoBot priorities (higher preferred) onto tiers 1, 2, ... (lower preferred)."""
+    ranked = sorted({worker.priority for worker in workers}, reverse=True)
+    tier = {priority: index for index, priority in enumerate(ranked, start=1)}
+    return [replace(worker, priority=tier[worker.priority]) for worker in workers]
+
+
+def _expand(text: str, environ: Mapping[str, str]) -> tuple[str, list[str]]:
+    """Replace ``${NAME}``, ``${NAME:-default}`` and ``$$`` in ``text``.
+
+    Returns the expanded text and the problems found. A ``$`` followed by anything
+    else is kept as is. Problems name variables, never their values.
+    """
+    out: list[str] = []
+    problems: list[str] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        following = text[i + 1] if i + 1 < n else ""
+        if ch != "$" or following not in ("$", "{"):
+            out.append(ch)
+            i += 1
+            continue
+        if following == "$":
+            out.append("$")
+            i += 2
+            continue
+        end = text.find("}", i + 2)
+        if end < 0:
+            problems.append("unterminated '${' (write '$$' for a literal '$')")
+            break
+        body = text[i + 2 : end]
+        name, has_default, default = body.partition(":-")
+        i = end + 1
+        if not _VAR_NAME.fullmatch(name):
+            problems.append(f"invalid variable reference '${{{body}}}'")
+            continue
+        value = environ.get(name)
+        if has_default and not value:
+            out.append(default)
+        elif value is None:
+            problems.append(f"environment variable {name} is not set")
+        else:
+            out.append(value)
+    return "".join(out), problems
+
+
+def _scalar(text: str) -> object:
+    """Read an expanded string the way YAML reads a plain scalar: bool, int, float or str."""
+    stripped = text.strip()
+    lowered = stripped.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(stripped)
+        except ValueError:
+            pass
+    return text
+
+
+def _normalise_url(text: str) -> tuple[str, str | None]:
+    """``scheme://host:port`` for a worker URL, or ('', problem with a {got} slot)."""
+    if "://" not in text:
+        return "", "must be an http(s) URL such as http://host:8081, got {got}"
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        return "", "has an invalid port, got {got}"
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        return "", f"scheme must be 'http' or 'https', got {_show(parts.scheme)}"
+    if parts.username is not None or parts.password is not None:
+        # Not echoed: it holds a credential. Headers are the place for those.
+        return "", "must not contain credentials (set an Authorization header instead)"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return "", "must be scheme://host:port with no path, query or fragment, got {got}"
+    host = parts.hostname
+    if not host:
+        return "", "has no host, got {got}"
+    normal, problem = _normalise_host(host)
+    if problem:
+        return "", problem
+    if port is None:
+        port = 443 if scheme == "https" else 80
+    if not 1 <= port <= 65535:
+        return "", "port must be 1..65535, got {got}"
+    return f"{scheme}://{normal}:{port}", None
+
+
+def _normalise_host(host: str) -> tuple[str, str | None]:
+    """The host as it goes in a URL (IPv6 bracketed, lower case), or ('', problem)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" in bare:
+        try:
+            address = ipaddress.IPv6Address(bare)
+        except ValueError:
+            return "", "must be a host name or IP address, got {got}"
+        return f"[{address.compressed}]", None
+    labels = bare.rstrip(".").split(".")
+    if len(bare) > 253 or not all(
+        len(label) <= 63 and _HOST_NAME.fullmatch(label) for label in labels
+    ):
+        return "", "must be a host name or IP address, got {got}"
+    return bare.lower(), None
+
+
+def _tls_mapping(tls: TLSConfig) -> dict[str, Any]:
+    return {"verify": tls.verify, "cert": tls.cert, "key": tls.key}
+
+
+def _join(path: str, key: object) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _unknown(key: object, allowed: Collection[str]) -> str:
+    message = "unknown key"
+    if isinstance(key, str):
+        close = difflib.get_close_matches(key, sorted(allowed), n=1)
+        if close:
+            message += f" (did you mean {close[0]!r}?)"
+    return message
+
+
+def _kind(value: object) -> str:
+    """What sort of value this is, for messages that must not quote it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return f"a {type(value).__name__}"
+
+
+def _show(value: object) -> str:
+    """A value as an error message quotes it: YAML words for YAML types, short."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

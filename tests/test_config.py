@@ -1,0 +1,823 @@
+"""Tests for npu_sync.config: parsing, validation and the two YAML layouts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import textwrap
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from npu_sync.config import (
+    BreakerConfig,
+    DeadLetterConfig,
+    HealthConfig,
+    PoolConfig,
+    PoolSettings,
+    RetryConfig,
+    TimeoutConfig,
+    TLSConfig,
+    TransportConfig,
+    WorkerConfig,
+    config_for_url,
+    load_config,
+    parse_config,
+    worker_config,
+)
+from npu_sync.errors import ConfigError
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+DESIGN_YAML = """\
+npu_workers:
+  workers:
+    - id: vm2-npu
+      host: 172.16.168.22
+      port: 8081
+      priority: 1            # lower number = preferred tier
+      max_concurrent: 8
+    - id: windows-npu
+      url: http://172.16.168.20:8082   # url or host+port
+      priority: 2
+      headers: {Authorization: "Bearer ${NPU_TOKEN}"}
+  health:          {interval: 30, timeout: 2, unhealthy_threshold: 2, healthy_threshold: 1}
+  circuit_breaker: {fail_max: 5, reset_timeout: 60, max_reset_timeout: 600}
+  retry:           {max_retries: 3, backoff_initial: 0.05, backoff_max: 2.0}
+  timeouts:        {connect: 2, read: 30}
+  dead_letter:     {backend: sqlite, path: npu_dead_letters.sqlite3}
+"""
+
+
+def errors_of(data: Any, **kwargs: Any) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, **kwargs)
+    return info.value.errors
+
+
+def native(**sections: Any) -> dict[str, Any]:
+    return {"npu_workers": sections}
+
+
+def one_worker(**fields: Any) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": "w", "host": "127.0.0.1"}
+    entry.update(fields)
+    return native(workers=[entry])
+
+
+def write(tmp_path: Path, text: str, name: str = "npu_workers.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+# -- the happy path ---------------------------------------------------------------------
+
+
+def test_design_example_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The configuration shown in DESIGN.md loads into the expected objects."""
+    monkeypatch.setenv("NPU_TOKEN", "s3cret")
+    cfg = load_config(write(tmp_path, DESIGN_YAML))
+    vm2, win = cfg.workers
+    assert vm2 == WorkerConfig(id="vm2-npu", url="http://172.16.168.22:8081", priority=1)
+    assert win.url == "http://172.16.168.20:8082"
+    assert win.priority == 2
+    assert dict(win.headers) == {"Authorization": "Bearer s3cret"}
+    assert cfg.health == HealthConfig(interval=30.0, timeout=2.0)
+    assert cfg.circuit_breaker == BreakerConfig()
+    assert cfg.retry == RetryConfig()
+    assert cfg.timeouts == TimeoutConfig(connect=2.0, read=30.0)
+    assert cfg.dead_letter == DeadLetterConfig(
+        backend="sqlite", path=str(tmp_path / "npu_dead_letters.sqlite3")
+    )
+    assert cfg.source == str(tmp_path / "npu_workers.yaml")
+
+
+def test_docs_yaml_examples_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every YAML example in docs/configuration.md is a valid configuration."""
+    monkeypatch.setenv("NPU_TOKEN", "t")
+    blocks = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(encoding="utf-8"), re.S)
+    assert len(blocks) >= 2
+    for block in blocks:
+        cfg = parse_config(yaml.safe_load(block), base_dir="/etc/npu")
+        assert cfg.workers
+
+
+def test_defaults_match_the_documented_values() -> None:
+    """A config with no settings has exactly the documented defaults."""
+    cfg = parse_config(native())
+    assert cfg == PoolConfig()
+    assert cfg.workers == ()
+    assert cfg.health == HealthConfig(True, 30.0, 2.0, 2, 1, "/health")
+    assert cfg.circuit_breaker == BreakerConfig(5, 60.0, 600.0)
+    assert cfg.retry == RetryConfig(3, 0.05, 2.0)
+    assert cfg.timeouts == TimeoutConfig(2.0, 30.0, 60.0)
+    assert cfg.dead_letter == DeadLetterConfig("memory", None, 10000)
+    assert cfg.transport == TransportConfig("urllib3", 16 * 1024 * 1024, TLSConfig(True))
+    assert cfg.pool == PoolSettings(32, "/inference")
+    worker = parse_config(one_worker()).workers[0]
+    assert (worker.priority, worker.max_concurrent, worker.enabled) == (1, 8, True)
+    assert dict(worker.headers) == {}
+    assert worker.tls is None
+    assert worker.url == "http://127.0.0.1:8081"
+
+
+def test_null_sections_mean_defaults() -> None:
+    """A section left empty in YAML (null) takes its defaults instead of failing."""
+    cfg = parse_config(yaml.safe_load("npu_workers:\n  workers:\n  health:\n  retry:\n"))
+    assert cfg == PoolConfig()
+
+
+def test_float_fields_accept_integers() -> None:
+    """A number field takes an integer and stores it as a float."""
+    cfg = parse_config(native(timeouts={"read": 45}))
+    assert cfg.timeouts.read == 45.0
+    assert isinstance(cfg.timeouts.read, float)
+
+
+# -- one test per kind of mistake -------------------------------------------------------
+
+
+def test_unknown_top_level_key() -> None:
+    """A top-level key other than npu_workers/npu is reported by name."""
+    assert errors_of({"npu_workers": {}, "extras": 1}) == ("extras: unknown key",)
+
+
+def test_unknown_section_key_names_full_path() -> None:
+    """An unknown key in a section is reported with its full path and a suggestion."""
+    (message,) = errors_of(native(retry={"max_retriez": 1}))
+    assert message.startswith("npu_workers.retry.max_retriez: unknown key")
+    assert "did you mean 'max_retries'" in message
+
+
+def test_unknown_sub_section() -> None:
+    """A misspelt section name under npu_workers is an unknown key."""
+    (message,) = errors_of(native(timeout={"read": 1}))
+    assert message.startswith("npu_workers.timeout: unknown key")
+
+
+def test_unknown_worker_key() -> None:
+    """An unknown key in a worker entry names the entry's index."""
+    (message,) = errors_of(one_worker(weight=3))
+    assert message == "npu_workers.workers[0].weight: unknown key"
+
+
+def test_wrong_type_names_path_and_value() -> None:
+    """A string where a number belongs is reported with the value as written."""
+    assert errors_of(native(timeouts={"read": "fast"})) == (
+        "npu_workers.timeouts.read: must be a number, got 'fast'",
+    )
+
+
+def test_booleans_are_not_numbers() -> None:
+    """true is rejected for integer and number fields alike."""
+    errors = errors_of(
+        native(workers=[{"id": "w", "host": "h", "port": True}], health={"interval": False})
+    )
+    assert errors == (
+        "npu_workers.workers[0].port: must be an integer, got true",
+        "npu_workers.health.interval: must be a number, got false",
+    )
+
+
+def test_integer_fields_reject_floats_and_strings() -> None:
+    """An integer field refuses 8.0 and '8'."""
+    errors = errors_of(native(retry={"max_retries": 3.0}, pool={"threads": "8"}))
+    assert errors == (
+        "npu_workers.retry.max_retries: must be an integer, got 3.0",
+        "npu_workers.pool.threads: must be an integer, got '8'",
+    )
+
+
+def test_boolean_field_rejects_strings() -> None:
+    """enabled must be a YAML boolean, not the string 'yes'."""
+    (message,) = errors_of(one_worker(enabled="yes"))
+    assert message == "npu_workers.workers[0].enabled: must be true or false, got 'yes'"
+
+
+def test_non_finite_numbers_rejected() -> None:
+    """.inf and .nan are not accepted as timeouts."""
+    errors = errors_of(yaml.safe_load("npu_workers: {timeouts: {read: .inf, connect: .nan}}"))
+    assert errors == (
+        "npu_workers.timeouts.connect: must be a finite number, got nan",
+        "npu_workers.timeouts.read: must be a finite number, got inf",
+    )
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "expected"),
+    [
+        ("health", "interval", 0, "must be > 0, got 0"),
+        ("health", "timeout", -1.5, "must be > 0, got -1.5"),
+        ("health", "unhealthy_threshold", 0, "must be >= 1, got 0"),
+        ("health", "healthy_threshold", 0, "must be >= 1, got 0"),
+        ("health", "endpoint", "health", "must be a path starting with '/', got 'health'"),
+        ("circuit_breaker", "fail_max", 0, "must be >= 1, got 0"),
+        ("circuit_breaker", "reset_timeout", 0, "must be > 0, got 0"),
+        ("retry", "max_retries", -1, "must be >= 0, got -1"),
+        ("retry", "backoff_initial", -0.1, "must be >= 0, got -0.1"),
+        ("timeouts", "connect", 0, "must be > 0, got 0"),
+        ("timeouts", "task", 0.0, "must be > 0, got 0.0"),
+        ("dead_letter", "max_records", 0, "must be >= 1, got 0"),
+        ("dead_letter", "backend", "disk", "must be one of 'memory', 'sqlite', got 'disk'"),
+        ("transport", "client", "httpx", "must be one of 'urllib3', 'requests', got 'httpx'"),
+        ("transport", "max_response_bytes", 0, "must be >= 1, got 0"),
+        ("pool", "threads", 0, "must be >= 1, got 0"),
+        ("pool", "default_endpoint", "x", "must be a path starting with '/', got 'x'"),
+    ],
+)
+def test_out_of_range_values(section: str, key: str, value: Any, expected: str) -> None:
+    """Each pool-level range rule reports the key path and the bad value."""
+    assert errors_of(native(**{section: {key: value}})) == (
+        f"npu_workers.{section}.{key}: {expected}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("port", 0, "must be 1..65535, got 0"),
+        ("port", 65536, "must be 1..65535, got 65536"),
+        ("priority", -1, "must be >= 0, got -1"),
+        ("max_concurrent", 0, "must be >= 1, got 0"),
+        ("scheme", "ftp", "must be one of 'http', 'https', got 'ftp'"),
+        ("host", "bad host", "must be a host name or IP address, got 'bad host'"),
+        ("id", "", "must be 1..200 printable characters without spaces, got ''"),
+        ("id", 7, "must be a string, got 7"),
+    ],
+)
+def test_worker_field_errors(field: str, value: Any, expected: str) -> None:
+    """Each per-worker rule reports workers[i].<key> and the bad value."""
+    data = native(workers=[{"id": "ok", "host": "h1"}, {"id": "w2", "host": "h2", field: value}])
+    assert errors_of(data) == (f"npu_workers.workers[1].{field}: {expected}",)
+
+
+def test_duplicate_id_names_both_indexes() -> None:
+    """Two workers with one id: the message names the second entry and the first."""
+    data = native(
+        workers=[
+            {"id": "a", "host": "h1"},
+            {"id": "b", "host": "h2"},
+            {"id": "a", "host": "h3"},
+        ]
+    )
+    assert errors_of(data) == ("npu_workers.workers[2].id: duplicate id 'a' (also workers[0])",)
+
+
+def test_duplicate_normalised_address() -> None:
+    """Two spellings of one address are caught after normalisation."""
+    data = native(
+        workers=[
+            {"id": "a", "url": "HTTP://Box:8081/"},
+            {"id": "b", "host": "box"},
+        ]
+    )
+    assert errors_of(data) == (
+        "npu_workers.workers[1].host: duplicate address http://box:8081 (also workers[0])",
+    )
+
+
+def test_url_and_host_together() -> None:
+    """A worker may give url or host, not both."""
+    data = native(workers=[{"id": "a", "url": "http://h:1", "host": "h"}])
+    assert errors_of(data) == ("npu_workers.workers[0]: give url or host (with port), not both",)
+
+
+def test_port_with_url_rejected() -> None:
+    """port only goes with host; next to url it is an error."""
+    data = native(workers=[{"id": "a", "url": "http://h:1", "port": 2}])
+    assert errors_of(data) == (
+        "npu_workers.workers[0].port: goes with host, not url: put it in the url",
+    )
+
+
+def test_missing_id() -> None:
+    """A native worker without an id is reported at .id."""
+    assert errors_of(native(workers=[{"host": "h"}])) == ("npu_workers.workers[0].id: required",)
+
+
+def test_missing_address() -> None:
+    """A worker with neither url nor host is reported at the entry."""
+    assert errors_of(native(workers=[{"id": "a"}])) == (
+        "npu_workers.workers[0]: needs a url, or a host (and port)",
+    )
+
+
+def test_worker_entry_must_be_a_mapping() -> None:
+    """A bare string in the workers list is reported with its index."""
+    assert errors_of(native(workers=["http://h:1"])) == (
+        "npu_workers.workers[0]: must be a mapping, got 'http://h:1'",
+    )
+
+
+def test_workers_must_be_a_list() -> None:
+    """workers as a mapping is a type error."""
+    assert errors_of(native(workers={"a": 1})) == (
+        "npu_workers.workers: must be a list of workers, got a mapping",
+    )
+
+
+def test_bad_url_scheme() -> None:
+    """Only http and https URLs are accepted."""
+    data = native(workers=[{"id": "a", "url": "ftp://h:21"}])
+    assert errors_of(data) == (
+        "npu_workers.workers[0].url: scheme must be 'http' or 'https', got 'ftp'",
+    )
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("h:8081", "must be an http(s) URL such as http://host:8081, got 'h:8081'"),
+        ("http://h:8081/v1", "with no path, query or fragment, got 'http://h:8081/v1'"),
+        ("http://h:8081?x=1", "with no path, query or fragment"),
+        ("http://h:99999", "has an invalid port, got 'http://h:99999'"),
+        ("http://:8081", "has no host, got 'http://:8081'"),
+    ],
+)
+def test_bad_urls(url: str, expected: str) -> None:
+    """Malformed worker URLs are rejected with the reason."""
+    (message,) = errors_of(native(workers=[{"id": "a", "url": url}]))
+    assert message.startswith("npu_workers.workers[0].url: ")
+    assert expected in message
+
+
+def test_url_credentials_rejected_without_echo() -> None:
+    """A password in a URL is an error, and the message does not repeat it."""
+    (message,) = errors_of(native(workers=[{"id": "a", "url": "http://u:hunter2@h:1"}]))
+    assert message.startswith("npu_workers.workers[0].url: must not contain credentials")
+    assert "hunter2" not in message
+
+
+def test_header_rules() -> None:
+    """Bad header names, reserved names and non-string values are each reported."""
+    headers = {"Bad Name": "x", "X-NPU-Task-Id": "fixed", "X-Count": 5}
+    errors = errors_of(one_worker(headers=headers))
+    assert errors == (
+        "npu_workers.workers[0].headers.Bad Name: is not a valid header name",
+        "npu_workers.workers[0].headers.X-NPU-Task-Id: "
+        "is set by npu_sync itself and cannot be configured",
+        "npu_workers.workers[0].headers.X-Count: must be a string, got a number",
+    )
+
+
+def test_header_line_break_rejected_without_echo() -> None:
+    """A header value with a line break is refused and never quoted."""
+    (message,) = errors_of(one_worker(headers={"Authorization": "Bearer tok\r\nX: y"}))
+    assert message == (
+        "npu_workers.workers[0].headers.Authorization: "
+        "must not contain line breaks or NUL characters"
+    )
+
+
+def test_backoff_initial_above_backoff_max() -> None:
+    """backoff_max below backoff_initial is reported on backoff_max."""
+    assert errors_of(native(retry={"backoff_initial": 3, "backoff_max": 1})) == (
+        "npu_workers.retry.backoff_max: must be >= backoff_initial (3), got 1",
+    )
+
+
+def test_max_reset_timeout_below_reset_timeout() -> None:
+    """max_reset_timeout below reset_timeout is reported on max_reset_timeout."""
+    data = native(circuit_breaker={"reset_timeout": 120, "max_reset_timeout": 60})
+    assert errors_of(data) == (
+        "npu_workers.circuit_breaker.max_reset_timeout: must be >= reset_timeout (120), got 60",
+    )
+
+
+def test_cross_field_check_skipped_when_a_field_is_invalid() -> None:
+    """A broken field yields its own error only, not a spurious cross-field one."""
+    assert errors_of(native(retry={"backoff_initial": "x", "backoff_max": 0.01})) == (
+        "npu_workers.retry.backoff_initial: must be a number, got 'x'",
+    )
+
+
+def test_sqlite_without_path() -> None:
+    """The sqlite backend needs a path."""
+    assert errors_of(native(dead_letter={"backend": "sqlite"})) == (
+        "npu_workers.dead_letter.path: required when backend is 'sqlite'",
+    )
+
+
+def test_path_with_memory_backend() -> None:
+    """A dead-letter path with the memory backend is a mistake, not silently ignored."""
+    assert errors_of(native(dead_letter={"path": "dl.sqlite3"})) == (
+        "npu_workers.dead_letter.path: only used with backend 'sqlite'",
+    )
+
+
+def test_redis_backend_not_supported_yet() -> None:
+    """The reserved redis backend is refused with a clear message."""
+    assert errors_of(native(dead_letter={"backend": "redis"})) == (
+        "npu_workers.dead_letter.backend: 'redis' is not supported yet (use 'memory' or 'sqlite')",
+    )
+
+
+def test_tls_key_requires_cert() -> None:
+    """A client key without a client certificate is an error."""
+    assert errors_of(native(transport={"tls": {"key": "/k.pem"}})) == (
+        "npu_workers.transport.tls.key: requires cert",
+    )
+
+
+def test_tls_verify_type() -> None:
+    """verify must be a boolean or a path."""
+    assert errors_of(native(transport={"tls": {"verify": 1}})) == (
+        "npu_workers.transport.tls.verify: must be true, false or the path of a CA bundle, got 1",
+    )
+
+
+def test_all_errors_reported_together() -> None:
+    """Problems in different sections come back together in one ConfigError."""
+    data = native(
+        workers=[{"id": "a", "host": "h", "port": 0}, {"host": "h2"}],
+        retry={"max_retriez": 1},
+        timeouts={"read": "fast"},
+        dead_letter={"backend": "sqlite"},
+    )
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, source="pool.yaml")
+    assert info.value.errors == (
+        "npu_workers.workers[0].port: must be 1..65535, got 0",
+        "npu_workers.workers[1].id: required",
+        "npu_workers.retry.max_retriez: unknown key (did you mean 'max_retries'?)",
+        "npu_workers.timeouts.read: must be a number, got 'fast'",
+        "npu_workers.dead_letter.path: required when backend is 'sqlite'",
+    )
+    assert info.value.source == "pool.yaml"
+    assert str(info.value).startswith("invalid configuration in pool.yaml:")
+
+
+def test_bad_worker_port_causes_no_false_duplicate() -> None:
+    """An invalid port does not fall back to 8081 and collide with another worker."""
+    data = native(workers=[{"id": "a", "host": "h"}, {"id": "b", "host": "h", "port": True}])
+    assert errors_of(data) == ("npu_workers.workers[1].port: must be an integer, got true",)
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({}, "the configuration is empty"),
+        (["a"], "the configuration must be a mapping, got a list"),
+        ({"npu_workers": {}, "npu": {}}, "npu: cannot be combined with npu_workers"),
+        ({"npu_workers": ["x"]}, "npu_workers: must be a mapping, got a list"),
+    ],
+)
+def test_document_shape_errors(data: Any, expected: str) -> None:
+    """An empty, non-mapping or two-layout document is refused clearly."""
+    (message,) = errors_of(data)
+    assert message.startswith(expected)
+
+
+# -- environment expansion --------------------------------------------------------------
+
+
+def test_env_expansion_forms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """${NAME}, ${NAME:-default} and $$ expand as documented."""
+    monkeypatch.setenv("NPU_TOKEN", "tok")
+    monkeypatch.setenv("NPU_EMPTY", "")
+    monkeypatch.delenv("NPU_UNSET", raising=False)
+    headers = {
+        "A": "Bearer ${NPU_TOKEN}",
+        "B": "${NPU_UNSET:-fallback}",
+        "C": "${NPU_EMPTY:-used-when-empty}",
+        "D": "cost: $$5 and pa$word",
+        "E": "[${NPU_EMPTY}]",
+    }
+    worker = parse_config(one_worker(headers=headers)).workers[0]
+    assert dict(worker.headers) == {
+        "A": "Bearer tok",
+        "B": "fallback",
+        "C": "used-when-empty",
+        "D": "cost: $5 and pa$word",
+        "E": "[]",
+    }
+
+
+def test_env_unset_variable_names_key_and_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unset variable without default is an error naming the key and the variable."""
+    monkeypatch.delenv("NPU_TOKEN", raising=False)
+    data = one_worker(headers={"Authorization": "Bearer ${NPU_TOKEN}"})
+    assert errors_of(data) == (
+        "npu_workers.workers[0].headers.Authorization: environment variable NPU_TOKEN is not set",
+    )
+
+
+def test_env_values_never_printed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad value that came from the environment is quoted as written, not expanded."""
+    monkeypatch.setenv("NPU_URL", "http://admin:topsecret@h:1/path")
+    monkeypatch.setenv("NPU_READ", "topsecret")
+    data = native(workers=[{"id": "a", "url": "${NPU_URL}"}], timeouts={"read": "${NPU_READ}"})
+    errors = errors_of(data)
+    assert len(errors) == 2
+    assert errors[1] == "npu_workers.timeouts.read: must be a number, got '${NPU_READ}'"
+    assert not any("topsecret" in message for message in errors)
+
+
+def test_env_reference_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unterminated ${ or an invalid variable name is an error."""
+    errors = errors_of(one_worker(headers={"A": "${OOPS", "B": "${1BAD}"}))
+    assert errors == (
+        "npu_workers.workers[0].headers.A: unterminated '${' (write '$$' for a literal '$')",
+        "npu_workers.workers[0].headers.B: invalid variable reference '${1BAD}'",
+    )
+
+
+def test_env_fills_typed_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ${...} string in an int/number/bool field is read as a scalar after expansion."""
+    monkeypatch.setenv("NPU_PORT", "9000")
+    monkeypatch.setenv("NPU_ON", "false")
+    monkeypatch.delenv("NPU_READ", raising=False)
+    data = native(
+        workers=[{"id": "a", "host": "h", "port": "${NPU_PORT}", "enabled": "${NPU_ON}"}],
+        timeouts={"read": "${NPU_READ:-12.5}"},
+    )
+    cfg = parse_config(data)
+    assert cfg.workers[0].port == 9000
+    assert cfg.workers[0].enabled is False
+    assert cfg.timeouts.read == 12.5
+
+
+def test_env_expands_urls_and_paths(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Expansion applies to every string value, urls and file paths included."""
+    monkeypatch.setenv("NPU_HOST", "box")
+    monkeypatch.setenv("NPU_DIR", str(tmp_path))
+    data = native(
+        workers=[{"id": "a", "url": "http://${NPU_HOST}:9"}],
+        dead_letter={"backend": "sqlite", "path": "${NPU_DIR}/dl.sqlite3"},
+    )
+    cfg = parse_config(data)
+    assert cfg.workers[0].url == "http://box:9"
+    assert cfg.dead_letter.path == str(tmp_path / "dl.sqlite3")
+
+
+# -- the AutoBot layout -----------------------------------------------------------------
+
+
+AUTOBOT_YAML = """\
+npu:
+  workers:
+    - id: npu-worker-vm2
+      host: 172.16.168.22
+      port: 8081
+      priority: 10
+      enabled: true
+      max_concurrent_tasks: 4
+    - name: windows-npu-worker
+      host: 172.16.168.20
+      port: 8082
+      priority: 5
+      enabled: false
+      description: laptop NPU
+      capabilities: [llm]
+      weight: 50
+    - url: http://172.16.168.23:8081
+      priority: 10
+    - host: 172.16.168.24
+  retry: {max_retries: 1}
+"""
+
+
+def test_autobot_layout_mapping() -> None:
+    """The AutoBot layout maps ids, capacity and inverts priority into dense tiers."""
+    cfg = parse_config(yaml.safe_load(AUTOBOT_YAML))
+    assert [(w.id, w.priority, w.max_concurrent, w.enabled) for w in cfg.workers] == [
+        ("npu-worker-vm2", 1, 4, True),
+        ("windows-npu-worker", 2, 8, False),
+        ("172.16.168.23:8081", 1, 8, True),
+        ("172.16.168.24:8081", 2, 8, True),  # AutoBot's default priority is 5
+    ]
+    assert cfg.retry.max_retries == 1
+
+
+def test_autobot_priority_inversion_is_dense() -> None:
+    """Priorities 10, 5, 10, 1 become tiers 1, 2, 1, 3."""
+    workers = [
+        {"id": f"w{i}", "host": f"h{i}", "priority": p} for i, p in enumerate([10, 5, 10, 1])
+    ]
+    cfg = parse_config({"npu": {"workers": workers}})
+    assert [w.priority for w in cfg.workers] == [1, 2, 1, 3]
+
+
+def test_autobot_unknown_worker_key_is_error() -> None:
+    """Keys outside AutoBot's known set are still errors, with the npu. prefix."""
+    data = {"npu": {"workers": [{"id": "a", "host": "h", "colour": "red", "models": ["x"]}]}}
+    assert errors_of(data) == ("npu.workers[0].colour: unknown key",)
+
+
+def test_autobot_both_capacity_keys_is_error() -> None:
+    """max_concurrent and max_concurrent_tasks together are ambiguous."""
+    data = {"npu": {"workers": [{"host": "h", "max_concurrent": 2, "max_concurrent_tasks": 3}]}}
+    assert errors_of(data) == (
+        "npu.workers[0]: give max_concurrent or max_concurrent_tasks, not both",
+    )
+
+
+def test_autobot_only_keys_rejected_in_native_layout() -> None:
+    """name and max_concurrent_tasks are AutoBot spellings, unknown under npu_workers."""
+    errors = errors_of(one_worker(name="x", max_concurrent_tasks=2))
+    assert errors == (
+        "npu_workers.workers[0].name: unknown key",
+        "npu_workers.workers[0].max_concurrent_tasks: unknown key (did you mean 'max_concurrent'?)",
+    )
+
+
+# -- files ------------------------------------------------------------------------------
+
+
+def test_yaml_syntax_error_shows_line(tmp_path: Path) -> None:
+    """A YAML syntax error is a ConfigError naming the line and column."""
+    path = write(
+        tmp_path,
+        """\
+        npu_workers:
+          workers:
+            - id: a
+              host: h
+             port: 1
+        """,
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (message,) = info.value.errors
+    assert message.startswith("YAML syntax error at line 5, column ")
+    assert info.value.source == str(path)
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    """A missing file is a ConfigError naming the path."""
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == (f"cannot read {path}: No such file or directory",)
+
+
+def test_load_empty_file(tmp_path: Path) -> None:
+    """An empty file is refused with a message saying what was expected."""
+    path = write(tmp_path, "# nothing here\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == (
+        f"{path} is empty: expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping",
+    )
+
+
+def test_relative_sqlite_path_resolved_against_yaml_dir(tmp_path: Path) -> None:
+    """A relative dead-letter path is made absolute against the YAML file's directory."""
+    conf_dir = tmp_path / "conf"
+    conf_dir.mkdir()
+    path = write(conf_dir, "npu_workers: {dead_letter: {backend: sqlite, path: data/dl.db}}\n")
+    cfg = load_config(os.path.relpath(path))
+    assert cfg.dead_letter.path == str(conf_dir / "data" / "dl.db")
+
+
+def test_paths_without_file_resolve_against_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """parse_config without base_dir resolves against the working directory; with it, there."""
+    monkeypatch.chdir(tmp_path)
+    data = native(dead_letter={"backend": "sqlite", "path": "dl.db"})
+    assert parse_config(data).dead_letter.path == str(tmp_path / "dl.db")
+    assert parse_config(data, base_dir="/srv/npu").dead_letter.path == "/srv/npu/dl.db"
+    memory = native(dead_letter={"backend": "sqlite", "path": ":memory:"})
+    assert parse_config(memory).dead_letter.path == ":memory:"
+    absolute = native(dead_letter={"backend": "sqlite", "path": "/var/dl.db"})
+    assert parse_config(absolute, base_dir="/srv").dead_letter.path == "/var/dl.db"
+
+
+# -- TLS --------------------------------------------------------------------------------
+
+
+def test_worker_tls_inherits_from_transport() -> None:
+    """A worker's tls overrides only what it names; cert and key inherit as a pair."""
+    data = native(
+        workers=[
+            {"id": "a", "host": "a", "tls": {"cert": "/c/a.pem", "key": "/c/a.key"}},
+            {"id": "b", "host": "b", "tls": {"verify": False}},
+            {"id": "c", "host": "c"},
+        ],
+        transport={"tls": {"verify": "/c/ca.pem", "cert": "/c/pool.pem", "key": "/c/pool.key"}},
+    )
+    cfg = parse_config(data)
+    a, b, c = cfg.workers
+    assert a.tls == TLSConfig(verify="/c/ca.pem", cert="/c/a.pem", key="/c/a.key")
+    assert b.tls == TLSConfig(verify=False, cert="/c/pool.pem", key="/c/pool.key")
+    assert c.tls is None
+    assert cfg.tls_for(c) is cfg.transport.tls
+    assert cfg.tls_for(a) is a.tls
+
+
+def test_tls_paths_resolved_against_yaml_dir(tmp_path: Path) -> None:
+    """CA bundle and client cert paths are stored absolute."""
+    path = write(tmp_path, "npu_workers: {transport: {tls: {verify: ca.pem, cert: c.pem}}}\n")
+    tls = load_config(path).transport.tls
+    assert tls == TLSConfig(verify=str(tmp_path / "ca.pem"), cert=str(tmp_path / "c.pem"))
+
+
+# -- objects ----------------------------------------------------------------------------
+
+
+def test_configs_are_frozen() -> None:
+    """Config objects and worker headers cannot be changed after loading."""
+    cfg = parse_config(one_worker(headers={"A": "1"}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.retry.max_retries = 9  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.workers[0].priority = 0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        cfg.workers[0].headers["A"] = "2"  # type: ignore[index]
+    assert isinstance(cfg.workers, tuple)
+
+
+def test_worker_constructor_copies_headers() -> None:
+    """A dict passed to WorkerConfig cannot change the worker afterwards."""
+    headers = {"A": "1"}
+    worker = WorkerConfig(id="w", url="http://h:1", headers=headers)
+    headers["A"] = "2"
+    assert worker.headers == {"A": "1"}
+    assert isinstance(worker.headers, Mapping)
+
+
+def test_configs_hash_and_compare() -> None:
+    """Equal configs compare equal and hash alike, headers included in equality."""
+    first = parse_config(one_worker(headers={"A": "1"}))
+    second = parse_config(one_worker(headers={"A": "1"}))
+    third = parse_config(one_worker(headers={"A": "2"}))
+    assert first == second
+    assert hash(first) == hash(second)
+    assert first != third
+
+
+def test_headers_not_in_repr(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's repr leaves out its headers, which carry credentials."""
+    monkeypatch.setenv("NPU_TOKEN", "s3cret-token")
+    cfg = parse_config(one_worker(headers={"Authorization": "Bearer ${NPU_TOKEN}"}))
+    assert "s3cret-token" not in repr(cfg)
+
+
+def test_worker_lookup() -> None:
+    """PoolConfig.worker finds by id and raises KeyError otherwise."""
+    cfg = parse_config(native(workers=[{"id": "a", "host": "h1"}, {"id": "b", "host": "h2"}]))
+    assert cfg.worker("b").url == "http://h2:8081"
+    with pytest.raises(KeyError):
+        cfg.worker("zzz")
+
+
+@pytest.mark.parametrize(
+    ("entry", "url", "scheme", "host", "port"),
+    [
+        ({"url": "https://NPU.example"}, "https://npu.example:443", "https", "npu.example", 443),
+        ({"url": "http://[::1]:9000/"}, "http://[::1]:9000", "http", "::1", 9000),
+        ({"host": "::1"}, "http://[::1]:8081", "http", "::1", 8081),
+        ({"host": "h", "scheme": "https", "port": 8443}, "https://h:8443", "https", "h", 8443),
+    ],
+)
+def test_address_normalisation(
+    entry: dict[str, Any], url: str, scheme: str, host: str, port: int
+) -> None:
+    """Addresses normalise to scheme://host:port and the properties parse them back."""
+    worker = parse_config(native(workers=[{"id": "w", **entry}])).workers[0]
+    assert (worker.url, worker.scheme, worker.host, worker.port) == (url, scheme, host, port)
+
+
+# -- programmatic constructors ----------------------------------------------------------
+
+
+def test_worker_config_validates_and_normalises() -> None:
+    """worker_config builds the same worker a YAML entry would."""
+    worker = worker_config("vm3", host="Box", port=9000, priority=2, headers={"A": "b"})
+    assert worker == WorkerConfig(id="vm3", url="http://box:9000", priority=2, headers={"A": "b"})
+    tls = TLSConfig(verify=False)
+    assert worker_config("x", "https://h:1", tls=tls).tls == tls
+
+
+def test_worker_config_errors_use_worker_prefix() -> None:
+    """worker_config reports every problem under the 'worker' path."""
+    with pytest.raises(ConfigError) as info:
+        worker_config("", "http://h:1", port=5, max_concurrent=0)
+    assert info.value.errors == (
+        "worker.id: must be 1..200 printable characters without spaces, got ''",
+        "worker.port: goes with host, not url: put it in the url",
+        "worker.max_concurrent: must be >= 1, got 0",
+    )
+
+
+def test_worker_config_does_not_expand_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values given in code are literal: ${...} stays as written."""
+    monkeypatch.setenv("NPU_TOKEN", "tok")
+    worker = worker_config("w", "http://h:1", headers={"A": "${NPU_TOKEN}"})
+    assert worker.headers["A"] == "${NPU_TOKEN}"
+
+
+def test_config_for_url() -> None:
+    """config_for_url gives one worker named default and all other defaults."""
+    cfg = config_for_url("http://127.0.0.1:8081/")
+    assert cfg.workers == (WorkerConfig(id="default", url="http://127.0.0.1:8081"),)
+    assert dataclasses.replace(cfg, workers=()) == PoolConfig()
+    with pytest.raises(ConfigError) as info:
+        config_for_url("127.0.0.1:8081")
+    assert info.value.errors[0].startswith("worker.url: must be an http(s) URL")
