@@ -1,0 +1,658 @@
+"""Tests of the reference worker: the in-process WorkerServer and the LocalWorker process."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from npu_sync.testing import FakeClock
+from npu_sync.worker_server import (
+    DEVICE,
+    MAX_BODY_BYTES,
+    LocalWorker,
+    WorkerBehaviour,
+    WorkerServer,
+    build_arg_parser,
+)
+
+MakeServer = Callable[..., WorkerServer]
+
+
+@pytest.fixture
+def make_server() -> Iterator[MakeServer]:
+    servers: list[WorkerServer] = []
+
+    def make(**kwargs: Any) -> WorkerServer:
+        server = WorkerServer(**kwargs)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+class Reply:
+    def __init__(self, response: http.client.HTTPResponse) -> None:
+        self.status = response.status
+        self.headers = response.headers
+        raw = response.read()
+        self.json: Any = json.loads(raw) if raw else None
+
+
+def call(
+    server: WorkerServer | LocalWorker,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 10.0,
+    connection: http.client.HTTPConnection | None = None,
+) -> Reply:
+    conn = connection or http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers=headers or {})
+        return Reply(conn.getresponse())
+    finally:
+        if connection is None:
+            conn.close()
+
+
+def infer(server: WorkerServer | LocalWorker, text: str = "hello npu", **kwargs: Any) -> Reply:
+    return call(server, "POST", "/inference", {"model_id": "default", "input_text": text}, **kwargs)
+
+
+def in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run fn in a thread; the dict gets its result or exception."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = fn()
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="test-client")
+    thread.start()
+    return thread, outcome
+
+
+# --- /inference -----------------------------------------------------------------------------
+
+
+def test_inference_success_has_the_protocol_shape(make_server: MakeServer) -> None:
+    """A valid inference answers 200 with every protocol field and a deterministic response."""
+    server = make_server(worker_id="w1")
+    first = infer(server, "the quick brown fox")
+    again = infer(server, "the quick brown fox")
+    other = infer(server, "something else")
+    assert first.status == 200
+    assert first.headers["Content-Type"] == "application/json"
+    assert set(first.json) == {
+        "model_id",
+        "device",
+        "response",
+        "inference_time_ms",
+        "inference_count",
+        "worker_id",
+        "task_id",
+        "attempt",
+    }
+    assert first.json["model_id"] == "default"
+    assert first.json["device"] == DEVICE
+    assert first.json["worker_id"] == "w1"
+    assert first.json["task_id"] is None and first.json["attempt"] is None
+    assert first.json["inference_time_ms"] >= 0
+    assert [first.json["inference_count"], again.json["inference_count"]] == [1, 2]
+    assert first.json["response"] == again.json["response"] != other.json["response"]
+
+
+def test_inference_echoes_task_id_and_attempt_headers(make_server: MakeServer) -> None:
+    """X-NPU-Task-Id is echoed as task_id and X-NPU-Attempt as an int (null if not an int)."""
+    server = make_server()
+    reply = infer(server, headers={"X-NPU-Task-Id": "abc123", "X-NPU-Attempt": "2"})
+    bad = infer(server, headers={"X-NPU-Task-Id": "def456", "X-NPU-Attempt": "two"})
+    assert (reply.json["task_id"], reply.json["attempt"]) == ("abc123", 2)
+    assert (bad.json["task_id"], bad.json["attempt"]) == ("def456", None)
+
+
+def test_repeated_task_ids_are_counted_as_duplicates(make_server: MakeServer) -> None:
+    """A task id seen a second time counts as a duplicate; distinct ids count once each."""
+    server = make_server()
+    for task_id in ("t1", "t2", "t1", "t1"):
+        assert infer(server, headers={"X-NPU-Task-Id": task_id}).status == 200
+    infer(server)  # no task id: neither seen nor duplicate
+    stats = server.stats()
+    assert stats["task_ids_seen"] == 2
+    assert stats["duplicates"] == 2
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"{not json",
+        b"[1, 2]",
+        b'{"model_id": "default"}',
+        b'{"input_text": 5}',
+        b'{"input_text": "x", "model_id": 3}',
+        b'{"input_text": "x", "max_tokens": "many"}',
+        b'{"input_text": "x", "temperature": "hot"}',
+        b"",
+    ],
+)
+def test_bad_inference_body_is_422_with_detail(make_server: MakeServer, raw: bytes) -> None:
+    """Invalid JSON, a non-object or a missing/non-string input_text answers 422 {detail}."""
+    server = make_server()
+    reply = call(server, "POST", "/inference", raw=raw)
+    assert reply.status == 422
+    assert isinstance(reply.json["detail"], str) and reply.json["detail"]
+    assert server.stats()["inference_count"] == 0
+
+
+def test_unknown_model_answers_the_autobot_not_loaded_error(make_server: MakeServer) -> None:
+    """A model the worker has not loaded answers 500 'Model <id> not loaded'."""
+    server = make_server(models=("default", "llama"))
+    reply = call(server, "POST", "/inference", {"model_id": "phi-3", "input_text": "x"})
+    loaded = call(server, "POST", "/inference", {"model_id": "llama", "input_text": "x"})
+    assert reply.status == 500
+    assert reply.json == {"detail": "Model phi-3 not loaded"}
+    assert loaded.status == 200 and loaded.json["model_id"] == "llama"
+
+
+def test_model_id_defaults_to_default_and_star_serves_any(make_server: MakeServer) -> None:
+    """A missing model_id means "default"; models=("*",) serves any model id."""
+    only_other = make_server(models=("other",))
+    anything = make_server(models=("*",))
+    missing = call(only_other, "POST", "/inference", {"input_text": "x"})
+    assert missing.status == 500 and missing.json == {"detail": "Model default not loaded"}
+    reply = call(anything, "POST", "/inference", {"model_id": "whatever", "input_text": "x"})
+    assert reply.status == 200 and reply.json["model_id"] == "whatever"
+
+
+def test_failure_rate_one_always_answers_simulated_failure(make_server: MakeServer) -> None:
+    """failure_rate=1.0 answers 500 'simulated failure' and counts no inference."""
+    server = make_server(behaviour=WorkerBehaviour(failure_rate=1.0))
+    replies = [infer(server) for _ in range(5)]
+    assert {r.status for r in replies} == {500}
+    assert replies[0].json == {"detail": "simulated failure"}
+    assert server.stats()["inference_count"] == 0
+
+
+def test_failure_rate_is_repeatable_with_a_seed(make_server: MakeServer) -> None:
+    """With the same seed, a partial failure rate fails the same requests."""
+    first = make_server(behaviour=WorkerBehaviour(failure_rate=0.5), seed=7)
+    second = make_server(behaviour=WorkerBehaviour(failure_rate=0.5), seed=7)
+    pattern_a = [infer(first).status for _ in range(30)]
+    pattern_b = [infer(second).status for _ in range(30)]
+    assert pattern_a == pattern_b
+    assert set(pattern_a) == {200, 500}
+
+
+def test_fail_all_fails_inference_while_health_says_healthy(make_server: MakeServer) -> None:
+    """fail_all makes every inference 500 while /health keeps answering 200 healthy."""
+    server = make_server(behaviour=WorkerBehaviour(fail_all=True))
+    assert infer(server).status == 500
+    health = call(server, "GET", "/health")
+    assert health.status == 200 and health.json["status"] == "healthy"
+
+
+def test_latency_and_jitter_are_waited_on_the_clock(make_server: MakeServer) -> None:
+    """The latency is waited on the injected clock; jitter stays within +/- and never below 0."""
+    clock = FakeClock()
+    server = make_server(clock=clock, behaviour=WorkerBehaviour(latency_ms=5000.0))
+    before = clock.monotonic()
+    reply = infer(server)
+    assert clock.monotonic() - before == pytest.approx(5.0)
+    assert reply.json["inference_time_ms"] == pytest.approx(5000.0)
+
+    server.update(latency_ms=100.0, jitter_ms=50.0)
+    times = [infer(server).json["inference_time_ms"] for _ in range(30)]
+    assert all(50.0 <= t <= 150.0 for t in times)
+    assert len(set(times)) > 1
+
+    server.update(latency_ms=0.0, jitter_ms=1000.0)
+    for _ in range(30):
+        before = clock.monotonic()
+        infer(server)
+        assert clock.monotonic() >= before
+
+
+# --- /health, /echo, routing ------------------------------------------------------------------
+
+
+def test_health_reports_load_hints(make_server: MakeServer) -> None:
+    """/health carries status, worker id, active tasks, max_concurrent, draining, models."""
+    server = make_server(worker_id="w9", max_concurrent=3, models=("a", "b"))
+    call(server, "POST", "/inference", {"model_id": "a", "input_text": "x"})
+    reply = call(server, "GET", "/health")
+    assert reply.status == 200
+    assert reply.json["status"] == "healthy"
+    assert reply.json["worker_id"] == "w9"
+    assert reply.json["active_tasks"] == 0
+    assert reply.json["max_concurrent"] == 3
+    assert reply.json["draining"] is False
+    assert reply.json["inference_count"] == 1
+    assert reply.json["models"] == ["a", "b"]
+    server.update(draining=True)
+    assert call(server, "GET", "/health").json["draining"] is True
+
+
+def test_unhealthy_status_answers_503(make_server: MakeServer) -> None:
+    """A health_status other than "healthy" answers 503 with that status in the body."""
+    server = make_server(behaviour=WorkerBehaviour(health_status="degraded"))
+    reply = call(server, "GET", "/health")
+    assert reply.status == 503
+    assert reply.json["status"] == "degraded"
+    server.update(health_status="healthy")
+    assert call(server, "GET", "/health").status == 200
+
+
+def test_echo_returns_the_body(make_server: MakeServer) -> None:
+    """POST /echo answers the worker id and the JSON body it was sent."""
+    server = make_server(worker_id="e1")
+    reply = call(server, "POST", "/echo", {"a": [1, 2, {"b": None}]})
+    assert reply.status == 200
+    assert reply.json == {"worker_id": "e1", "echo": {"a": [1, 2, {"b": None}]}}
+
+
+def test_unknown_path_is_404_and_wrong_method_is_405(make_server: MakeServer) -> None:
+    """Unknown paths answer 404 JSON; known paths with the wrong method answer 405 with Allow."""
+    server = make_server()
+    missing = call(server, "GET", "/nope")
+    wrong = call(server, "GET", "/inference")
+    put = call(server, "PUT", "/health", {})
+    assert missing.status == 404 and "detail" in missing.json
+    assert wrong.status == 405 and wrong.headers["Allow"] == "POST"
+    assert put.status == 405 and put.headers["Allow"] == "GET"
+    assert call(server, "POST", "/_control", {}).status == 200
+    assert call(server, "GET", "/_control").status == 405
+
+
+def test_oversized_body_is_413_and_the_connection_closes(make_server: MakeServer) -> None:
+    """A Content-Length above the limit answers 413 without reading the body, then closes."""
+    server = make_server()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        conn.putrequest("POST", "/inference")
+        conn.putheader("Content-Length", str(MAX_BODY_BYTES + 1))
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 413
+        assert response.getheader("Connection") == "close"
+        assert "detail" in json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def test_expect_100_continue_is_answered_before_the_body(make_server: MakeServer) -> None:
+    """A client sending Expect: 100-continue gets the interim answer before it sends the body."""
+    server = make_server()
+    body = json.dumps({"input_text": "x"}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+        sock.sendall(
+            b"POST /inference HTTP/1.1\r\nHost: 127.0.0.1\r\nExpect: 100-continue\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        interim = b""
+        while b"\r\n\r\n" not in interim:
+            chunk = sock.recv(4096)
+            assert chunk, "connection closed before 100 Continue"
+            interim += chunk
+        assert interim.startswith(b"HTTP/1.1 100")
+        sock.sendall(body)
+        final = sock.recv(4096)
+    assert final.startswith(b"HTTP/1.1 200")
+
+
+# --- keep-alive, stats, control ---------------------------------------------------------------
+
+
+def test_keep_alive_serves_several_requests_on_one_connection(make_server: MakeServer) -> None:
+    """HTTP/1.1 keep-alive: several requests on one connection use one server connection."""
+    server = make_server()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        assert infer(server, connection=conn).status == 200
+        sock = conn.sock
+        assert call(server, "GET", "/health", connection=conn).status == 200
+        stats = call(server, "GET", "/stats", connection=conn).json
+        assert conn.sock is sock
+    finally:
+        conn.close()
+    assert stats["connections"] == 1
+    assert stats["requests"] == {"/health": 1, "/inference": 1, "/stats": 1}
+
+
+def test_stats_count_paths_statuses_and_max_in_flight(make_server: MakeServer) -> None:
+    """/stats counts requests by path, responses by status and the most tasks in flight."""
+    server = make_server(behaviour=WorkerBehaviour(hang=True))
+    clients = [in_background(lambda: infer(server)) for _ in range(3)]
+    assert server.wait_until(lambda s: s["in_flight"] == 3, timeout=10)
+    server.update(hang=False)
+    for thread, outcome in clients:
+        thread.join(10)
+        assert outcome["result"].status == 200
+    call(server, "GET", "/nope")
+    stats = call(server, "GET", "/stats").json
+    assert stats["requests"] == {"/inference": 3, "<other>": 1, "/stats": 1}
+    assert stats["responses"] == {"200": 3, "404": 1}
+    assert stats["max_in_flight"] == 3
+    assert stats["in_flight"] == 0
+
+
+def test_control_endpoint_changes_behaviour_at_run_time(make_server: MakeServer) -> None:
+    """POST /_control updates the running worker and answers the new settings."""
+    server = make_server()
+    reply = call(server, "POST", "/_control", {"failure_rate": 1.0, "latency_ms": 1})
+    assert reply.status == 200
+    assert reply.json["failure_rate"] == 1.0 and reply.json["latency_ms"] == 1
+    assert server.behaviour.failure_rate == 1.0
+    assert infer(server).status == 500
+    call(server, "POST", "/_control", {"failure_rate": 0.0})
+    assert infer(server).status == 200
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [{"failure_rate": 2}, {"bogus": 1}, {"status_code": 200}, {"hang": "yes"}, [1], "x"],
+)
+def test_control_rejects_bad_settings_and_keeps_the_old(
+    make_server: MakeServer, changes: object
+) -> None:
+    """An unknown setting or bad value answers 422 and changes nothing."""
+    server = make_server()
+    reply = call(server, "POST", "/_control", changes)
+    assert reply.status == 422 and reply.json["detail"]
+    assert server.behaviour == WorkerBehaviour()
+
+
+def test_update_validates_values() -> None:
+    """WorkerBehaviour and WorkerServer.update raise ValueError on invalid settings."""
+    with pytest.raises(ValueError, match="failure_rate"):
+        WorkerBehaviour(failure_rate=1.5)
+    with pytest.raises(ValueError, match="latency_ms"):
+        WorkerBehaviour(latency_ms=-1)
+    server = WorkerServer()
+    with pytest.raises(ValueError, match="unknown"):
+        server.update(latency=3)
+    with pytest.raises(ValueError, match="status_code"):
+        server.update(status_code=True)
+
+
+def test_forced_status_with_retry_after(make_server: MakeServer) -> None:
+    """status_code forces every inference's answer; Retry-After goes with 429 and 503 only."""
+    server = make_server()
+    server.update(status_code=429, retry_after=2)
+    limited = infer(server)
+    assert limited.status == 429
+    assert limited.json == {"detail": "forced"}
+    assert limited.headers["Retry-After"] == "2"
+    server.update(status_code=503, retry_after=0.25)
+    assert infer(server).headers["Retry-After"] == "0.25"
+    server.update(status_code=422)
+    rejected = infer(server)
+    assert rejected.status == 422 and rejected.headers["Retry-After"] is None
+    server.update(status_code=None)
+    assert infer(server).status == 200
+
+
+# --- hang and stop ----------------------------------------------------------------------------
+
+
+def test_hang_holds_requests_until_turned_off(make_server: MakeServer) -> None:
+    """With hang on, inference and health are not answered; turning it off answers them."""
+    server = make_server(behaviour=WorkerBehaviour(hang=True))
+    inference, inference_outcome = in_background(lambda: infer(server))
+    health, health_outcome = in_background(lambda: call(server, "GET", "/health"))
+    assert server.wait_until(
+        lambda s: s["in_flight"] == 1 and s["requests"].get("/health") == 1, timeout=10
+    )
+    assert call(server, "GET", "/stats").json["in_flight"] == 1  # /stats never hangs
+    with pytest.raises(TimeoutError):
+        call(server, "GET", "/health", timeout=0.2)
+    assert inference.is_alive() and health.is_alive()
+    server.update(hang=False)
+    inference.join(10)
+    health.join(10)
+    assert inference_outcome["result"].status == 200
+    assert health_outcome["result"].status == 200
+
+
+def test_stop_returns_promptly_and_drops_hung_requests(make_server: MakeServer) -> None:
+    """stop() releases hung handlers at once; their clients see the connection close."""
+    server = make_server(behaviour=WorkerBehaviour(hang=True))
+    client, outcome = in_background(lambda: infer(server, timeout=30))
+    idle = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        assert call(server, "GET", "/stats", connection=idle).status == 200
+        assert server.wait_until(lambda s: s["in_flight"] == 1, timeout=10)
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 2.0
+        # stop() closed the idle keep-alive connection and joined every server thread.
+        assert idle.sock is not None
+        idle.sock.settimeout(5)
+        assert idle.sock.recv(1) == b""
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("npu-sync-worker")]
+    finally:
+        idle.close()
+    client.join(10)
+    assert not client.is_alive()
+    assert isinstance(outcome.get("error"), (http.client.RemoteDisconnected, ConnectionError))
+    with pytest.raises(ConnectionRefusedError):
+        infer(server)
+
+
+def test_stop_interrupts_a_long_latency(make_server: MakeServer) -> None:
+    """A request waiting out a long latency does not hold up stop()."""
+    server = make_server(behaviour=WorkerBehaviour(latency_ms=60_000))
+    client, outcome = in_background(lambda: infer(server, timeout=30))
+    assert server.wait_until(lambda s: s["in_flight"] == 1, timeout=10)
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 2.0
+    client.join(10)
+    assert "error" in outcome
+
+
+def test_server_cannot_start_twice_and_stop_is_idempotent() -> None:
+    """start() after start() raises; stop() may be called again and before start."""
+    server = WorkerServer()
+    server.stop()
+    with pytest.raises(RuntimeError):
+        server.start()
+    with WorkerServer() as running:
+        assert running.port != 0
+        with pytest.raises(RuntimeError):
+            running.start()
+    running.stop()
+
+
+# --- TLS --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture
+def tls_files(ca: trustme.CA, tmp_path: Path) -> tuple[Path, Path, Path]:
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    cert_path, key_path, ca_path = tmp_path / "cert.pem", tmp_path / "key.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_path))
+    for i, blob in enumerate(cert.cert_chain_pems):
+        blob.write_to_path(str(cert_path), append=i > 0)
+    ca.cert_pem.write_to_path(str(ca_path))
+    return cert_path, key_path, ca_path
+
+
+def test_tls_serves_https_verified_by_the_ca(
+    make_server: MakeServer, ca: trustme.CA, tls_files: tuple[Path, Path, Path]
+) -> None:
+    """With a certificate, the worker serves HTTPS that a client trusting the CA verifies."""
+    cert, key, _ = tls_files
+    server = make_server(tls_cert=cert, tls_key=key)
+    assert server.url == f"https://127.0.0.1:{server.port}"
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=context)
+    try:
+        first = infer(server, connection=conn)
+        second = call(server, "GET", "/health", connection=conn)
+    finally:
+        conn.close()
+    assert first.status == 200 and second.status == 200
+    with pytest.raises(ConnectionError):
+        infer(server)  # plain HTTP on the TLS port is not answered
+
+
+def test_tls_client_ca_requires_a_client_certificate(
+    make_server: MakeServer, ca: trustme.CA, tls_files: tuple[Path, Path, Path]
+) -> None:
+    """With tls_client_ca, a client without a certificate is refused, one with it served."""
+    cert, key, ca_path = tls_files
+    server = make_server(tls_cert=cert, tls_key=key, tls_client_ca=ca_path)
+
+    def https_health(context: ssl.SSLContext) -> int:
+        conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=context)
+        try:
+            return call(server, "GET", "/health", connection=conn).status
+        finally:
+            conn.close()
+
+    anonymous = ssl.create_default_context()
+    ca.configure_trust(anonymous)
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        https_health(anonymous)
+    identified = ssl.create_default_context()
+    ca.configure_trust(identified)
+    ca.issue_cert("client@example.com").configure_cert(identified)
+    assert https_health(identified) == 200
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+def test_arg_parser_reads_every_flag() -> None:
+    """build_arg_parser accepts every documented flag with the right types and defaults."""
+    parser = build_arg_parser()
+    defaults = parser.parse_args([])
+    assert (defaults.host, defaults.port, defaults.models) == ("127.0.0.1", 8081, "default")
+    argv = [
+        "--host", "127.0.0.1", "--port", "0", "--worker-id", "w",
+        "--latency-ms", "5", "--jitter-ms", "1.5", "--failure-rate", "0.25",
+        "--health-status", "sick", "--models", "a,*", "--max-concurrent", "4", "--seed", "3",
+        "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
+        "--verbose",
+    ]  # fmt: skip
+    args = parser.parse_args(argv)
+    assert args.port == 0 and args.worker_id == "w"
+    assert (args.latency_ms, args.jitter_ms, args.failure_rate) == (5.0, 1.5, 0.25)
+    assert (args.health_status, args.models, args.max_concurrent, args.seed) == (
+        "sick",
+        "a,*",
+        4,
+        3,
+    )
+    assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.verbose) == (
+        "c.pem",
+        "k.pem",
+        "ca.pem",
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    "argv", [["--failure-rate", "1.5"], ["--latency-ms", "-1"], ["--port", "70000"]]
+)
+def test_arg_parser_rejects_bad_values(argv: list[str]) -> None:
+    """Out-of-range flag values are usage errors."""
+    with pytest.raises(SystemExit):
+        build_arg_parser().parse_args(argv)
+
+
+# --- LocalWorker (real child processes) -------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_local_worker_kill_and_restart_on_the_same_port() -> None:
+    """A LocalWorker serves, dies on kill() (reaped), and restarts on the same port."""
+    worker = LocalWorker(worker_id="lw1", latency_ms=1.0)
+    with worker:
+        assert worker.running and worker.pid is not None
+        first = infer(worker)
+        assert first.status == 200 and first.json["worker_id"] == "lw1"
+        port = worker.port
+        assert worker.url == f"http://127.0.0.1:{port}"
+        pid = worker.pid
+        worker.kill()
+        assert not worker.running and worker.pid is None
+        assert worker.returncode == -9
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped, not a zombie
+        with pytest.raises(ConnectionRefusedError):
+            infer(worker)
+        worker.restart()
+        assert worker.port == port
+        assert infer(worker).json["inference_count"] == 1  # a fresh process
+    assert not worker.running
+    assert worker.returncode == 0  # SIGTERM is a graceful stop
+
+
+@pytest.mark.integration
+def test_local_worker_pause_freezes_until_resume() -> None:
+    """A paused worker answers nothing; a request sent meanwhile completes after resume."""
+    with LocalWorker(worker_id="lw2") as worker:
+        assert infer(worker).status == 200
+        worker.pause()
+        pending, outcome = in_background(lambda: infer(worker, timeout=30))
+        with pytest.raises(TimeoutError):
+            call(worker, "GET", "/health", timeout=0.3)
+        assert pending.is_alive()
+        worker.resume()
+        pending.join(30)
+        assert outcome["result"].status == 200
+
+
+@pytest.mark.integration
+def test_local_worker_control_and_stats() -> None:
+    """control() changes the child's behaviour and stats() reads its counters."""
+    with LocalWorker(worker_id="lw3", models=("*",)) as worker:
+        settings = worker.control(fail_all=True)
+        assert settings["fail_all"] is True
+        assert infer(worker).status == 500
+        assert call(worker, "GET", "/health").status == 200
+        with pytest.raises(ValueError, match="failure_rate"):
+            worker.control(failure_rate=3)
+        stats = worker.stats()
+        assert stats["worker_id"] == "lw3"
+        assert stats["responses"] == {"200": 2, "422": 1, "500": 1}
+
+
+@pytest.mark.integration
+def test_local_worker_reports_startup_failure_with_stderr() -> None:
+    """A worker that cannot start raises RuntimeError carrying the child's stderr."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        worker = LocalWorker(taken.getsockname()[1], worker_id="lw4")
+        with pytest.raises(RuntimeError, match="cannot serve") as info:
+            worker.start()
+    assert "lw4" in str(info.value)
+    assert not worker.running
