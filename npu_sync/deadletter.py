@@ -1,0 +1,833 @@
+"""Dead letters: durable records of tasks that could not succeed, and their replay.
+
+The pool stores a record here *before* it raises ``TaskFailed``. Operators list,
+inspect, replay and purge records through :class:`DeadLetterQueue` (``pool.dead_letters``).
+Two stores ship: a bounded in-memory one and a SQLite file; both follow the small
+:class:`DeadLetterStore` protocol so other backends can be added.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import json
+import logging
+import os
+import sqlite3
+import threading
+import types
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from npu_sync.clock import SYSTEM_CLOCK, Clock
+from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, TaskFailed, TaskRejected
+from npu_sync.task import Attempt, Task
+
+if TYPE_CHECKING:
+    from npu_sync.config import DeadLetterConfig
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+"""The SQLite schema this module writes, kept in ``PRAGMA user_version``."""
+
+_MAX_ERROR_CHARS = 1000
+
+
+def _one_line(text: str) -> str:
+    """Collapse ``text`` to one bounded line, so listings stay readable."""
+    line = " ".join(str(text).split())
+    if len(line) > _MAX_ERROR_CHARS:
+        line = line[: _MAX_ERROR_CHARS - 3] + "..."
+    return line
+
+
+def _check_page(limit: int | None, offset: int) -> None:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise ValueError(f"limit must be None or an int >= 0, got {limit!r}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise ValueError(f"offset must be an int >= 0, got {offset!r}")
+
+
+def _check_max_records(max_records: int | None, *, allow_none: bool) -> None:
+    if max_records is None and allow_none:
+        return
+    if isinstance(max_records, bool) or not isinstance(max_records, int) or max_records < 1:
+        raise ValueError(f"max_records must be an int >= 1, got {max_records!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """One task that could not succeed, with everything needed to inspect and replay it.
+
+    Immutable and so safe to share between threads.
+    """
+
+    id: str
+    task_id: str
+    payload: Any
+    endpoint: str
+    idempotent: bool
+    timeout: float | None
+    error: str
+    attempts: tuple[Attempt, ...]
+    first_attempt_at: float
+    last_attempt_at: float
+    created_at: float
+    replays: int = 0
+
+    def to_task(self) -> Task:
+        """The task to run again: the same task id, so a worker can de-duplicate it.
+
+        Raises:
+            InvalidTask: the stored fields no longer make a valid task.
+        """
+        return Task(
+            payload=self.payload,
+            endpoint=self.endpoint,
+            timeout=self.timeout,
+            idempotent=self.idempotent,
+            task_id=self.task_id,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (as long as the payload is, which a sent task's is)."""
+        return {
+            "id": self.id,
+            "task_id": self.task_id,
+            "payload": self.payload,
+            "endpoint": self.endpoint,
+            "idempotent": self.idempotent,
+            "timeout": self.timeout,
+            "error": self.error,
+            "attempts": [attempt.to_dict() for attempt in self.attempts],
+            "first_attempt_at": self.first_attempt_at,
+            "last_attempt_at": self.last_attempt_at,
+            "created_at": self.created_at,
+            "replays": self.replays,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DeadLetter:
+        """Rebuild a record from :meth:`to_dict` output.
+
+        Raises:
+            ValueError: a required key is missing or has the wrong type.
+        """
+        try:
+            timeout = data.get("timeout")
+            return cls(
+                id=_need_str(data, "id"),
+                task_id=_need_str(data, "task_id"),
+                payload=data["payload"],
+                endpoint=_need_str(data, "endpoint"),
+                idempotent=bool(data["idempotent"]),
+                timeout=None if timeout is None else float(timeout),
+                error=str(data["error"]),
+                attempts=tuple(Attempt.from_dict(dict(a)) for a in data.get("attempts", ())),
+                first_attempt_at=float(data["first_attempt_at"]),
+                last_attempt_at=float(data["last_attempt_at"]),
+                created_at=float(data["created_at"]),
+                replays=int(data.get("replays", 0)),
+            )
+        except KeyError as exc:
+            raise ValueError(f"dead letter record is missing key {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"dead letter record is malformed: {exc}") from None
+
+    @classmethod
+    def from_task(
+        cls,
+        task: Task,
+        *,
+        endpoint: str,
+        error: str,
+        attempts: Sequence[Attempt],
+        now: float,
+        first_attempt_at: float | None = None,
+    ) -> DeadLetter:
+        """Build the record for a task that just failed.
+
+        Args:
+            task: the task that failed.
+            endpoint: the endpoint it was sent to (the pool's default when the task named none).
+            error: why it failed; collapsed to one line.
+            attempts: every attempt made, in order.
+            now: wall-clock epoch seconds; becomes ``created_at`` and ``last_attempt_at``.
+            first_attempt_at: when the first attempt started (epoch seconds); ``now`` if unknown.
+
+        Returns:
+            A new record with a fresh id.
+        """
+        return cls(
+            id=uuid.uuid4().hex,
+            task_id=task.task_id,
+            payload=task.payload,
+            endpoint=endpoint,
+            idempotent=task.idempotent,
+            timeout=task.timeout,
+            error=_one_line(error),
+            attempts=tuple(attempts),
+            first_attempt_at=now if first_attempt_at is None else first_attempt_at,
+            last_attempt_at=now,
+            created_at=now,
+        )
+
+
+def _need_str(data: Mapping[str, Any], key: str) -> str:
+    value = data[key]
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+class DeadLetterStore(Protocol):
+    """Where dead letters live. Implementations must be thread-safe.
+
+    ``add`` returns only once the record is durable for that backend. ``list`` returns
+    records oldest first (in the order they were added). At ``max_records`` the oldest
+    record is evicted and counted in ``dropped``.
+    """
+
+    def add(self, record: DeadLetter) -> None: ...
+
+    def get(self, record_id: str) -> DeadLetter | None: ...
+
+    def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]: ...
+
+    def replace(self, record: DeadLetter) -> None: ...
+
+    def remove(self, record_id: str) -> bool: ...
+
+    def purge(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def close(self) -> None: ...
+
+    @property
+    def dropped(self) -> int: ...
+
+
+class MemoryDeadLetterStore:
+    """Dead letters in process memory, bounded. Thread-safe.
+
+    Records are lost when the process exits. At ``max_records`` the oldest record is
+    evicted, counted in :attr:`dropped` and logged as a warning.
+
+    Args:
+        max_records: how many records to keep, >= 1.
+
+    Raises:
+        ValueError: ``max_records`` is not an int >= 1.
+    """
+
+    def __init__(self, max_records: int = 10000) -> None:
+        _check_max_records(max_records, allow_none=False)
+        self._max_records = max_records
+        self._lock = threading.Lock()
+        self._records: OrderedDict[str, DeadLetter] = OrderedDict()
+        self._dropped = 0
+
+    @property
+    def max_records(self) -> int:
+        return self._max_records
+
+    @property
+    def dropped(self) -> int:
+        with self._lock:
+            return self._dropped
+
+    def add(self, record: DeadLetter) -> None:
+        """Store ``record``, evicting the oldest when full.
+
+        Raises:
+            ValueError: a record with the same id is already stored.
+        """
+        evicted: builtins.list[DeadLetter] = []
+        with self._lock:
+            if record.id in self._records:
+                raise ValueError(f"dead letter {record.id} is already stored")
+            self._records[record.id] = record
+            while len(self._records) > self._max_records:
+                evicted.append(self._records.popitem(last=False)[1])
+            self._dropped += len(evicted)
+        for old in evicted:
+            logger.warning(
+                "dead-letter store full (%d records): evicted record %s of task %s",
+                self._max_records,
+                old.id,
+                old.task_id,
+            )
+
+    def get(self, record_id: str) -> DeadLetter | None:
+        with self._lock:
+            return self._records.get(record_id)
+
+    def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
+        _check_page(limit, offset)
+        with self._lock:
+            records = builtins.list(self._records.values())
+        end = None if limit is None else offset + limit
+        return records[offset:end]
+
+    def replace(self, record: DeadLetter) -> None:
+        """Update a stored record in place; it keeps its position.
+
+        Raises:
+            KeyError: no record with that id is stored.
+        """
+        with self._lock:
+            if record.id not in self._records:
+                raise KeyError(f"no dead letter with id {record.id!r}")
+            self._records[record.id] = record
+
+    def remove(self, record_id: str) -> bool:
+        with self._lock:
+            return self._records.pop(record_id, None) is not None
+
+    def purge(self) -> int:
+        with self._lock:
+            count = len(self._records)
+            self._records.clear()
+            return count
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+    def close(self) -> None:
+        """Nothing to release; the records stay readable."""
+
+
+_SCHEMA = """
+CREATE TABLE dead_letters (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    task_id TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    idempotent INTEGER NOT NULL,
+    timeout REAL,
+    error TEXT NOT NULL,
+    attempts TEXT NOT NULL,
+    first_attempt_at REAL NOT NULL,
+    last_attempt_at REAL NOT NULL,
+    created_at REAL NOT NULL,
+    replays INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX dead_letters_task_id ON dead_letters (task_id);
+CREATE TABLE dead_letter_meta (
+    key TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
+INSERT INTO dead_letter_meta (key, value) VALUES ('dropped', 0);
+"""
+
+_COLUMNS = (
+    "id, task_id, payload, endpoint, idempotent, timeout, error, attempts,"
+    " first_attempt_at, last_attempt_at, created_at, replays"
+)
+
+
+class SQLiteDeadLetterStore:
+    """Dead letters in a SQLite file that survives restarts and process kills. Thread-safe.
+
+    ``add`` returns once the record is committed (WAL journal, ``synchronous=FULL``).
+    Several store objects, threads and processes may use one file at once: every write
+    is a ``BEGIN IMMEDIATE`` transaction, which waits up to ``busy_timeout`` for the
+    file's write lock instead of failing with "database is locked".
+
+    Each store holds one connection guarded by a lock rather than one per thread: SQLite
+    runs one writer at a time anyway, pool threads come and go (per-thread connections
+    would outlive them and could not be closed from :meth:`close`), and a single
+    connection makes ``close`` deterministic.
+
+    ``dropped`` is kept in the file, so it counts evictions by every process that used it.
+
+    Args:
+        path: the database file. Its directory must exist; the file is created (mode
+            0600, as payloads may hold user data) if missing. ``":memory:"`` keeps the
+            records in this store object only, which is mostly useful in tests.
+        max_records: how many records to keep, >= 1; ``None`` for no bound.
+        busy_timeout: seconds to wait for another connection's write lock.
+
+    Raises:
+        FileNotFoundError: the file's directory does not exist.
+        NpuSyncError: the file is not a SQLite database, or was written by a newer schema.
+        ValueError: ``max_records`` is not None or an int >= 1.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        max_records: int | None = None,
+        busy_timeout: float = 30.0,
+    ) -> None:
+        _check_max_records(max_records, allow_none=True)
+        self._path = os.fspath(path)
+        self._max_records = max_records
+        self._lock = threading.Lock()
+        self._in_memory = self._path == ":memory:"
+        if not self._in_memory:
+            directory = os.path.dirname(os.path.abspath(self._path))
+            if not os.path.isdir(directory):
+                raise FileNotFoundError(
+                    f"dead-letter store {self._path}: directory {directory} does not exist"
+                )
+            if not os.path.exists(self._path):
+                os.close(os.open(self._path, os.O_CREAT | os.O_WRONLY, 0o600))
+        try:
+            # isolation_level=None: the sqlite3 module must not open transactions behind
+            # our back; each write below opens its own BEGIN IMMEDIATE.
+            self._conn = sqlite3.connect(
+                self._path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
+            )
+        except sqlite3.Error as exc:
+            raise NpuSyncError(f"cannot open dead-letter store {self._path}: {exc}") from exc
+        self._closed = False
+        try:
+            self._setup()
+        except BaseException:
+            self._conn.close()
+            self._closed = True
+            raise
+
+    def _setup(self) -> None:
+        try:
+            mode = self._conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal" and not self._in_memory:
+                logger.warning(
+                    "dead-letter store %s: journal mode is %s, not wal", self._path, mode
+                )
+            self._conn.execute("PRAGMA synchronous=FULL")
+            with self._write():
+                version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+                if version == 0:
+                    for statement in _SCHEMA.split(";"):
+                        if statement.strip():
+                            self._conn.execute(statement)
+                    self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                elif version != SCHEMA_VERSION:
+                    raise NpuSyncError(
+                        f"dead-letter store {self._path} has schema version {version}; "
+                        f"this npu_sync reads version {SCHEMA_VERSION}"
+                    )
+        except sqlite3.Error as exc:
+            raise NpuSyncError(f"cannot open dead-letter store {self._path}: {exc}") from exc
+
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @property
+    def max_records(self) -> int | None:
+        return self._max_records
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; the caller holds ``self._lock``.
+
+        BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that
+        reads first and then writes can fail at once with SQLITE_BUSY in WAL mode,
+        without the busy handler ever waiting.
+        """
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            # Some errors (a full disk, an I/O error) have already rolled back.
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    @contextmanager
+    def _locked(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._closed:
+                raise NpuSyncError(f"dead-letter store {self._path} is closed")
+            yield self._conn
+
+    @property
+    def dropped(self) -> int:
+        with self._locked() as conn:
+            row = conn.execute(
+                "SELECT value FROM dead_letter_meta WHERE key = 'dropped'"
+            ).fetchone()
+        return int(row[0]) if row else 0
+
+    def add(self, record: DeadLetter) -> None:
+        """Store ``record`` and commit it, evicting the oldest records when full.
+
+        Raises:
+            ValueError: a record with the same id is already stored.
+            InvalidTask: the payload is not JSON-serialisable.
+        """
+        values = self._row(record)
+        evicted: builtins.list[tuple[str, str]] = []
+        with self._locked() as conn, self._write():
+            try:
+                conn.execute(
+                    f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    values,
+                )
+            except sqlite3.IntegrityError:
+                raise ValueError(f"dead letter {record.id} is already stored") from None
+            if self._max_records is not None:
+                (count,) = conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+                excess = count - self._max_records
+                if excess > 0:
+                    rows = conn.execute(
+                        "SELECT seq, id, task_id FROM dead_letters ORDER BY seq LIMIT ?",
+                        (excess,),
+                    ).fetchall()
+                    conn.execute("DELETE FROM dead_letters WHERE seq <= ?", (rows[-1][0],))
+                    conn.execute(
+                        "UPDATE dead_letter_meta SET value = value + ? WHERE key = 'dropped'",
+                        (len(rows),),
+                    )
+                    evicted = [(row[1], row[2]) for row in rows]
+        for record_id, task_id in evicted:
+            logger.warning(
+                "dead-letter store %s full (%d records): evicted record %s of task %s",
+                self._path,
+                self._max_records,
+                record_id,
+                task_id,
+            )
+
+    def get(self, record_id: str) -> DeadLetter | None:
+        with self._locked() as conn:
+            row = conn.execute(
+                f"SELECT {_COLUMNS} FROM dead_letters WHERE id = ?", (record_id,)
+            ).fetchone()
+        return None if row is None else self._record(row)
+
+    def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
+        _check_page(limit, offset)
+        with self._locked() as conn:
+            rows = conn.execute(
+                f"SELECT {_COLUMNS} FROM dead_letters ORDER BY seq LIMIT ? OFFSET ?",
+                (-1 if limit is None else limit, offset),
+            ).fetchall()
+        return [self._record(row) for row in rows]
+
+    def replace(self, record: DeadLetter) -> None:
+        """Update a stored record in place; it keeps its position.
+
+        Raises:
+            KeyError: no record with that id is stored.
+        """
+        values = self._row(record)
+        with self._locked() as conn, self._write():
+            cursor = conn.execute(
+                "UPDATE dead_letters SET task_id = ?, payload = ?, endpoint = ?, idempotent = ?,"
+                " timeout = ?, error = ?, attempts = ?, first_attempt_at = ?,"
+                " last_attempt_at = ?, created_at = ?, replays = ? WHERE id = ?",
+                (*values[1:], record.id),
+            )
+            if cursor.rowcount == 0:
+                raise KeyError(f"no dead letter with id {record.id!r}")
+
+    def remove(self, record_id: str) -> bool:
+        with self._locked() as conn, self._write():
+            cursor = conn.execute("DELETE FROM dead_letters WHERE id = ?", (record_id,))
+        return cursor.rowcount > 0
+
+    def purge(self) -> int:
+        with self._locked() as conn, self._write():
+            cursor = conn.execute("DELETE FROM dead_letters")
+        return cursor.rowcount
+
+    def __len__(self) -> int:
+        with self._locked() as conn:
+            (count,) = conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+        return int(count)
+
+    def close(self) -> None:
+        """Close the connection; later calls raise NpuSyncError. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
+
+    def _row(self, record: DeadLetter) -> tuple[Any, ...]:
+        try:
+            payload = json.dumps(record.payload, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise InvalidTask(
+                f"dead letter {record.id} (task {record.task_id}): payload is not "
+                f"JSON-serialisable: {exc}"
+            ) from None
+        attempts = json.dumps([a.to_dict() for a in record.attempts], separators=(",", ":"))
+        return (
+            record.id,
+            record.task_id,
+            payload,
+            record.endpoint,
+            int(record.idempotent),
+            record.timeout,
+            record.error,
+            attempts,
+            record.first_attempt_at,
+            record.last_attempt_at,
+            record.created_at,
+            record.replays,
+        )
+
+    @staticmethod
+    def _record(row: Sequence[Any]) -> DeadLetter:
+        return DeadLetter(
+            id=row[0],
+            task_id=row[1],
+            payload=json.loads(row[2]),
+            endpoint=row[3],
+            idempotent=bool(row[4]),
+            timeout=row[5],
+            error=row[6],
+            attempts=tuple(Attempt.from_dict(a) for a in json.loads(row[7])),
+            first_attempt_at=row[8],
+            last_attempt_at=row[9],
+            created_at=row[10],
+            replays=row[11],
+        )
+
+
+def open_store(config: DeadLetterConfig) -> DeadLetterStore:
+    """Build the store a dead-letter configuration names.
+
+    Args:
+        config: ``backend`` is ``"memory"`` or ``"sqlite"``; a sqlite ``path`` is used as given.
+
+    Returns:
+        A new, open store.
+
+    Raises:
+        ConfigError: an unknown backend, or sqlite without a path.
+        FileNotFoundError: the sqlite file's directory does not exist.
+    """
+    if config.backend == "memory":
+        return MemoryDeadLetterStore(max_records=config.max_records)
+    if config.backend == "sqlite":
+        if not config.path:
+            raise ConfigError("dead_letter.path: required when backend is sqlite")
+        return SQLiteDeadLetterStore(config.path, max_records=config.max_records)
+    raise ConfigError(f"dead_letter.backend: must be 'memory' or 'sqlite', got {config.backend!r}")
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """What one :meth:`DeadLetterQueue.replay` call did. Immutable.
+
+    ``succeeded`` records ran and were removed; their results are in ``results``.
+    ``failed`` records failed again and stay stored with ``replays`` incremented (unless
+    someone removed them during the replay, which is logged). ``rejected`` records were
+    refused by a worker as bad tasks and stay stored for an operator to decide on.
+    """
+
+    succeeded: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    rejected: tuple[str, ...] = ()
+    results: Mapping[str, Any] = field(default_factory=lambda: types.MappingProxyType({}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dict (results are the workers' JSON bodies)."""
+        return {
+            "succeeded": builtins.list(self.succeeded),
+            "failed": builtins.list(self.failed),
+            "rejected": builtins.list(self.rejected),
+            "results": dict(self.results),
+        }
+
+
+class DeadLetterQueue:
+    """The dead letters of one pool: what users see as ``pool.dead_letters``. Thread-safe.
+
+    Concurrent :meth:`replay` calls never run the same record at the same time: each
+    claims a record before running it and skips records another call has claimed.
+
+    Args:
+        store: where the records live.
+        run: runs one task on the pool without dead-lettering it again; returns the
+            result or raises ``TaskRejected`` or ``TaskFailed``.
+        clock: the source of wall-clock time and durations for replay attempts.
+    """
+
+    def __init__(
+        self, store: DeadLetterStore, run: Callable[[Task], Any], *, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
+        self._store = store
+        self._run = run
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._replaying: set[str] = set()
+
+    @property
+    def store(self) -> DeadLetterStore:
+        return self._store
+
+    def add(self, record: DeadLetter) -> None:
+        """Store ``record``; durable when this returns."""
+        self._store.add(record)
+
+    def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
+        """Stored records, oldest first.
+
+        Raises:
+            ValueError: ``limit`` or ``offset`` is negative.
+        """
+        return self._store.list(limit=limit, offset=offset)
+
+    def get(self, record_id: str) -> DeadLetter:
+        """The record with ``record_id``.
+
+        Raises:
+            KeyError: no such record.
+        """
+        record = self._store.get(record_id)
+        if record is None:
+            raise KeyError(f"no dead letter with id {record_id!r}")
+        return record
+
+    def remove(self, record_id: str) -> bool:
+        """Delete one record; returns whether it was stored."""
+        return self._store.remove(record_id)
+
+    def purge(self) -> int:
+        """Delete every record; returns how many were removed."""
+        return self._store.purge()
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    def close(self) -> None:
+        """Close the store."""
+        self._store.close()
+
+    def replay(self, record_id: str | None = None) -> ReplayReport:
+        """Run dead-lettered tasks again, one record or all of them oldest first.
+
+        A record is removed only after its task succeeded. Records another replay is
+        running are skipped. An exception other than TaskFailed or TaskRejected from the
+        pool stops the replay and propagates, leaving the current record untouched.
+
+        Args:
+            record_id: the record to replay; ``None`` replays every stored record.
+
+        Returns:
+            Which records succeeded, failed again or were rejected, and the results.
+
+        Raises:
+            KeyError: ``record_id`` names no stored record.
+            NpuSyncError: ``record_id`` is being replayed by another call right now.
+        """
+        succeeded: builtins.list[str] = []
+        failed: builtins.list[str] = []
+        rejected: builtins.list[str] = []
+        results: dict[str, Any] = {}
+        if record_id is not None:
+            if not self._claim(record_id):
+                raise NpuSyncError(f"dead letter {record_id} is already being replayed")
+            ids = [record_id]
+        else:
+            ids = [record.id for record in self._store.list()]
+        for rid in ids:
+            if record_id is None and not self._claim(rid):
+                continue
+            try:
+                # Read again after claiming: another replay may have finished and removed
+                # this record since the listing above, and must not be run twice.
+                record = self._store.get(rid)
+                if record is None:
+                    if record_id is not None:
+                        raise KeyError(f"no dead letter with id {rid!r}")
+                    continue
+                outcome, result = self._replay_one(record)
+            finally:
+                self._release(rid)
+            if outcome == "succeeded":
+                succeeded.append(rid)
+                results[rid] = result
+            elif outcome == "failed":
+                failed.append(rid)
+            else:
+                rejected.append(rid)
+        return ReplayReport(
+            succeeded=tuple(succeeded),
+            failed=tuple(failed),
+            rejected=tuple(rejected),
+            results=types.MappingProxyType(results),
+        )
+
+    def _claim(self, record_id: str) -> bool:
+        with self._lock:
+            if record_id in self._replaying:
+                return False
+            self._replaying.add(record_id)
+            return True
+
+    def _release(self, record_id: str) -> None:
+        with self._lock:
+            self._replaying.discard(record_id)
+
+    def _replay_one(self, record: DeadLetter) -> tuple[str, Any]:
+        started_wall = self._clock.time()
+        started = self._clock.monotonic()
+        try:
+            result = self._run(record.to_task())
+        except (TaskRejected, InvalidTask) as exc:
+            attempt = Attempt(
+                worker_id=getattr(exc, "worker_id", None),
+                error=_one_line(str(exc)),
+                duration=self._clock.monotonic() - started,
+                status=getattr(exc, "status", None),
+                started_at=started_wall,
+            )
+            updated = dataclasses.replace(
+                record,
+                error=_one_line(f"rejected on replay: {exc}"),
+                attempts=(*record.attempts, attempt),
+                last_attempt_at=self._clock.time(),
+            )
+            logger.warning(
+                "replay of dead letter %s (task %s) rejected: %s", record.id, record.task_id, exc
+            )
+            self._keep(updated)
+            return "rejected", None
+        except TaskFailed as exc:
+            updated = dataclasses.replace(
+                record,
+                error=_one_line(f"replay failed: {exc}"),
+                attempts=(*record.attempts, *exc.attempts),
+                last_attempt_at=self._clock.time(),
+                replays=record.replays + 1,
+            )
+            logger.warning(
+                "replay %d of dead letter %s (task %s) failed: %s",
+                updated.replays,
+                record.id,
+                record.task_id,
+                exc,
+            )
+            self._keep(updated)
+            return "failed", None
+        self._store.remove(record.id)
+        logger.info("replayed dead letter %s (task %s)", record.id, record.task_id)
+        return "succeeded", result
+
+    def _keep(self, record: DeadLetter) -> None:
+        try:
+            self._store.replace(record)
+        except KeyError:
+            logger.warning(
+                "dead letter %s (task %s) was removed during its replay; its new outcome "
+                "is not stored",
+                record.id,
+                record.task_id,
+            )

@@ -1,0 +1,681 @@
+"""Tests for npu_sync.deadletter: the stores, records and replay."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from npu_sync.deadletter import (
+    SCHEMA_VERSION,
+    DeadLetter,
+    DeadLetterQueue,
+    DeadLetterStore,
+    MemoryDeadLetterStore,
+    ReplayReport,
+    SQLiteDeadLetterStore,
+    open_store,
+)
+from npu_sync.errors import ConfigError, NpuSyncError, TaskFailed, TaskRejected
+from npu_sync.task import Attempt, Task
+from npu_sync.testing import FakeClock
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_record(n: int = 0, *, payload: Any = None, now: float = 1_700_000_000.0) -> DeadLetter:
+    task = Task(
+        payload={"model_id": "default", "input_text": f"text {n}"} if payload is None else payload,
+        timeout=5.0,
+        idempotent=n % 2 == 0,
+        task_id=f"task-{n}",
+    )
+    return DeadLetter.from_task(
+        task,
+        endpoint="/inference",
+        error="retries exhausted: worker w2: timeout",
+        attempts=[
+            Attempt(worker_id="w1", error="timeout", duration=1.5, started_at=now - 3),
+            Attempt(
+                worker_id="w2", error="HTTP 503", duration=0.25, status=503, started_at=now - 1
+            ),
+        ],
+        now=now + n,
+        first_attempt_at=now - 3,
+    )
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def store_factory(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[Callable[..., DeadLetterStore]]:
+    made: list[DeadLetterStore] = []
+
+    def factory(max_records: int = 10000) -> DeadLetterStore:
+        store: DeadLetterStore
+        if request.param == "memory":
+            store = MemoryDeadLetterStore(max_records=max_records)
+        else:
+            store = SQLiteDeadLetterStore(tmp_path / "dlq.sqlite3", max_records=max_records)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        store.close()
+
+
+@pytest.fixture
+def store(store_factory: Callable[..., DeadLetterStore]) -> DeadLetterStore:
+    return store_factory()
+
+
+# --- records ---------------------------------------------------------------------------
+
+
+def test_from_task_copies_task_fields_and_gets_its_own_id() -> None:
+    """from_task keeps the task's identity and options and gives the record a fresh id."""
+    task = Task(payload={"x": 1}, timeout=2.5, idempotent=False, task_id="t-1")
+    record = DeadLetter.from_task(
+        task, endpoint="/inference", error="boom\n  second line", attempts=[], now=50.0
+    )
+    assert record.task_id == "t-1" and record.id != "t-1" and len(record.id) == 32
+    assert (record.payload, record.endpoint, record.idempotent, record.timeout) == (
+        {"x": 1},
+        "/inference",
+        False,
+        2.5,
+    )
+    assert record.error == "boom second line"
+    assert (record.first_attempt_at, record.last_attempt_at, record.created_at) == (50, 50, 50)
+    assert record.replays == 0
+
+
+def test_to_task_rebuilds_the_same_task() -> None:
+    """to_task gives back the task id, payload, endpoint, timeout and idempotency."""
+    record = make_record(3)
+    task = record.to_task()
+    assert task == Task(
+        payload=record.payload,
+        endpoint="/inference",
+        timeout=5.0,
+        idempotent=False,
+        task_id="task-3",
+    )
+
+
+def test_to_dict_is_json_and_round_trips() -> None:
+    """to_dict survives json.dumps/loads and from_dict rebuilds an equal record."""
+    record = make_record(1)
+    data = json.loads(json.dumps(record.to_dict()))
+    assert DeadLetter.from_dict(data) == record
+
+
+def test_from_dict_names_a_missing_key() -> None:
+    """from_dict rejects a record without a required key, naming the key."""
+    data = make_record().to_dict()
+    del data["task_id"]
+    with pytest.raises(ValueError, match="task_id"):
+        DeadLetter.from_dict(data)
+
+
+# --- both stores -----------------------------------------------------------------------
+
+
+def test_add_get_and_len(store: DeadLetterStore) -> None:
+    """An added record can be read back whole, and len counts it."""
+    record = make_record(1)
+    store.add(record)
+    assert store.get(record.id) == record
+    assert store.get("missing") is None
+    assert len(store) == 1
+
+
+def test_add_twice_is_an_error(store: DeadLetterStore) -> None:
+    """Adding a record whose id is already stored raises instead of duplicating it."""
+    record = make_record()
+    store.add(record)
+    with pytest.raises(ValueError, match=record.id):
+        store.add(record)
+    assert len(store) == 1
+
+
+def test_list_is_oldest_first_with_limit_and_offset(store: DeadLetterStore) -> None:
+    """list returns records in the order added and pages with limit/offset."""
+    records = [make_record(n) for n in range(5)]
+    for record in records:
+        store.add(record)
+    assert store.list() == records
+    assert store.list(limit=2) == records[:2]
+    assert store.list(limit=2, offset=3) == records[3:]
+    assert store.list(offset=4) == records[4:]
+    assert store.list(limit=0) == []
+    with pytest.raises(ValueError):
+        store.list(offset=-1)
+
+
+def test_replace_updates_in_place(store: DeadLetterStore) -> None:
+    """replace changes a record without moving it, and refuses an unknown id."""
+    first, second = make_record(1), make_record(2)
+    store.add(first)
+    store.add(second)
+    changed = DeadLetter.from_dict({**first.to_dict(), "replays": 2, "error": "again"})
+    store.replace(changed)
+    assert store.list() == [changed, second]
+    with pytest.raises(KeyError):
+        store.replace(make_record(9))
+
+
+def test_remove_and_purge(store: DeadLetterStore) -> None:
+    """remove deletes one record and says whether it existed; purge deletes and counts all."""
+    records = [make_record(n) for n in range(3)]
+    for record in records:
+        store.add(record)
+    assert store.remove(records[1].id) is True
+    assert store.remove(records[1].id) is False
+    assert store.list() == [records[0], records[2]]
+    assert store.purge() == 2
+    assert len(store) == 0 and store.list() == []
+
+
+def test_bounded_store_evicts_oldest_and_counts_it(
+    store_factory: Callable[..., DeadLetterStore], caplog: pytest.LogCaptureFixture
+) -> None:
+    """At max_records the oldest record goes, is counted in dropped and logged by id and task."""
+    store = store_factory(max_records=3)
+    records = [make_record(n) for n in range(5)]
+    with caplog.at_level(logging.WARNING, logger="npu_sync.deadletter"):
+        for record in records:
+            store.add(record)
+    assert store.list() == records[2:]
+    assert store.dropped == 2
+    evicted = [r for r in caplog.records if "evicted" in r.getMessage()]
+    assert len(evicted) == 2
+    assert records[0].id in evicted[0].getMessage() and "task-0" in evicted[0].getMessage()
+
+
+def test_max_records_must_be_positive() -> None:
+    """A store bound below one record is refused."""
+    with pytest.raises(ValueError):
+        MemoryDeadLetterStore(max_records=0)
+
+
+# --- SQLite ------------------------------------------------------------------------------
+
+
+def test_sqlite_records_survive_a_new_store_object(tmp_path: Path) -> None:
+    """Records written by one store object are read by the next one on the same file."""
+    path = tmp_path / "dlq.sqlite3"
+    records = [make_record(n) for n in range(3)]
+    first = SQLiteDeadLetterStore(path)
+    for record in records:
+        first.add(record)
+    first.close()
+    second = SQLiteDeadLetterStore(path)
+    try:
+        assert second.list() == records
+    finally:
+        second.close()
+
+
+def test_sqlite_record_survives_sigkill_right_after_add(tmp_path: Path) -> None:
+    """A record whose add() returned is in the file even if the process is then SIGKILLed."""
+    path = tmp_path / "dlq.sqlite3"
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
+        from npu_sync.task import Task
+        store = SQLiteDeadLetterStore({str(path)!r})
+        record = DeadLetter.from_task(
+            Task(payload={{"n": 1}}, task_id="killed-task"),
+            endpoint="/inference", error="retries exhausted", attempts=[], now=1.0,
+        )
+        store.add(record)
+        print("added", record.id, flush=True)
+        sys.stdin.read()
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    with subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline().split()
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert line[0] == "added"
+    store = SQLiteDeadLetterStore(path)
+    try:
+        record = store.get(line[1])
+        assert record is not None and record.task_id == "killed-task"
+    finally:
+        store.close()
+
+
+def test_sqlite_two_stores_in_threads_lose_nothing(tmp_path: Path) -> None:
+    """Two store objects on one file, written by many threads at once, keep every record."""
+    path = tmp_path / "dlq.sqlite3"
+    stores = [SQLiteDeadLetterStore(path, busy_timeout=30), SQLiteDeadLetterStore(path)]
+    threads_per_store, per_thread = 4, 25
+    start = threading.Barrier(len(stores) * threads_per_store)
+    errors: list[BaseException] = []
+    added: list[str] = []
+    added_lock = threading.Lock()
+
+    def writer(store: SQLiteDeadLetterStore, base: int) -> None:
+        try:
+            start.wait()
+            for n in range(per_thread):
+                record = make_record(base + n)
+                store.add(record)
+                with added_lock:
+                    added.append(record.id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=writer, args=(store, (i * threads_per_store + j) * 1000))
+        for i, store in enumerate(stores)
+        for j in range(threads_per_store)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert errors == []
+        assert sorted(r.id for r in stores[0].list()) == sorted(added)
+        assert len(stores[1]) == len(stores) * threads_per_store * per_thread
+    finally:
+        for store in stores:
+            store.close()
+
+
+def test_sqlite_eviction_is_shared_across_store_objects(tmp_path: Path) -> None:
+    """Two bounded store objects on one file keep the bound and share the dropped count."""
+    path = tmp_path / "dlq.sqlite3"
+    a = SQLiteDeadLetterStore(path, max_records=4)
+    b = SQLiteDeadLetterStore(path, max_records=4)
+    try:
+        for n in range(10):
+            (a if n % 2 else b).add(make_record(n))
+        assert [r.task_id for r in a.list()] == [f"task-{n}" for n in range(6, 10)]
+        assert a.dropped == b.dropped == 6
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sqlite_schema_version_and_wal_are_set(tmp_path: Path) -> None:
+    """A new file carries the schema version in user_version and uses the WAL journal."""
+    path = tmp_path / "dlq.sqlite3"
+    SQLiteDeadLetterStore(path).close()
+    conn = sqlite3.connect(path)
+    try:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION >= 1
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        conn.close()
+
+
+def test_sqlite_refuses_a_newer_schema(tmp_path: Path) -> None:
+    """A file written by a newer schema version is refused with a message naming it."""
+    path = tmp_path / "dlq.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    with pytest.raises(NpuSyncError, match=f"schema version {SCHEMA_VERSION + 1}"):
+        SQLiteDeadLetterStore(path)
+
+
+def test_sqlite_missing_directory_is_a_clear_error(tmp_path: Path) -> None:
+    """A path in a directory that does not exist fails naming the directory, creating nothing."""
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        SQLiteDeadLetterStore(missing / "dlq.sqlite3")
+    assert not missing.exists()
+
+
+def test_sqlite_refuses_a_file_that_is_not_a_database(tmp_path: Path) -> None:
+    """Opening a file that is not SQLite fails with NpuSyncError naming the path."""
+    path = tmp_path / "notes.txt"
+    path.write_text("not a database, just some text that is long enough " * 20)
+    with pytest.raises(NpuSyncError, match=r"notes\.txt"):
+        SQLiteDeadLetterStore(path)
+
+
+def test_sqlite_new_file_is_private(tmp_path: Path) -> None:
+    """A new store file is readable by its owner only, as payloads may hold user data."""
+    path = tmp_path / "dlq.sqlite3"
+    SQLiteDeadLetterStore(path).close()
+    assert path.stat().st_mode & 0o077 == 0
+
+
+def test_sqlite_memory_path_creates_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ":memory:" path keeps records in memory and leaves no file behind."""
+    monkeypatch.chdir(tmp_path)
+    store = SQLiteDeadLetterStore(":memory:")
+    try:
+        store.add(make_record())
+        assert len(store) == 1
+    finally:
+        store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sqlite_closed_store_refuses_calls(tmp_path: Path) -> None:
+    """After close() a store raises NpuSyncError rather than a bare sqlite error."""
+    store = SQLiteDeadLetterStore(tmp_path / "dlq.sqlite3")
+    store.close()
+    store.close()
+    with pytest.raises(NpuSyncError, match="closed"):
+        store.add(make_record())
+
+
+# --- open_store -----------------------------------------------------------------------
+
+
+def test_open_store_builds_each_backend(tmp_path: Path) -> None:
+    """open_store maps the config's backend, path and max_records onto a store."""
+    from npu_sync.config import DeadLetterConfig
+
+    memory = open_store(DeadLetterConfig(backend="memory", max_records=7))
+    assert isinstance(memory, MemoryDeadLetterStore) and memory.max_records == 7
+    path = tmp_path / "x.sqlite3"
+    sqlite_store = open_store(DeadLetterConfig(backend="sqlite", path=str(path), max_records=3))
+    try:
+        assert isinstance(sqlite_store, SQLiteDeadLetterStore)
+        assert sqlite_store.path == str(path) and sqlite_store.max_records == 3
+        assert path.exists()
+    finally:
+        sqlite_store.close()
+    with pytest.raises(ConfigError, match="path"):
+        open_store(DeadLetterConfig(backend="sqlite", path=None))
+
+
+# --- replay ------------------------------------------------------------------------------
+
+
+class FakeRun:
+    """A stand-in for the pool's run(): outcomes by task id, calls counted."""
+
+    def __init__(self, outcomes: dict[str, Any] | None = None) -> None:
+        self.outcomes = outcomes or {}
+        self.calls: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def __call__(self, task: Task) -> Any:
+        with self.lock:
+            self.calls[task.task_id] += 1
+        outcome = self.outcomes.get(task.task_id, {"response": task.task_id})
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+def failed(task_id: str) -> TaskFailed:
+    return TaskFailed(
+        "retries exhausted: worker w3: HTTP 503",
+        task_id=task_id,
+        dead_letter_id="ignored",
+        attempts=[Attempt(worker_id="w3", error="HTTP 503", duration=0.5, status=503)],
+    )
+
+
+def test_replay_success_removes_and_returns_result(store: DeadLetterStore) -> None:
+    """A replay that succeeds removes the record and reports the worker's result."""
+    record = make_record(1)
+    store.add(record)
+    run = FakeRun()
+    report = DeadLetterQueue(store, run).replay(record.id)
+    assert report.succeeded == (record.id,) and report.failed == report.rejected == ()
+    assert report.results == {record.id: {"response": "task-1"}}
+    assert store.get(record.id) is None
+    assert run.calls == {"task-1": 1}
+
+
+def test_replay_sends_the_same_task(store: DeadLetterStore) -> None:
+    """The task replayed has the record's task id, payload, endpoint and options."""
+    record = make_record(2)
+    store.add(record)
+    seen: list[Task] = []
+
+    def run(task: Task) -> dict[str, str]:
+        seen.append(task)
+        return {}
+
+    DeadLetterQueue(store, run).replay(record.id)
+    assert seen == [record.to_task()]
+
+
+def test_replay_failure_keeps_record_with_history(store: DeadLetterStore) -> None:
+    """A failed replay keeps the record, counts the replay and appends its attempts."""
+    record = make_record(1)
+    store.add(record)
+    clock = FakeClock()
+    dlq = DeadLetterQueue(store, FakeRun({"task-1": failed("task-1")}), clock=clock)
+    report = dlq.replay(record.id)
+    assert report.failed == (record.id,) and report.succeeded == () and report.results == {}
+    kept = dlq.get(record.id)
+    assert kept.replays == 1
+    assert kept.attempts == (*record.attempts, *failed("task-1").attempts)
+    assert "HTTP 503" in kept.error and "\n" not in kept.error
+    assert kept.last_attempt_at == clock.time()
+    dlq.replay(record.id)
+    assert dlq.get(record.id).replays == 2
+
+
+def test_replay_rejected_keeps_record_for_operator(store: DeadLetterStore) -> None:
+    """A replay the worker rejects keeps the record, reports it rejected and records why."""
+    record = make_record(1)
+    store.add(record)
+    rejection = TaskRejected("HTTP 422: bad input", task_id="task-1", status=422, worker_id="w1")
+    report = DeadLetterQueue(store, FakeRun({"task-1": rejection})).replay(record.id)
+    assert report.rejected == (record.id,) and report.succeeded == report.failed == ()
+    kept = store.get(record.id)
+    assert kept is not None
+    assert "HTTP 422: bad input" in kept.error and kept.replays == 0
+    assert kept.attempts[-1].status == 422 and kept.attempts[-1].worker_id == "w1"
+
+
+def test_replay_all_mixes_outcomes_oldest_first(store: DeadLetterStore) -> None:
+    """replay() runs every record oldest first and sorts each into its outcome."""
+    records = [make_record(n) for n in range(4)]
+    for record in records:
+        store.add(record)
+    order: list[str] = []
+    fake = FakeRun(
+        {
+            "task-1": failed("task-1"),
+            "task-2": TaskRejected("HTTP 400", task_id="task-2", status=400),
+        }
+    )
+
+    def run(task: Task) -> Any:
+        order.append(task.task_id)
+        return fake(task)
+
+    report = DeadLetterQueue(store, run).replay()
+    assert order == ["task-0", "task-1", "task-2", "task-3"]
+    assert report.succeeded == (records[0].id, records[3].id)
+    assert report.failed == (records[1].id,)
+    assert report.rejected == (records[2].id,)
+    assert [r.id for r in store.list()] == [records[1].id, records[2].id]
+    assert json.loads(json.dumps(report.to_dict()))["results"] == {
+        records[0].id: {"response": "task-0"},
+        records[3].id: {"response": "task-3"},
+    }
+
+
+def test_replay_missing_id_raises_key_error(store: DeadLetterStore) -> None:
+    """Replaying an id that is not stored raises KeyError naming it and runs nothing."""
+    run = FakeRun()
+    dlq = DeadLetterQueue(store, run)
+    with pytest.raises(KeyError, match="no-such-id"):
+        dlq.replay("no-such-id")
+    with pytest.raises(KeyError, match="no-such-id"):
+        dlq.get("no-such-id")
+    assert run.calls == {}
+
+
+def test_replay_of_empty_queue_reports_nothing(store: DeadLetterStore) -> None:
+    """replay() with nothing stored returns an empty report."""
+    assert DeadLetterQueue(store, FakeRun()).replay() == ReplayReport()
+
+
+def test_concurrent_replay_all_runs_each_record_once(store: DeadLetterStore) -> None:
+    """Two replay() calls overlapping in time run every record exactly once between them."""
+    records = [make_record(n) for n in range(4)]
+    for record in records:
+        store.add(record)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    fake = FakeRun()
+
+    def run(task: Task) -> Any:
+        started.release()
+        assert release.wait(10)
+        return fake(task)
+
+    dlq = DeadLetterQueue(store, run)
+    reports: list[ReplayReport] = []
+
+    def replay_all() -> None:
+        reports.append(dlq.replay())
+
+    first = threading.Thread(target=replay_all)
+    second = threading.Thread(target=replay_all)
+    first.start()
+    assert started.acquire(timeout=10)  # the first call is inside run() for the oldest record
+    second.start()
+    assert started.acquire(timeout=10)  # the second call is inside run() for another record
+    release.set()
+    first.join()
+    second.join()
+    assert fake.calls == {f"task-{n}": 1 for n in range(4)}
+    succeeded = [rid for report in reports for rid in report.succeeded]
+    assert sorted(succeeded) == sorted(r.id for r in records)
+    assert len(store) == 0
+
+
+def test_replay_skips_a_record_finished_after_it_was_listed(store: DeadLetterStore) -> None:
+    """A record another replay finished after this call listed it is not run again."""
+    record = make_record(1)
+    store.add(record)
+    fake = FakeRun()
+    dlq = DeadLetterQueue(store, fake)
+    real_list = store.list
+
+    def list_then_let_another_replay_finish(**kwargs: Any) -> list[DeadLetter]:
+        listed = real_list(**kwargs)
+        dlq.replay(record.id)  # completes and removes the record before this call proceeds
+        return listed
+
+    slow = DeadLetterQueue(_ListWrapper(store, list_then_let_another_replay_finish), fake)
+    report = slow.replay()
+    assert report == ReplayReport()
+    assert fake.calls == {"task-1": 1}
+
+
+class _ListWrapper:
+    """A store whose list() is replaced, to interleave a second replay deterministically."""
+
+    def __init__(self, inner: DeadLetterStore, list_fn: Callable[..., list[DeadLetter]]) -> None:
+        self._inner = inner
+        self.list = list_fn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_replay_of_an_id_already_being_replayed_is_refused(store: DeadLetterStore) -> None:
+    """replay(id) while another call is replaying that id raises instead of running it twice."""
+    record = make_record(1)
+    store.add(record)
+    inner_errors: list[BaseException] = []
+
+    def run(task: Task) -> Any:
+        try:
+            dlq.replay(record.id)
+        except NpuSyncError as exc:
+            inner_errors.append(exc)
+        return {}
+
+    dlq = DeadLetterQueue(store, run)
+    report = dlq.replay(record.id)
+    assert report.succeeded == (record.id,)
+    assert len(inner_errors) == 1 and "already being replayed" in str(inner_errors[0])
+
+
+def test_replay_failure_after_purge_is_not_resurrected(
+    store: DeadLetterStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record purged while its replay ran stays gone when the replay fails."""
+    record = make_record(1)
+    store.add(record)
+
+    def run(task: Task) -> Any:
+        dlq.purge()
+        raise failed(task.task_id)
+
+    dlq = DeadLetterQueue(store, run)
+    with caplog.at_level(logging.WARNING, logger="npu_sync.deadletter"):
+        report = dlq.replay()
+    assert report.failed == (record.id,)
+    assert len(dlq) == 0
+    assert any("removed during its replay" in r.getMessage() for r in caplog.records)
+
+
+def test_unexpected_error_leaves_record_and_releases_claim(store: DeadLetterStore) -> None:
+    """An unexpected error from run() propagates, keeps the record and lets it be replayed later."""
+    record = make_record(1)
+    store.add(record)
+    outcomes: list[Any] = [RuntimeError("pool closed"), {"ok": True}]
+
+    def run(task: Task) -> Any:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    dlq = DeadLetterQueue(store, run)
+    with pytest.raises(RuntimeError):
+        dlq.replay(record.id)
+    assert dlq.get(record.id) == record
+    assert dlq.replay(record.id).results == {record.id: {"ok": True}}
+
+
+def test_queue_delegates_to_store(store: DeadLetterStore) -> None:
+    """add/list/remove/purge/len on the queue act on its store."""
+    dlq = DeadLetterQueue(store, FakeRun())
+    assert dlq.store is store
+    records = [make_record(n) for n in range(3)]
+    for record in records:
+        dlq.add(record)
+    assert len(dlq) == 3 and dlq.list(limit=1, offset=1) == [records[1]]
+    assert dlq.remove(records[0].id) is True
+    assert dlq.purge() == 2 and len(store) == 0
