@@ -1,0 +1,150 @@
+"""Admission: hand each attempt a worker, or make it wait its turn for one.
+
+When no eligible worker has room (all busy, open, unhealthy or already tried), a
+task waits in a FIFO queue until a worker frees up or recovers, up to its deadline
+("task requeue"). Freed capacity is handed directly to the first waiter that can use
+it, under the same lock that released it, so a newcomer cannot overtake a waiter and
+no waiter is woken for nothing. Waiters also wake on their own when an open breaker
+is due for its trial or a worker's cool-down ends, since no release signals those.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Collection, Iterable
+
+from npu_sync.clock import Clock
+from npu_sync.metrics import Window
+from npu_sync.selector import Selector
+from npu_sync.worker import Worker
+
+
+class Lease:
+    """Permission for one attempt on ``worker``; ``trial`` marks a half-open probe."""
+
+    __slots__ = ("trial", "worker")
+
+    def __init__(self, worker: Worker, trial: bool) -> None:
+        self.worker = worker
+        self.trial = trial
+
+
+class _Waiter:
+    __slots__ = ("cond", "excluded", "lease")
+
+    def __init__(self, excluded: Collection[str], lock: threading.Lock) -> None:
+        self.excluded = excluded
+        self.cond = threading.Condition(lock)
+        self.lease: Lease | None = None
+
+
+class Dispatcher:
+    """Worker selection plus FIFO waiting for capacity.
+
+    Thread-safe. ``lock`` guards every worker's mutable state, the selector and the
+    waiter queue; it is never held across I/O.
+    """
+
+    def __init__(self, clock: Clock, selector: Selector | None = None) -> None:
+        self.lock = threading.Lock()
+        self.clock = clock
+        self.selector = selector or Selector()
+        self._waiters: deque[_Waiter] = deque()
+        self.selection_time = Window(4096)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def set_workers(self, workers: Iterable[Worker]) -> None:
+        with self.lock:
+            self.selector.set_workers(workers)
+            self._serve(self.clock.monotonic())
+            # Waiters whose last untried worker went away must re-check.
+            for waiter in self._waiters:
+                waiter.cond.notify()
+
+    def acquire(self, excluded: Collection[str], deadline: float) -> Lease | None:
+        """A lease on the best worker not in ``excluded``, waiting until ``deadline``.
+
+        Returns None when the deadline passes first, or at once when every worker
+        that could ever take this task has been tried.
+        """
+        with self.lock:
+            now = self.clock.monotonic()
+            if self._waiters:
+                self._serve(now)
+            lease = self._try(excluded, now)
+            if lease is not None:
+                return lease
+            if not self._has_candidate(excluded):
+                return None
+            waiter = _Waiter(excluded, self.lock)
+            self._waiters.append(waiter)
+            try:
+                while waiter.lease is None:
+                    remaining = deadline - now
+                    if remaining <= 0 or not self._has_candidate(excluded):
+                        break
+                    waiter.cond.wait(self._wake_in(excluded, now, remaining))
+                    if waiter.lease is not None:
+                        break
+                    now = self.clock.monotonic()
+                    self._serve(now)
+            finally:
+                if waiter.lease is None:
+                    self._waiters.remove(waiter)
+            return waiter.lease
+
+    def release_locked(self, now: float) -> None:
+        """Hand freed capacity to waiters. Call with ``lock`` held."""
+        if self._waiters:
+            self._serve(now)
+
+    def notify_change(self) -> None:
+        """Something other than a release may have made a worker eligible."""
+        with self.lock:
+            self._serve(self.clock.monotonic())
+
+    def _try(self, excluded: Collection[str], now: float) -> Lease | None:
+        started = time.perf_counter()
+        worker = self.selector.select(excluded, now)
+        if worker is None:
+            return None
+        trial = worker.breaker.admit(now)
+        if trial is None:  # pragma: no cover - select() checked can_admit under this lock
+            return None
+        worker.in_flight += 1
+        self.selection_time.add(time.perf_counter() - started)
+        return Lease(worker, trial)
+
+    def _serve(self, now: float) -> None:
+        for waiter in list(self._waiters):
+            lease = self._try(waiter.excluded, now)
+            if lease is not None:
+                waiter.lease = lease
+                self._waiters.remove(waiter)
+                waiter.cond.notify()
+            elif not waiter.excluded:
+                break  # no worker has room for anyone
+
+    def _has_candidate(self, excluded: Collection[str]) -> bool:
+        return any(
+            w.id not in excluded and w.config.enabled and not w.draining and not w.removed
+            for w in self.selector.workers
+        )
+
+    def _wake_in(self, excluded: Collection[str], now: float, remaining: float) -> float:
+        """How long to sleep before something time-driven may free a worker."""
+        wake = remaining
+        for worker in self.selector.workers:
+            if worker.id in excluded:
+                continue
+            retry_at = worker.breaker.retry_at()
+            if retry_at is not None and retry_at > now:
+                wake = min(wake, retry_at - now)
+            if worker.cooldown_until > now:
+                wake = min(wake, worker.cooldown_until - now)
+        return max(wake, 0.001)

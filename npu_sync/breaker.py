@@ -1,0 +1,208 @@
+"""Per-worker circuit breakers: pybreaker keeps the state, npu_sync decides admission.
+
+pybreaker's ``call()`` holds the breaker's lock for the whole guarded call, which would
+serialise every request to a worker, and its ``calling()`` lets every half-open caller
+through. So the I/O never runs inside pybreaker: a caller is *admitted* (closed, or the
+one half-open trial), does its request outside any lock, then *records* the outcome.
+pybreaker holds the state (closed / open / half-open), the consecutive-failure counter
+and the listeners, through its storage object; timing comes from npu_sync's injectable
+clock so tests drive reset timeouts without sleeping.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pybreaker
+
+from npu_sync.clock import SYSTEM_CLOCK, Clock
+from npu_sync.config import BreakerConfig
+
+log = logging.getLogger(__name__)
+
+CLOSED = pybreaker.STATE_CLOSED
+OPEN = pybreaker.STATE_OPEN
+HALF_OPEN = pybreaker.STATE_HALF_OPEN
+
+StateListener = Callable[[str, str, str], None]
+"""Called as ``listener(name, old_state, new_state)`` on every transition."""
+
+
+class _Forward(pybreaker.CircuitBreakerListener):
+    def __init__(self, listener: StateListener) -> None:
+        self._listener = listener
+
+    def state_change(
+        self, cb: pybreaker.CircuitBreaker, old_state: object, new_state: object
+    ) -> None:
+        old = getattr(old_state, "name", None) or CLOSED
+        new = getattr(new_state, "name", None) or CLOSED
+        if old != new:
+            self._listener(cb.name or "", old, new)
+
+
+class WorkerBreaker:
+    """The circuit breaker of one worker.
+
+    Not thread-safe on its own: the pool calls every method while holding its
+    selection lock, which is never held across I/O, so admission and recording are
+    atomic with worker selection.
+
+    Rules: ``fail_max`` consecutive worker failures open the breaker. After the reset
+    timeout exactly one trial call is admitted (half-open); its success closes the
+    breaker, its failure opens it again with the reset timeout doubled, up to
+    ``max_reset_timeout``. Outcomes that say nothing about the worker's health (the
+    task was bad, the model is not loaded there) are recorded as :meth:`release`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: BreakerConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        storage: pybreaker.CircuitBreakerStorage | None = None,
+        listener: StateListener | None = None,
+    ) -> None:
+        self.name = name
+        self._clock = clock
+        self._config = config
+        self._storage = storage or pybreaker.CircuitMemoryStorage(CLOSED)
+        self._cb = pybreaker.CircuitBreaker(
+            fail_max=config.fail_max,
+            reset_timeout=config.reset_timeout,
+            state_storage=self._storage,
+            name=name,
+            listeners=[_Forward(listener)] if listener else None,
+        )
+        # The state as last set through this object: reading pybreaker's property
+        # chain costs more than the rest of admission on the hot path.
+        self._state: str = str(self._cb.current_state)
+        self._opened_at = 0.0
+        self._reset_timeout = config.reset_timeout
+        self._consecutive_trips = 0
+        self._trial_in_flight = False
+        self.trips = 0
+
+    # -- reading ---------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``"closed"``, ``"open"`` or ``"half-open"``."""
+        return self._state
+
+    @property
+    def failures(self) -> int:
+        """Consecutive worker failures counted while closed."""
+        return int(self._storage.counter)
+
+    @property
+    def reset_timeout(self) -> float:
+        """The reset timeout in force: grows on consecutive trips."""
+        return self._reset_timeout
+
+    def retry_at(self) -> float | None:
+        """Monotonic time at which an open breaker admits its trial; None unless open."""
+        return self._opened_at + self._reset_timeout if self._state == OPEN else None
+
+    def can_admit(self, now: float) -> bool:
+        """Whether :meth:`admit` would succeed at ``now``. No side effects."""
+        state = self._state
+        if state == CLOSED:
+            return True
+        if self._trial_in_flight:
+            return False
+        return state == HALF_OPEN or now >= self._opened_at + self._reset_timeout
+
+    # -- changing --------------------------------------------------------------------
+
+    def configure(self, config: BreakerConfig) -> None:
+        """Apply new thresholds; the current state and counters are kept."""
+        self._config = config
+        self._cb.fail_max = config.fail_max
+        if self._consecutive_trips == 0:
+            self._reset_timeout = config.reset_timeout
+        self._reset_timeout = min(self._reset_timeout, config.max_reset_timeout)
+
+    def admit(self, now: float) -> bool | None:
+        """Let one call through if the state allows it.
+
+        Returns:
+            None when refused, True when the call is the half-open trial, False for
+            an ordinary call on a closed breaker.
+        """
+        state = self._state
+        if state == CLOSED:
+            return False
+        if self._trial_in_flight:
+            return None
+        if state == OPEN:
+            if now < self._opened_at + self._reset_timeout:
+                return None
+            self._cb.half_open()
+            self._state = HALF_OPEN
+        self._trial_in_flight = True
+        return True
+
+    def allow_trial(self) -> None:
+        """Make an open breaker admit its trial now (e.g. after a passing health check)."""
+        if self._state == OPEN:
+            self._opened_at = self._clock.monotonic() - self._reset_timeout
+
+    def record_success(self, trial: bool) -> None:
+        """A call admitted by :meth:`admit` succeeded."""
+        if trial:
+            self._trial_in_flight = False
+            self._consecutive_trips = 0
+            self._reset_timeout = self._config.reset_timeout
+            self._cb.reset_timeout = self._reset_timeout
+            self._cb.close()
+            self._state = CLOSED
+        elif self._state == CLOSED and self._storage.counter:
+            self._storage.reset_counter()
+
+    def record_failure(self, trial: bool) -> None:
+        """A call admitted by :meth:`admit` failed because of the worker."""
+        if trial:
+            self._trial_in_flight = False
+            self._trip()
+            return
+        if self._state != CLOSED:
+            # A call admitted before the breaker opened: the trip already counted it.
+            return
+        self._storage.increment_counter()
+        if self._storage.counter >= self._config.fail_max:
+            self._trip()
+
+    def release(self, trial: bool) -> None:
+        """A call ended with an outcome that says nothing about the worker's health."""
+        if trial:
+            self._trial_in_flight = False
+
+    def reset(self) -> None:
+        """Close the breaker and forget its history (an operator's action)."""
+        self._trial_in_flight = False
+        self._consecutive_trips = 0
+        self._reset_timeout = self._config.reset_timeout
+        self._cb.reset_timeout = self._reset_timeout
+        if self._state != CLOSED:
+            self._cb.close()
+            self._state = CLOSED
+        self._storage.reset_counter()
+
+    def _trip(self) -> None:
+        if self._consecutive_trips:
+            self._reset_timeout = min(self._reset_timeout * 2, self._config.max_reset_timeout)
+        self._consecutive_trips += 1
+        self.trips += 1
+        self._opened_at = self._clock.monotonic()
+        self._cb.reset_timeout = self._reset_timeout
+        self._cb.open()
+        self._state = OPEN
+        log.warning(
+            "breaker of worker %s opened (trip %d, retry in %.1fs)",
+            self.name,
+            self.trips,
+            self._reset_timeout,
+        )

@@ -1,0 +1,143 @@
+"""What an attempt's outcome means, and how long to wait before the next attempt.
+
+Classification follows the worker protocol in DESIGN.md. The backoff is tenacity's
+``wait_exponential_jitter`` and ``stop_after_attempt`` strategies, evaluated on a
+``RetryCallState`` only when an attempt has failed: building a ``Retrying`` loop per
+task costs ~30 µs even when nothing is retried, which the hot path cannot afford.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import enum
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import tenacity
+
+from npu_sync.config import RetryConfig
+from npu_sync.transport import Response, TransportError
+
+
+class Kind(enum.Enum):
+    SUCCESS = "success"
+    REJECTED = "rejected"  # the task is bad: 4xx other than 408/429
+    NOT_HERE = "not_here"  # the worker does not serve this model: try another, no blame
+    FAILURE = "failure"  # the worker failed: counts against it, retried elsewhere
+
+
+_MODEL_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
+_NOT_PROCESSED = frozenset({429, 503})
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One attempt's classified outcome. Not frozen: one is built per attempt."""
+
+    kind: Kind
+    value: Any = None  # the decoded JSON on success, the decoded error body otherwise
+    status: int | None = None
+    error: str | None = None
+    retry_after: float | None = None
+    model: str | None = None  # the model a NOT_HERE answer named
+    processed: bool = True  # False when the worker provably did not run the task
+
+
+def classify_response(response: Response, *, now: float | None = None) -> Outcome:
+    """Classify a worker's HTTP answer (see DESIGN.md, worker protocol)."""
+    status = response.status
+    if 200 <= status < 300:
+        try:
+            return Outcome(Kind.SUCCESS, json.loads(response.body), status)
+        except ValueError:
+            return Outcome(Kind.FAILURE, None, status, f"HTTP {status} with a non-JSON body")
+    body = _decode(response.body)
+    detail = body.get("detail") if isinstance(body, dict) else None
+    if 400 <= status < 500 and status not in (408, 429):
+        return Outcome(Kind.REJECTED, body, status, _describe(status, detail))
+    if status == 500 and isinstance(detail, str):
+        match = _MODEL_NOT_LOADED.match(detail)
+        if match:
+            return Outcome(
+                Kind.NOT_HERE, body, status, detail, model=match["model"], processed=False
+            )
+    return Outcome(
+        Kind.FAILURE,
+        body,
+        status,
+        _describe(status, detail),
+        retry_after=parse_retry_after(response.headers.get("retry-after"), now=now),
+        processed=status not in _NOT_PROCESSED,
+    )
+
+
+def classify_error(error: TransportError) -> Outcome:
+    """A request that got no usable answer is the worker's failure."""
+    return Outcome(Kind.FAILURE, error=f"{error.kind}: {error}", processed=error.sent)
+
+
+def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
+    """Seconds from a ``Retry-After`` header (delta-seconds or an HTTP date)."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if now is None or when is None:
+            return None
+        seconds = when.timestamp() - now
+    if not math.isfinite(seconds):
+        return None
+    return max(0.0, seconds)
+
+
+def _decode(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body[:200].decode("utf-8", "replace")
+
+
+def _describe(status: int, detail: object) -> str:
+    if detail is None:
+        return f"HTTP {status}"
+    text = detail if isinstance(detail, str) else json.dumps(detail)
+    return f"HTTP {status}: {text[:300]}"
+
+
+class RetryPolicy:
+    """Backoff and attempt limits for one pool configuration. Immutable, thread-safe.
+
+    ``max_retries`` extra attempts after the first, each on a worker not yet tried
+    for the task; between attempts a jittered exponential wait
+    (``backoff_initial * 2**n`` plus up to ``backoff_initial`` of jitter, capped at
+    ``backoff_max``).
+    """
+
+    def __init__(self, config: RetryConfig) -> None:
+        self.config = config
+        self.max_attempts = config.max_retries + 1
+        self._stop = tenacity.stop_after_attempt(self.max_attempts)
+        self._wait = tenacity.wait_exponential_jitter(
+            multiplier=config.backoff_initial,
+            max=config.backoff_max,
+            jitter=config.backoff_initial,
+        )
+
+    def next_wait(self, failures: int, elapsed: float) -> float | None:
+        """Seconds to wait after the ``failures``-th failed attempt, or None to stop."""
+        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        state.attempt_number = failures
+        state.start_time = 0.0
+        state.outcome_timestamp = elapsed
+        if self._stop(state):
+            return None
+        return float(self._wait(state))

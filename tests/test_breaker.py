@@ -1,0 +1,153 @@
+"""Unit tests of WorkerBreaker, driven by a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from npu_sync.breaker import CLOSED, HALF_OPEN, OPEN, WorkerBreaker
+from npu_sync.config import BreakerConfig
+from npu_sync.testing import FakeClock
+
+
+def make(fail_max: int = 3, reset: float = 10.0, cap: float = 35.0, listener=None):
+    clock = FakeClock()
+    config = BreakerConfig(fail_max=fail_max, reset_timeout=reset, max_reset_timeout=cap)
+    return WorkerBreaker("w1", config, clock=clock, listener=listener), clock
+
+
+def trip(breaker: WorkerBreaker, clock: FakeClock, n: int) -> None:
+    for _ in range(n):
+        assert breaker.admit(clock.monotonic()) is False
+        breaker.record_failure(False)
+
+
+def test_closed_admits_ordinary_calls():
+    """A closed breaker admits every call as a non-trial call."""
+    breaker, clock = make()
+    assert [breaker.admit(clock.monotonic()) for _ in range(10)] == [False] * 10
+    assert breaker.state == CLOSED
+
+
+def test_opens_after_fail_max_consecutive_failures():
+    """fail_max consecutive failures open the breaker; fewer do not."""
+    breaker, clock = make(fail_max=3)
+    trip(breaker, clock, 2)
+    assert breaker.state == CLOSED
+    trip(breaker, clock, 1)
+    assert breaker.state == OPEN
+    assert breaker.trips == 1
+    assert breaker.admit(clock.monotonic()) is None
+
+
+def test_success_resets_the_failure_count():
+    """A success between failures starts the count again."""
+    breaker, clock = make(fail_max=3)
+    trip(breaker, clock, 2)
+    breaker.admit(clock.monotonic())
+    breaker.record_success(False)
+    assert breaker.failures == 0
+    trip(breaker, clock, 2)
+    assert breaker.state == CLOSED
+
+
+def test_open_refuses_until_reset_timeout_then_admits_exactly_one_trial():
+    """After reset_timeout one trial is admitted and every other caller is refused."""
+    breaker, clock = make(reset=10.0)
+    trip(breaker, clock, 3)
+    clock.advance(9.9)
+    assert not breaker.can_admit(clock.monotonic())
+    assert breaker.admit(clock.monotonic()) is None
+    clock.advance(0.2)
+    assert breaker.can_admit(clock.monotonic())
+    assert breaker.admit(clock.monotonic()) is True
+    assert breaker.state == HALF_OPEN
+    assert [breaker.admit(clock.monotonic()) for _ in range(5)] == [None] * 5
+    assert not breaker.can_admit(clock.monotonic())
+
+
+def test_trial_success_closes():
+    """A successful trial closes the breaker and restores the base reset timeout."""
+    breaker, clock = make(reset=10.0)
+    trip(breaker, clock, 3)
+    clock.advance(10)
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.record_success(True)
+    assert breaker.state == CLOSED
+    assert breaker.reset_timeout == 10.0
+    assert breaker.admit(clock.monotonic()) is False
+
+
+def test_trial_failure_reopens_with_doubled_timeout_up_to_the_cap():
+    """Each consecutive trip doubles the reset timeout, capped at max_reset_timeout."""
+    breaker, clock = make(reset=10.0, cap=35.0)
+    trip(breaker, clock, 3)
+    seen = []
+    for _ in range(4):
+        seen.append(breaker.reset_timeout)
+        clock.advance(breaker.reset_timeout)
+        assert breaker.admit(clock.monotonic()) is True
+        breaker.record_failure(True)
+        assert breaker.state == OPEN
+    assert seen == [10.0, 20.0, 35.0, 35.0]
+    assert breaker.trips == 5
+
+
+def test_release_frees_the_trial_slot_without_closing():
+    """A trial that ended with a neutral outcome lets the next caller try."""
+    breaker, clock = make()
+    trip(breaker, clock, 3)
+    clock.advance(10)
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.release(True)
+    assert breaker.state == HALF_OPEN
+    assert breaker.admit(clock.monotonic()) is True
+
+
+def test_late_failures_of_calls_admitted_before_the_trip_do_not_extend_it():
+    """Failures recorded while open (calls started earlier) do not re-trip."""
+    breaker, clock = make()
+    trip(breaker, clock, 3)
+    breaker.record_failure(False)
+    breaker.record_failure(False)
+    assert breaker.trips == 1
+    clock.advance(10)
+    assert breaker.admit(clock.monotonic()) is True
+
+
+def test_listener_sees_every_transition_in_order():
+    """State changes reach the listener as (name, old, new)."""
+    seen = []
+    breaker, clock = make(listener=lambda *args: seen.append(args))
+    trip(breaker, clock, 3)
+    clock.advance(10)
+    breaker.admit(clock.monotonic())
+    breaker.record_success(True)
+    assert seen == [("w1", CLOSED, OPEN), ("w1", OPEN, HALF_OPEN), ("w1", HALF_OPEN, CLOSED)]
+
+
+def test_allow_trial_skips_the_rest_of_the_reset_timeout():
+    """allow_trial() makes an open breaker admit its trial at once."""
+    breaker, clock = make(reset=60)
+    trip(breaker, clock, 3)
+    assert breaker.admit(clock.monotonic()) is None
+    breaker.allow_trial()
+    assert breaker.admit(clock.monotonic()) is True
+
+
+def test_retry_at_reports_when_the_trial_is_due():
+    """retry_at() is the open time plus the reset timeout, and None when closed."""
+    breaker, clock = make(reset=10)
+    assert breaker.retry_at() is None
+    trip(breaker, clock, 3)
+    assert breaker.retry_at() == pytest.approx(clock.monotonic() + 10)
+
+
+def test_reset_closes_and_forgets():
+    """reset() closes an open breaker and restores the base timeout."""
+    breaker, clock = make(reset=10)
+    trip(breaker, clock, 3)
+    clock.advance(10)
+    breaker.admit(clock.monotonic())
+    breaker.record_failure(True)
+    breaker.reset()
+    assert breaker.state == CLOSED and breaker.reset_timeout == 10 and breaker.failures == 0
