@@ -72,8 +72,11 @@ class TaskFailed(NpuSyncError):
         self.attempts: tuple[Attempt, ...] = tuple(attempts)
 
 
-class NoWorkerAvailable(NpuSyncError):
-    """No worker could take a task: the pool has none, or all are disabled or removed."""
+class NoWorkerAvailable(TaskFailed):
+    """A task failed without a single attempt: no worker could take it before its
+    deadline (none in the pool, all disabled, or all busy or down throughout).
+    Its dead-letter record was stored, as for any ``TaskFailed``.
+    """
 
 
 class PoolClosed(NpuSyncError):

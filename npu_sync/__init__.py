@@ -1,0 +1,47 @@
+"""npu_sync: spread inference tasks over a pool of NPU workers from synchronous code."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
+from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
+from npu_sync.decorator import NpuTask, npu_task
+from npu_sync.errors import (
+    ConfigError,
+    InvalidTask,
+    NoWorkerAvailable,
+    NpuSyncError,
+    PoolClosed,
+    TaskFailed,
+    TaskRejected,
+)
+from npu_sync.pool import WorkerPool, get_pool
+from npu_sync.task import Attempt, Task
+
+try:
+    __version__ = version("npu_sync")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "Attempt",
+    "ConfigError",
+    "DeadLetter",
+    "DeadLetterQueue",
+    "InvalidTask",
+    "NoWorkerAvailable",
+    "NpuSyncError",
+    "NpuTask",
+    "PoolClosed",
+    "PoolConfig",
+    "ReplayReport",
+    "Task",
+    "TaskFailed",
+    "TaskRejected",
+    "WorkerConfig",
+    "WorkerPool",
+    "__version__",
+    "get_pool",
+    "load_config",
+    "npu_task",
+    "parse_config",
+]

@@ -1,0 +1,118 @@
+"""``@npu_task``: a function that builds a payload becomes a function that runs it."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from typing import Any, Generic, ParamSpec, TypeVar
+
+from npu_sync.pool import WorkerPool, get_pool
+from npu_sync.task import Task
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class NpuTask(Generic[P]):
+    """A decorated task function. Thread-safe when its pool is.
+
+    Calling it builds the payload with the wrapped function and runs it on the pool;
+    ``submit`` does the same on the pool's threads and returns a future.
+    """
+
+    def __init__(
+        self,
+        func: Callable[P, Any],
+        pool: WorkerPool | None,
+        *,
+        fallback: Callable[P, Any] | None,
+        timeout: float | None,
+        endpoint: str | None,
+        idempotent: bool,
+    ) -> None:
+        functools.update_wrapper(self, func)
+        self._func = func
+        self._pool = pool
+        self._fallback = fallback
+        self._timeout = timeout
+        self._endpoint = endpoint
+        self._idempotent = idempotent
+
+    @property
+    def pool(self) -> WorkerPool:
+        """The pool tasks run on: the one given, else the default pool."""
+        return self._pool if self._pool is not None else get_pool()
+
+    def _prepare(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Task, Callable[[], Any] | None]:
+        built = self._func(*args, **kwargs)
+        task = (
+            built
+            if isinstance(built, Task)
+            else Task(
+                payload=built,
+                endpoint=self._endpoint,
+                timeout=self._timeout,
+                idempotent=self._idempotent,
+            )
+        )
+        fallback = self._fallback
+        local = None if fallback is None else functools.partial(fallback, *args, **kwargs)
+        return task, local
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
+        return self._call(*args, **kwargs)
+
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[Any]:
+        """Run on the pool's threads; the future ends as a direct call would."""
+        task, local = self._prepare(args, kwargs)
+        return self.pool.submit(task, fallback=local)
+
+    def __get__(self, instance: object, owner: type | None = None) -> Any:
+        # Behave like a function when used on a method.
+        if instance is None:
+            return self
+        return functools.partial(self._call, instance)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        task, local = self._prepare(args, kwargs)
+        return self.pool.execute(task, fallback=local)
+
+
+def npu_task(
+    pool: WorkerPool | None = None,
+    *,
+    fallback: Callable[..., Any] | None = None,
+    timeout: float | None = None,
+    endpoint: str | None = None,
+    idempotent: bool = True,
+) -> Callable[[Callable[P, Any]], NpuTask[P]]:
+    """Turn a payload-building function into one that runs the task on a pool.
+
+    Args:
+        pool: the pool to use; default the process-wide :func:`get_pool` (looked up
+            at call time, so decorating does not build a pool).
+        fallback: called with the same arguments when the task fails on every
+            worker; its result is returned and no dead letter is stored. If it
+            raises too, the dead letter is stored and ``TaskFailed`` raised.
+        timeout, endpoint, idempotent: the task options (see :class:`Task`), unless
+            the function returns a ``Task`` itself.
+
+    The wrapper keeps the function's name, docstring and signature.
+    """
+    if callable(pool) and not isinstance(pool, WorkerPool):
+        raise TypeError("use @npu_task() or @npu_task(pool), not bare @npu_task")
+
+    def decorate(func: Callable[P, Any]) -> NpuTask[P]:
+        return NpuTask(
+            func,
+            pool,
+            fallback=fallback,
+            timeout=timeout,
+            endpoint=endpoint,
+            idempotent=idempotent,
+        )
+
+    return decorate

@@ -1,0 +1,631 @@
+"""WorkerPool: composes selection, admission, breakers, retries and dead letters.
+
+The life of one task (see docs/architecture.md): acquire a worker lease (waiting FIFO
+for capacity up to the task's deadline), POST outside any lock, classify the answer,
+record it under the lock (which also hands the freed slot to the next waiter), then
+return, raise ``TaskRejected``, or back off and try a worker not yet tried. When no
+attempt is left, the dead-letter record is stored *before* ``TaskFailed`` is raised.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import logging
+import math
+import os
+import random
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NoReturn
+
+from npu_sync.admission import Dispatcher, Lease
+from npu_sync.breaker import WorkerBreaker
+from npu_sync.clock import SYSTEM_CLOCK, Clock
+from npu_sync.config import PoolConfig, WorkerConfig, config_for_url, load_config, worker_config
+from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore, open_store
+from npu_sync.errors import (
+    InvalidTask,
+    NoWorkerAvailable,
+    PoolClosed,
+    TaskFailed,
+    TaskRejected,
+)
+from npu_sync.metrics import PoolStats
+from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error, classify_response
+from npu_sync.selector import Selector
+from npu_sync.task import Attempt, Task, as_task
+from npu_sync.transport import Transport, TransportError, make_transport
+from npu_sync.worker import Worker
+
+log = logging.getLogger(__name__)
+
+TransportFactory = Callable[..., Transport]
+"""Builds one worker's transport: ``factory(worker_config, transport_config, maxsize=n)``."""
+
+
+class _Exhausted(Exception):
+    """No attempt is left for a task; carries why and what was tried."""
+
+    def __init__(self, reason: str, attempts: list[Attempt], first_at: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.attempts = attempts
+        self.first_at = first_at
+
+
+class WorkerPool:
+    """A pool of NPU workers that runs tasks on them from synchronous code.
+
+    Thread-safe: any number of threads may call ``execute``/``submit``/``map`` and the
+    inspection methods at once. One lock guards selection and bookkeeping; it is
+    never held across network I/O.
+
+    Args:
+        config: the validated configuration.
+        clock: time source (tests pass a fake one).
+        transport_factory: builds each worker's HTTP transport.
+        dead_letter_store: where failed tasks are kept; default from ``config``.
+        rng: randomness for selection sampling.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        transport_factory: TransportFactory = make_transport,
+        dead_letter_store: DeadLetterStore | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._config = config
+        self._clock = clock
+        self._transport_factory = transport_factory
+        self._retry = RetryPolicy(config.retry)
+        self._dispatcher = Dispatcher(clock, Selector(rng=rng))
+        self._lock = self._dispatcher.lock
+        self._idle = threading.Condition(self._lock)
+        self._stats = PoolStats()
+        self._workers: dict[str, Worker] = {}
+        self._active = 0
+        self._closed = False
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._started = clock.monotonic()
+        store = (
+            dead_letter_store if dead_letter_store is not None else open_store(config.dead_letter)
+        )
+        self.dead_letters = DeadLetterQueue(store, self._replay, clock=clock)
+        for worker_cfg in config.workers:
+            self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
+        self._dispatcher.set_workers(self._workers.values())
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> WorkerPool:
+        """Build a pool from a YAML file (see docs/configuration.md).
+
+        Raises:
+            ConfigError: the file is missing or invalid; every error names its key.
+        """
+        return cls(load_config(path), **kwargs)
+
+    # -- running tasks -----------------------------------------------------------------
+
+    def execute(
+        self,
+        task: Task | Any,
+        timeout: float | None = None,
+        *,
+        fallback: Callable[[], Any] | None = None,
+    ) -> Any:
+        """Run one task and return the worker's decoded JSON body.
+
+        Args:
+            task: a :class:`Task` or a JSON-serialisable payload for the default endpoint.
+            timeout: the task's whole deadline in seconds (every attempt and wait);
+                default the task's own, else ``timeouts.task``.
+            fallback: run locally, and its result returned, when the task fails on
+                every worker; no dead letter is stored if it succeeds.
+
+        Raises:
+            TaskRejected: the task is bad (a 4xx, or no worker serves its model).
+            TaskFailed: no attempt succeeded; the dead-letter record is stored first.
+            InvalidTask: the task cannot be sent (not JSON, bad options).
+            PoolClosed: the pool is closed.
+        """
+        task = as_task(task)
+        body = task.body()
+        _check_timeout(timeout)
+        self._enter()
+        try:
+            return self._execute(task, body, timeout, fallback)
+        finally:
+            self._leave()
+
+    def submit(
+        self,
+        task: Task | Any,
+        timeout: float | None = None,
+        *,
+        fallback: Callable[[], Any] | None = None,
+    ) -> concurrent.futures.Future[Any]:
+        """Run a task on the pool's own threads; the future ends as :meth:`execute` would."""
+        task = as_task(task)
+        body = task.body()
+        _check_timeout(timeout)
+        self._enter()
+        try:
+            future = self._get_executor().submit(self._execute, task, body, timeout, fallback)
+        except BaseException:
+            self._leave()
+            raise
+        future.add_done_callback(self._leave_cb)
+        return future
+
+    def map(
+        self,
+        tasks: Iterable[Task | Any],
+        timeout: float | None = None,
+        *,
+        window: int | None = None,
+    ) -> Iterator[Any]:
+        """Run tasks concurrently and yield their results in order.
+
+        At most ``window`` tasks (default twice the pool's thread count) are in flight
+        or queued at once, so a long iterable does not build every future up front.
+        The first exception is raised when its result is reached; tasks not yet
+        started then are cancelled (never sent), as ``Executor.map`` does.
+        """
+        limit = window or 2 * self._config.pool.threads
+        if limit < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        source = iter(tasks)
+        pending: deque[concurrent.futures.Future[Any]] = deque()
+        for task in source:
+            pending.append(self.submit(task, timeout))
+            if len(pending) >= limit:
+                break
+        return self._map_results(source, pending, timeout, limit)
+
+    def _map_results(
+        self,
+        source: Iterator[Task | Any],
+        pending: deque[concurrent.futures.Future[Any]],
+        timeout: float | None,
+        limit: int,
+    ) -> Iterator[Any]:
+        try:
+            while pending:
+                result = pending.popleft().result()
+                for task in source:
+                    pending.append(self.submit(task, timeout))
+                    if len(pending) >= limit:
+                        break
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()
+
+    # -- inspecting --------------------------------------------------------------------
+
+    @property
+    def config(self) -> PoolConfig:
+        """The configuration in force."""
+        return self._config
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
+        stored = len(self.dead_letters)
+        with self._lock:
+            now = self._clock.monotonic()
+            workers = list(self._workers.values())
+            s = self._stats
+            sel50, sel99 = self._dispatcher.selection_time.percentiles(50, 99)
+            return {
+                "uptime_s": now - self._started,
+                "closed": self._closed,
+                "workers": {
+                    "total": len(workers),
+                    "available": sum(1 for w in workers if w.eligible(now)),
+                    "healthy": sum(1 for w in workers if w.healthy),
+                    "open_breakers": sum(1 for w in workers if w.breaker.state != "closed"),
+                },
+                "tasks": {
+                    "submitted": s.submitted,
+                    "succeeded": s.succeeded,
+                    "rejected": s.rejected,
+                    "failed": s.failed,
+                    "fallbacks": s.fallbacks,
+                    "retries": s.retries,
+                    "active": self._active,
+                    "in_flight": sum(w.in_flight for w in workers),
+                    "waiting": self._dispatcher.waiting,
+                },
+                "dead_letters": {
+                    "stored_total": s.dead_lettered,
+                    "pending": stored,
+                    "dropped": self.dead_letters.store.dropped,
+                },
+                "selection_us": {
+                    "p50": None if sel50 is None else sel50 * 1e6,
+                    "p99": None if sel99 is None else sel99 * 1e6,
+                },
+            }
+
+    def workers(self) -> list[dict[str, Any]]:
+        """One JSON-serialisable dict per worker, in priority order."""
+        with self._lock:
+            now = self._clock.monotonic()
+            ordered = sorted(self._workers.values(), key=lambda w: (w.priority, w.id))
+            return [w.snapshot(now) for w in ordered]
+
+    # -- changing the pool -------------------------------------------------------------
+
+    def add_worker(self, worker: WorkerConfig | None = None, /, **fields: Any) -> None:
+        """Add a worker at run time: a ``WorkerConfig`` or its fields (``id``, ``url`` …).
+
+        Raises:
+            ConfigError: the fields are invalid.
+            ValueError: a worker with that id is already in the pool.
+        """
+        cfg = worker if worker is not None else worker_config(**fields)
+        built = self._build_worker(cfg)
+        with self._lock:
+            if cfg.id in self._workers:
+                duplicate = True
+            else:
+                duplicate = False
+                self._workers[cfg.id] = built
+                self._dispatcher.selector.set_workers(self._workers.values())
+                self._dispatcher.release_locked(self._clock.monotonic())
+        if duplicate:
+            built.transport.close()
+            raise ValueError(f"worker {cfg.id!r} is already in the pool")
+
+    def remove_worker(self, worker_id: str, *, drain: bool = True) -> None:
+        """Stop sending tasks to a worker and drop it.
+
+        With ``drain`` its in-flight tasks finish normally and its connections close
+        once they have; without, its connections close now and those tasks are
+        retried on other workers.
+
+        Raises:
+            KeyError: no worker has that id.
+        """
+        with self._lock:
+            worker = self._workers.pop(worker_id, None)
+            if worker is None:
+                raise KeyError(f"no worker {worker_id!r} in the pool")
+            worker.draining = True
+            worker.removed = True
+            self._dispatcher.selector.set_workers(self._workers.values())
+            close_now = not drain or worker.in_flight == 0
+        if close_now:
+            worker.transport.close()
+
+    def close(self) -> None:
+        """Stop accepting tasks, let accepted ones finish, and release every resource.
+
+        Blocks until submitted and running tasks end (each bounded by its deadline).
+        Idempotent.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            executor = self._executor
+        if executor is not None:
+            executor.shutdown(wait=True)
+        with self._lock:
+            while self._active:
+                self._idle.wait()
+            workers = list(self._workers.values())
+        for worker in workers:
+            worker.transport.close()
+        self.dead_letters.close()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<WorkerPool workers={len(self._workers)} closed={self._closed}>"
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _build_worker(self, cfg: WorkerConfig) -> Worker:
+        transport = self._transport_factory(cfg, self._config.transport, maxsize=cfg.max_concurrent)
+        breaker = WorkerBreaker(
+            cfg.id, self._config.circuit_breaker, clock=self._clock, listener=_log_transition
+        )
+        return Worker(cfg, transport, breaker)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
+            self._active += 1
+            self._stats.submitted += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+            if not self._active and self._closed:
+                self._idle.notify_all()
+
+    def _leave_cb(self, _future: concurrent.futures.Future[Any]) -> None:
+        self._leave()
+
+    def _get_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        executor = self._executor
+        if executor is None:
+            with self._lock:
+                if self._closed:
+                    raise PoolClosed("the pool is closed")
+                if self._executor is None:
+                    self._executor = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=self._config.pool.threads, thread_name_prefix="npu-sync-task"
+                    )
+                executor = self._executor
+        return executor
+
+    def _execute(
+        self, task: Task, body: bytes, timeout: float | None, fallback: Callable[[], Any] | None
+    ) -> Any:
+        try:
+            return self._attempts(task, body, timeout)
+        except _Exhausted as exhausted:
+            if fallback is None:
+                self._dead_letter(task, exhausted)
+            try:
+                result = fallback()
+            except Exception as exc:
+                exhausted.reason += f"; fallback failed: {type(exc).__name__}: {exc}"
+                self._dead_letter(task, exhausted, cause=exc)
+            with self._lock:
+                self._stats.fallbacks += 1
+            log.info("task %s ran on its fallback: %s", task.task_id, exhausted.reason)
+            return result
+
+    def _replay(self, task: Task) -> Any:
+        """Run a dead-lettered task again without dead-lettering it a second time."""
+        body = task.body()
+        self._enter()
+        try:
+            return self._attempts(task, body, None)
+        except _Exhausted as exhausted:
+            raise TaskFailed(
+                f"task {task.task_id} failed again: {exhausted.reason}",
+                task_id=task.task_id,
+                dead_letter_id="",
+                attempts=exhausted.attempts,
+            ) from None
+        finally:
+            self._leave()
+
+    def _dead_letter(
+        self, task: Task, exhausted: _Exhausted, cause: BaseException | None = None
+    ) -> NoReturn:
+        now = self._clock.time()
+        record = DeadLetter.from_task(
+            task,
+            endpoint=task.endpoint or self._config.pool.default_endpoint,
+            error=exhausted.reason,
+            attempts=exhausted.attempts,
+            now=now,
+            first_attempt_at=exhausted.first_at,
+        )
+        self.dead_letters.add(record)  # durable before the caller hears of the failure
+        with self._lock:
+            self._stats.failed += 1
+            self._stats.dead_lettered += 1
+        log.warning(
+            "task %s dead-lettered as %s after %d attempt(s): %s",
+            task.task_id,
+            record.id,
+            len(exhausted.attempts),
+            exhausted.reason,
+        )
+        error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
+        raise error(
+            f"task {task.task_id} failed: {exhausted.reason} (dead letter {record.id})",
+            task_id=task.task_id,
+            dead_letter_id=record.id,
+            attempts=exhausted.attempts,
+        ) from cause
+
+    def _attempts(self, task: Task, body: bytes, timeout: float | None) -> Any:
+        """Try the task on successive workers; return the result or raise.
+
+        Raises TaskRejected, or _Exhausted for the caller to dead-letter.
+        """
+        config = self._config
+        policy = self._retry
+        clock = self._clock
+        path = task.endpoint or config.pool.default_endpoint
+        timeouts = config.timeouts
+        connect_timeout = timeouts.connect
+        read_timeout = timeouts.read
+        start = clock.monotonic()
+        # Wall-clock times (for people reading dead letters) from the monotonic clock,
+        # saving a clock call per attempt.
+        wall = clock.time() - start
+        deadline = start + (timeout or task.timeout or timeouts.task)
+        attempts: list[Attempt] = []
+        excluded: set[str] = set()
+        failures = 0
+        missing_model: str | None = None
+        acquire = self._dispatcher.acquire
+        while True:
+            lease = acquire(excluded, deadline)
+            if lease is None:
+                reason = self._no_lease_reason(attempts, deadline)
+                break
+            worker = lease.worker
+            t0 = clock.monotonic()
+            remaining = deadline - t0
+            try:
+                response = worker.transport.request(
+                    "POST",
+                    path,
+                    body=body,
+                    headers={
+                        "X-NPU-Task-Id": task.task_id,
+                        "X-NPU-Attempt": str(len(attempts) + 1),
+                    },
+                    connect_timeout=connect_timeout if connect_timeout < remaining else remaining,
+                    read_timeout=read_timeout if read_timeout < remaining else remaining,
+                )
+            except TransportError as exc:
+                outcome = classify_error(exc)
+            except Exception as exc:  # a transport bug must not lose the task
+                log.exception("unexpected error from the transport of worker %s", worker.id)
+                outcome = Outcome(Kind.FAILURE, error=f"{type(exc).__name__}: {exc}")
+            else:
+                outcome = classify_response(response, now=t0 + wall)
+            t1 = clock.monotonic()
+            self._record(lease, outcome, t1 - t0, t1, retry=bool(attempts))
+            kind = outcome.kind
+            if kind is Kind.SUCCESS:
+                return outcome.value
+            attempts.append(Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + wall))
+            if kind is Kind.REJECTED:
+                raise TaskRejected(
+                    f"worker {worker.id} rejected task {task.task_id}: {outcome.error}",
+                    task_id=task.task_id,
+                    status=outcome.status,
+                    worker_id=worker.id,
+                    body=outcome.value,
+                )
+            excluded.add(worker.id)
+            if kind is Kind.NOT_HERE:
+                missing_model = outcome.model
+                continue
+            failures += 1
+            if not task.idempotent and outcome.processed:
+                reason = f"worker {worker.id} failed a non-idempotent task that may have run"
+                break
+            wait = policy.next_wait(failures, t1 - start)
+            if wait is None:
+                reason = f"all {failures} attempt(s) failed"
+                break
+            if t1 + wait >= deadline:
+                reason = "deadline passed"
+                break
+            log.debug("task %s: %s; retrying in %.3fs", task.task_id, outcome.error, wait)
+            clock.sleep(wait)
+        if missing_model is not None and not failures:
+            with self._lock:
+                self._stats.rejected += 1
+            raise TaskRejected(
+                f"no worker serves model {missing_model!r} (task {task.task_id})",
+                task_id=task.task_id,
+                status=500,
+            )
+        if attempts and attempts[-1].error:
+            reason = f"{reason}; last error on {attempts[-1].worker_id}: {attempts[-1].error}"
+        raise _Exhausted(reason, attempts, start + wall)
+
+    def _no_lease_reason(self, attempts: list[Attempt], deadline: float) -> str:
+        if self._clock.monotonic() >= deadline:
+            return "deadline passed waiting for a worker"
+        if not attempts:
+            return "no worker in the pool can take tasks"
+        return "every worker was tried"
+
+    def _record(
+        self, lease: Lease, outcome: Outcome, duration: float, now: float, *, retry: bool
+    ) -> None:
+        worker = lease.worker
+        trial = lease.trial
+        kind = outcome.kind
+        close_transport = False
+        with self._lock:
+            worker.in_flight -= 1
+            stats = worker.stats
+            stats.attempts += 1
+            if kind is Kind.SUCCESS:
+                worker.breaker.record_success(trial)
+                stats.succeeded += 1
+                stats.observe(now, duration, True)
+                self._stats.succeeded += 1
+            elif kind is Kind.FAILURE:
+                worker.breaker.record_failure(trial)
+                stats.failed += 1
+                stats.last_error = outcome.error
+                stats.last_error_at = self._clock.time()
+                stats.observe(now, duration, False)
+                if outcome.retry_after:
+                    cap = self._config.circuit_breaker.max_reset_timeout
+                    worker.cooldown_until = now + min(outcome.retry_after, cap)
+            else:
+                worker.breaker.release(trial)
+                if kind is Kind.REJECTED:
+                    stats.rejected += 1
+                    self._stats.rejected += 1
+                else:
+                    stats.not_here += 1
+            if retry:
+                self._stats.retries += 1
+            self._dispatcher.release_locked(now)
+            if worker.removed and not worker.in_flight:
+                close_transport = True
+        if close_transport:
+            worker.transport.close()
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is None:
+        return
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (math.isfinite(timeout) and timeout > 0)
+    ):
+        raise InvalidTask(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _log_transition(name: str, old: str, new: str) -> None:
+    log.info("worker %s breaker: %s -> %s", name, old, new)
+
+
+# -- the process-wide default pool -------------------------------------------------------
+
+_default_lock = threading.Lock()
+_default_pool: WorkerPool | None = None
+
+
+def get_pool() -> WorkerPool:
+    """The process-wide default pool, built on first use.
+
+    From ``$NPU_SYNC_CONFIG``, else ``./npu_workers.yaml``; with neither, a single
+    worker at ``$NPU_WORKER_URL`` (default ``http://127.0.0.1:8081``) — the
+    single-worker compatibility mode, which is logged. Closed at interpreter exit.
+    """
+    global _default_pool
+    with _default_lock:
+        if _default_pool is None or _default_pool.closed:
+            _default_pool = _build_default(os.environ)
+            atexit.register(_default_pool.close)
+        return _default_pool
+
+
+def _build_default(env: Mapping[str, str]) -> WorkerPool:
+    path = env.get("NPU_SYNC_CONFIG")
+    if path:
+        return WorkerPool.from_yaml(path)
+    if os.path.exists("npu_workers.yaml"):
+        return WorkerPool.from_yaml("npu_workers.yaml")
+    url = env.get("NPU_WORKER_URL", "http://127.0.0.1:8081")
+    log.warning(
+        "no npu_sync configuration ($NPU_SYNC_CONFIG unset, no ./npu_workers.yaml): "
+        "using a single worker at %s",
+        url,
+    )
+    return WorkerPool(config_for_url(url))
