@@ -1,0 +1,5 @@
+import sys
+
+from npu_sync.cli import main
+
+sys.exit(main())
