@@ -1,6 +1,7 @@
 """npu_sync: spread inference tasks over a pool of NPU workers from synchronous code."""
 
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
+from importlib.metadata import version as _version
 
 from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
@@ -18,8 +19,8 @@ from npu_sync.pool import WorkerPool, get_pool
 from npu_sync.task import Attempt, Task
 
 try:
-    __version__ = version("npu_sync")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = _version("npu_sync")
+except _PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [

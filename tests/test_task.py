@@ -1,0 +1,85 @@
+"""Tasks: validation with clear messages, ids, encoding; and the public surface."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+import npu_sync
+from npu_sync.errors import InvalidTask, NpuSyncError
+from npu_sync.task import Attempt, Task, as_task, new_task_id
+
+
+def test_task_ids_are_random_version_4_uuids():
+    """Default task ids are distinct uuid4 hex strings."""
+    ids = {new_task_id() for _ in range(2000)}
+    assert len(ids) == 2000
+    for value in list(ids)[:200]:
+        parsed = uuid.UUID(hex=value)
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122 and parsed.hex == value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"endpoint": "inference"}, "endpoint must be a path"),
+        ({"timeout": 0}, "timeout must be > 0"),
+        ({"timeout": float("nan")}, "timeout must be > 0"),
+        ({"timeout": "5"}, "timeout must be a number"),
+        ({"timeout": True}, "timeout must be a number"),
+        ({"task_id": ""}, "task_id must be a non-empty string"),
+        ({"task_id": "a\nb"}, "task_id must be printable"),
+    ],
+)
+def test_bad_task_options_say_what_is_wrong(kwargs, message):
+    """Each bad option raises InvalidTask naming the option and the value."""
+    with pytest.raises(InvalidTask, match=message):
+        Task({"x": 1}, **kwargs)
+
+
+def test_body_is_compact_json_and_rejects_what_json_cannot_carry():
+    """The payload is encoded once, compactly; NaN and objects are refused by name."""
+    assert Task({"a": [1, 2]}).body() == b'{"a":[1,2]}'
+    with pytest.raises(InvalidTask, match="not JSON-serialisable"):
+        Task({"a": float("nan")}).body()
+    with pytest.raises(InvalidTask, match="not JSON-serialisable"):
+        Task({"a": {1, 2}}).body()
+
+
+def test_as_task_wraps_payloads_and_passes_tasks_through():
+    """A bare payload becomes a Task; a Task is used as it is."""
+    task = Task({"x": 1}, task_id="fixed")
+    assert as_task(task) is task
+    wrapped = as_task({"y": 2})
+    assert wrapped.payload == {"y": 2} and wrapped.endpoint is None and wrapped.idempotent
+
+
+def test_attempt_round_trips_through_a_dict():
+    """Attempt records survive to_dict/from_dict (dead letters store them so)."""
+    attempt = Attempt("w1", "timeout: read", 1.5, None, 1700000000.0)
+    assert Attempt.from_dict(attempt.to_dict()) == attempt
+
+
+def test_invalid_task_is_an_npu_sync_error_and_a_value_error():
+    """Callers can catch bad tasks as NpuSyncError or ValueError."""
+    assert issubclass(InvalidTask, NpuSyncError) and issubclass(InvalidTask, ValueError)
+
+
+def test_public_surface_is_sorted_and_importable():
+    """__all__ is sorted, every name in it exists, and nothing private leaks."""
+    names = npu_sync.__all__
+    assert names == sorted(names)
+    for name in names:
+        assert hasattr(npu_sync, name), name
+    public = {n for n in dir(npu_sync) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(npu_sync, n)).__name__ == "module"}
+    assert public - modules == set(names) - {"__version__"}
+
+
+def test_every_exception_derives_from_the_root():
+    """One exception root: every exported exception class is an NpuSyncError."""
+    exported = [getattr(npu_sync, name) for name in npu_sync.__all__]
+    errors = [e for e in exported if isinstance(e, type) and issubclass(e, BaseException)]
+    assert len(errors) == 7
+    assert all(issubclass(e, NpuSyncError) for e in errors)
