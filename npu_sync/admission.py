@@ -60,11 +60,15 @@ class Dispatcher:
 
     def set_workers(self, workers: Iterable[Worker]) -> None:
         with self.lock:
-            self.selector.set_workers(workers)
-            self._serve(self.clock.monotonic())
-            # Waiters whose last untried worker went away must re-check.
-            for waiter in self._waiters:
-                waiter.cond.notify()
+            self.set_workers_locked(workers)
+
+    def set_workers_locked(self, workers: Iterable[Worker]) -> None:
+        """Replace the candidate set. Call with ``lock`` held."""
+        self.selector.set_workers(workers)
+        self._serve(self.clock.monotonic())
+        # Waiters whose last untried worker went away must re-check.
+        for waiter in self._waiters:
+            waiter.cond.notify()
 
     def acquire(self, excluded: Collection[str], deadline: float) -> Lease | None:
         """A lease on the best worker not in ``excluded``, waiting until ``deadline``.
@@ -132,7 +136,7 @@ class Dispatcher:
 
     def _has_candidate(self, excluded: Collection[str]) -> bool:
         return any(
-            w.id not in excluded and w.config.enabled and not w.draining and not w.removed
+            w.id not in excluded and w.enabled and not w.draining and not w.removed
             for w in self.selector.workers
         )
 

@@ -224,17 +224,39 @@ def load_config(path: str | os.PathLike[str]) -> PoolConfig:
     Raises:
         ConfigError: the file cannot be read, is not valid YAML, or fails validation.
     """
+    source = os.path.abspath(os.fspath(path))
+    return parse_yaml(read_config_text(path), source=source)
+
+
+def read_config_text(path: str | os.PathLike[str]) -> str:
+    """The text of a configuration file.
+
+    Raises:
+        ConfigError: the file cannot be read or is not UTF-8.
+    """
     name = os.fspath(path)
     source = os.path.abspath(name)
     try:
         with open(name, encoding="utf-8") as fh:
-            text = fh.read()
+            return fh.read()
     except OSError as exc:
         raise ConfigError(f"cannot read {name}: {exc.strerror or exc}", source=source) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"cannot read {name}: not UTF-8 text (byte {exc.start})", source=source
         ) from None
+
+
+def parse_yaml(text: str, *, source: str) -> PoolConfig:
+    """Validate the YAML text of the configuration file at ``source``.
+
+    Reloads read the file once, hash those bytes and parse them with this, so the
+    configuration applied is exactly the content that was compared.
+
+    Raises:
+        ConfigError: the text is not valid YAML or fails validation.
+    """
+    name = source
     try:
         data = yaml.safe_load(text)
     except yaml.MarkedYAMLError as exc:

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
+import dataclasses
+import hashlib
 import logging
 import math
 import os
@@ -21,18 +24,29 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
 
 from npu_sync.admission import Dispatcher, Lease
-from npu_sync.breaker import WorkerBreaker
+from npu_sync.breaker import OPEN, WorkerBreaker
 from npu_sync.clock import SYSTEM_CLOCK, Clock
-from npu_sync.config import PoolConfig, WorkerConfig, config_for_url, load_config, worker_config
+from npu_sync.config import (
+    PoolConfig,
+    WorkerConfig,
+    config_for_url,
+    parse_yaml,
+    read_config_text,
+    worker_config,
+)
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore, open_store
 from npu_sync.errors import (
+    ConfigError,
     InvalidTask,
     NoWorkerAvailable,
+    NpuSyncError,
     PoolClosed,
     TaskFailed,
     TaskRejected,
 )
+from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.metrics import PoolStats
+from npu_sync.reload import ConfigWatcher
 from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error, classify_response
 from npu_sync.selector import Selector
 from npu_sync.task import Attempt, Task, as_task
@@ -43,6 +57,44 @@ log = logging.getLogger(__name__)
 
 TransportFactory = Callable[..., Transport]
 """Builds one worker's transport: ``factory(worker_config, transport_config, maxsize=n)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReloadResult:
+    """What a reload changed, by worker id.
+
+    ``restart_required`` names pool sections that differ in the new configuration
+    but only take effect on a new pool (``transport``, ``dead_letter``, ``pool``);
+    the running values are kept.
+    """
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
+    unchanged: tuple[str, ...] = ()
+    settings_changed: bool = False
+    restart_required: tuple[str, ...] = ()
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.added or self.removed or self.updated or self.settings_changed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "updated": list(self.updated),
+            "unchanged": list(self.unchanged),
+            "settings_changed": self.settings_changed,
+            "restart_required": list(self.restart_required),
+        }
+
+
+_NOT_HOT = ("transport", "dead_letter", "pool")
+"""Sections a reload cannot change in a running pool."""
+
+_ADDRESS_FIELDS = ("url", "tls", "headers")
+"""A worker whose address changes gets new connections and a fresh breaker."""
 
 
 class _Exhausted(Exception):
@@ -92,6 +144,17 @@ class WorkerPool:
         self._closed = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = clock.monotonic()
+        self._rng = rng or random.Random()
+        self._source_digest: str | None = None
+        self._reload_lock = threading.Lock()
+        self._reloads: dict[str, Any] = {
+            "ok": 0,
+            "failed": 0,
+            "last_error": None,
+            "last_at": None,
+            "last_change": None,
+        }
+        self._watcher: ConfigWatcher | None = None
         store = (
             dead_letter_store if dead_letter_store is not None else open_store(config.dead_letter)
         )
@@ -99,15 +162,51 @@ class WorkerPool:
         for worker_cfg in config.workers:
             self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
         self._dispatcher.set_workers(self._workers.values())
+        self._health = HealthChecker(
+            self._health_targets,
+            self._apply_health,
+            lambda: self._config.health,
+            clock=clock,
+            rng=self._rng,
+        )
+        if config.health.enabled:
+            self._health.start()
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike[str], **kwargs: Any) -> WorkerPool:
+    def from_yaml(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        watch: bool = True,
+        poll_interval: float = 10.0,
+        **kwargs: Any,
+    ) -> WorkerPool:
         """Build a pool from a YAML file (see docs/configuration.md).
+
+        Args:
+            path: the YAML file.
+            watch: reload the file when it changes on disk (see docs/operations.md).
+            poll_interval: seconds between re-checks of the file when no
+                file-system event came (for file systems that send none).
+            **kwargs: passed on to :class:`WorkerPool`.
 
         Raises:
             ConfigError: the file is missing or invalid; every error names its key.
         """
-        return cls(load_config(path), **kwargs)
+        source = os.path.abspath(os.fspath(path))
+        text = read_config_text(source)
+        pool = cls(parse_yaml(text, source=source), **kwargs)
+        pool._source_digest = _digest(text)
+        if watch:
+            pool._watcher = ConfigWatcher(
+                source, pool._reload_if_changed, poll_interval=poll_interval
+            )
+            try:
+                pool._watcher.start()
+            except BaseException:
+                pool.close()
+                raise
+        return pool
 
     # -- running tasks -----------------------------------------------------------------
 
@@ -250,6 +349,12 @@ class WorkerPool:
                     "pending": stored,
                     "dropped": self.dead_letters.store.dropped,
                 },
+                "reloads": dict(self._reloads),
+                "health": {
+                    "enabled": self._config.health.enabled,
+                    "running": self._health.running,
+                    "rounds": self._health.rounds,
+                },
                 "selection_us": {
                     "p50": None if sel50 is None else sel50 * 1e6,
                     "p99": None if sel99 is None else sel99 * 1e6,
@@ -268,23 +373,19 @@ class WorkerPool:
     def add_worker(self, worker: WorkerConfig | None = None, /, **fields: Any) -> None:
         """Add a worker at run time: a ``WorkerConfig`` or its fields (``id``, ``url`` …).
 
+        A later reload of the YAML file makes the pool match the file again, so a
+        worker added here and absent from the file is removed by it.
+
         Raises:
             ConfigError: the fields are invalid.
             ValueError: a worker with that id is already in the pool.
         """
         cfg = worker if worker is not None else worker_config(**fields)
-        built = self._build_worker(cfg)
-        with self._lock:
+        with self._reload_lock:
             if cfg.id in self._workers:
-                duplicate = True
-            else:
-                duplicate = False
-                self._workers[cfg.id] = built
-                self._dispatcher.selector.set_workers(self._workers.values())
-                self._dispatcher.release_locked(self._clock.monotonic())
-        if duplicate:
-            built.transport.close()
-            raise ValueError(f"worker {cfg.id!r} is already in the pool")
+                raise ValueError(f"worker {cfg.id!r} is already in the pool")
+            workers = (*self._config.workers, cfg)
+            self._apply_config(dataclasses.replace(self._config, workers=workers))
 
     def remove_worker(self, worker_id: str, *, drain: bool = True) -> None:
         """Stop sending tasks to a worker and drop it.
@@ -296,21 +397,48 @@ class WorkerPool:
         Raises:
             KeyError: no worker has that id.
         """
-        with self._lock:
-            worker = self._workers.pop(worker_id, None)
-            if worker is None:
+        with self._reload_lock:
+            if worker_id not in self._workers:
                 raise KeyError(f"no worker {worker_id!r} in the pool")
-            worker.draining = True
-            worker.removed = True
-            self._dispatcher.selector.set_workers(self._workers.values())
-            close_now = not drain or worker.in_flight == 0
-        if close_now:
-            worker.transport.close()
+            workers = tuple(w for w in self._config.workers if w.id != worker_id)
+            self._apply_config(dataclasses.replace(self._config, workers=workers), drain=drain)
+
+    def reload(self, config: PoolConfig | None = None) -> ReloadResult:
+        """Apply a new configuration, or re-read the pool's YAML file.
+
+        The whole new configuration is validated first; on any error the running one
+        is kept. Workers are matched by id: new ones are added, missing ones drain
+        and go, changed ones are updated, unchanged ones keep their breaker and
+        statistics. Retry, breaker, health and timeout settings apply to tasks that
+        start afterwards; ``transport``, ``dead_letter`` and ``pool`` need a new pool.
+
+        Returns:
+            What changed.
+
+        Raises:
+            ConfigError: the new configuration is invalid (the running one is kept).
+            NpuSyncError: no configuration given and the pool has no file.
+        """
+        if config is not None:
+            with self._reload_lock:
+                return self._record_reload(self._apply_config(config))
+        if self._config.source is None:
+            raise NpuSyncError("this pool was not built from a file: pass reload(config)")
+        return self._reload_file(force=True)
+
+    def check_health(self) -> dict[str, dict[str, Any]]:
+        """Check every worker now (one round, in parallel) and apply the results.
+
+        Returns:
+            Per worker id, the check's result (``ok``, ``status``, ``latency_ms`` …).
+        """
+        return {wid: r.to_dict() for wid, r in self._health.check_once().items()}
 
     def close(self) -> None:
         """Stop accepting tasks, let accepted ones finish, and release every resource.
 
-        Blocks until submitted and running tasks end (each bounded by its deadline).
+        Blocks until submitted and running tasks end (each bounded by its deadline),
+        and stops the health and reload threads (within the health timeout).
         Idempotent.
         """
         with self._lock:
@@ -318,6 +446,9 @@ class WorkerPool:
                 return
             self._closed = True
             executor = self._executor
+        if self._watcher is not None:
+            self._watcher.stop()
+        self._health.stop()
         if executor is not None:
             executor.shutdown(wait=True)
         with self._lock:
@@ -326,6 +457,7 @@ class WorkerPool:
             workers = list(self._workers.values())
         for worker in workers:
             worker.transport.close()
+            worker.health_transport.close()
         self.dead_letters.close()
 
     def __enter__(self) -> WorkerPool:
@@ -340,11 +472,162 @@ class WorkerPool:
     # -- internals ---------------------------------------------------------------------
 
     def _build_worker(self, cfg: WorkerConfig) -> Worker:
-        transport = self._transport_factory(cfg, self._config.transport, maxsize=cfg.max_concurrent)
+        transport, health_transport = self._build_transports(cfg)
         breaker = WorkerBreaker(
             cfg.id, self._config.circuit_breaker, clock=self._clock, listener=_log_transition
         )
-        return Worker(cfg, transport, breaker)
+        return Worker(cfg, transport, breaker, health_transport)
+
+    def _build_transports(self, cfg: WorkerConfig) -> tuple[Transport, Transport]:
+        # Health checks get a connection of their own, so a check never waits behind
+        # tasks for a pooled connection, nor tasks behind a hung check.
+        settings = self._config.transport
+        return (
+            self._transport_factory(cfg, settings, maxsize=cfg.max_concurrent),
+            self._transport_factory(cfg, settings, maxsize=1),
+        )
+
+    # -- health and reload internals ---------------------------------------------------
+
+    def _health_targets(self) -> list[Worker]:
+        with self._lock:
+            return list(self._workers.values())
+
+    def _apply_health(self, results: dict[str, HealthResult] | Any) -> None:
+        health = self._config.health
+        changes: list[tuple[str, bool, str | None]] = []
+        with self._lock:
+            for worker_id, result in results.items():
+                worker = self._workers.get(worker_id)
+                if worker is None:
+                    continue  # removed while the round ran
+                if worker.apply_health(
+                    result, health.unhealthy_threshold, health.healthy_threshold
+                ):
+                    changes.append((worker_id, worker.healthy, result.error))
+                if result.ok and worker.breaker.state == OPEN:
+                    # The worker answers again: let a real task try it now rather than
+                    # wait out the reset timeout. Only that task's success closes it.
+                    worker.breaker.allow_trial()
+            self._dispatcher.release_locked(self._clock.monotonic())
+        for worker_id, healthy, error in changes:
+            if healthy:
+                log.info("worker %s is healthy again", worker_id)
+            else:
+                log.warning("worker %s is unhealthy: %s", worker_id, error)
+
+    def _reload_if_changed(self) -> None:
+        """The watcher's callback: reload when the file's content changed."""
+        # A bad file is logged and counted by _reload_file; the running config stays.
+        with contextlib.suppress(ConfigError):
+            self._reload_file(force=False)
+
+    def _reload_file(self, *, force: bool) -> ReloadResult:
+        source = self._config.source
+        assert source is not None
+        with self._reload_lock:
+            if self._closed:
+                return ReloadResult()
+            try:
+                text = read_config_text(source)
+                digest = _digest(text)
+                if digest == self._source_digest and not force:
+                    return ReloadResult()
+                result = self._apply_config(parse_yaml(text, source=source))
+            except ConfigError as exc:
+                self._reloads["failed"] += 1
+                self._reloads["last_error"] = str(exc)
+                self._reloads["last_at"] = self._clock.time()
+                log.error("reload of %s failed; keeping the running configuration: %s", source, exc)
+                raise
+            self._source_digest = digest
+            return self._record_reload(result)
+
+    def _record_reload(self, result: ReloadResult) -> ReloadResult:
+        self._reloads["ok"] += 1
+        self._reloads["last_error"] = None
+        self._reloads["last_at"] = self._clock.time()
+        self._reloads["last_change"] = result.to_dict()
+        if result.changed:
+            log.info(
+                "configuration reloaded: added %s, removed %s, updated %s",
+                list(result.added),
+                list(result.removed),
+                list(result.updated),
+            )
+        for section in result.restart_required:
+            log.warning("configuration section %r changed; it takes effect on restart", section)
+        return result
+
+    def _apply_config(self, new: PoolConfig, *, drain: bool = True) -> ReloadResult:
+        """Make the running pool match ``new``. Call with ``_reload_lock`` held."""
+        old = self._config
+        restart = tuple(name for name in _NOT_HOT if getattr(new, name) != getattr(old, name))
+        new = dataclasses.replace(
+            new, transport=old.transport, dead_letter=old.dead_letter, pool=old.pool
+        )
+        wanted = {w.id: w for w in new.workers}
+        with self._lock:
+            current = dict(self._workers)
+        added = [wid for wid in wanted if wid not in current]
+        removed = [wid for wid in current if wid not in wanted]
+        updated = [wid for wid in wanted if wid in current and current[wid].config != wanted[wid]]
+        unchanged = [wid for wid in wanted if wid in current and wid not in updated]
+        # Connections are built before taking the lock (no I/O happens, but nothing
+        # that could block belongs under it).
+        built = {wid: self._build_worker(wanted[wid]) for wid in added}
+        rewired = {
+            wid: self._build_transports(wanted[wid])
+            for wid in updated
+            if any(
+                getattr(current[wid].config, f) != getattr(wanted[wid], f) for f in _ADDRESS_FIELDS
+            )
+        }
+        to_close: list[Transport] = []
+        settings_changed = any(
+            getattr(new, name) != getattr(old, name)
+            for name in ("health", "circuit_breaker", "retry", "timeouts")
+        )
+        with self._lock:
+            for wid, worker in built.items():
+                self._workers[wid] = worker
+            for wid in removed:
+                worker = self._workers.pop(wid)
+                worker.draining = True
+                worker.removed = True
+                if not drain or not worker.in_flight:
+                    to_close += [worker.transport, worker.health_transport]
+                else:
+                    to_close.append(worker.health_transport)
+            for wid in updated:
+                worker = self._workers[wid]
+                worker.configure(wanted[wid])
+                if wid in rewired:
+                    to_close += [worker.transport, worker.health_transport]
+                    worker.transport, worker.health_transport = rewired[wid]
+                    worker.breaker.reset()
+                    worker.cooldown_until = 0.0
+            if new.circuit_breaker != old.circuit_breaker:
+                for worker in self._workers.values():
+                    worker.breaker.configure(new.circuit_breaker)
+            self._config = new
+            if new.retry != old.retry:
+                self._retry = RetryPolicy(new.retry)
+            self._dispatcher.set_workers_locked(self._workers.values())
+        for transport in to_close:
+            transport.close()
+        if new.health.enabled and not self._health.running:
+            self._health.start()
+        elif not new.health.enabled and self._health.running:
+            log.warning("health checks were disabled by a reload; they stop on restart")
+        return ReloadResult(
+            tuple(added),
+            tuple(removed),
+            tuple(updated),
+            tuple(unchanged),
+            settings_changed,
+            restart,
+        )
 
     def _enter(self) -> None:
         with self._lock:
@@ -490,7 +773,7 @@ class WorkerPool:
             else:
                 outcome = classify_response(response, now=t0 + wall)
             t1 = clock.monotonic()
-            self._record(lease, outcome, t1 - t0, t1, retry=bool(attempts))
+            self._record(lease, outcome, t1 - t0, t1, retry=failures > 0)
             kind = outcome.kind
             if kind is Kind.SUCCESS:
                 return outcome.value
@@ -578,6 +861,10 @@ class WorkerPool:
                 close_transport = True
         if close_transport:
             worker.transport.close()
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _check_timeout(timeout: float | None) -> None:

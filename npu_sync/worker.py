@@ -6,6 +6,7 @@ from typing import Any
 
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
+from npu_sync.health import HealthResult
 from npu_sync.metrics import WorkerStats
 from npu_sync.transport import Transport
 
@@ -25,7 +26,14 @@ class Worker:
         "config",
         "cooldown_until",
         "draining",
+        "enabled",
+        "health",
+        "health_failures",
+        "health_passes",
+        "health_transport",
         "healthy",
+        "hinted_capacity",
+        "hinted_draining",
         "id",
         "in_flight",
         "priority",
@@ -34,27 +42,69 @@ class Worker:
         "transport",
     )
 
-    def __init__(self, config: WorkerConfig, transport: Transport, breaker: WorkerBreaker) -> None:
-        self.config = config
+    def __init__(
+        self,
+        config: WorkerConfig,
+        transport: Transport,
+        breaker: WorkerBreaker,
+        health_transport: Transport,
+    ) -> None:
         self.id = config.id
-        self.priority = config.priority
         self.transport = transport
+        self.health_transport = health_transport
         self.breaker = breaker
         self.in_flight = 0
-        self.capacity = config.max_concurrent
         self.healthy = True
-        self.draining = False
+        self.health: HealthResult | None = None
+        self.health_failures = 0
+        self.health_passes = 0
+        self.hinted_capacity: int | None = None
+        self.hinted_draining = False
+        self.draining = False  # being removed: finishes its tasks, takes no new ones
         self.removed = False
         self.cooldown_until = 0.0
         self.stats = WorkerStats()
+        self.configure(config)
+
+    def configure(self, config: WorkerConfig) -> None:
+        """Take a new configuration of the same worker (priority, capacity, enabled)."""
+        self.config = config
+        self.priority = config.priority
+        self.enabled = config.enabled
+        self._update_capacity()
+
+    def apply_health(self, result: HealthResult, unhealthy_after: int, healthy_after: int) -> bool:
+        """Count a health check; returns whether ``healthy`` changed."""
+        self.health = result
+        was = self.healthy
+        if result.ok:
+            self.health_failures = 0
+            self.health_passes += 1
+            if not was and self.health_passes >= healthy_after:
+                self.healthy = True
+            self.hinted_draining = bool(result.draining)
+            self.hinted_capacity = result.max_concurrent
+            self._update_capacity()
+        else:
+            self.health_passes = 0
+            self.health_failures += 1
+            if was and self.health_failures >= unhealthy_after:
+                self.healthy = False
+        return self.healthy != was
+
+    def _update_capacity(self) -> None:
+        hinted = self.hinted_capacity
+        limit = self.config.max_concurrent
+        self.capacity = limit if hinted is None else min(limit, hinted)
 
     def eligible(self, now: float) -> bool:
         """Whether a new attempt may start here now (ignoring per-task exclusions)."""
         return (
             self.in_flight < self.capacity
             and self.healthy
+            and self.enabled
             and not self.draining
-            and self.config.enabled
+            and not self.hinted_draining
             and now >= self.cooldown_until
             and self.breaker.can_admit(now)
         )
@@ -67,9 +117,10 @@ class Worker:
             "id": self.id,
             "url": self.config.url,
             "priority": self.priority,
-            "enabled": self.config.enabled,
-            "draining": self.draining,
+            "enabled": self.enabled,
+            "draining": self.draining or self.hinted_draining,
             "healthy": self.healthy,
+            "health": None if self.health is None else self.health.to_dict(),
             "breaker": {
                 "state": self.breaker.state,
                 "trips": self.breaker.trips,

@@ -11,6 +11,7 @@ import pytest
 from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool, npu_task
 from npu_sync.config import (
     BreakerConfig,
+    HealthConfig,
     PoolConfig,
     PoolSettings,
     RetryConfig,
@@ -27,6 +28,7 @@ def make_config(*ids: str, priorities=None, capacity: int = 8, **kw) -> PoolConf
         worker_config(i, f"http://127.0.0.1:{9100 + n}", priority=p, max_concurrent=capacity)
         for n, (i, p) in enumerate(zip(ids, priorities, strict=True))
     )
+    kw.setdefault("health", HealthConfig(enabled=False))
     kw.setdefault("retry", RetryConfig(max_retries=3, backoff_initial=0.01, backoff_max=0.1))
     kw.setdefault(
         "circuit_breaker", BreakerConfig(fail_max=2, reset_timeout=30, max_reset_timeout=60)

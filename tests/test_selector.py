@@ -29,7 +29,7 @@ def make_worker(worker_id: str, priority: int = 1, capacity: int = 8, port: int 
         worker_id, f"http://127.0.0.1:{port}", priority=priority, max_concurrent=capacity
     )
     breaker = WorkerBreaker(worker_id, BreakerConfig(fail_max=1), clock=CLOCK)
-    return Worker(cfg, _NoTransport(), breaker)
+    return Worker(cfg, _NoTransport(), breaker, _NoTransport())
 
 
 def test_lower_priority_number_wins_even_when_busier():
@@ -63,6 +63,7 @@ def test_disabled_and_cooling_down_workers_are_skipped():
         worker_config("b", "http://127.0.0.1:9999", enabled=False),
         _NoTransport(),
         WorkerBreaker("b", BreakerConfig(), clock=CLOCK),
+        _NoTransport(),
     )
     selector = Selector([a, b])
     assert selector.select((), NOW) is a

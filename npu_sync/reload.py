@@ -1,0 +1,115 @@
+"""Hot reload: watch the YAML's directory and tell the pool when the file may have changed.
+
+Watching the *directory* rather than the file catches editors' atomic saves (write a
+temporary file, rename it over the original) and Kubernetes ConfigMap updates (the
+``..data`` symlink is swapped to a new timestamped directory), which replace the
+file's inode and end a watch on the file itself. The watchdog handler only sets a
+flag: an exception raised inside a watchdog handler silently kills its observer.
+A thread of ours debounces the flag and calls back; a slow periodic re-check covers
+file systems that deliver no events (some network and container mounts). Whether
+anything really changed is decided by the caller, from the file's content hash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+log = logging.getLogger(__name__)
+
+
+class _Flag(FileSystemEventHandler):
+    def __init__(self, names: frozenset[str], event: threading.Event) -> None:
+        self._names = names
+        self._event = event
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        try:
+            for path in (event.src_path, getattr(event, "dest_path", "")):
+                name = os.path.basename(os.fsdecode(path))
+                if name in self._names or name.startswith(".."):
+                    self._event.set()
+                    return
+        except Exception:  # never let the observer thread die
+            log.exception("error while filtering a file-system event")
+
+
+class ConfigWatcher:
+    """Calls ``on_change()`` after the config file may have changed.
+
+    Thread-safe ``start``/``stop``. ``on_change`` runs on the watcher's own thread
+    (named ``npu-sync-reload``), never on watchdog's; an exception it raises is
+    logged and the watcher carries on.
+
+    Args:
+        path: the configuration file.
+        on_change: called after events settle, and every ``poll_interval`` seconds.
+        debounce: quiet time that ends a burst of events (an editor's save is several).
+        poll_interval: the periodic re-check for file systems without events.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        on_change: Callable[[], object],
+        *,
+        debounce: float = 0.2,
+        poll_interval: float = 10.0,
+    ) -> None:
+        self.path = os.path.abspath(os.fspath(path))
+        self.directory = os.path.dirname(self.path)
+        self._on_change = on_change
+        self._debounce = debounce
+        self._poll_interval = poll_interval
+        self._changed = threading.Event()
+        self._stopping = threading.Event()
+        self._observer: Observer | None = None  # type: ignore[valid-type]
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        """Start watching (a second call does nothing)."""
+        with self._lock:
+            if self._thread is not None or self._stopping.is_set():
+                return
+            observer = Observer()
+            observer.name = "npu-sync-watchdog"
+            observer.daemon = True
+            names = frozenset({os.path.basename(self.path)})
+            observer.schedule(_Flag(names, self._changed), self.directory, recursive=False)
+            observer.start()
+            self._observer = observer
+            self._thread = threading.Thread(target=self._run, name="npu-sync-reload", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the observer and the thread; returns promptly."""
+        self._stopping.set()
+        self._changed.set()
+        with self._lock:
+            observer, thread = self._observer, self._thread
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout=5)
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._changed.wait(self._poll_interval)
+            if self._stopping.is_set():
+                return
+            # Let a burst of events settle: each new event restarts the quiet period.
+            while self._changed.is_set():
+                self._changed.clear()
+                if self._stopping.wait(self._debounce):
+                    return
+            try:
+                self._on_change()
+            except Exception:
+                log.exception("reloading %s failed", self.path)

@@ -1,0 +1,176 @@
+"""Health checks: probing, thresholds, load hints and the breaker shortcut."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from npu_sync import WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    RetryConfig,
+    TransportConfig,
+    worker_config,
+)
+from npu_sync.health import probe
+from npu_sync.testing import FakeClock, FakeNetwork, json_response
+from npu_sync.transport import TransportError
+
+
+def health_route(state: dict):
+    """A handler whose /health answer the test changes through ``state``."""
+
+    def handle(req):
+        if req.path == "/health":
+            if state.get("error"):
+                return TransportError("connect", "refused", sent=False)
+            return json_response(state.get("code", 200), state.get("body", {"status": "healthy"}))
+        return json_response(200, {"worker_id": req.worker_id})
+
+    return handle
+
+
+def make_pool(net, ids=("a", "b"), *, fail=2, ok=1, clock=None, **kw) -> WorkerPool:
+    workers = tuple(
+        worker_config(w, f"http://127.0.0.1:{9200 + i}", priority=i + 1) for i, w in enumerate(ids)
+    )
+    health = HealthConfig(enabled=False, unhealthy_threshold=fail, healthy_threshold=ok)
+    config = PoolConfig(workers=workers, health=health, retry=RetryConfig(max_retries=1), **kw)
+    return WorkerPool(config, transport_factory=net.factory, clock=clock or FakeClock())
+
+
+def test_probe_reads_verdict_and_hints():
+    """200 + status healthy passes; hints are parsed; anything else fails with a reason."""
+    net = FakeNetwork()
+    cfg = worker_config("a", "http://127.0.0.1:9300")
+    state = {
+        "body": {"status": "healthy", "draining": True, "max_concurrent": 3, "active_tasks": 0}
+    }
+    net.route("a", health_route(state))
+    transport = net.factory(cfg, TransportConfig())
+    result = probe("a", transport, HealthConfig())
+    assert result.ok and result.draining is True and result.max_concurrent == 3
+    assert result.active_tasks == 0
+    for change, reason in [
+        ({"code": 503, "body": {"status": "unhealthy"}}, "HTTP 503"),
+        ({"body": {"status": "degraded"}}, "degraded"),
+        ({"body": ["not", "an", "object"]}, "not a JSON object"),
+        ({"error": True}, "connect"),
+    ]:
+        state.clear()
+        state.update(change)
+        failed = probe("a", transport, HealthConfig())
+        assert not failed.ok and reason in (failed.error or "")
+
+
+def test_unhealthy_after_threshold_then_healthy_again():
+    """Two failed checks take a worker out; a passing one brings it back."""
+    net = FakeNetwork()
+    state_a: dict = {}
+    net.route("a", health_route(state_a))
+    net.route("b", health_route({}))
+    with make_pool(net, fail=2, ok=1) as pool:
+        state_a.update(code=503, body={"status": "unhealthy"})
+        pool.check_health()
+        assert pool.execute({"x": 1})["worker_id"] == "a"  # one failure is not enough
+        result = pool.check_health()
+        assert result["a"]["ok"] is False and result["b"]["ok"] is True
+        assert {w["id"]: w["healthy"] for w in pool.workers()} == {"a": False, "b": True}
+        assert {pool.execute({"x": i})["worker_id"] for i in range(10)} == {"b"}
+        state_a.clear()
+        pool.check_health()
+        assert pool.execute({"x": 1})["worker_id"] == "a"
+
+
+def test_healthy_threshold_needs_consecutive_passes():
+    """With healthy_threshold=3 a worker needs three passing checks in a row."""
+    net = FakeNetwork()
+    state: dict = {"code": 503, "body": {"status": "down"}}
+    net.route("a", health_route(state))
+    with make_pool(net, ids=("a",), fail=1, ok=3) as pool:
+        pool.check_health()
+        state.clear()
+        healthy = []
+        for _ in range(3):
+            pool.check_health()
+            healthy.append(pool.workers()[0]["healthy"])
+        assert healthy == [False, False, True]
+
+
+def test_draining_hint_stops_new_tasks_and_capacity_hint_lowers_it():
+    """draining: true in /health takes the worker out; max_concurrent caps its capacity."""
+    net = FakeNetwork()
+    state: dict = {"body": {"status": "healthy", "draining": True}}
+    net.route("a", health_route(state))
+    net.route("b", health_route({}))
+    with make_pool(net) as pool:
+        pool.check_health()
+        assert {pool.execute({"x": i})["worker_id"] for i in range(5)} == {"b"}
+        state["body"] = {"status": "healthy", "max_concurrent": 2}
+        pool.check_health()
+        workers = {w["id"]: w for w in pool.workers()}
+        assert workers["a"]["capacity"] == 2 and not workers["a"]["draining"]
+        assert pool.execute({"x": 1})["worker_id"] == "a"
+
+
+def test_passing_check_lets_an_open_breaker_try_at_once_but_does_not_close_it():
+    """A worker answering its health check gets a trial task before the reset timeout."""
+    net = FakeNetwork()
+    broken = threading.Event()
+    broken.set()
+
+    def handler(req):
+        if req.path == "/health":
+            return json_response(200, {"status": "healthy"})
+        if broken.is_set():
+            return json_response(500, {"detail": "boom"})
+        return json_response(200, {"worker_id": "a"})
+
+    net.route("a", handler)
+    net.route("b", health_route({}))
+    clock = FakeClock()
+    breaker = BreakerConfig(fail_max=1, reset_timeout=600, max_reset_timeout=600)
+    with make_pool(net, clock=clock, circuit_breaker=breaker) as pool:
+        assert pool.execute({"x": 1})["worker_id"] == "b"  # a failed, its breaker opened
+        assert pool.workers()[0]["breaker"]["state"] == "open"
+        broken.clear()
+        pool.check_health()
+        assert pool.workers()[0]["breaker"]["state"] == "open"  # a check alone does not close
+        assert pool.execute({"x": 2})["worker_id"] == "a"  # the trial, long before 600 s
+        assert pool.workers()[0]["breaker"]["state"] == "closed"
+
+
+def test_health_thread_runs_rounds_and_stops_on_close():
+    """With health enabled the pool probes on a named thread that close() ends."""
+    net = FakeNetwork()
+    seen = threading.Event()
+
+    def handler(req):
+        if req.path == "/health":
+            seen.set()
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", handler)
+    config = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9400"),),
+        health=HealthConfig(interval=30, timeout=1),
+    )
+    pool = WorkerPool(config, transport_factory=net.factory)
+    assert seen.wait(5), "the first round runs at start"
+    assert "npu-sync-health" in {t.name for t in threading.enumerate()}
+    pool.close()
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("npu-sync")]
+    assert pool.stats()["health"]["rounds"] >= 1
+
+
+@pytest.mark.parametrize("hint", [0, -1, True, "3"])
+def test_nonsense_capacity_hints_are_ignored(hint):
+    """A max_concurrent hint that is not a positive integer leaves capacity alone."""
+    net = FakeNetwork()
+    net.route("a", health_route({"body": {"status": "healthy", "max_concurrent": hint}}))
+    with make_pool(net, ids=("a",)) as pool:
+        pool.check_health()
+        assert pool.workers()[0]["capacity"] == 8

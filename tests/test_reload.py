@@ -1,0 +1,335 @@
+"""Reload: applying a new configuration as a diff, and the file watcher."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from npu_sync import ConfigError, NpuSyncError, WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    RetryConfig,
+    TransportConfig,
+    worker_config,
+)
+from npu_sync.reload import ConfigWatcher
+from npu_sync.testing import FakeClock, FakeNetwork, json_response
+
+
+def config(*workers, **kw) -> PoolConfig:
+    kw.setdefault("health", HealthConfig(enabled=False))
+    kw.setdefault("circuit_breaker", BreakerConfig(fail_max=1, reset_timeout=60))
+    return PoolConfig(workers=tuple(workers), **kw)
+
+
+A = worker_config("a", "http://127.0.0.1:9501")
+B = worker_config("b", "http://127.0.0.1:9502")
+C = worker_config("c", "http://127.0.0.1:9503")
+
+
+def echo(req):
+    return json_response(200, {"worker_id": req.worker_id})
+
+
+def test_reload_reports_and_applies_the_diff_by_worker_id():
+    """Added, removed, updated and unchanged workers are told apart by id."""
+    net = FakeNetwork(echo)
+    with WorkerPool(config(A, B), transport_factory=net.factory) as pool:
+        b2 = worker_config("b", "http://127.0.0.1:9502", priority=5)
+        result = pool.reload(config(A, b2, C))
+        assert (result.added, result.removed, result.updated, result.unchanged) == (
+            ("c",),
+            (),
+            ("b",),
+            ("a",),
+        )
+        result = pool.reload(config(b2, C))
+        assert result.removed == ("a",) and result.changed
+        assert [w["id"] for w in pool.workers()] == ["c", "b"]  # c is tier 1, b tier 5
+        assert not pool.reload(config(b2, C)).changed
+
+
+def test_unchanged_workers_keep_breaker_state_and_statistics():
+    """A reload that leaves a worker alone keeps its open breaker and its counters."""
+    net = FakeNetwork(echo)
+    net.route("a", lambda req: json_response(500, {"detail": "down"}))
+    with WorkerPool(config(A, B), transport_factory=net.factory, clock=FakeClock()) as pool:
+        pool.execute({"x": 1})
+        pool.execute({"x": 2})
+        before = {w["id"]: w for w in pool.workers()}
+        assert before["a"]["breaker"]["state"] == "open"
+        pool.reload(config(A, B, C))
+        after = {w["id"]: w for w in pool.workers()}
+        assert after["a"]["breaker"] == before["a"]["breaker"]
+        assert after["a"]["tasks"] == before["a"]["tasks"]
+        assert after["b"]["tasks"] == before["b"]["tasks"]
+
+
+def test_a_worker_whose_address_changes_gets_new_connections_and_a_fresh_breaker():
+    """Changing a worker's url closes its old transport and resets its breaker."""
+    net = FakeNetwork(echo)
+    net.route("a", lambda req: json_response(500, {"detail": "down"}))
+    with WorkerPool(config(A, B), transport_factory=net.factory, clock=FakeClock()) as pool:
+        pool.execute({"x": 1})
+        old = [t for t in net.transports("a")]
+        moved = worker_config("a", "http://127.0.0.1:9601")
+        net.route("a", echo)
+        assert pool.reload(config(moved, B)).updated == ("a",)
+        assert all(t.closed for t in old)
+        state = {w["id"]: w for w in pool.workers()}["a"]
+        assert state["breaker"]["state"] == "closed" and state["url"] == "http://127.0.0.1:9601"
+
+
+def test_removed_worker_drains_its_in_flight_task_and_gets_no_new_one():
+    """A worker removed while busy finishes its task, then its connections close."""
+    net = FakeNetwork(echo)
+    release, started = threading.Event(), threading.Event()
+
+    def slow(req):
+        started.set()
+        release.wait(5)
+        return json_response(200, {"worker_id": "a"})
+
+    net.route("a", slow)
+    with WorkerPool(config(A, B), transport_factory=net.factory) as pool:
+        future = pool.submit({"x": 1})
+        assert started.wait(5)
+        pool.remove_worker("a")
+        assert [w["id"] for w in pool.workers()] == ["b"]
+        assert {pool.execute({"x": i})["worker_id"] for i in range(5)} == {"b"}
+        (task_transport,) = [t for t in net.transports("a") if not t.closed]
+        release.set()
+        assert future.result(5) == {"worker_id": "a"}
+        assert task_transport.closed
+
+
+def test_add_and_remove_worker_at_run_time():
+    """add_worker() makes a worker eligible at once; duplicates and unknowns are errors."""
+    net = FakeNetwork(echo)
+    with WorkerPool(config(A), transport_factory=net.factory) as pool:
+        pool.add_worker(id="z", url="http://127.0.0.1:9700", priority=0)
+        assert pool.execute({"x": 1})["worker_id"] == "z"
+        with pytest.raises(ValueError, match="already in the pool"):
+            pool.add_worker(A)
+        with pytest.raises(ConfigError, match=r"worker\.url"):
+            pool.add_worker(id="bad", url="ftp://x")
+        pool.remove_worker("z", drain=False)
+        assert pool.execute({"x": 1})["worker_id"] == "a"
+        with pytest.raises(KeyError, match="no worker 'z'"):
+            pool.remove_worker("z")
+
+
+def test_pool_settings_apply_to_later_tasks_and_sections_needing_restart_are_named():
+    """Retry changes take effect; transport changes are reported, not applied."""
+    net = FakeNetwork(lambda req: json_response(503, {"detail": "busy"}))
+    workers = [worker_config(n, f"http://127.0.0.1:{9800 + i}") for i, n in enumerate("pqrs")]
+    retry0 = RetryConfig(max_retries=0, backoff_initial=0, backoff_max=0)
+    with WorkerPool(config(*workers, retry=retry0), transport_factory=net.factory) as pool:
+        with pytest.raises(Exception) as first:
+            pool.execute({"x": 1})
+        assert len(first.value.attempts) == 1
+        retry2 = RetryConfig(max_retries=2, backoff_initial=0, backoff_max=0)
+        new = config(*workers, retry=retry2, transport=TransportConfig(client="requests"))
+        result = pool.reload(new)
+        assert result.settings_changed and result.restart_required == ("transport",)
+        assert pool.config.transport.client == "urllib3"
+        with pytest.raises(Exception) as second:
+            pool.execute({"x": 1})
+        assert len(second.value.attempts) == 3
+
+
+def test_bad_file_keeps_the_running_config_and_is_counted(tmp_path):
+    """A broken YAML raises from reload(), keeps every worker and shows in stats()."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9901'}\n")
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.write_text("npu_workers:\n  workers:\n    - {id: a, port: 0, host: x}\n")
+        with pytest.raises(ConfigError, match=r"workers\[0\].port"):
+            pool.reload()
+        reloads = pool.stats()["reloads"]
+        assert reloads["failed"] == 1 and "port" in reloads["last_error"]
+        assert pool.execute({"x": 1})["worker_id"] == "a"
+        path.write_text(
+            "npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9901'}\n"
+            "    - {id: b, url: 'http://127.0.0.1:9902'}\n"
+        )
+        assert pool.reload().added == ("b",)
+        assert pool.stats()["reloads"]["ok"] == 1
+        assert pool.stats()["reloads"]["last_error"] is None
+
+
+def test_reload_without_a_file_needs_a_config():
+    """A pool built from an object cannot re-read a file it never had."""
+    pool = WorkerPool(config(A), transport_factory=FakeNetwork(echo).factory)
+    with pool, pytest.raises(NpuSyncError, match="not built from a file"):
+        pool.reload()
+
+
+# -- the watcher ---------------------------------------------------------------------------
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.count = 0
+        self.cond = threading.Condition()
+
+    def __call__(self) -> None:
+        with self.cond:
+            self.count += 1
+            self.cond.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 5.0) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.count >= n, timeout)
+
+
+@pytest.fixture
+def watched(tmp_path):
+    path = tmp_path / "pool.yaml"
+    path.write_text("v: 1\n")
+    calls = Calls()
+    watcher = ConfigWatcher(path, calls, debounce=0.05, poll_interval=3600)
+    watcher.start()
+    yield path, calls, watcher
+    watcher.stop()
+
+
+def test_watcher_sees_an_in_place_write(watched):
+    """Writing the file calls back once the events settle."""
+    path, calls, _ = watched
+    path.write_text("v: 2\n")
+    assert calls.wait_for(1)
+
+
+def test_watcher_sees_an_atomic_rename(watched):
+    """A temp file renamed over the config (an editor's save) is seen."""
+    path, calls, _ = watched
+    tmp = path.with_name(".pool.yaml.tmp")
+    tmp.write_text("v: 3\n")
+    os.replace(tmp, path)
+    assert calls.wait_for(1)
+
+
+def test_watcher_ignores_other_files_in_the_directory(tmp_path):
+    """Events for unrelated files (a dead-letter database beside the config) set no flag."""
+    from watchdog.events import FileModifiedEvent, FileMovedEvent
+
+    from npu_sync.reload import _Flag
+
+    flag = threading.Event()
+    handler = _Flag(frozenset({"pool.yaml"}), flag)
+    handler.on_any_event(FileModifiedEvent(str(tmp_path / "npu_dead_letters.sqlite3")))
+    handler.on_any_event(FileModifiedEvent(str(tmp_path / "pool.yaml.bak")))
+    assert not flag.is_set()
+    handler.on_any_event(FileMovedEvent(str(tmp_path / ".tmp123"), str(tmp_path / "pool.yaml")))
+    assert flag.is_set()
+    flag.clear()
+    handler.on_any_event(FileMovedEvent(str(tmp_path / "..data_tmp"), str(tmp_path / "..data")))
+    assert flag.is_set()
+
+
+def test_watcher_survives_an_exception_in_the_callback(tmp_path):
+    """A failing reload is logged; the next change still calls back."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("v: 1\n")
+    calls = Calls()
+
+    def flaky() -> None:
+        calls()
+        if calls.count == 1:
+            raise RuntimeError("first reload breaks")
+
+    watcher = ConfigWatcher(path, flaky, debounce=0.05, poll_interval=3600)
+    watcher.start()
+    try:
+        path.write_text("v: 2\n")
+        assert calls.wait_for(1)
+        path.write_text("v: 3\n")
+        assert calls.wait_for(2)
+    finally:
+        watcher.stop()
+
+
+def test_kubernetes_style_symlink_swap_is_seen(tmp_path):
+    """The ConfigMap update (..data symlink swapped to a new directory) triggers a reload."""
+    first = tmp_path / "..2026_01_01"
+    first.mkdir()
+    (first / "pool.yaml").write_text("v: 1\n")
+    (tmp_path / "..data").symlink_to(first.name)
+    (tmp_path / "pool.yaml").symlink_to("..data/pool.yaml")
+    calls = Calls()
+    watcher = ConfigWatcher(tmp_path / "pool.yaml", calls, debounce=0.05, poll_interval=3600)
+    watcher.start()
+    try:
+        second = tmp_path / "..2026_01_02"
+        second.mkdir()
+        (second / "pool.yaml").write_text("v: 2\n")
+        (tmp_path / "..data_tmp").symlink_to(second.name)
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+        assert calls.wait_for(1)
+        assert (tmp_path / "pool.yaml").read_text() == "v: 2\n"
+    finally:
+        watcher.stop()
+
+
+def test_periodic_recheck_without_events(tmp_path):
+    """With no file-system events at all the watcher still re-checks on its interval."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("v: 1\n")
+    calls = Calls()
+    watcher = ConfigWatcher(path, calls, debounce=0.01, poll_interval=0.05)
+    watcher.start()
+    try:
+        assert calls.wait_for(2)
+    finally:
+        watcher.stop()
+
+
+def test_watcher_stops_promptly_and_leaves_no_thread(tmp_path):
+    """stop() ends the observer and the reload thread."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("v: 1\n")
+    watcher = ConfigWatcher(path, lambda: None, poll_interval=3600)
+    watcher.start()
+    names = {t.name for t in threading.enumerate()}
+    assert {"npu-sync-reload", "npu-sync-watchdog"} <= names
+    watcher.stop()
+    left = {t.name for t in threading.enumerate()} & {"npu-sync-reload", "npu-sync-watchdog"}
+    assert not left
+
+
+def test_pool_follows_a_kubernetes_configmap_update(tmp_path):
+    """A pool watching a ConfigMap-style mount picks up the swapped ..data directory."""
+    v1 = tmp_path / "..v1"
+    v1.mkdir()
+    (v1 / "npu_workers.yaml").write_text(
+        "npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9951'}\n"
+        "  health: {enabled: false}\n"
+    )
+    (tmp_path / "..data").symlink_to(v1.name)
+    (tmp_path / "npu_workers.yaml").symlink_to("..data/npu_workers.yaml")
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(tmp_path / "npu_workers.yaml", transport_factory=net.factory) as pool:
+        v2 = tmp_path / "..v2"
+        v2.mkdir()
+        (v2 / "npu_workers.yaml").write_text(
+            "npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9951'}\n"
+            "    - {id: b, url: 'http://127.0.0.1:9952', priority: 0}\n"
+            "  health: {enabled: false}\n"
+        )
+        (tmp_path / "..data_tmp").symlink_to(v2.name)
+        os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
+        changed = threading.Event()
+        deadline = 5.0
+        while not changed.wait(0.01) and deadline > 0:
+            deadline -= 0.01
+            if "b" in [w["id"] for w in pool.workers()]:
+                changed.set()
+        assert changed.is_set(), "the swapped configuration was not applied"
+        assert pool.execute({"x": 1})["worker_id"] == "b"
+        assert pool.stats()["reloads"]["last_change"]["added"] == ["b"]
