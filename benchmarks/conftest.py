@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -22,3 +24,33 @@ def report(title: str, rows: list[tuple[str, ...]]) -> None:
     print(f"\n{title}")
     for row in rows:
         print("  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+
+
+def interleave(contenders: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Time each contender once per round, rotating who goes first.
+
+    Interleaving call by call makes machine noise hit every contender alike; the
+    rotation removes any advantage of a fixed position in the round.
+    """
+    names = list(contenders)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for i in range(rounds):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = contenders[name]
+            t0 = clock()
+            fn()
+            samples[name].append(clock() - t0)
+    return samples
+
+
+def summarise(samples: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Median and p99 in µs per contender."""
+    return {
+        name: {
+            "median_us": statistics.median(values) * 1e6,
+            "p99_us": statistics.quantiles(values, n=100)[98] * 1e6,
+        }
+        for name, values in samples.items()
+    }

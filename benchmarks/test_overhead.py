@@ -10,13 +10,11 @@ the benchmark's extra_info.
 from __future__ import annotations
 
 import json
-import statistics
-import time
 
 import requests
 import urllib3
 
-from benchmarks.conftest import report
+from benchmarks.conftest import interleave, report, summarise
 from npu_sync import WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
 
@@ -70,39 +68,24 @@ def test_execute_overhead_vs_bare_client(benchmark, fast_worker):
             "pool.execute": lambda: pool.execute(PAYLOAD),
             "requests.Session": session_call,
         }
-        samples: dict[str, list[float]] = {name: [] for name in contenders}
-        for fn in contenders.values():  # warm connections and code paths
-            for _ in range(200):
-                fn()
-        clock = time.perf_counter
-        for _ in range(ROUNDS):
-            for name, fn in contenders.items():
-                t0 = clock()
-                fn()
-                samples[name].append(clock() - t0)
-        medians = {name: statistics.median(v) for name, v in samples.items()}
-        p99 = {name: statistics.quantiles(v, n=100)[98] for name, v in samples.items()}
-        ratio = medians["pool.execute"] / medians["bare urllib3"]
-        ratio_requests = medians["pool.execute"] / medians["requests.Session"]
+        interleave(contenders, 200)  # warm connections and code paths
+        figures = summarise(interleave(contenders, ROUNDS))
+        base = figures["bare urllib3"]["median_us"]
+        pool_median = figures["pool.execute"]["median_us"]
         benchmark.extra_info.update(
             {
-                "median_us": {k: v * 1e6 for k, v in medians.items()},
-                "p99_us": {k: v * 1e6 for k, v in p99.items()},
-                "pool_over_bare_urllib3": ratio,
-                "pool_over_requests_session": ratio_requests,
+                "figures": figures,
+                "pool_over_bare_urllib3": pool_median / base,
+                "pool_over_requests_session": pool_median
+                / figures["requests.Session"]["median_us"],
             }
         )
         report(
             "pool.execute vs bare clients (one loopback worker, latency 0)",
             [("client", "median µs", "p99 µs", "vs bare urllib3")]
             + [
-                (
-                    k,
-                    f"{medians[k] * 1e6:.0f}",
-                    f"{p99[k] * 1e6:.0f}",
-                    f"{medians[k] / medians['bare urllib3']:.3f}",
-                )
-                for k in contenders
+                (k, f"{f['median_us']:.0f}", f"{f['p99_us']:.0f}", f"{f['median_us'] / base:.3f}")
+                for k, f in figures.items()
             ],
         )
         benchmark.pedantic(lambda: pool.execute(PAYLOAD), rounds=500, warmup_rounds=50)

@@ -109,7 +109,7 @@ class _Progress:
             tenth = 10 * done // self.total
             if tenth != self._last_tenth or note:
                 self._last_tenth = tenth
-                self.out.write(f"  {done}/{self.total} tasks {note}\n")
+                self.out.write(f"  {done}/{self.total} tasks{' ' + note if note else ''}\n")
                 self.out.flush()
 
     def finish(self) -> None:

@@ -1,6 +1,6 @@
 """What an attempt's outcome means, and how long to wait before the next attempt.
 
-Classification follows the worker protocol in DESIGN.md. The backoff is tenacity's
+Classification follows the worker protocol in docs/protocol.md. The backoff is tenacity's
 ``wait_exponential_jitter`` and ``stop_after_attempt`` strategies, evaluated on a
 ``RetryCallState`` only when an attempt has failed: building a ``Retrying`` loop per
 task costs ~30 µs even when nothing is retried, which the hot path cannot afford.
@@ -47,7 +47,7 @@ class Outcome:
 
 
 def classify_response(response: Response, *, now: float | None = None) -> Outcome:
-    """Classify a worker's HTTP answer (see DESIGN.md, worker protocol)."""
+    """Classify a worker's HTTP answer (see docs/protocol.md)."""
     status = response.status
     if 200 <= status < 300:
         try:

@@ -896,7 +896,9 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         default=8081,
         help="port to bind; 0 picks a free one (default %(default)s)",
     )
-    parser.add_argument("--worker-id", default="worker", help="id reported in answers")
+    parser.add_argument(
+        "--worker-id", default=None, help="id reported in answers (default: worker-<port>)"
+    )
     parser.add_argument("--latency-ms", type=_non_negative, default=0.0, help="latency per task")
     parser.add_argument("--jitter-ms", type=_non_negative, default=0.0, help="+/- uniform jitter")
     parser.add_argument(
@@ -954,7 +956,7 @@ def serve(args: argparse.Namespace, *, stop: threading.Event | None = None) -> i
         server = WorkerServer(
             args.host,
             args.port,
-            worker_id=args.worker_id,
+            worker_id=args.worker_id or f"worker-{args.port}",
             models=models,
             max_concurrent=args.max_concurrent,
             behaviour=behaviour,

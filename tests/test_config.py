@@ -79,7 +79,7 @@ def write(tmp_path: Path, text: str, name: str = "npu_workers.yaml") -> Path:
 
 
 def test_design_example_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The configuration shown in DESIGN.md loads into the expected objects."""
+    """The documented example configuration loads into the expected objects."""
     monkeypatch.setenv("NPU_TOKEN", "s3cret")
     cfg = load_config(write(tmp_path, DESIGN_YAML))
     vm2, win = cfg.workers

@@ -1,0 +1,38 @@
+"""The package layout is the architecture: each third-party library has one home."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import npu_sync
+
+HOMES = {
+    "yaml": {"config"},
+    "pybreaker": {"breaker"},
+    "tenacity": {"retry"},
+    "watchdog": {"reload"},
+    "urllib3": {"transport"},
+    "requests": {"transport"},
+    "http": {"transport", "worker_server"},  # the reference worker is stdlib-only
+}
+
+
+def test_each_third_party_library_is_imported_by_its_one_module():
+    """yaml only in config, pybreaker only in breaker, and so on."""
+    package = pathlib.Path(npu_sync.__file__).parent
+    found: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in HOMES:
+                    found.setdefault(top, set()).add(path.stem)
+    for library, modules in found.items():
+        assert modules <= HOMES[library], f"{library} imported by {sorted(modules)}"
