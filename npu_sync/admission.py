@@ -32,10 +32,11 @@ class Lease:
 
 
 class _Waiter:
-    __slots__ = ("cond", "excluded", "lease")
+    __slots__ = ("cond", "deadline", "excluded", "lease")
 
-    def __init__(self, excluded: Collection[str], lock: threading.Lock) -> None:
+    def __init__(self, excluded: Collection[str], deadline: float, lock: threading.Lock) -> None:
         self.excluded = excluded
+        self.deadline = deadline
         self.cond = threading.Condition(lock)
         self.lease: Lease | None = None
 
@@ -74,10 +75,13 @@ class Dispatcher:
         """A lease on the best worker not in ``excluded``, waiting until ``deadline``.
 
         Returns None when the deadline passes first, or at once when every worker
-        that could ever take this task has been tried.
+        that could ever take this task has been tried. Never hands out a lease after
+        ``deadline``.
         """
         with self.lock:
             now = self.clock.monotonic()
+            if now >= deadline:
+                return None
             if self._waiters:
                 self._serve(now)
             lease = self._try(excluded, now)
@@ -85,7 +89,7 @@ class Dispatcher:
                 return lease
             if not self._has_candidate(excluded):
                 return None
-            waiter = _Waiter(excluded, self.lock)
+            waiter = _Waiter(excluded, deadline, self.lock)
             self._waiters.append(waiter)
             try:
                 while waiter.lease is None:
@@ -107,10 +111,11 @@ class Dispatcher:
         if self._waiters:
             self._serve(now)
 
-    def notify_change(self) -> None:
-        """Something other than a release may have made a worker eligible."""
-        with self.lock:
-            self._serve(self.clock.monotonic())
+    def wake_all_locked(self) -> None:
+        """Make every waiter recompute when to wake (a breaker tripped, a cool-down
+        began: times no release will signal). Call with ``lock`` held."""
+        for waiter in self._waiters:
+            waiter.cond.notify()
 
     def _try(self, excluded: Collection[str], now: float) -> Lease | None:
         started = time.perf_counter()
@@ -125,14 +130,20 @@ class Dispatcher:
         return Lease(worker, trial)
 
     def _serve(self, now: float) -> None:
-        for waiter in list(self._waiters):
+        served: list[_Waiter] = []
+        for waiter in self._waiters:
+            if now >= waiter.deadline:
+                waiter.cond.notify()  # too late for a lease: it leaves the queue itself
+                continue
             lease = self._try(waiter.excluded, now)
             if lease is not None:
                 waiter.lease = lease
-                self._waiters.remove(waiter)
+                served.append(waiter)
                 waiter.cond.notify()
             elif not waiter.excluded:
                 break  # no worker has room for anyone
+        for waiter in served:
+            self._waiters.remove(waiter)
 
     def _has_candidate(self, excluded: Collection[str]) -> bool:
         return any(

@@ -200,9 +200,3 @@ class WorkerBreaker:
         self._cb.reset_timeout = self._reset_timeout
         self._cb.open()
         self._state = OPEN
-        log.warning(
-            "breaker of worker %s opened (trip %d, retry in %.1fs)",
-            self.name,
-            self.trips,
-            self._reset_timeout,
-        )

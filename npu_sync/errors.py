@@ -56,6 +56,8 @@ class TaskFailed(NpuSyncError):
     """The task could not succeed; its dead-letter record was stored before this was raised.
 
     ``attempts`` holds every attempt (worker id, error, duration) in order.
+    ``dead_letter_id`` is None only when storing the record itself failed; the error
+    says so and the whole record is logged at ERROR level.
     """
 
     def __init__(
@@ -63,7 +65,7 @@ class TaskFailed(NpuSyncError):
         message: str,
         *,
         task_id: str,
-        dead_letter_id: str,
+        dead_letter_id: str | None,
         attempts: Sequence[Attempt] = (),
     ) -> None:
         super().__init__(message)

@@ -8,6 +8,7 @@ which it holds anyway to release a worker.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,6 +39,12 @@ class Window:
         ordered = sorted(self._values)
         return [percentile(ordered, q) for q in qs]
 
+    def copy(self) -> Window:
+        """A snapshot: copying is a C-level deque copy, cheap enough under a lock."""
+        clone = Window.__new__(Window)
+        clone._values = self._values.copy()
+        return clone
+
 
 class TimedWindow:
     """Outcomes (ok / failed) over the last ``span`` seconds, for a failure rate."""
@@ -58,6 +65,12 @@ class TimedWindow:
             return None
         return sum(events) / len(events)
 
+    def copy(self) -> TimedWindow:
+        clone = TimedWindow.__new__(TimedWindow)
+        clone.span = self.span
+        clone._events = self._events.copy()
+        return clone
+
 
 @dataclass
 class WorkerStats:
@@ -75,6 +88,13 @@ class WorkerStats:
     outcomes: TimedWindow = field(default_factory=TimedWindow)
 
     _ALPHA = 0.2
+
+    def copy(self) -> WorkerStats:
+        """A snapshot to compute percentiles from outside the pool's lock."""
+        clone = dataclasses.replace(self)
+        clone.latency = self.latency.copy()
+        clone.outcomes = self.outcomes.copy()
+        return clone
 
     def observe(self, now: float, duration: float, ok: bool) -> None:
         self.latency.add(duration)

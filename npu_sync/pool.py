@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 import os
@@ -51,7 +52,7 @@ from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error, classify_
 from npu_sync.selector import Selector
 from npu_sync.task import Attempt, Task, as_task
 from npu_sync.transport import Transport, TransportError, make_transport
-from npu_sync.worker import Worker
+from npu_sync.worker import Worker, render
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class WorkerPool:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = clock.monotonic()
         self._rng = rng or random.Random()
+        # Breaker transitions happen under the lock; they are logged after it.
+        self._events: list[tuple[str, str, str]] = []
         self._source_digest: str | None = None
         self._reload_lock = threading.Lock()
         self._reloads: dict[str, Any] = {
@@ -234,10 +237,10 @@ class WorkerPool:
         """
         task = as_task(task)
         body = task.body()
-        _check_timeout(timeout)
+        deadline = self._deadline(task, timeout)
         self._enter()
         try:
-            return self._execute(task, body, timeout, fallback)
+            return self._execute(task, body, deadline, fallback)
         finally:
             self._leave()
 
@@ -248,13 +251,19 @@ class WorkerPool:
         *,
         fallback: Callable[[], Any] | None = None,
     ) -> concurrent.futures.Future[Any]:
-        """Run a task on the pool's own threads; the future ends as :meth:`execute` would."""
+        """Run a task on the pool's own threads; the future ends as :meth:`execute` would.
+
+        The task's deadline starts now: time spent queued for a pool thread counts.
+        """
         task = as_task(task)
         body = task.body()
-        _check_timeout(timeout)
+        deadline = self._deadline(task, timeout)
         self._enter()
         try:
-            future = self._get_executor().submit(self._execute, task, body, timeout, fallback)
+            future = self._get_executor().submit(self._execute, task, body, deadline, fallback)
+        except RuntimeError:  # the executor shut down between _enter() and here
+            self._leave()
+            raise PoolClosed("the pool is closed") from None
         except BaseException:
             self._leave()
             raise
@@ -280,11 +289,26 @@ class WorkerPool:
             raise ValueError(f"window must be >= 1, got {window}")
         source = iter(tasks)
         pending: deque[concurrent.futures.Future[Any]] = deque()
-        for task in source:
-            pending.append(self.submit(task, timeout))
-            if len(pending) >= limit:
-                break
+        self._refill(source, pending, timeout, limit)
         return self._map_results(source, pending, timeout, limit)
+
+    def _refill(
+        self,
+        source: Iterator[Task | Any],
+        pending: deque[concurrent.futures.Future[Any]],
+        timeout: float | None,
+        limit: int,
+    ) -> None:
+        for task in source:
+            try:
+                future = self.submit(task, timeout)
+            except InvalidTask as exc:
+                # Raised at this task's own position, after the results before it.
+                future = concurrent.futures.Future()
+                future.set_exception(exc)
+            pending.append(future)
+            if len(pending) >= limit:
+                return
 
     def _map_results(
         self,
@@ -296,11 +320,8 @@ class WorkerPool:
         try:
             while pending:
                 result = pending.popleft().result()
-                for task in source:
-                    pending.append(self.submit(task, timeout))
-                    if len(pending) >= limit:
-                        break
                 yield result
+                self._refill(source, pending, timeout, limit)
         finally:
             for future in pending:
                 future.cancel()
@@ -318,7 +339,14 @@ class WorkerPool:
 
     def stats(self) -> dict[str, Any]:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
-        stored = len(self.dead_letters)
+        # The store may be a file: read it before taking the selection lock.
+        stored: int | None
+        dropped: int | None
+        try:
+            stored = len(self.dead_letters)
+            dropped = self.dead_letters.store.dropped
+        except NpuSyncError:  # the store is closed
+            stored = dropped = None
         with self._lock:
             now = self._clock.monotonic()
             workers = list(self._workers.values())
@@ -347,7 +375,7 @@ class WorkerPool:
                 "dead_letters": {
                     "stored_total": s.dead_lettered,
                     "pending": stored,
-                    "dropped": self.dead_letters.store.dropped,
+                    "dropped": dropped,
                 },
                 "reloads": dict(self._reloads),
                 "health": {
@@ -366,7 +394,9 @@ class WorkerPool:
         with self._lock:
             now = self._clock.monotonic()
             ordered = sorted(self._workers.values(), key=lambda w: (w.priority, w.id))
-            return [w.snapshot(now) for w in ordered]
+            captured = [w.capture() for w in ordered]
+        # Percentiles and rates are computed from copies, outside the lock.
+        return [render(c, now) for c in captured]
 
     # -- changing the pool -------------------------------------------------------------
 
@@ -474,7 +504,7 @@ class WorkerPool:
     def _build_worker(self, cfg: WorkerConfig) -> Worker:
         transport, health_transport = self._build_transports(cfg)
         breaker = WorkerBreaker(
-            cfg.id, self._config.circuit_breaker, clock=self._clock, listener=_log_transition
+            cfg.id, self._config.circuit_breaker, clock=self._clock, listener=self._on_transition
         )
         return Worker(cfg, transport, breaker, health_transport)
 
@@ -658,11 +688,16 @@ class WorkerPool:
                 executor = self._executor
         return executor
 
+    def _deadline(self, task: Task, timeout: float | None) -> float:
+        _check_timeout(timeout)
+        budget = timeout or task.timeout or self._config.timeouts.task
+        return self._clock.monotonic() + budget
+
     def _execute(
-        self, task: Task, body: bytes, timeout: float | None, fallback: Callable[[], Any] | None
+        self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
     ) -> Any:
         try:
-            return self._attempts(task, body, timeout)
+            return self._attempts(task, body, deadline)
         except _Exhausted as exhausted:
             if fallback is None:
                 self._dead_letter(task, exhausted)
@@ -679,9 +714,10 @@ class WorkerPool:
     def _replay(self, task: Task) -> Any:
         """Run a dead-lettered task again without dead-lettering it a second time."""
         body = task.body()
+        deadline = self._deadline(task, None)
         self._enter()
         try:
-            return self._attempts(task, body, None)
+            return self._attempts(task, body, deadline)
         except _Exhausted as exhausted:
             raise TaskFailed(
                 f"task {task.task_id} failed again: {exhausted.reason}",
@@ -704,7 +740,28 @@ class WorkerPool:
             now=now,
             first_attempt_at=exhausted.first_at,
         )
-        self.dead_letters.add(record)  # durable before the caller hears of the failure
+        error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
+        try:
+            self.dead_letters.add(record)  # durable before the caller hears of the failure
+        except Exception as exc:
+            # The one case where the record cannot be kept: say so loudly, with the
+            # whole record in the log so that nothing is lost without a trace.
+            with self._lock:
+                self._stats.failed += 1
+            log.error(
+                "task %s failed and its dead letter could not be stored (%s: %s); record: %s",
+                task.task_id,
+                type(exc).__name__,
+                exc,
+                json.dumps(record.to_dict(), default=repr),
+            )
+            raise error(
+                f"task {task.task_id} failed: {exhausted.reason}; and its dead letter could "
+                f"not be stored: {type(exc).__name__}: {exc}",
+                task_id=task.task_id,
+                dead_letter_id=None,
+                attempts=exhausted.attempts,
+            ) from exc
         with self._lock:
             self._stats.failed += 1
             self._stats.dead_lettered += 1
@@ -715,7 +772,6 @@ class WorkerPool:
             len(exhausted.attempts),
             exhausted.reason,
         )
-        error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
         raise error(
             f"task {task.task_id} failed: {exhausted.reason} (dead letter {record.id})",
             task_id=task.task_id,
@@ -723,7 +779,7 @@ class WorkerPool:
             attempts=exhausted.attempts,
         ) from cause
 
-    def _attempts(self, task: Task, body: bytes, timeout: float | None) -> Any:
+    def _attempts(self, task: Task, body: bytes, deadline: float) -> Any:
         """Try the task on successive workers; return the result or raise.
 
         Raises TaskRejected, or _Exhausted for the caller to dead-letter.
@@ -739,43 +795,62 @@ class WorkerPool:
         # Wall-clock times (for people reading dead letters) from the monotonic clock,
         # saving a clock call per attempt.
         wall = clock.time() - start
-        deadline = start + (timeout or task.timeout or timeouts.task)
         attempts: list[Attempt] = []
         excluded: set[str] = set()
         failures = 0
         missing_model: str | None = None
+        # A task that gets HTTP 500 from every worker may be the one at fault (a poison
+        # payload). Its first 500 is charged at once, as any worker failure; further
+        # 500s are charged only if the task then succeeds elsewhere, so one bad task
+        # cannot count against every breaker in the pool.
+        charged_500 = False
+        suspects: list[Worker] = []
+        headers = {"X-NPU-Task-Id": task.task_id, "X-NPU-Attempt": "1"}
         acquire = self._dispatcher.acquire
         while True:
             lease = acquire(excluded, deadline)
+            if self._events:
+                self._flush_events()
             if lease is None:
                 reason = self._no_lease_reason(attempts, deadline)
                 break
             worker = lease.worker
             t0 = clock.monotonic()
             remaining = deadline - t0
+            if remaining <= _MIN_ATTEMPT:
+                self._record(lease, _UNUSED, 0.0, t0, retry=False)
+                reason = "deadline passed"
+                break
+            if attempts:
+                headers["X-NPU-Attempt"] = str(len(attempts) + 1)
+            outcome: Outcome | None = None
             try:
                 response = worker.transport.request(
                     "POST",
                     path,
                     body=body,
-                    headers={
-                        "X-NPU-Task-Id": task.task_id,
-                        "X-NPU-Attempt": str(len(attempts) + 1),
-                    },
+                    headers=headers,
                     connect_timeout=connect_timeout if connect_timeout < remaining else remaining,
                     read_timeout=read_timeout if read_timeout < remaining else remaining,
                 )
+                outcome = classify_response(response, now=t0 + wall)
             except TransportError as exc:
                 outcome = classify_error(exc)
-            except Exception as exc:  # a transport bug must not lose the task
-                log.exception("unexpected error from the transport of worker %s", worker.id)
+            except Exception as exc:  # a bug, or an answer we cannot parse: not the task's
+                log.exception("unexpected error on worker %s", worker.id)
                 outcome = Outcome(Kind.FAILURE, error=f"{type(exc).__name__}: {exc}")
-            else:
-                outcome = classify_response(response, now=t0 + wall)
+            finally:
+                if outcome is None:  # interrupted (KeyboardInterrupt, SystemExit): free the lease
+                    self._record(lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
             t1 = clock.monotonic()
-            self._record(lease, outcome, t1 - t0, t1, retry=failures > 0)
+            suspect = False
+            if outcome.kind is Kind.FAILURE and outcome.status == 500:
+                suspect, charged_500 = charged_500, True
+            self._record(lease, outcome, t1 - t0, t1, retry=failures > 0, defer=suspect)
             kind = outcome.kind
             if kind is Kind.SUCCESS:
+                if suspects:
+                    self._charge(suspects)
                 return outcome.value
             attempts.append(Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + wall))
             if kind is Kind.REJECTED:
@@ -791,6 +866,8 @@ class WorkerPool:
                 missing_model = outcome.model
                 continue
             failures += 1
+            if suspect:
+                suspects.append(worker)
             if not task.idempotent and outcome.processed:
                 reason = f"worker {worker.id} failed a non-idempotent task that may have run"
                 break
@@ -803,13 +880,20 @@ class WorkerPool:
                 break
             log.debug("task %s: %s; retrying in %.3fs", task.task_id, outcome.error, wait)
             clock.sleep(wait)
-        if missing_model is not None and not failures:
+        if missing_model is not None and not failures and reason == _EVERY_WORKER_TRIED:
             with self._lock:
                 self._stats.rejected += 1
             raise TaskRejected(
                 f"no worker serves model {missing_model!r} (task {task.task_id})",
                 task_id=task.task_id,
                 status=500,
+            )
+        if suspects:
+            log.info(
+                "task %s got HTTP 500 from %d more worker(s) and never succeeded: "
+                "only its first 500 was charged to a breaker",
+                task.task_id,
+                len(suspects),
             )
         if attempts and attempts[-1].error:
             reason = f"{reason}; last error on {attempts[-1].worker_id}: {attempts[-1].error}"
@@ -820,10 +904,17 @@ class WorkerPool:
             return "deadline passed waiting for a worker"
         if not attempts:
             return "no worker in the pool can take tasks"
-        return "every worker was tried"
+        return _EVERY_WORKER_TRIED
 
     def _record(
-        self, lease: Lease, outcome: Outcome, duration: float, now: float, *, retry: bool
+        self,
+        lease: Lease,
+        outcome: Outcome,
+        duration: float,
+        now: float,
+        *,
+        retry: bool,
+        defer: bool = False,
     ) -> None:
         worker = lease.worker
         trial = lease.trial
@@ -832,14 +923,18 @@ class WorkerPool:
         with self._lock:
             worker.in_flight -= 1
             stats = worker.stats
-            stats.attempts += 1
             if kind is Kind.SUCCESS:
+                stats.attempts += 1
                 worker.breaker.record_success(trial)
                 stats.succeeded += 1
                 stats.observe(now, duration, True)
                 self._stats.succeeded += 1
             elif kind is Kind.FAILURE:
-                worker.breaker.record_failure(trial)
+                stats.attempts += 1
+                if defer:
+                    worker.breaker.release(trial)
+                else:
+                    worker.breaker.record_failure(trial)
                 stats.failed += 1
                 stats.last_error = outcome.error
                 stats.last_error_at = self._clock.time()
@@ -847,7 +942,12 @@ class WorkerPool:
                 if outcome.retry_after:
                     cap = self._config.circuit_breaker.max_reset_timeout
                     worker.cooldown_until = now + min(outcome.retry_after, cap)
+                # A trip or a cool-down changes when a waiter should wake.
+                self._dispatcher.wake_all_locked()
+            elif outcome is _UNUSED:
+                worker.breaker.release(trial)
             else:
+                stats.attempts += 1
                 worker.breaker.release(trial)
                 if kind is Kind.REJECTED:
                     stats.rejected += 1
@@ -859,8 +959,38 @@ class WorkerPool:
             self._dispatcher.release_locked(now)
             if worker.removed and not worker.in_flight:
                 close_transport = True
+        if self._events:
+            self._flush_events()
         if close_transport:
             worker.transport.close()
+
+    def _charge(self, workers: list[Worker]) -> None:
+        """Count deferred failures against workers that failed where another succeeded."""
+        with self._lock:
+            for worker in workers:
+                worker.breaker.record_failure(False)
+            self._dispatcher.wake_all_locked()
+        if self._events:
+            self._flush_events()
+
+    def _on_transition(self, name: str, old: str, new: str) -> None:
+        # Called by pybreaker under the pool's lock: queue, log after releasing it.
+        self._events.append((name, old, new))
+
+    def _flush_events(self) -> None:
+        events, self._events = self._events, []
+        for name, old, new in events:
+            level = logging.WARNING if new == OPEN else logging.INFO
+            log.log(level, "worker %s breaker: %s -> %s", name, old, new)
+
+
+_MIN_ATTEMPT = 0.001
+"""An attempt with less time than this left before the deadline is not started."""
+
+_EVERY_WORKER_TRIED = "every worker was tried"
+
+_UNUSED = Outcome(Kind.NOT_HERE, error="lease not used")
+"""Records a lease given back without an attempt (deadline reached, interrupted)."""
 
 
 def _digest(text: str) -> str:
@@ -876,10 +1006,6 @@ def _check_timeout(timeout: float | None) -> None:
         or not (math.isfinite(timeout) and timeout > 0)
     ):
         raise InvalidTask(f"timeout must be a positive number of seconds, got {timeout!r}")
-
-
-def _log_transition(name: str, old: str, new: str) -> None:
-    log.info("worker %s breaker: %s -> %s", name, old, new)
 
 
 # -- the process-wide default pool -------------------------------------------------------

@@ -109,10 +109,8 @@ class Worker:
             and self.breaker.can_admit(now)
         )
 
-    def snapshot(self, now: float) -> dict[str, Any]:
-        """A JSON-serialisable view. Call under the pool's lock."""
-        stats = self.stats
-        p50, p95, p99 = stats.latency.percentiles(50, 95, 99)
+    def capture(self) -> dict[str, Any]:
+        """Copy what :func:`render` needs. Call under the pool's lock; cheap."""
         return {
             "id": self.id,
             "url": self.config.url,
@@ -120,7 +118,7 @@ class Worker:
             "enabled": self.enabled,
             "draining": self.draining or self.hinted_draining,
             "healthy": self.healthy,
-            "health": None if self.health is None else self.health.to_dict(),
+            "health": self.health,
             "breaker": {
                 "state": self.breaker.state,
                 "trips": self.breaker.trips,
@@ -129,6 +127,25 @@ class Worker:
             },
             "in_flight": self.in_flight,
             "capacity": self.capacity,
+            "cooldown_until": self.cooldown_until,
+            "stats": self.stats.copy(),
+        }
+
+    def snapshot(self, now: float) -> dict[str, Any]:
+        """A JSON-serialisable view. Call under the pool's lock."""
+        return render(self.capture(), now)
+
+
+def render(captured: dict[str, Any], now: float) -> dict[str, Any]:
+    """Turn a :meth:`Worker.capture` into the JSON-serialisable ``workers()`` row."""
+    stats: WorkerStats = captured.pop("stats")
+    health: HealthResult | None = captured.pop("health")
+    cooldown_until: float = captured.pop("cooldown_until")
+    p50, p95, p99 = stats.latency.percentiles(50, 95, 99)
+    row = dict(captured)
+    row["health"] = None if health is None else health.to_dict()
+    row.update(
+        {
             "tasks": {
                 "attempts": stats.attempts,
                 "succeeded": stats.succeeded,
@@ -145,5 +162,7 @@ class Worker:
             },
             "last_error": stats.last_error,
             "last_error_at": stats.last_error_at,
-            "cooldown_remaining": max(0.0, self.cooldown_until - now),
+            "cooldown_remaining": max(0.0, cooldown_until - now),
         }
+    )
+    return row

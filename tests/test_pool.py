@@ -19,7 +19,7 @@ from npu_sync.config import (
 )
 from npu_sync.errors import InvalidTask, NoWorkerAvailable, PoolClosed
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
-from npu_sync.transport import TransportError
+from npu_sync.transport import Response, TransportError
 
 
 def make_config(*ids: str, priorities=None, capacity: int = 8, **kw) -> PoolConfig:
@@ -395,3 +395,228 @@ def test_many_threads_lose_nothing_and_count_everything(net):
         stats = pool.stats()["tasks"]
         assert stats["submitted"] == stats["succeeded"] == 400
         assert stats["in_flight"] == 0 and stats["waiting"] == 0
+
+
+# -- edge cases of the lifecycle -----------------------------------------------------------
+
+
+def test_waiter_wakes_when_a_cool_down_begins_after_it_fell_asleep(net):
+    """A Retry-After set while a task waits makes it wake when the cool-down ends."""
+    gate, busy = threading.Event(), threading.Event()
+    calls = []
+
+    def handler(req):
+        calls.append(req.json()["n"])
+        if req.json()["n"] == 1:
+            busy.set()
+            gate.wait(5)
+            return json_response(429, {"detail": "later"}, {"Retry-After": "0.2"})
+        return json_response(200, {"n": req.json()["n"]})
+
+    net.route("a", handler)
+    net.route("b", lambda req: json_response(503, {"detail": "down"}))
+    cfg = make_config("a", "b", capacity=1, priorities=[1, 2])
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.remove_worker("b")  # a single worker, one slot
+        first = pool.submit({"n": 1})
+        assert busy.wait(5)
+        second = pool.submit({"n": 2}, timeout=5)
+        while pool.stats()["tasks"]["waiting"] < 1:
+            threading.Event().wait(0.001)
+        gate.set()
+        # The first task had nowhere else to go; the second waited out the cool-down.
+        with pytest.raises(TaskFailed):
+            first.result(5)
+        assert second.result(5) == {"n": 2}
+    assert calls == [1, 2]
+
+
+def test_waiters_recompute_their_wake_after_a_failed_trial(net):
+    """A half-open trial that fails re-opens the breaker; waiting tasks still get served."""
+    state = {"fail": 2}
+    lock = threading.Lock()
+
+    def handler(req):
+        with lock:
+            if state["fail"]:
+                state["fail"] -= 1
+                return json_response(500, {"detail": "warming up"})
+        return json_response(200, {"ok": True})
+
+    net.route("a", handler)
+    breaker = BreakerConfig(fail_max=1, reset_timeout=0.1, max_reset_timeout=1)
+    cfg = make_config("a", circuit_breaker=breaker, retry=RetryConfig(max_retries=0))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        with pytest.raises(TaskFailed):
+            pool.execute({"n": 0})  # first failure: opens
+        futures = [pool.submit({"n": i}, timeout=5) for i in range(1, 6)]
+        outcomes = []
+        for f in futures:
+            try:
+                outcomes.append(f.result(10))
+            except TaskFailed:
+                outcomes.append("failed")
+        assert outcomes.count("failed") == 1  # the failed trial
+        assert outcomes.count({"ok": True}) == 4
+
+
+def test_not_loaded_then_deadline_is_a_failure_not_a_rejection(net):
+    """A worker that has the model but stays busy past the deadline: dead letter, not 'no model'."""
+    gate = threading.Event()
+    started = threading.Event()
+
+    def busy(req):
+        started.set()
+        gate.wait(5)
+        return json_response(200, {"by": "b"})
+
+    net.route("a", failing(500, "Model big not loaded"))
+    net.route("b", busy)
+    cfg = make_config("a", "b", capacity=1, priorities=[2, 1])
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        blocker = pool.submit({"model_id": "big"})
+        assert started.wait(5)
+        with pytest.raises(TaskFailed) as info:
+            pool.execute({"model_id": "big"}, timeout=0.2)
+        assert not isinstance(info.value, TaskRejected)
+        assert pool.dead_letters.get(info.value.dead_letter_id)
+        gate.set()
+        assert blocker.result(5) == {"by": "b"}
+        assert {w["id"]: w["in_flight"] for w in pool.workers()} == {"a": 0, "b": 0}
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        lambda: Response(200, {}, b"[" * 100_000 + b"]" * 100_000),
+        lambda: Response(503, {"retry-after": "Fri, 31 Dec 99999 23:59:59 GMT"}, b"{}"),
+    ],
+    ids=["deeply-nested-json", "absurd-retry-after"],
+)
+def test_an_answer_that_cannot_be_understood_is_a_worker_failure(net, response):
+    """Odd bodies or headers fail the attempt, are retried elsewhere, and leak no lease."""
+    net.route("a", lambda req: response())
+    net.route("b", lambda req: json_response(200, {"by": "b"}))
+    with make_pool(net, "a", "b", priorities=[1, 2]) as pool:
+        assert pool.execute({"x": 1}) == {"by": "b"}
+        assert {w["id"]: w["in_flight"] for w in pool.workers()} == {"a": 0, "b": 0}
+        assert pool.workers()[0]["tasks"]["failed"] == 1
+
+
+def test_a_dead_letter_that_cannot_be_stored_still_fails_the_task_loudly(net, caplog):
+    """If the store refuses the record, TaskFailed says so and the record is logged."""
+    import sqlite3
+
+    from npu_sync.deadletter import MemoryDeadLetterStore
+
+    class BrokenStore(MemoryDeadLetterStore):
+        def add(self, record):
+            raise sqlite3.OperationalError("disk I/O error")
+
+    net.route("a", failing())
+    pool = WorkerPool(
+        make_config("a"), transport_factory=net.factory, dead_letter_store=BrokenStore()
+    )
+    with pool, pytest.raises(TaskFailed, match="could not be stored") as info:
+        pool.execute(Task({"secret": "kept"}, task_id="unstorable"))
+    assert info.value.dead_letter_id is None
+    assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+    assert "unstorable" in caplog.text and '"secret": "kept"' in caplog.text
+
+
+def test_close_waits_for_tasks_running_on_callers_threads(net):
+    """close() does not tear connections down under an execute() still running."""
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(req):
+        started.set()
+        gate.wait(5)
+        return json_response(200, {"done": True})
+
+    net.route("a", slow)
+    pool = make_pool(net, "a")
+    results = []
+    caller = threading.Thread(target=lambda: results.append(pool.execute({"x": 1})))
+    caller.start()
+    assert started.wait(5)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    closer.join(0.2)
+    assert closer.is_alive(), "close() returned while a task was running"
+    assert not any(t.closed for t in net.transports("a"))
+    gate.set()
+    caller.join(5)
+    closer.join(5)
+    assert results == [{"done": True}] and not closer.is_alive()
+
+
+def test_submit_runs_on_the_pools_own_named_threads(net):
+    """submit() runs tasks on npu-sync-task threads, not the caller's."""
+    names = []
+    net.route(
+        "a", lambda req: names.append(threading.current_thread().name) or json_response(200, {})
+    )
+    with make_pool(net, "a", pool=PoolSettings(threads=2)) as pool:
+        for f in [pool.submit({"n": i}) for i in range(6)]:
+            f.result(5)
+    assert names and all(n.startswith("npu-sync-task") for n in names)
+
+
+def test_map_raises_a_bad_payload_at_its_own_position(net):
+    """An unencodable payload mid-stream does not swallow results before it."""
+    net.route("a", lambda req: json_response(200, req.json()))
+    payloads = [{"n": 0}, {"n": 1}, {"n": object()}, {"n": 3}]
+    with make_pool(net, "a") as pool:
+        results = pool.map(payloads, window=1)
+        assert next(results) == {"n": 0}
+        assert next(results) == {"n": 1}
+        with pytest.raises(InvalidTask):
+            next(results)
+
+
+def test_the_deadline_of_a_submitted_task_includes_its_time_in_the_queue(net):
+    """A task queued behind others for longer than its timeout fails instead of running late."""
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(req):
+        started.set()
+        gate.wait(5)
+        return json_response(200, {})
+
+    net.route("a", slow)
+    cfg = make_config("a", pool=PoolSettings(threads=1))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:  # the real clock
+        blocker = pool.submit({"n": 0})
+        assert started.wait(5)
+        late = pool.submit({"n": 1}, timeout=0.05)
+        threading.Event().wait(0.1)  # let its deadline pass while it is queued
+        gate.set()
+        blocker.result(5)
+        with pytest.raises(NoWorkerAvailable, match="deadline"):
+            late.result(5)
+    assert len(net.requests("a")) == 1
+
+
+def test_one_task_failing_everywhere_charges_one_breaker_only(net):
+    """A poison task (HTTP 500 on every worker) counts against one worker, not all."""
+    for wid in "abc":
+        net.route(wid, failing(500, "poison"))
+    with make_pool(net, "a", "b", "c", circuit_breaker=BreakerConfig(fail_max=1)) as pool:
+        with pytest.raises(TaskFailed) as info:
+            pool.execute({"poison": True})
+        assert len(info.value.attempts) == 3
+        states = sorted(w["breaker"]["state"] for w in pool.workers())
+        assert states == ["closed", "closed", "open"]
+
+
+def test_500s_are_charged_when_the_task_then_succeeds_elsewhere(net):
+    """Workers that failed a task another worker served are charged after all."""
+    net.route("a", failing(500, "broken"))
+    net.route("b", failing(500, "broken"))
+    net.route("c", lambda req: json_response(200, {"by": "c"}))
+    with make_pool(
+        net, "a", "b", "c", priorities=[1, 1, 2], circuit_breaker=BreakerConfig(fail_max=1)
+    ) as pool:
+        assert pool.execute({"x": 1}) == {"by": "c"}
+        states = {w["id"]: w["breaker"]["state"] for w in pool.workers()}
+        assert states == {"a": "open", "b": "open", "c": "closed"}
