@@ -45,6 +45,23 @@ from npu_sync.errors import (
     TaskFailed,
     TaskRejected,
 )
+from npu_sync.events import (
+    AttemptFinished,
+    BreakerStateChanged,
+    ConfigReloaded,
+    ConfigReloadFailed,
+    Event,
+    Hook,
+    RetryScheduled,
+    TaskDeadLettered,
+    TaskFallback,
+    TaskRejectedEvent,
+    TaskStarted,
+    TaskSucceeded,
+    WorkerHealthChanged,
+    emit,
+    log_event,
+)
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.metrics import PoolStats
 from npu_sync.reload import ConfigWatcher
@@ -121,6 +138,7 @@ class WorkerPool:
         transport_factory: builds each worker's HTTP transport.
         dead_letter_store: where failed tasks are kept; default from ``config``.
         rng: randomness for selection sampling.
+        hooks: callables receiving every event (see :mod:`npu_sync.events`).
     """
 
     def __init__(
@@ -131,8 +149,10 @@ class WorkerPool:
         transport_factory: TransportFactory = make_transport,
         dead_letter_store: DeadLetterStore | None = None,
         rng: random.Random | None = None,
+        hooks: Iterable[Hook] = (),
     ) -> None:
         self._config = config
+        self._hooks: tuple[Hook, ...] = tuple(hooks)
         self._clock = clock
         self._transport_factory = transport_factory
         self._retry = RetryPolicy(config.retry)
@@ -464,6 +484,20 @@ class WorkerPool:
         """
         return {wid: r.to_dict() for wid, r in self._health.check_once().items()}
 
+    def add_hook(self, hook: Hook) -> None:
+        """Call ``hook(event)`` for every event from now on (see :mod:`npu_sync.events`).
+
+        Hooks run on the thread where the event happened, never under the pool's
+        lock; an exception in a hook is logged and does not affect the task.
+        """
+        with self._lock:
+            self._hooks = (*self._hooks, hook)
+
+    def remove_hook(self, hook: Hook) -> None:
+        """Stop calling ``hook``; a hook not registered is ignored."""
+        with self._lock:
+            self._hooks = tuple(h for h in self._hooks if h is not hook)
+
     def close(self) -> None:
         """Stop accepting tasks, let accepted ones finish, and release every resource.
 
@@ -541,10 +575,7 @@ class WorkerPool:
                     worker.breaker.allow_trial()
             self._dispatcher.release_locked(self._clock.monotonic())
         for worker_id, healthy, error in changes:
-            if healthy:
-                log.info("worker %s is healthy again", worker_id)
-            else:
-                log.warning("worker %s is unhealthy: %s", worker_id, error)
+            self._notify(WorkerHealthChanged(self._clock.time(), worker_id, healthy, error))
 
     def _reload_if_changed(self) -> None:
         """The watcher's callback: reload when the file's content changed."""
@@ -568,7 +599,7 @@ class WorkerPool:
                 self._reloads["failed"] += 1
                 self._reloads["last_error"] = str(exc)
                 self._reloads["last_at"] = self._clock.time()
-                log.error("reload of %s failed; keeping the running configuration: %s", source, exc)
+                self._notify(ConfigReloadFailed(self._clock.time(), source, str(exc)))
                 raise
             self._source_digest = digest
             return self._record_reload(result)
@@ -578,13 +609,8 @@ class WorkerPool:
         self._reloads["last_error"] = None
         self._reloads["last_at"] = self._clock.time()
         self._reloads["last_change"] = result.to_dict()
-        if result.changed:
-            log.info(
-                "configuration reloaded: added %s, removed %s, updated %s",
-                list(result.added),
-                list(result.removed),
-                list(result.updated),
-            )
+        if result.changed or result.restart_required:
+            self._notify(ConfigReloaded(self._clock.time(), self._config.source, result.to_dict()))
         for section in result.restart_required:
             log.warning("configuration section %r changed; it takes effect on restart", section)
         return result
@@ -696,6 +722,9 @@ class WorkerPool:
     def _execute(
         self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
     ) -> Any:
+        if self._hooks:
+            endpoint = task.endpoint or self._config.pool.default_endpoint
+            emit(self._hooks, TaskStarted(self._clock.time(), task.task_id, endpoint))
         try:
             return self._attempts(task, body, deadline)
         except _Exhausted as exhausted:
@@ -708,7 +737,7 @@ class WorkerPool:
                 self._dead_letter(task, exhausted, cause=exc)
             with self._lock:
                 self._stats.fallbacks += 1
-            log.info("task %s ran on its fallback: %s", task.task_id, exhausted.reason)
+            self._notify(TaskFallback(self._clock.time(), task.task_id, exhausted.reason))
             return result
 
     def _replay(self, task: Task) -> Any:
@@ -748,6 +777,15 @@ class WorkerPool:
             # whole record in the log so that nothing is lost without a trace.
             with self._lock:
                 self._stats.failed += 1
+            self._notify(
+                TaskDeadLettered(
+                    self._clock.time(),
+                    task.task_id,
+                    None,
+                    len(exhausted.attempts),
+                    exhausted.reason,
+                )
+            )
             log.error(
                 "task %s failed and its dead letter could not be stored (%s: %s); record: %s",
                 task.task_id,
@@ -765,12 +803,10 @@ class WorkerPool:
         with self._lock:
             self._stats.failed += 1
             self._stats.dead_lettered += 1
-        log.warning(
-            "task %s dead-lettered as %s after %d attempt(s): %s",
-            task.task_id,
-            record.id,
-            len(exhausted.attempts),
-            exhausted.reason,
+        self._notify(
+            TaskDeadLettered(
+                now, task.task_id, record.id, len(exhausted.attempts), exhausted.reason
+            )
         )
         raise error(
             f"task {task.task_id} failed: {exhausted.reason} (dead letter {record.id})",
@@ -848,12 +884,39 @@ class WorkerPool:
                 suspect, charged_500 = charged_500, True
             self._record(lease, outcome, t1 - t0, t1, retry=failures > 0, defer=suspect)
             kind = outcome.kind
+            hooks = self._hooks
+            if hooks:
+                emit(
+                    hooks,
+                    AttemptFinished(
+                        t1 + wall,
+                        task.task_id,
+                        worker.id,
+                        len(attempts) + 1,
+                        kind.value,
+                        outcome.status,
+                        outcome.error,
+                        t1 - t0,
+                    ),
+                )
             if kind is Kind.SUCCESS:
                 if suspects:
                     self._charge(suspects)
+                if hooks:
+                    emit(
+                        hooks,
+                        TaskSucceeded(
+                            t1 + wall, task.task_id, worker.id, len(attempts) + 1, t1 - start
+                        ),
+                    )
                 return outcome.value
             attempts.append(Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + wall))
             if kind is Kind.REJECTED:
+                self._notify(
+                    TaskRejectedEvent(
+                        t1 + wall, task.task_id, worker.id, outcome.status, outcome.error or ""
+                    )
+                )
                 raise TaskRejected(
                     f"worker {worker.id} rejected task {task.task_id}: {outcome.error}",
                     task_id=task.task_id,
@@ -878,11 +941,24 @@ class WorkerPool:
             if t1 + wait >= deadline:
                 reason = "deadline passed"
                 break
-            log.debug("task %s: %s; retrying in %.3fs", task.task_id, outcome.error, wait)
+            self._notify(
+                RetryScheduled(
+                    t1 + wall, task.task_id, worker.id, len(attempts), wait, outcome.error
+                )
+            )
             clock.sleep(wait)
         if missing_model is not None and not failures and reason == _EVERY_WORKER_TRIED:
             with self._lock:
                 self._stats.rejected += 1
+            self._notify(
+                TaskRejectedEvent(
+                    clock.time(),
+                    task.task_id,
+                    None,
+                    500,
+                    f"no worker serves model {missing_model!r}",
+                )
+            )
             raise TaskRejected(
                 f"no worker serves model {missing_model!r} (task {task.task_id})",
                 task_id=task.task_id,
@@ -978,10 +1054,18 @@ class WorkerPool:
         self._events.append((name, old, new))
 
     def _flush_events(self) -> None:
-        events, self._events = self._events, []
+        with self._lock:
+            events, self._events = self._events, []
+        now = self._clock.time()
         for name, old, new in events:
-            level = logging.WARNING if new == OPEN else logging.INFO
-            log.log(level, "worker %s breaker: %s -> %s", name, old, new)
+            self._notify(BreakerStateChanged(now, name, old, new))
+
+    def _notify(self, event: Event) -> None:
+        """Log a notable event and pass it to the hooks."""
+        log_event(event)
+        hooks = self._hooks
+        if hooks:
+            emit(hooks, event)
 
 
 _MIN_ATTEMPT = 0.001

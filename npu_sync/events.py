@@ -1,0 +1,187 @@
+"""What happens in a pool, as frozen event records passed to hooks.
+
+A hook is any callable taking one event. Hooks run synchronously on the thread where
+the event happened (a caller's thread, a pool thread, the health or reload thread),
+never while the pool holds its lock; an exception raised by a hook is logged and
+swallowed, so instrumentation can never fail a task. Each event class has a stable
+``name`` (``"task.succeeded"``, ``"breaker.opened"`` …) used in logs and metrics.
+
+The per-task events (:class:`TaskStarted`, :class:`AttemptFinished`,
+:class:`TaskSucceeded`) are only built when at least one hook is registered, so a pool
+without hooks pays nothing for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+log = logging.getLogger("npu_sync.events")
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Base of every event. ``at`` is wall-clock epoch seconds."""
+
+    name: ClassVar[str] = "event"
+    level: ClassVar[int] = logging.DEBUG
+
+    at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable form, with the event's ``name``."""
+        data: dict[str, Any] = {"event": self.name}
+        data.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class TaskStarted(Event):
+    """A task was accepted by ``execute``/``submit``/``map``/a decorated function."""
+
+    name: ClassVar[str] = "task.started"
+    task_id: str
+    endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptFinished(Event):
+    """One attempt ended. ``outcome``: success, rejected, not_here or failure."""
+
+    name: ClassVar[str] = "attempt.finished"
+    task_id: str
+    worker_id: str
+    attempt: int
+    outcome: str
+    status: int | None
+    error: str | None
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetryScheduled(Event):
+    """A failed attempt will be followed by another, on another worker, after ``wait``."""
+
+    name: ClassVar[str] = "retry.scheduled"
+    level: ClassVar[int] = logging.INFO
+    task_id: str
+    worker_id: str
+    attempt: int
+    wait: float
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSucceeded(Event):
+    """A task returned the result of ``worker_id`` after ``attempts`` attempts."""
+
+    name: ClassVar[str] = "task.succeeded"
+    task_id: str
+    worker_id: str
+    attempts: int
+    duration: float
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRejectedEvent(Event):
+    """A task raised ``TaskRejected``."""
+
+    name: ClassVar[str] = "task.rejected"
+    level: ClassVar[int] = logging.INFO
+    task_id: str
+    worker_id: str | None
+    status: int | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFallback(Event):
+    """Every worker failed the task and its local fallback answered instead."""
+
+    name: ClassVar[str] = "task.fallback"
+    level: ClassVar[int] = logging.INFO
+    task_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskDeadLettered(Event):
+    """A task failed; its dead-letter record ``record_id`` was stored (None if storing failed)."""
+
+    name: ClassVar[str] = "task.dead_lettered"
+    level: ClassVar[int] = logging.WARNING
+    task_id: str
+    record_id: str | None
+    attempts: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerStateChanged(Event):
+    """A worker's breaker moved from ``old`` to ``new`` (closed, open, half-open)."""
+
+    name: ClassVar[str] = "breaker.state_changed"
+    level: ClassVar[int] = logging.INFO
+    worker_id: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerHealthChanged(Event):
+    """A worker turned healthy or unhealthy by the health-check thresholds."""
+
+    name: ClassVar[str] = "worker.health_changed"
+    level: ClassVar[int] = logging.WARNING
+    worker_id: str
+    healthy: bool
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigReloaded(Event):
+    """A new configuration was applied; ``changes`` is ``ReloadResult.to_dict()``."""
+
+    name: ClassVar[str] = "config.reloaded"
+    level: ClassVar[int] = logging.INFO
+    source: str | None
+    changes: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigReloadFailed(Event):
+    """A new configuration was rejected; the running one was kept."""
+
+    name: ClassVar[str] = "config.reload_failed"
+    level: ClassVar[int] = logging.ERROR
+    source: str | None
+    error: str
+
+
+Hook = Callable[[Event], object]
+"""Anything that takes an event; its return value is ignored."""
+
+
+def log_event(event: Event) -> None:
+    """The pool's own logging: one line per notable event, under its stable name.
+
+    Records carry ``extra={"npu_event": event.to_dict()}`` for structured handlers.
+    """
+    if not log.isEnabledFor(event.level):
+        return
+    fields = " ".join(
+        f"{f.name}={getattr(event, f.name)!r}" for f in dataclasses.fields(event) if f.name != "at"
+    )
+    log.log(event.level, "%s %s", event.name, fields, extra={"npu_event": event.to_dict()})
+
+
+def emit(hooks: tuple[Hook, ...], event: Event) -> None:
+    """Call every hook; a failing hook is logged and skipped."""
+    for hook in hooks:
+        try:
+            hook(event)
+        except Exception:
+            log.exception("hook %r failed on %s", hook, event.name)
