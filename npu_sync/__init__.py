@@ -15,7 +15,7 @@ from npu_sync.errors import (
     TaskFailed,
     TaskRejected,
 )
-from npu_sync.pool import WorkerPool, get_pool
+from npu_sync.pool import ReloadResult, WorkerPool, get_pool
 from npu_sync.task import Attempt, Task
 
 try:
@@ -34,6 +34,7 @@ __all__ = [
     "NpuTask",
     "PoolClosed",
     "PoolConfig",
+    "ReloadResult",
     "ReplayReport",
     "Task",
     "TaskFailed",
