@@ -83,6 +83,7 @@ class WorkerBreaker:
         self._reset_timeout = config.reset_timeout
         self._consecutive_trips = 0
         self._trial_in_flight = False
+        self._early_trial_used = False
         self.trips = 0
 
     # -- reading ---------------------------------------------------------------------
@@ -146,8 +147,14 @@ class WorkerBreaker:
         return True
 
     def allow_trial(self) -> None:
-        """Make an open breaker admit its trial now (e.g. after a passing health check)."""
-        if self._state == OPEN:
+        """Make an open breaker admit its trial now (e.g. after a passing health check).
+
+        Once per opening: if that early trial fails, the breaker waits out its whole
+        (doubled) reset timeout, so a worker whose health check passes while its tasks
+        fail does not get a trial task every health interval.
+        """
+        if self._state == OPEN and not self._early_trial_used:
+            self._early_trial_used = True
             self._opened_at = self._clock.monotonic() - self._reset_timeout
 
     def record_success(self, trial: bool) -> None:
@@ -155,6 +162,7 @@ class WorkerBreaker:
         if trial:
             self._trial_in_flight = False
             self._consecutive_trips = 0
+            self._early_trial_used = False
             self._reset_timeout = self._config.reset_timeout
             self._cb.reset_timeout = self._reset_timeout
             self._cb.close()
@@ -184,6 +192,7 @@ class WorkerBreaker:
         """Close the breaker and forget its history (an operator's action)."""
         self._trial_in_flight = False
         self._consecutive_trips = 0
+        self._early_trial_used = False
         self._reset_timeout = self._config.reset_timeout
         self._cb.reset_timeout = self._reset_timeout
         if self._state != CLOSED:

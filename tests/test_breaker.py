@@ -151,3 +151,20 @@ def test_reset_closes_and_forgets():
     breaker.record_failure(True)
     breaker.reset()
     assert breaker.state == CLOSED and breaker.reset_timeout == 10 and breaker.failures == 0
+
+
+def test_early_trial_is_granted_once_per_opening():
+    """A second allow_trial() after a failed early trial waits out the doubled timeout."""
+    breaker, clock = make(reset=10)
+    trip(breaker, clock, 3)
+    breaker.allow_trial()
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.record_failure(True)  # the early trial failed: open again, timeout 20
+    breaker.allow_trial()
+    assert breaker.admit(clock.monotonic()) is None
+    clock.advance(20)
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.record_success(True)
+    trip(breaker, clock, 3)  # a new opening earns a new early trial
+    breaker.allow_trial()
+    assert breaker.admit(clock.monotonic()) is True
