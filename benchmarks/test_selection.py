@@ -67,3 +67,24 @@ def test_selection_latency(benchmark, workers, threads):
             [("workers", "threads", "p50 µs", "p99 µs"), *RESULTS],
         )
         benchmark.pedantic(_measure, args=(pool, 1, []), rounds=2000, warmup_rounds=100)
+
+
+def test_plain_min_over_all_workers_baseline(benchmark):
+    """What exact least-connections costs at 1,000 workers: a min() over every worker."""
+    with _pool(1000) as pool:
+        workers = pool._dispatcher.selector.workers
+        now = time.monotonic()
+
+        def plain_min() -> object:
+            return min((w for w in workers if w.eligible(now)), key=lambda w: w.in_flight)
+
+        samples = []
+        for _ in range(2000):
+            t0 = time.perf_counter()
+            plain_min()
+            samples.append(time.perf_counter() - t0)
+        p50 = statistics.median(samples) * 1e6
+        benchmark.extra_info["p50_us"] = p50
+        RESULTS.append(("1000 (min)", "1", f"{p50:.1f}", "-"))
+        report("selection latency", [("workers", "threads", "p50 µs", "p99 µs"), *RESULTS])
+        benchmark.pedantic(plain_min, rounds=200)
