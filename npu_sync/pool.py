@@ -609,8 +609,7 @@ class WorkerPool:
         self._reloads["last_error"] = None
         self._reloads["last_at"] = self._clock.time()
         self._reloads["last_change"] = result.to_dict()
-        if result.changed or result.restart_required:
-            self._notify(ConfigReloaded(self._clock.time(), self._config.source, result.to_dict()))
+        self._notify(ConfigReloaded(self._clock.time(), self._config.source, result.to_dict()))
         for section in result.restart_required:
             log.warning("configuration section %r changed; it takes effect on restart", section)
         return result

@@ -15,6 +15,9 @@ HOMES = {
     "urllib3": {"transport"},
     "requests": {"transport"},
     "http": {"transport", "worker_server"},  # the reference worker is stdlib-only
+    "prometheus_client": {"prometheus"},
+    "flask": {"flask"},
+    "werkzeug": {"flask"},
 }
 
 
