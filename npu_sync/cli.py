@@ -1,47 +1,132 @@
-"""The ``npu-sync`` command: ``demo``, ``worker`` and ``check``."""
+"""The ``npu-sync`` command: ``check``, ``status``, ``dlq``, ``worker`` and ``demo``.
+
+Exit codes are the same for every command: 0 success, 1 a failure (an unhealthy
+worker, a replay that did not succeed, an I/O error), 2 a bad configuration or bad
+usage, 130 interrupted. Errors are one-line messages on stderr, never tracebacks
+(``--verbose`` logs the traceback of an unexpected one). See docs/cli.md.
+"""
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import dataclasses
+import json
 import logging
+import os
 import sys
 import time
-from collections.abc import Sequence
-from typing import TextIO
+from collections.abc import Callable, Collection, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any, TextIO
 
 from npu_sync.errors import ConfigError, NpuSyncError, TaskFailed, TaskRejected
 
+if TYPE_CHECKING:
+    from npu_sync.config import PoolConfig
+    from npu_sync.deadletter import DeadLetterStore
+    from npu_sync.pool import WorkerPool
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+DEFAULT_CONFIG = "npu_workers.yaml"
+"""The configuration ``dlq`` reads when neither ``--config`` nor ``$NPU_SYNC_CONFIG`` is set."""
+
+_WATCH_INTERVAL = 2.0
+_ERROR_WIDTH = 60
+# Home the cursor, then erase the screen: each refresh redraws from the top.
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"
+
+# How ``status --watch`` waits between refreshes; tests replace it to end the loop.
+_pause: Callable[[float], None] = time.sleep
+
+
+class _CommandError(Exception):
+    """A command cannot go on; ``main`` prints the message and exits with ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.code = code
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``npu-sync`` command line.
+
+    Args:
+        argv: the arguments after the program name; ``sys.argv[1:]`` when None.
+
+    Returns:
+        The exit code: 0 success, 1 failure, 2 bad configuration or usage, 130 interrupted.
+    """
     parser = _parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return 2
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error argparse printed
+        return _exit_code(exc.code)
+    run: Callable[[argparse.Namespace], int] | None = getattr(args, "run", None)
+    if run is None:
+        # A command group named without its subcommand shows that group's help.
+        help_parser: argparse.ArgumentParser = getattr(args, "help_parser", parser)
+        help_parser.print_help()
+        return EXIT_USAGE
     logging.basicConfig(
         level=logging.DEBUG if getattr(args, "verbose", False) else logging.ERROR,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        code: int = args.run(args)
+        return run(args)
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
+    except _CommandError as exc:
+        print(f"npu-sync {args.command}: {exc}", file=sys.stderr)
+        return exc.code
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (``npu-sync dlq list | head``): stop quietly, and keep
+        # the interpreter's final flush from failing on the closed pipe again.
+        _silence_stdout()
+        return EXIT_FAILURE
     except (NpuSyncError, OSError, RuntimeError) as exc:
         print(f"npu-sync: error: {exc}", file=sys.stderr)
-        return 1
-    return code
+        return EXIT_FAILURE
+    except Exception as exc:
+        logger.debug("npu-sync %s failed", args.command, exc_info=True)
+        print(f"npu-sync: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _exit_code(code: object) -> int:
+    if code is None:
+        return EXIT_OK
+    return code if isinstance(code, int) else EXIT_USAGE
+
+
+def _silence_stdout() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:
-    from npu_sync import worker_server
+    from npu_sync import __version__, worker_server
 
     parser = argparse.ArgumentParser(
-        prog="npu-sync", description="Spread inference tasks over a pool of NPU workers."
+        prog="npu-sync",
+        description="Spread inference tasks over a pool of NPU workers.",
+        epilog="Exit codes: 0 ok, 1 failure, 2 bad configuration or usage, 130 interrupted.",
     )
+    parser.add_argument("--version", action="version", version=f"npu-sync {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser(
@@ -76,7 +161,130 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("config", help="path to the YAML file")
     check.set_defaults(run=_check)
+
+    _add_status_parser(sub)
+    _add_dlq_parser(sub)
     return parser
+
+
+def _add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = sub.add_parser(
+        "status",
+        help="probe every worker once and show its health",
+        description="Probe every configured worker's health endpoint once, in parallel, "
+        "and print one row per worker: id, url, priority, latency and health. "
+        "Exits 0 when every enabled worker is healthy, 1 when any is not (or none is "
+        "enabled), 2 for a bad configuration.",
+    )
+    status.add_argument("config", metavar="CONFIG", help="path to the YAML file")
+    status.add_argument(
+        "--json", action="store_true", help="print a JSON list of rows (JSON Lines with --watch)"
+    )
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=_seconds,
+        const=_WATCH_INTERVAL,
+        default=None,
+        metavar="SECONDS",
+        help=f"probe again every SECONDS (default {_WATCH_INTERVAL:g}) until Ctrl-C",
+    )
+    status.add_argument("--verbose", action="store_true", help="log what the probes do")
+    status.set_defaults(run=_status)
+
+
+def _add_dlq_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    config_help = (
+        f"the pool's YAML file (default $NPU_SYNC_CONFIG, else ./{DEFAULT_CONFIG}); "
+        "its dead_letter section names the store"
+    )
+    dlq = sub.add_parser(
+        "dlq",
+        help="inspect, replay or purge the dead-letter store",
+        description="Work with the dead-letter store the configuration names: list "
+        "records, show one, replay them on the pool, or purge them. Only a sqlite store "
+        "can be read from outside the process that wrote it.",
+    )
+    dlq.add_argument("--config", default=None, metavar="CONFIG", help=config_help)
+    dlq.add_argument("--verbose", action="store_true", help="log what the pool does")
+    dlq.set_defaults(help_parser=dlq)
+    # The same options after the subcommand; SUPPRESS keeps a value given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", default=argparse.SUPPRESS, metavar="CONFIG", help=config_help)
+    common.add_argument(
+        "--verbose", action="store_true", default=argparse.SUPPRESS, help="log what the pool does"
+    )
+    actions = dlq.add_subparsers(dest="dlq_command", metavar="ACTION")
+
+    listing = actions.add_parser(
+        "list",
+        parents=[common],
+        help="list stored records, oldest first",
+        description="Print one row per record, oldest first: id, task id, created (UTC), "
+        "attempts, replays and the error (truncated).",
+    )
+    listing.add_argument("--json", action="store_true", help="print the full records as JSON")
+    listing.add_argument(
+        "--limit", type=_count, default=None, metavar="N", help="show at most N records"
+    )
+    listing.add_argument(
+        "--offset", type=_count, default=0, metavar="N", help="skip the N oldest records"
+    )
+    listing.set_defaults(run=_dlq_list)
+
+    show = actions.add_parser(
+        "show",
+        parents=[common],
+        help="print one record as JSON",
+        description="Print the whole record, every attempt included, as JSON.",
+    )
+    show.add_argument("id", metavar="ID", help="the record's id (from 'dlq list')")
+    show.set_defaults(run=_dlq_show)
+
+    replay = actions.add_parser(
+        "replay",
+        parents=[common],
+        help="run stored tasks again on the pool",
+        description="Build a pool from the configuration and run the stored tasks again "
+        "(one record, or all of them oldest first) with their original task ids. A record "
+        "is removed only once its task succeeds. Exits 0 when every replayed task "
+        "succeeded, 1 otherwise.",
+    )
+    replay.add_argument("id", nargs="?", default=None, metavar="ID", help="replay only this record")
+    replay.add_argument("--json", action="store_true", help="print the report as JSON")
+    replay.set_defaults(run=_dlq_replay)
+
+    purge = actions.add_parser(
+        "purge",
+        parents=[common],
+        help="delete every stored record",
+        description="Delete every record in the store. Asks for confirmation on a "
+        "terminal; without one, --yes is required (exit 2 otherwise).",
+    )
+    purge.add_argument("--yes", "-y", action="store_true", help="do not ask for confirmation")
+    purge.set_defaults(run=_dlq_purge)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds > 0, got {text!r} (give CONFIG before --watch)"
+        )
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return value
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -225,3 +433,300 @@ def _print_summary(
         f"({total / elapsed:.0f} tasks/s); rejected {outcomes['rejected']}, "
         f"dead-lettered {outcomes['dead-lettered']}, lost {lost}\n"
     )
+
+
+# -- status ------------------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    from npu_sync.config import load_config
+
+    config = load_config(args.config)
+    pool = _probe_pool(config)
+    try:
+        out = sys.stdout
+        if args.watch is None:
+            rows = _probe(pool, config)
+            _print_status(out, rows, as_json=args.json, compact=False)
+            return _status_code(rows)
+        tty = out.isatty() and not args.json
+        while True:
+            rows = _probe(pool, config)
+            if tty:
+                out.write(_CLEAR_SCREEN)
+            if not args.json:
+                out.write(
+                    f"{config.source}: every {args.watch:g}s, "
+                    f"{_iso(time.time())} (Ctrl-C to stop)\n\n"
+                )
+            _print_status(out, rows, as_json=args.json, compact=True)
+            out.flush()
+            _pause(args.watch)
+    finally:
+        pool.close()
+
+
+def _probe_pool(config: PoolConfig) -> WorkerPool:
+    """A pool that only probes: no health thread, and no dead-letter file touched."""
+    from npu_sync.deadletter import MemoryDeadLetterStore
+    from npu_sync.pool import WorkerPool
+
+    # The health thread would probe on a schedule of its own; the rounds here are
+    # driven by this command. The dead-letter store is never used by a probe, and
+    # opening the configured one could create a file as a side effect.
+    quiet = dataclasses.replace(config, health=dataclasses.replace(config.health, enabled=False))
+    return WorkerPool(quiet, dead_letter_store=MemoryDeadLetterStore(max_records=1))
+
+
+def _probe(pool: WorkerPool, config: PoolConfig) -> list[dict[str, Any]]:
+    results = pool.check_health()
+    rows: list[dict[str, Any]] = []
+    for worker in sorted(config.workers, key=lambda w: (w.priority, w.id)):
+        result = results.get(worker.id) or {"ok": False, "error": "not checked"}
+        rows.append(
+            {
+                "id": worker.id,
+                "url": worker.url,
+                "priority": worker.priority,
+                "enabled": worker.enabled,
+                "ok": bool(result.get("ok")),
+                "status": result.get("status"),
+                "latency_ms": result.get("latency_ms"),
+                "error": result.get("error"),
+                "draining": result.get("draining"),
+                "active_tasks": result.get("active_tasks"),
+                "max_concurrent": result.get("max_concurrent"),
+                "checked_at": result.get("checked_at"),
+            }
+        )
+    return rows
+
+
+def _status_code(rows: list[dict[str, Any]]) -> int:
+    enabled = [row for row in rows if row["enabled"]]
+    # A pool with no enabled worker can run nothing: that is not a healthy pool.
+    return EXIT_OK if enabled and all(row["ok"] for row in enabled) else EXIT_FAILURE
+
+
+def _print_status(out: TextIO, rows: list[dict[str, Any]], *, as_json: bool, compact: bool) -> None:
+    if as_json:
+        out.write(json.dumps(rows, indent=None if compact else 2) + "\n")
+        return
+    table = [
+        [
+            row["id"],
+            row["url"],
+            str(row["priority"]),
+            "-" if row["latency_ms"] is None else f"{row['latency_ms']:.1f}",
+            _health_text(row),
+        ]
+        for row in rows
+    ]
+    out.write(_table(["ID", "URL", "PRIORITY", "LATENCY_MS", "HEALTH"], table, right={2, 3}))
+    enabled = [row for row in rows if row["enabled"]]
+    healthy = sum(1 for row in enabled if row["ok"])
+    summary = f"{healthy}/{len(enabled)} enabled worker(s) healthy"
+    if len(enabled) < len(rows):
+        summary += f", {len(rows) - len(enabled)} disabled"
+    out.write(f"\n{summary}\n" if rows else "no workers configured\n")
+
+
+def _health_text(row: dict[str, Any]) -> str:
+    if row["ok"]:
+        text = "ok, draining" if row["draining"] else "ok"
+    else:
+        text = str(row["error"] or "unhealthy")
+    return text if row["enabled"] else f"[disabled] {text}"
+
+
+def _table(headers: list[str], rows: list[list[str]], *, right: Collection[int] = ()) -> str:
+    """Rows under headers in aligned columns; the last column is never padded."""
+    if not rows:
+        return ""
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    lines = []
+    for r in [headers, *rows]:
+        cells = [
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(r[:-1], widths, strict=True))
+        ]
+        lines.append("  ".join([*cells, r[-1]]).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+# -- dlq -----------------------------------------------------------------------------------
+
+
+def _dlq_config(args: argparse.Namespace) -> PoolConfig:
+    from npu_sync.config import load_config
+
+    path = args.config or os.environ.get("NPU_SYNC_CONFIG") or None
+    if path is None:
+        if not os.path.exists(DEFAULT_CONFIG):
+            raise _CommandError(
+                f"no configuration: --config not given, $NPU_SYNC_CONFIG not set and "
+                f"./{DEFAULT_CONFIG} does not exist"
+            )
+        path = DEFAULT_CONFIG
+    return load_config(path)
+
+
+def _open_dlq(config: PoolConfig) -> DeadLetterStore:
+    """The store the configuration names, or an empty stand-in when its file is missing.
+
+    Raises:
+        _CommandError: the store is in memory, so only its own process can see it.
+    """
+    from npu_sync.deadletter import MemoryDeadLetterStore, open_store
+
+    settings = config.dead_letter
+    if settings.backend == "memory":
+        raise _CommandError(
+            f"{config.source} keeps dead letters in memory (dead_letter.backend: memory): "
+            "those records live only inside the running process that stored them, so "
+            "there is nothing here to inspect; use backend: sqlite to keep them in a file"
+        )
+    if settings.backend == "sqlite" and settings.path and not os.path.exists(settings.path):
+        # Reading must not create the file (or fail on a missing directory): no file
+        # simply means nothing was ever dead-lettered there.
+        print(
+            f"npu-sync dlq: {settings.path} does not exist yet; no dead letters",
+            file=sys.stderr,
+        )
+        return MemoryDeadLetterStore(max_records=1)
+    return open_store(settings)
+
+
+def _store_name(config: PoolConfig) -> str:
+    return config.dead_letter.path or config.dead_letter.backend
+
+
+def _dlq_list(args: argparse.Namespace) -> int:
+    config = _dlq_config(args)
+    store = _open_dlq(config)
+    try:
+        records = store.list(limit=args.limit, offset=args.offset)
+        total = len(store)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps([record.to_dict() for record in records], indent=2))
+        return EXIT_OK
+    if not records:
+        print(f"no dead letters in {_store_name(config)}" + (" at this offset" if total else ""))
+        return EXIT_OK
+    table = [
+        [
+            record.id,
+            record.task_id,
+            _iso(record.created_at),
+            str(len(record.attempts)),
+            str(record.replays),
+            _truncate(record.error, _ERROR_WIDTH),
+        ]
+        for record in records
+    ]
+    headers = ["ID", "TASK_ID", "CREATED", "ATTEMPTS", "REPLAYS", "ERROR"]
+    sys.stdout.write(_table(headers, table, right={3, 4}))
+    first = args.offset + 1
+    print(f"\n{first}-{args.offset + len(records)} of {total} record(s), oldest first")
+    return EXIT_OK
+
+
+def _dlq_show(args: argparse.Namespace) -> int:
+    config = _dlq_config(args)
+    store = _open_dlq(config)
+    try:
+        record = store.get(args.id)
+    finally:
+        store.close()
+    if record is None:
+        raise _CommandError(
+            f"no dead letter with id {args.id!r} in {_store_name(config)}", EXIT_FAILURE
+        )
+    print(json.dumps(record.to_dict(), indent=2))
+    return EXIT_OK
+
+
+def _dlq_replay(args: argparse.Namespace) -> int:
+    from npu_sync.pool import WorkerPool
+
+    config = _dlq_config(args)
+    with contextlib.ExitStack() as resources:
+        store = _open_dlq(config)
+        # Closing twice is harmless: the pool closes the store it was given, too.
+        resources.callback(store.close)
+        if args.id is not None and store.get(args.id) is None:
+            raise _CommandError(
+                f"no dead letter with id {args.id!r} in {_store_name(config)}", EXIT_FAILURE
+            )
+        if len(store) == 0:
+            print(f"no dead letters to replay in {_store_name(config)}")
+            return EXIT_OK
+        # Replays are a handful of tasks run now: no health thread to start and stop.
+        quiet = dataclasses.replace(
+            config, health=dataclasses.replace(config.health, enabled=False)
+        )
+        pool = resources.enter_context(WorkerPool(quiet, dead_letter_store=store))
+        try:
+            report = pool.dead_letters.replay(args.id)
+        except KeyError:  # removed since the check above, by another replay or a purge
+            raise _CommandError(
+                f"no dead letter with id {args.id!r} in {_store_name(config)}", EXIT_FAILURE
+            ) from None
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        total = len(report.succeeded) + len(report.failed) + len(report.rejected)
+        print(
+            f"replayed {total} dead letter(s): {len(report.succeeded)} succeeded, "
+            f"{len(report.failed)} failed, {len(report.rejected)} rejected"
+        )
+        for outcome, ids in (
+            ("succeeded", report.succeeded),
+            ("failed", report.failed),
+            ("rejected", report.rejected),
+        ):
+            for record_id in ids:
+                print(f"{outcome:<9}  {record_id}")
+    return EXIT_FAILURE if report.failed or report.rejected else EXIT_OK
+
+
+def _dlq_purge(args: argparse.Namespace) -> int:
+    config = _dlq_config(args)
+    store = _open_dlq(config)
+    try:
+        count = len(store)
+        if count == 0:
+            print(f"no dead letters to purge in {_store_name(config)}")
+            return EXIT_OK
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise _CommandError(
+                    f"refusing to purge {count} record(s) without confirmation: stdin is "
+                    "not a terminal (pass --yes)"
+                )
+            if not _confirm(f"purge {count} record{'s' if count != 1 else ''}? [y/N] "):
+                print("not purged")
+                return EXIT_FAILURE
+        removed = store.purge()
+    finally:
+        store.close()
+    print(f"purged {removed} record(s) from {_store_name(config)}")
+    return EXIT_OK
+
+
+def _confirm(prompt: str) -> bool:
+    try:
+        answer = input(prompt)
+    except EOFError:
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _truncate(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."

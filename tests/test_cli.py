@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import io
+import json
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from npu_sync import cli
 from npu_sync.cli import main
+from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
+from npu_sync.task import Attempt, Task
+from npu_sync.worker_server import LocalWorker
 
 
 def test_check_accepts_a_valid_file(tmp_path, capsys):
@@ -62,3 +70,518 @@ def test_demo_runs_kills_a_worker_and_loses_nothing():
     assert "killed npu-2 (SIGKILL)" in proc.stdout and "restarted npu-2" in proc.stdout
     assert "lost 0" in proc.stdout
     assert "150/150 tasks succeeded" in proc.stdout
+
+
+# -- helpers -------------------------------------------------------------------------------
+
+
+def _refused_url() -> str:
+    """A loopback URL where nothing listens: a port bound once and released."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def _write_config(
+    path: Path,
+    workers: list[tuple[str, str]] | None = None,
+    *,
+    dead_letter: str = "{backend: memory}",
+    disabled: tuple[str, ...] = (),
+) -> Path:
+    """A pool configuration with fast timeouts, so failures show up at once."""
+    if workers is None:
+        workers = [("a", _refused_url())]
+    lines = ["npu_workers:", "  workers:"]
+    for worker_id, url in workers:
+        enabled = "false" if worker_id in disabled else "true"
+        lines.append(f"    - {{id: '{worker_id}', url: '{url}', enabled: {enabled}}}")
+    lines += [
+        "  health: {timeout: 1.0}",
+        "  retry: {max_retries: 1, backoff_initial: 0.0, backoff_max: 0.0}",
+        "  timeouts: {connect: 1.0, read: 5.0, task: 10.0}",
+        f"  dead_letter: {dead_letter}",
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _sqlite_config(tmp_path: Path, workers: list[tuple[str, str]] | None = None) -> Path:
+    store = tmp_path / "dead.sqlite3"
+    return _write_config(
+        tmp_path / "pool.yaml", workers, dead_letter=f"{{backend: sqlite, path: '{store}'}}"
+    )
+
+
+def _add_records(path: Path, count: int, *, error: str = "timeout: no answer") -> list[DeadLetter]:
+    """Store ``count`` dead letters in the SQLite file at ``path``, oldest first."""
+    store = SQLiteDeadLetterStore(path)
+    records = []
+    try:
+        for i in range(count):
+            task = Task(payload={"model_id": "default", "input_text": f"task {i}"})
+            record = DeadLetter.from_task(
+                task,
+                endpoint="/inference",
+                error=error,
+                attempts=[Attempt(worker_id="a", error=error, duration=0.1)],
+                now=1_700_000_000.0 + i,
+            )
+            store.add(record)
+            records.append(record)
+    finally:
+        store.close()
+    return records
+
+
+def _stored_ids(path: Path) -> list[str]:
+    store = SQLiteDeadLetterStore(path)
+    try:
+        return [record.id for record in store.list()]
+    finally:
+        store.close()
+
+
+class _Terminal(io.StringIO):
+    """A text stream that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+# -- help ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["check"],
+        ["status"],
+        ["dlq"],
+        ["dlq", "list"],
+        ["dlq", "show"],
+        ["dlq", "replay"],
+        ["dlq", "purge"],
+        ["worker"],
+        ["demo"],
+    ],
+    ids=lambda argv: " ".join(argv) or "npu-sync",
+)
+def test_help_on_every_command_exits_0(argv, capsys):
+    """'--help' on every command and subcommand prints its usage and exits 0."""
+    assert main([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {' '.join(['npu-sync', *argv])}")
+
+
+def test_help_lists_the_new_commands(capsys):
+    """The top-level help names 'status' and 'dlq' next to the older commands."""
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "status" in out and "dlq" in out
+
+
+def test_dlq_without_an_action_shows_its_help(capsys):
+    """Bare 'npu-sync dlq' shows the dlq actions and exits 2."""
+    assert main(["dlq"]) == 2
+    out = capsys.readouterr().out
+    assert all(action in out for action in ("list", "show", "replay", "purge"))
+
+
+def test_a_usage_error_returns_2_without_a_traceback(capsys):
+    """An unknown flag is a usage message and exit 2, returned rather than raised."""
+    assert main(["status", "x.yaml", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "--bogus" in err and "Traceback" not in err
+
+
+def test_help_through_the_module_entry_point_exits_0():
+    """'python -m npu_sync dlq purge --help' exits 0 in a real process."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "npu_sync", "dlq", "purge", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "--yes" in proc.stdout
+
+
+# -- status --------------------------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_status_of_healthy_workers_exits_0_with_a_row_each(tmp_path, capsys):
+    """'status' prints one 'ok' row per worker and exits 0 when all are healthy."""
+    with LocalWorker(worker_id="a").start() as a, LocalWorker(worker_id="b").start() as b:
+        config = _write_config(tmp_path / "pool.yaml", [("a", a.url), ("b", b.url)])
+        assert main(["status", str(config)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("a ", "b "))}
+    assert set(rows) == {"a", "b"}
+    assert rows["a"].split()[1] == a.url and rows["a"].rstrip().endswith("ok")
+    assert rows["b"].split()[1] == b.url and rows["b"].rstrip().endswith("ok")
+    assert "2/2 enabled worker(s) healthy" in out
+
+
+@pytest.mark.integration
+def test_status_with_a_killed_worker_exits_1_and_shows_its_error(tmp_path, capsys):
+    """A killed worker makes 'status' exit 1, and its row carries the connection error."""
+    with LocalWorker(worker_id="a").start() as a, LocalWorker(worker_id="b").start() as b:
+        config = _write_config(tmp_path / "pool.yaml", [("a", a.url), ("b", b.url)])
+        b.kill()
+        assert main(["status", str(config)]) == 1
+    out = capsys.readouterr().out
+    row_a = next(line for line in out.splitlines() if line.startswith("a "))
+    row_b = next(line for line in out.splitlines() if line.startswith("b "))
+    assert row_a.rstrip().endswith("ok")
+    assert "connect" in row_b and "refused" in row_b.lower()
+    assert "1/2 enabled worker(s) healthy" in out
+
+
+@pytest.mark.integration
+def test_status_json_is_a_list_of_rows(tmp_path, capsys):
+    """'status --json' prints a parseable list with id, url, priority, health and latency."""
+    with LocalWorker(worker_id="a").start() as a, LocalWorker(worker_id="b").start() as b:
+        config = _write_config(tmp_path / "pool.yaml", [("a", a.url), ("b", b.url)])
+        b.kill()
+        assert main(["status", str(config), "--json"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["id"] for row in rows] == ["a", "b"]
+    a_row, b_row = rows
+    assert a_row["url"] == a.url and a_row["priority"] == 1 and a_row["enabled"] is True
+    assert a_row["ok"] is True and a_row["status"] == 200 and a_row["error"] is None
+    assert a_row["latency_ms"] > 0
+    assert b_row["ok"] is False and b_row["latency_ms"] is None and "connect" in b_row["error"]
+
+
+@pytest.mark.integration
+def test_status_ignores_disabled_workers_for_the_exit_code(tmp_path, capsys):
+    """A disabled worker that is down is shown as disabled and does not fail 'status'."""
+    with LocalWorker(worker_id="a").start() as a:
+        config = _write_config(
+            tmp_path / "pool.yaml", [("a", a.url), ("spare", _refused_url())], disabled=("spare",)
+        )
+        assert main(["status", str(config)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("spare "))
+    assert "[disabled] connect" in row
+    assert "1/1 enabled worker(s) healthy, 1 disabled" in out
+
+
+def test_status_with_no_enabled_worker_exits_1(tmp_path, capsys):
+    """A pool whose only worker is disabled can run nothing, so 'status' exits 1."""
+    config = _write_config(tmp_path / "pool.yaml", [("spare", _refused_url())], disabled=("spare",))
+    assert main(["status", str(config)]) == 1
+    assert "0/0 enabled worker(s) healthy" in capsys.readouterr().out
+
+
+def test_status_of_a_bad_config_exits_2_with_every_key_path(tmp_path, capsys):
+    """'status' on an invalid file exits 2 and names each bad key, without a traceback."""
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "npu_workers:\n  workers:\n    - {id: a, host: 127.0.0.1, port: 0}\n"
+        "  health: {intervall: 3}\n"
+    )
+    assert main(["status", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "npu_workers.workers[0].port" in err and "npu_workers.health.intervall" in err
+    assert "Traceback" not in err
+
+
+def test_status_of_a_missing_config_exits_2(tmp_path, capsys):
+    """'status' on a file that does not exist names it and exits 2."""
+    assert main(["status", str(tmp_path / "absent.yaml")]) == 2
+    assert "absent.yaml" in capsys.readouterr().err
+
+
+def test_status_does_not_create_the_dead_letter_file(tmp_path, capsys):
+    """Probing never opens (and so never creates) the configured SQLite dead-letter file."""
+    config = _sqlite_config(tmp_path)
+    assert main(["status", str(config)]) == 1
+    assert not (tmp_path / "dead.sqlite3").exists()
+
+
+def test_status_watch_refreshes_until_ctrl_c(tmp_path, capsys, monkeypatch):
+    """'--watch N' probes again after each pause of N seconds; Ctrl-C ends it with 130."""
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        if len(pauses) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_pause", pause)
+    config = _write_config(tmp_path / "pool.yaml")
+    assert main(["status", str(config), "--watch", "0.5"]) == 130
+    out = capsys.readouterr().out
+    assert pauses == [0.5, 0.5]
+    assert out.count("0/1 enabled worker(s) healthy") == 2
+    assert "\x1b[" not in out  # not a terminal: no screen clearing
+
+
+def test_status_watch_clears_the_screen_only_on_a_terminal(tmp_path, monkeypatch):
+    """On a TTY each refresh starts by clearing the screen; the default interval is 2 s."""
+    pauses: list[float] = []
+
+    def pause(seconds: float) -> None:
+        pauses.append(seconds)
+        raise KeyboardInterrupt
+
+    terminal = _Terminal()
+    monkeypatch.setattr(cli, "_pause", pause)
+    monkeypatch.setattr(sys, "stdout", terminal)
+    config = _write_config(tmp_path / "pool.yaml")
+    assert main(["status", str(config), "--watch"]) == 130
+    assert pauses == [2.0]
+    assert terminal.getvalue().startswith("\x1b[H\x1b[2J")
+
+
+def test_status_watch_json_prints_one_line_per_round(tmp_path, capsys, monkeypatch):
+    """'--watch --json' writes each round as one JSON line and never clears the screen."""
+    rounds = iter([None, KeyboardInterrupt])
+
+    def pause(_seconds: float) -> None:
+        if next(rounds) is KeyboardInterrupt:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_pause", pause)
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    config = _write_config(tmp_path / "pool.yaml")
+    assert main(["status", str(config), "--json", "--watch", "1"]) == 130
+    lines = sys.stdout.getvalue().splitlines()
+    assert len(lines) == 2
+    assert all(json.loads(line)[0]["id"] == "a" for line in lines)
+
+
+def test_status_watch_before_config_is_a_clear_usage_error(capsys):
+    """'--watch CONFIG' (a file where seconds belong) exits 2 saying to put CONFIG first."""
+    assert main(["status", "--watch", "pool.yaml"]) == 2
+    assert "give CONFIG before --watch" in capsys.readouterr().err
+
+
+# -- dlq -----------------------------------------------------------------------------------
+
+
+def test_dlq_list_prints_a_row_per_record(tmp_path, capsys):
+    """'dlq list' shows id, task id, ISO creation time, attempts and a truncated error."""
+    config = _sqlite_config(tmp_path)
+    records = _add_records(tmp_path / "dead.sqlite3", 2, error="timeout: " + "x" * 200)
+    assert main(["dlq", "list", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split() == ["ID", "TASK_ID", "CREATED", "ATTEMPTS", "REPLAYS", "ERROR"]
+    first = lines[1].split()
+    assert first[:5] == [records[0].id, records[0].task_id, "2023-11-14T22:13:20Z", "1", "0"]
+    assert lines[1].endswith("...") and "x" * 200 not in out
+    assert lines[2].split()[0] == records[1].id
+    assert "1-2 of 2 record(s)" in out
+
+
+def test_dlq_list_json_limit_and_offset(tmp_path, capsys):
+    """'dlq list --json --limit --offset' prints that page of full records as JSON."""
+    config = _sqlite_config(tmp_path)
+    records = _add_records(tmp_path / "dead.sqlite3", 4)
+    assert main(["dlq", "list", "--config", str(config), "--json", "--limit", "2"]) == 0
+    page = json.loads(capsys.readouterr().out)
+    assert page == [records[0].to_dict(), records[1].to_dict()]
+    argv = ["dlq", "list", "--config", str(config), "--json", "--offset", "3"]
+    assert main(argv) == 0
+    assert [r["id"] for r in json.loads(capsys.readouterr().out)] == [records[3].id]
+
+
+def test_dlq_list_of_an_empty_store(tmp_path, capsys):
+    """An empty store lists as a message naming the file, with exit 0."""
+    config = _sqlite_config(tmp_path)
+    _add_records(tmp_path / "dead.sqlite3", 0)
+    assert main(["dlq", "list", "--config", str(config)]) == 0
+    assert f"no dead letters in {tmp_path / 'dead.sqlite3'}" in capsys.readouterr().out
+
+
+def test_dlq_list_does_not_create_a_missing_store(tmp_path, capsys):
+    """Listing a store whose file does not exist yet reports no records and leaves no file."""
+    config = _sqlite_config(tmp_path)
+    assert main(["dlq", "list", "--config", str(config)]) == 0
+    out, err = capsys.readouterr()
+    assert "no dead letters" in out and "does not exist yet" in err
+    assert not (tmp_path / "dead.sqlite3").exists()
+
+
+def test_dlq_config_is_accepted_before_the_action(tmp_path, capsys):
+    """'dlq --config X list' reads the same store as 'dlq list --config X'."""
+    config = _sqlite_config(tmp_path)
+    (record,) = _add_records(tmp_path / "dead.sqlite3", 1)
+    assert main(["dlq", "--config", str(config), "list"]) == 0
+    assert record.id in capsys.readouterr().out
+
+
+def test_dlq_reads_the_config_named_by_the_environment(tmp_path, capsys, monkeypatch):
+    """Without --config, 'dlq' uses $NPU_SYNC_CONFIG."""
+    config = _sqlite_config(tmp_path)
+    (record,) = _add_records(tmp_path / "dead.sqlite3", 1)
+    monkeypatch.setenv("NPU_SYNC_CONFIG", str(config))
+    assert main(["dlq", "list"]) == 0
+    assert record.id in capsys.readouterr().out
+
+
+def test_dlq_falls_back_to_npu_workers_yaml(tmp_path, capsys, monkeypatch):
+    """Without --config or $NPU_SYNC_CONFIG, 'dlq' reads ./npu_workers.yaml."""
+    store = tmp_path / "dead.sqlite3"
+    _write_config(
+        tmp_path / "npu_workers.yaml", dead_letter=f"{{backend: sqlite, path: '{store}'}}"
+    )
+    (record,) = _add_records(store, 1)
+    monkeypatch.delenv("NPU_SYNC_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["dlq", "list"]) == 0
+    assert record.id in capsys.readouterr().out
+
+
+def test_dlq_without_any_config_exits_2(tmp_path, capsys, monkeypatch):
+    """No --config, no $NPU_SYNC_CONFIG and no ./npu_workers.yaml: exit 2 saying so."""
+    monkeypatch.delenv("NPU_SYNC_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["dlq", "list"]) == 2
+    err = capsys.readouterr().err
+    assert "no configuration" in err and "npu_workers.yaml" in err and "Traceback" not in err
+
+
+def test_dlq_with_a_missing_config_file_exits_2(tmp_path, capsys):
+    """'dlq --config' naming a file that does not exist exits 2 and names it."""
+    assert main(["dlq", "list", "--config", str(tmp_path / "gone.yaml")]) == 2
+    assert "gone.yaml" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", [["list"], ["show", "abc"], ["replay"], ["purge", "--yes"]])
+def test_dlq_on_a_memory_store_explains_there_is_nothing_to_inspect(tmp_path, capsys, action):
+    """Every 'dlq' action on a memory backend exits 2, saying the records live in-process."""
+    config = _write_config(tmp_path / "pool.yaml", dead_letter="{backend: memory}")
+    assert main(["dlq", *action, "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "memory" in err and "only inside the running process" in err
+    assert "backend: sqlite" in err
+
+
+def test_dlq_on_a_file_that_is_not_a_database_is_a_message(tmp_path, capsys):
+    """A corrupt store file is a one-line error with exit 1, not a traceback."""
+    config = _sqlite_config(tmp_path)
+    (tmp_path / "dead.sqlite3").write_bytes(b"this is not a database" * 100)
+    assert main(["dlq", "list", "--config", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("npu-sync: error:") and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_dlq_show_prints_the_whole_record(tmp_path, capsys):
+    """'dlq show ID' prints the record, attempts included, as JSON."""
+    config = _sqlite_config(tmp_path)
+    _, record = _add_records(tmp_path / "dead.sqlite3", 2)
+    assert main(["dlq", "show", record.id, "--config", str(config)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown == record.to_dict()
+    assert shown["attempts"][0]["worker_id"] == "a"
+
+
+def test_dlq_show_of_an_unknown_id_exits_1(tmp_path, capsys):
+    """'dlq show' of an id not in the store exits 1 and names the id."""
+    config = _sqlite_config(tmp_path)
+    _add_records(tmp_path / "dead.sqlite3", 1)
+    assert main(["dlq", "show", "feedface", "--config", str(config)]) == 1
+    assert "no dead letter with id 'feedface'" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_dlq_replay_on_a_live_worker_empties_the_store(tmp_path, capsys):
+    """'dlq replay' runs every record on the pool, exits 0 and leaves the store empty."""
+    store = tmp_path / "dead.sqlite3"
+    records = _add_records(store, 3)
+    with LocalWorker(worker_id="a").start() as a:
+        config = _sqlite_config(tmp_path, [("a", a.url)])
+        assert main(["dlq", "replay", "--config", str(config)]) == 0
+        served = a.stats()
+    out = capsys.readouterr().out
+    assert "replayed 3 dead letter(s): 3 succeeded, 0 failed, 0 rejected" in out
+    assert all(f"succeeded  {record.id}" in out for record in records)
+    assert _stored_ids(store) == []
+    assert served["inference_count"] == 3
+
+
+@pytest.mark.integration
+def test_dlq_replay_of_one_id_leaves_the_others(tmp_path, capsys):
+    """'dlq replay ID' replays that record only."""
+    store = tmp_path / "dead.sqlite3"
+    first, second = _add_records(store, 2)
+    with LocalWorker(worker_id="a").start() as a:
+        config = _sqlite_config(tmp_path, [("a", a.url)])
+        assert main(["dlq", "replay", second.id, "--config", str(config), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["succeeded"] == [second.id] and report["failed"] == []
+    assert report["results"][second.id]["model_id"] == "default"
+    assert _stored_ids(store) == [first.id]
+
+
+def test_dlq_replay_that_fails_again_exits_1_and_keeps_the_record(tmp_path, capsys):
+    """A replay on a pool with no live worker exits 1; the record stays, its replays counted."""
+    store = tmp_path / "dead.sqlite3"
+    (record,) = _add_records(store, 1)
+    config = _sqlite_config(tmp_path)
+    assert main(["dlq", "replay", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "0 succeeded, 1 failed, 0 rejected" in out and f"failed     {record.id}" in out
+    kept = SQLiteDeadLetterStore(store)
+    try:
+        assert kept.get(record.id).replays == 1
+    finally:
+        kept.close()
+
+
+def test_dlq_replay_of_an_unknown_id_exits_1(tmp_path, capsys):
+    """'dlq replay ID' of an id not in the store exits 1 without building a pool."""
+    config = _sqlite_config(tmp_path)
+    _add_records(tmp_path / "dead.sqlite3", 1)
+    assert main(["dlq", "replay", "feedface", "--config", str(config)]) == 1
+    assert "no dead letter with id 'feedface'" in capsys.readouterr().err
+
+
+def test_dlq_replay_of_an_empty_store_exits_0(tmp_path, capsys):
+    """Replaying an empty store is a message and exit 0."""
+    config = _sqlite_config(tmp_path)
+    _add_records(tmp_path / "dead.sqlite3", 0)
+    assert main(["dlq", "replay", "--config", str(config)]) == 0
+    assert "no dead letters to replay" in capsys.readouterr().out
+
+
+def test_dlq_purge_yes_deletes_every_record(tmp_path, capsys):
+    """'dlq purge --yes' removes every record without asking and exits 0."""
+    store = tmp_path / "dead.sqlite3"
+    _add_records(store, 3)
+    config = _sqlite_config(tmp_path)
+    assert main(["dlq", "purge", "--yes", "--config", str(config)]) == 0
+    assert "purged 3 record(s)" in capsys.readouterr().out
+    assert _stored_ids(store) == []
+
+
+def test_dlq_purge_without_yes_and_no_terminal_refuses(tmp_path, capsys, monkeypatch):
+    """Without --yes and with no TTY to ask on, 'purge' exits 2 and deletes nothing."""
+    store = tmp_path / "dead.sqlite3"
+    records = _add_records(store, 2)
+    config = _sqlite_config(tmp_path)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    assert main(["dlq", "purge", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "refusing to purge 2 record(s)" in err and "--yes" in err
+    assert _stored_ids(store) == [r.id for r in records]
+
+
+@pytest.mark.parametrize(("answer", "code", "left"), [("y\n", 0, 0), ("n\n", 1, 2), ("", 1, 2)])
+def test_dlq_purge_asks_on_a_terminal(tmp_path, capsys, monkeypatch, answer, code, left):
+    """On a TTY 'purge' asks 'purge N records? [y/N]'; only yes deletes."""
+    store = tmp_path / "dead.sqlite3"
+    _add_records(store, 2)
+    config = _sqlite_config(tmp_path)
+    monkeypatch.setattr(sys, "stdin", _Terminal(answer))
+    assert main(["dlq", "purge", "--config", str(config)]) == code
+    assert "purge 2 records? [y/N]" in capsys.readouterr().out
+    assert len(_stored_ids(store)) == left
