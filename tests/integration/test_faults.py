@@ -71,9 +71,7 @@ def test_freeze_with_sigstop_then_resume(three):
     """A frozen worker costs its in-flight tasks one read timeout; they finish elsewhere."""
     timeouts = TimeoutConfig(connect=0.5, read=0.5, task=30.0)
     with WorkerPool(config_for(three, timeouts=timeouts)) as pool:
-        report = run_load(
-            pool, "freeze", 5000, faults={300: three[2].pause, 4500: three[2].resume}
-        )
+        report = run_load(pool, "freeze", 5000, faults={300: three[2].pause, 4500: three[2].resume})
         check(report)
         frozen = {w["id"]: w for w in pool.workers()}["w2"]
     assert frozen["tasks"]["failed"] >= 1  # its in-flight tasks timed out ...
@@ -120,6 +118,14 @@ def test_worker_restarted_on_the_same_port_is_used_again(three):
             pool, "restart", 4000, faults={800: three[0].kill, 1600: three[0].restart}
         )
         check(report)
+        # The new process gets tasks again once its breaker lets a trial through; if
+        # the load ended first, keep sending until it does (bounded).
+        gate = threading.Event()
+        for i in range(2000):
+            if three[0].stats()["inference_count"] > 0:
+                break
+            pool.execute({"model_id": "default", "input_text": f"after {i}"})
+            gate.wait(0.005)
     assert three[0].stats()["inference_count"] > 0  # the new process served tasks
 
 

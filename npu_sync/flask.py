@@ -1,0 +1,468 @@
+"""Flask integration: the ``NpuSync`` extension, its JSON endpoints and the status page.
+
+The only module that imports Flask (``pip install npu_sync[flask]``). See docs/flask.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import functools
+import hashlib
+import hmac
+import importlib.resources
+import json
+import logging
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn, ParamSpec, TypeVar
+
+from flask import Blueprint, Flask, Response, current_app, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from npu_sync.errors import ConfigError, NpuSyncError, PoolClosed
+from npu_sync.pool import WorkerPool, get_pool
+
+log = logging.getLogger(__name__)
+
+EXTENSION_KEY = "npu_sync"
+"""The key of the extension's state in ``app.extensions``; also the blueprint's name."""
+
+DEFAULT_URL_PREFIX = "/api/npu/pool"
+DEFAULT_REFRESH_MS = 2000
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+_MAX_BODY_BYTES = 64 * 1024
+_ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+_DIGITS = re.compile(r"[0-9]{1,9}")
+_PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
+_NO_STORE = {"Cache-Control": "no-store"}
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class _State:
+    """What one app's extension holds in ``app.extensions["npu_sync"]``. Immutable."""
+
+    pool: WorkerPool | None
+    url_prefix: str
+    refresh_ms: int
+
+    def get_pool(self) -> WorkerPool:
+        return self.pool if self.pool is not None else get_pool()
+
+
+class NpuSync:
+    """The npu_sync Flask extension: JSON endpoints and a status page for a pool.
+
+    Thread-safe: the object keeps no per-app state (that lives in
+    ``app.extensions["npu_sync"]``), so one instance may serve several apps.
+
+    The pool is, in order: the one passed here (never closed by the extension); one
+    built from ``app.config["NPU_SYNC_CONFIG"]`` (closed when the process exits); else
+    the process-wide :func:`npu_sync.get_pool`, looked up on each use.
+
+    Args:
+        app: initialise this app now; or call :meth:`init_app` later.
+        pool: the pool to serve, shared by every app this extension initialises.
+    """
+
+    def __init__(self, app: Flask | None = None, pool: WorkerPool | None = None) -> None:
+        self._pool = pool
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        """Register the endpoints on ``app`` and attach its pool.
+
+        Reads ``NPU_SYNC_CONFIG``, ``NPU_SYNC_WATCH``, ``NPU_SYNC_URL_PREFIX``,
+        ``NPU_SYNC_REFRESH_MS`` and ``NPU_SYNC_ADMIN_TOKEN`` from ``app.config``.
+
+        Raises:
+            RuntimeError: the extension is already registered on ``app``.
+            ValueError: a ``NPU_SYNC_*`` setting has an unusable value.
+            ConfigError: the YAML file named by ``NPU_SYNC_CONFIG`` is invalid.
+        """
+        if EXTENSION_KEY in app.extensions:
+            raise RuntimeError(
+                "npu_sync is already registered on this app: call NpuSync(app) or "
+                "init_app(app) once per app"
+            )
+        prefix = _url_prefix(app.config.get("NPU_SYNC_URL_PREFIX", DEFAULT_URL_PREFIX))
+        refresh_ms = _refresh_ms(app.config.get("NPU_SYNC_REFRESH_MS", DEFAULT_REFRESH_MS))
+        token = app.config.get("NPU_SYNC_ADMIN_TOKEN")
+        if token is not None and not isinstance(token, str):
+            raise ValueError("NPU_SYNC_ADMIN_TOKEN must be a string or None")
+        pool, owned = self._pool, False
+        if pool is None:
+            path = app.config.get("NPU_SYNC_CONFIG")
+            if path:
+                watch = bool(app.config.get("NPU_SYNC_WATCH", True))
+                pool = WorkerPool.from_yaml(path, watch=watch)
+                owned = True
+        try:
+            app.register_blueprint(_blueprint(), url_prefix=prefix)
+        except BaseException:
+            if owned and pool is not None:
+                pool.close()
+            raise
+        if owned and pool is not None:
+            # The pool outlives requests and app contexts; it ends with the process.
+            atexit.register(pool.close)
+        app.extensions[EXTENSION_KEY] = _State(pool, prefix, refresh_ms)
+
+
+def current_pool() -> WorkerPool:
+    """The pool of the current Flask app, for use in views.
+
+    Raises:
+        RuntimeError: outside an app context, or the app has no NpuSync extension.
+    """
+    return _state().get_pool()
+
+
+def _state() -> _State:
+    state = current_app.extensions.get(EXTENSION_KEY)
+    if not isinstance(state, _State):
+        raise RuntimeError(
+            "npu_sync is not registered on this app: call NpuSync(app) or init_app(app)"
+        )
+    return state
+
+
+def _url_prefix(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"NPU_SYNC_URL_PREFIX must be a string, got {type(value).__name__}")
+    prefix = value.rstrip("/")
+    if not _PREFIX.fullmatch(prefix):
+        raise ValueError(
+            "NPU_SYNC_URL_PREFIX must be a path such as /api/npu/pool "
+            f"(segments of letters, digits, '.', '_', '~', '-'), got {value!r}"
+        )
+    return prefix
+
+
+def _refresh_ms(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 250 <= value <= 3_600_000:
+        raise ValueError(f"NPU_SYNC_REFRESH_MS must be an int from 250 to 3600000, got {value!r}")
+    return value
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+class _ApiError(Exception):
+    """Ends a request with a JSON error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+        self.extra = extra
+
+
+def _json(data: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    response = jsonify(data)
+    response.status_code = status
+    response.headers.update(_NO_STORE)
+    if headers:
+        response.headers.update(headers)
+    return response
+
+
+def _api_error(exc: _ApiError) -> Response:
+    return _json({"error": exc.message, **exc.extra}, exc.status, exc.headers)
+
+
+def _http_error(exc: HTTPException) -> Response:
+    # Keep headers such as Allow, drop the HTML content type of werkzeug's page.
+    headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}
+    return _json({"error": exc.description or exc.name}, exc.code or 500, headers)
+
+
+# -- auth ----------------------------------------------------------------------------------
+
+
+def _admin_only(view: Callable[P, R]) -> Callable[P, R]:
+    """Require ``Authorization: Bearer <NPU_SYNC_ADMIN_TOKEN>``; no token configured: 403."""
+
+    @functools.wraps(view)
+    def guarded(*args: P.args, **kwargs: P.kwargs) -> R:
+        _check_admin()
+        log.info("admin request %s %s from %s", request.method, request.path, request.remote_addr)
+        return view(*args, **kwargs)
+
+    return guarded
+
+
+def _check_admin() -> None:
+    expected = current_app.config.get("NPU_SYNC_ADMIN_TOKEN")
+    if not expected or not isinstance(expected, str):
+        log.warning(
+            "refused %s %s from %s: NPU_SYNC_ADMIN_TOKEN is not set",
+            request.method,
+            request.path,
+            request.remote_addr,
+        )
+        raise _ApiError(
+            403, "admin endpoints are disabled: set NPU_SYNC_ADMIN_TOKEN to enable them"
+        )
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given:
+        log.warning(
+            "refused %s %s from %s: no bearer token",
+            request.method,
+            request.path,
+            request.remote_addr,
+        )
+        raise _ApiError(
+            401,
+            "this endpoint needs Authorization: Bearer <admin token>",
+            headers={"WWW-Authenticate": 'Bearer realm="npu_sync"'},
+        )
+    # Digests of equal length, so the comparison does not reveal the token's length.
+    if not hmac.compare_digest(_digest(given), _digest(expected)):
+        log.warning(
+            "refused %s %s from %s: wrong bearer token",
+            request.method,
+            request.path,
+            request.remote_addr,
+        )
+        raise _ApiError(
+            401,
+            "invalid admin token",
+            headers={"WWW-Authenticate": 'Bearer realm="npu_sync", error="invalid_token"'},
+        )
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
+
+
+# -- request parsing -----------------------------------------------------------------------
+
+
+def _query_int(name: str, default: int, *, maximum: int | None = None) -> int:
+    values = request.args.getlist(name)
+    if not values:
+        return default
+    if len(values) > 1:
+        raise _ApiError(400, f"{name}: give it once")
+    text = values[0]
+    if not _DIGITS.fullmatch(text):
+        raise _ApiError(400, f"{name}: must be a whole number >= 0")
+    value = int(text)
+    if maximum is not None and value > maximum:
+        raise _ApiError(400, f"{name}: must be at most {maximum}")
+    return value
+
+
+def _json_body(allowed: Iterable[str]) -> dict[str, Any]:
+    """The request's JSON object, or {} for an empty body."""
+    length = request.content_length
+    if length is not None and length > _MAX_BODY_BYTES:
+        raise _ApiError(413, f"request body larger than {_MAX_BODY_BYTES} bytes")
+    raw = request.stream.read(_MAX_BODY_BYTES + 1)
+    if len(raw) > _MAX_BODY_BYTES:
+        raise _ApiError(413, f"request body larger than {_MAX_BODY_BYTES} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise _ApiError(400, "request body must be JSON") from None
+    if not isinstance(body, dict):
+        raise _ApiError(400, "request body must be a JSON object")
+    unknown = sorted(str(key) for key in body if key not in set(allowed))
+    if unknown:
+        raise _ApiError(400, f"unknown keys in request body: {', '.join(unknown)}")
+    return body
+
+
+# -- views ---------------------------------------------------------------------------------
+
+
+def _stats() -> Response:
+    return _json(current_pool().stats())
+
+
+def _workers() -> Response:
+    return _json({"workers": current_pool().workers()})
+
+
+@_admin_only
+def _reload() -> Response:
+    pool = current_pool()
+    if pool.config.source is None:
+        raise _ApiError(409, "this pool was not built from a YAML file: there is nothing to reload")
+    try:
+        result = pool.reload()
+    except ConfigError as exc:
+        # The pool logged the error already; the running configuration is kept.
+        raise _ApiError(
+            400,
+            "invalid configuration; the running configuration is kept",
+            errors=list(exc.errors),
+        ) from None
+    except NpuSyncError as exc:
+        raise _ApiError(409, str(exc)) from None
+    return _json({"changed": result.changed, **result.to_dict()})
+
+
+def _dead_letters() -> Response:
+    limit = _query_int("limit", DEFAULT_PAGE_SIZE, maximum=MAX_PAGE_SIZE)
+    offset = _query_int("offset", 0)
+    queue = current_pool().dead_letters
+    try:
+        records = queue.list(limit=limit, offset=offset)
+        total = len(queue)
+    except NpuSyncError as exc:
+        raise _ApiError(503, f"the dead-letter store is unavailable: {exc}") from None
+    return _json(
+        {
+            "total": total,
+            "limit": limit,
+            "offset": offset,
+            "dead_letters": [record.to_dict() for record in records],
+        }
+    )
+
+
+@_admin_only
+def _replay() -> Response:
+    record_id = _json_body(("id",)).get("id")
+    if record_id is not None and (not isinstance(record_id, str) or not record_id):
+        raise _ApiError(400, "id: must be a non-empty string")
+    try:
+        report = current_pool().dead_letters.replay(record_id)
+    except KeyError:
+        raise _ApiError(404, "no dead letter with that id", id=record_id) from None
+    except PoolClosed:
+        raise _ApiError(503, "the pool is closed") from None
+    except NpuSyncError as exc:
+        raise _ApiError(409, str(exc)) from None
+    return _json(report.to_dict())
+
+
+def _metrics() -> Response:
+    unavailable = "Prometheus metrics need prometheus_client: pip install 'npu_sync[prometheus]'"
+    try:
+        from npu_sync.prometheus import metrics_text
+    except ImportError:
+        raise _ApiError(501, unavailable) from None
+    try:
+        body, content_type = metrics_text(current_pool())
+    except ImportError:
+        raise _ApiError(501, unavailable) from None
+    return Response(body, content_type=content_type, headers=_NO_STORE)
+
+
+def _status_page() -> Response:
+    page = _page()
+    html = page.html.replace("__REFRESH_MS__", str(_state().refresh_ms))
+    return Response(
+        html,
+        mimetype="text/html",
+        headers={
+            **_NO_STORE,
+            "Content-Security-Policy": page.csp,
+            "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer",
+            "X-Frame-Options": "DENY",
+        },
+    )
+
+
+def _not_found(rest: str) -> NoReturn:
+    raise _ApiError(404, "no such endpoint")
+
+
+def _not_allowed(allowed: tuple[str, ...]) -> Callable[[], NoReturn]:
+    def not_allowed() -> NoReturn:
+        raise _ApiError(
+            405,
+            f"method {request.method} not allowed; use {', '.join(allowed)}",
+            headers={"Allow": ", ".join(allowed)},
+        )
+
+    return not_allowed
+
+
+def _blueprint() -> Blueprint:
+    """A fresh blueprint per app: a registered blueprint cannot gain routes later."""
+    bp = Blueprint(EXTENSION_KEY, __name__)
+    routes: list[tuple[str, Callable[..., Response], tuple[str, ...]]] = [
+        ("/", _status_page, ("GET",)),
+        ("/stats", _stats, ("GET",)),
+        ("/workers", _workers, ("GET",)),
+        ("/reload", _reload, ("POST",)),
+        ("/dead-letters", _dead_letters, ("GET",)),
+        ("/dead-letters/replay", _replay, ("POST",)),
+        ("/metrics", _metrics, ("GET",)),
+    ]
+    for rule, view, methods in routes:
+        endpoint = view.__name__.lstrip("_")
+        bp.add_url_rule(rule, endpoint, view, methods=list(methods))
+        # Other methods on a known path get a JSON 405 here instead of Flask's HTML one.
+        allowed = (*methods, "HEAD") if "GET" in methods else methods
+        others = [m for m in _ALL_METHODS if m not in allowed]
+        bp.add_url_rule(
+            rule,
+            f"{endpoint}_not_allowed",
+            _not_allowed(allowed),
+            methods=others,
+            provide_automatic_options=False,
+        )
+    # Unknown paths under the prefix get a JSON 404 (the static rules above win over this).
+    bp.add_url_rule("/<path:rest>", "not_found", _not_found, methods=list(_ALL_METHODS))
+    bp.register_error_handler(_ApiError, _api_error)
+    bp.register_error_handler(HTTPException, _http_error)
+    return bp
+
+
+# -- the status page -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Page:
+    html: str
+    csp: str
+
+
+@functools.cache
+def _page() -> _Page:
+    html = importlib.resources.files("npu_sync").joinpath("static/status.html").read_text("utf-8")
+    # The inline script and style are allowed by hash, so nothing else on the page can run.
+    scripts = re.findall(r"<script>(.*?)</script>", html, flags=re.S)
+    styles = re.findall(r"<style>(.*?)</style>", html, flags=re.S)
+    csp = "; ".join(
+        [
+            "default-src 'none'",
+            "script-src " + " ".join(_csp_hash(s) for s in scripts),
+            "style-src " + " ".join(_csp_hash(s) for s in styles),
+            "connect-src 'self'",
+            "img-src data:",
+            "base-uri 'none'",
+            "form-action 'none'",
+            "frame-ancestors 'none'",
+        ]
+    )
+    return _Page(html, csp)
+
+
+def _csp_hash(text: str) -> str:
+    digest = base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii")
+    return f"'sha256-{digest}'"

@@ -1,0 +1,203 @@
+"""The status page in a real headless Chromium: rows, colours, a worker killed mid-test."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+from flask import Flask
+from werkzeug.serving import make_server
+
+from npu_sync import TaskFailed, WorkerPool
+from npu_sync.config import BreakerConfig, HealthConfig, PoolConfig, RetryConfig, worker_config
+from npu_sync.flask import NpuSync
+from npu_sync.testing import FakeClock, FakeNetwork, json_response
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+PAGE = "/api/npu/pool/"
+
+if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+    pytest.skip(
+        f"the browser test needs {CHROMIUM} and {CHROMEDRIVER} "
+        "(Debian packages chromium and chromium-driver)",
+        allow_module_level=True,
+    )
+
+from selenium import webdriver  # noqa: E402 - only once the browser is known to exist
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.remote.webdriver import WebDriver  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+
+@contextmanager
+def serve(pool: WorkerPool, refresh_ms: int = 500) -> Iterator[str]:
+    """Serve a Flask app with the extension on a loopback port; yields its base URL."""
+    app = Flask(__name__)
+    app.config["NPU_SYNC_REFRESH_MS"] = refresh_ms
+    NpuSync(app, pool=pool)
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, name="status-page-server")
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@contextmanager
+def chromium(profile: pathlib.Path) -> Iterator[WebDriver]:
+    """A headless Chromium driven by chromedriver; quit on exit."""
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1500,640",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    try:
+        driver.set_page_load_timeout(30)
+        yield driver
+    finally:
+        driver.quit()
+
+
+def rows(driver: WebDriver) -> dict[str, str]:
+    """Worker id -> data-state of every row on the page."""
+    return {
+        row.get_attribute("data-worker"): row.get_attribute("data-state")
+        for row in driver.find_elements(By.CSS_SELECTOR, "tr[data-worker]")
+    }
+
+
+def wait_for(driver: WebDriver, condition: Callable[[WebDriver], object], what: str) -> None:
+    WebDriverWait(driver, 20, poll_frequency=0.1).until(condition, message=f"waiting for {what}")
+
+
+def state_colour(driver: WebDriver, worker_id: str) -> tuple[int, int, int]:
+    """The computed background colour of a worker's state cell, as (r, g, b)."""
+    for row in driver.find_elements(By.CSS_SELECTOR, "tr[data-worker]"):
+        if row.get_attribute("data-worker") == worker_id:
+            css = row.find_element(By.CSS_SELECTOR, "td.c-state").value_of_css_property(
+                "background-color"
+            )
+            r, g, b = (int(v) for v in re.findall(r"\d+", css)[:3])
+            return r, g, b
+    raise AssertionError(f"no row for worker {worker_id!r}")
+
+
+def is_red(rgb: tuple[int, int, int]) -> bool:
+    r, g, b = rgb
+    return r >= 150 and g <= 100 and b <= 100
+
+
+def is_green(rgb: tuple[int, int, int]) -> bool:
+    r, g, b = rgb
+    return g >= 100 and r <= 100 and b <= 100
+
+
+def is_amber(rgb: tuple[int, int, int]) -> bool:
+    r, g, b = rgb
+    return r >= 200 and 120 <= g <= 210 and b <= 80
+
+
+def screenshot(driver: WebDriver, tmp_path: pathlib.Path, name: str) -> pathlib.Path:
+    """Save a screenshot in the test's tmp dir, and in $NPU_SYNC_SCREENSHOT_DIR if set."""
+    path = tmp_path / name
+    assert driver.save_screenshot(str(path)), "screenshot failed"
+    target = os.environ.get("NPU_SYNC_SCREENSHOT_DIR")
+    if target:
+        os.makedirs(target, exist_ok=True)
+        shutil.copy(path, os.path.join(target, name))
+    return path
+
+
+def test_a_killed_worker_turns_red_on_the_status_page(start_worker, tmp_path):
+    """The page lists every worker as up; a worker killed mid-test turns down and red."""
+    workers = [start_worker(worker_id=wid) for wid in ("vm2-npu", "windows-npu", "backup-npu")]
+    config = PoolConfig(
+        workers=tuple(
+            worker_config(w.worker_id, w.url, priority=1 if n < 2 else 2)
+            for n, w in enumerate(workers)
+        ),
+        health=HealthConfig(interval=0.2, timeout=0.5, unhealthy_threshold=1),
+    )
+    with WorkerPool(config) as pool:
+        for i in range(12):
+            pool.execute({"model_id": "default", "input_text": f"warm-up {i}"})
+        with serve(pool) as base, chromium(tmp_path / "profile") as driver:
+            driver.get(base + PAGE)
+            everyone_up = {"vm2-npu": "up", "windows-npu": "up", "backup-npu": "up"}
+            wait_for(driver, lambda d: rows(d) == everyone_up, "every worker to be shown up")
+            assert is_green(state_colour(driver, "windows-npu"))
+            assert driver.find_element(By.CSS_SELECTOR, '[data-total="tasks.succeeded"]').text == (
+                "12"
+            )
+
+            workers[1].kill()
+            wait_for(driver, lambda d: rows(d).get("windows-npu") == "down", "windows-npu down")
+            assert rows(driver) == {**everyone_up, "windows-npu": "down"}
+            assert is_red(state_colour(driver, "windows-npu")), state_colour(driver, "windows-npu")
+            assert is_green(state_colour(driver, "vm2-npu"))
+            row = next(
+                r
+                for r in driver.find_elements(By.CSS_SELECTOR, "tr[data-worker]")
+                if r.get_attribute("data-worker") == "windows-npu"
+            )
+            assert "unhealthy" in row.find_element(By.CSS_SELECTOR, "td.c-state").text
+            screenshot(driver, tmp_path, "status.png")
+
+
+def test_states_colours_and_escaping_on_a_fake_network(tmp_path):
+    """Up is green, disabled amber, open breaker red; ids and errors render as text only."""
+    evil = "<img/src=x/onerror=alert(1)>"
+    net = FakeNetwork()
+    net.route(evil, lambda req: json_response(503, {"detail": '<b id="injected">boom</b>'}))
+    config = PoolConfig(
+        workers=(
+            worker_config(evil, "http://127.0.0.1:9101"),
+            worker_config("fine", "http://127.0.0.1:9102", priority=2),
+            worker_config("off", "http://127.0.0.1:9103", enabled=False),
+        ),
+        health=HealthConfig(enabled=False),
+        circuit_breaker=BreakerConfig(fail_max=1),
+        retry=RetryConfig(max_retries=0),
+    )
+    with WorkerPool(config, transport_factory=net.factory, clock=FakeClock()) as pool:
+        with pytest.raises(TaskFailed):
+            pool.execute({"input_text": "x"})
+        with serve(pool, refresh_ms=250) as base, chromium(tmp_path / "profile") as driver:
+            driver.get(base + PAGE)
+            expected = {evil: "down", "fine": "up", "off": "degraded"}
+            wait_for(driver, lambda d: rows(d) == expected, "three rows in their states")
+            assert is_red(state_colour(driver, evil))
+            assert is_green(state_colour(driver, "fine"))
+            assert is_amber(state_colour(driver, "off")), state_colour(driver, "off")
+            assert driver.find_elements(By.TAG_NAME, "img") == []
+            assert driver.find_elements(By.ID, "injected") == []
+            ids = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "td.c-id")]
+            assert evil in ids
+            errors = " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR, "td.c-error"))
+            assert '<b id="injected">boom</b>' in errors
+            failed = driver.find_element(By.CSS_SELECTOR, '[data-total="tasks.failed"]')
+            assert failed.text == "1" and "bad" in failed.get_attribute("class")
