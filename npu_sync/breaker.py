@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import pybreaker
 
@@ -26,6 +27,17 @@ OPEN = pybreaker.STATE_OPEN
 HALF_OPEN = pybreaker.STATE_HALF_OPEN
 
 StateListener = Callable[[str, str, str], None]
+
+
+def redis_storage(client: Any, namespace: str) -> Any:
+    """pybreaker's ``CircuitRedisStorage`` for one worker's shared breaker state.
+
+    Used by :mod:`npu_sync.shared`, outside any lock: every call is a Redis round trip.
+    Raises redis' errors when Redis cannot be reached while it initialises its keys.
+    """
+    return pybreaker.CircuitRedisStorage(CLOSED, client, namespace=namespace)
+
+
 """Called as ``listener(name, old_state, new_state)`` on every transition."""
 
 
@@ -199,6 +211,46 @@ class WorkerBreaker:
             self._cb.close()
             self._state = CLOSED
         self._storage.reset_counter()
+
+    def force_open(self, age: float = 0.0, reset_timeout: float | None = None) -> bool:
+        """Open because another process saw the worker fail (shared state).
+
+        Args:
+            age: seconds since the breaker was opened elsewhere.
+            reset_timeout: the open period chosen there, so every process agrees.
+
+        Returns:
+            Whether the state changed (False if already open or half-open).
+        """
+        if self._state != CLOSED:
+            return False
+        self._consecutive_trips += 1
+        self.trips += 1
+        if reset_timeout is not None:
+            self._reset_timeout = min(reset_timeout, self._config.max_reset_timeout)
+        self._opened_at = self._clock.monotonic() - max(0.0, age)
+        self._cb.reset_timeout = self._reset_timeout
+        self._cb.open()
+        self._state = OPEN
+        return True
+
+    def force_close(self) -> bool:
+        """Close because another process's trial call succeeded (shared state).
+
+        A trial of this process still in flight decides for itself.
+
+        Returns:
+            Whether the state changed.
+        """
+        if self._state == CLOSED or self._trial_in_flight:
+            return False
+        self._consecutive_trips = 0
+        self._early_trial_used = False
+        self._reset_timeout = self._config.reset_timeout
+        self._cb.reset_timeout = self._reset_timeout
+        self._cb.close()
+        self._state = CLOSED
+        return True
 
     def _trip(self) -> None:
         if self._consecutive_trips:

@@ -33,6 +33,7 @@ __all__ = [
     "PoolConfig",
     "PoolSettings",
     "RetryConfig",
+    "SharedStateConfig",
     "TLSConfig",
     "TimeoutConfig",
     "TransportConfig",
@@ -40,6 +41,8 @@ __all__ = [
     "config_for_url",
     "load_config",
     "parse_config",
+    "parse_yaml",
+    "read_config_text",
     "worker_config",
 ]
 
@@ -160,6 +163,21 @@ class DeadLetterConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedStateConfig:
+    """State shared by every process using the same workers. Immutable, so thread-safe.
+
+    ``backend`` is ``"none"`` (each process on its own) or ``"redis"``. The Redis URL
+    may come from the environment (``url: ${NPU_SYNC_REDIS_URL}``).
+    """
+
+    backend: str = "none"
+    url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "npu_sync"
+    timeout: float = 0.05  # seconds: connect and socket timeout of every Redis call
+    sync_interval: float = 1.0  # seconds between full re-reads of the shared state
+
+
+@dataclass(frozen=True, slots=True)
 class TransportConfig:
     """The HTTP client and its limits. Immutable, so thread-safe."""
 
@@ -188,6 +206,7 @@ class PoolConfig:
     dead_letter: DeadLetterConfig = field(default_factory=DeadLetterConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     pool: PoolSettings = field(default_factory=PoolSettings)
+    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
     source: str | None = None
 
     def worker(self, worker_id: str) -> WorkerConfig:
@@ -369,6 +388,7 @@ _SECTION_KEYS: Final = frozenset(
         "dead_letter",
         "transport",
         "pool",
+        "shared_state",
     }
 )
 _WORKER_KEYS: Final = frozenset(
@@ -459,7 +479,14 @@ class _Reader:
         dead_letter = self.dead_letter(section.get("dead_letter"), f"{layout}.dead_letter")
         self.errors.extend(transport_errors)
         pool = self.pool(section.get("pool"), f"{layout}.pool")
+        shared = self.shared_state(section.get("shared_state"), f"{layout}.shared_state")
+        if dead_letter.backend == "redis" and shared.backend != "redis":
+            self.error(
+                f"{layout}.dead_letter.backend",
+                "'redis' needs shared_state.backend: redis (it uses that connection)",
+            )
         return PoolConfig(
+            shared_state=shared,
             workers=workers,
             health=health,
             circuit_breaker=breaker,
@@ -547,24 +574,53 @@ class _Reader:
         backend: str | None = d.backend
         if "backend" in m:
             backend = self.string(m["backend"], f"{path}.backend")
-            if backend == "redis":
-                self.error(
-                    f"{path}.backend", "'redis' is not supported yet (use 'memory' or 'sqlite')"
-                )
-                backend = None
-            elif backend is not None:
+            if backend is not None:
                 backend = self.choice(
-                    backend, m["backend"], f"{path}.backend", ("memory", "sqlite")
+                    backend, m["backend"], f"{path}.backend", ("memory", "sqlite", "redis")
                 )
         file_path = self.file_path(m, "path", path, None)
         if backend == "sqlite" and m.get("path") is None:
             self.error(f"{path}.path", "required when backend is 'sqlite'")
-        elif backend == "memory" and m.get("path") is not None:
+        elif backend in ("memory", "redis") and m.get("path") is not None:
             self.error(f"{path}.path", "only used with backend 'sqlite'")
         return DeadLetterConfig(
             backend=backend or d.backend,
             path=file_path,
             max_records=self.integer(m, "max_records", path, d.max_records, lo=1),
+        )
+
+    def shared_state(self, raw: object, path: str) -> SharedStateConfig:
+        d = SharedStateConfig()
+        m = self.section(raw, path, SharedStateConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        backend: str | None = d.backend
+        if "backend" in m:
+            backend = self.string(m["backend"], f"{path}.backend")
+            if backend is not None:
+                backend = self.choice(backend, m["backend"], f"{path}.backend", ("none", "redis"))
+        url = d.url
+        if "url" in m:
+            text = self.string(m["url"], f"{path}.url", show_value=False)
+            if text is not None:
+                if not text.startswith(("redis://", "rediss://", "unix://")):
+                    self.error(f"{path}.url", "must start with redis://, rediss:// or unix://")
+                else:
+                    url = text
+        namespace = d.namespace
+        if "namespace" in m:
+            text = self.string(m["namespace"], f"{path}.namespace")
+            if text is not None:
+                if not text or any(c.isspace() for c in text):
+                    self.error(f"{path}.namespace", f"must be a word without spaces, got {text!r}")
+                else:
+                    namespace = text
+        return SharedStateConfig(
+            backend=backend or d.backend,
+            url=url,
+            namespace=namespace,
+            timeout=self.number(m, "timeout", path, d.timeout, above=0),
+            sync_interval=self.number(m, "sync_interval", path, d.sync_interval, above=0),
         )
 
     def transport(self, raw: object, path: str) -> TransportConfig:

@@ -770,9 +770,19 @@ class DeadLetterQueue:
             if record_id in self._replaying:
                 return False
             self._replaying.add(record_id)
-            return True
+        # A store shared by processes (Redis) also claims across processes, with a
+        # lease that expires if this process dies mid-replay.
+        claim = getattr(self._store, "claim", None)
+        if claim is not None and not claim(record_id):
+            with self._lock:
+                self._replaying.discard(record_id)
+            return False
+        return True
 
     def _release(self, record_id: str) -> None:
+        release = getattr(self._store, "release_claim", None)
+        if release is not None:
+            release(record_id)
         with self._lock:
             self._replaying.discard(record_id)
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
 
 from npu_sync.admission import Dispatcher, Lease
-from npu_sync.breaker import OPEN, WorkerBreaker
+from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
     PoolConfig,
@@ -108,7 +108,7 @@ class ReloadResult:
         }
 
 
-_NOT_HOT = ("transport", "dead_letter", "pool")
+_NOT_HOT = ("transport", "dead_letter", "pool", "shared_state")
 """Sections a reload cannot change in a running pool."""
 
 _ADDRESS_FIELDS = ("url", "tls", "headers")
@@ -167,7 +167,9 @@ class WorkerPool:
         self._started = clock.monotonic()
         self._rng = rng or random.Random()
         # Breaker transitions happen under the lock; they are logged after it.
-        self._events: list[tuple[str, str, str]] = []
+        self._events: list[tuple[str, str, str, bool]] = []
+        self._applying_remote = False
+        self._shared = _shared_state(config, self._apply_remote)
         self._source_digest: str | None = None
         self._reload_lock = threading.Lock()
         self._reloads: dict[str, Any] = {
@@ -178,9 +180,12 @@ class WorkerPool:
             "last_change": None,
         }
         self._watcher: ConfigWatcher | None = None
-        store = (
-            dead_letter_store if dead_letter_store is not None else open_store(config.dead_letter)
-        )
+        if dead_letter_store is not None:
+            store: DeadLetterStore = dead_letter_store
+        elif config.dead_letter.backend == "redis" and self._shared is not None:
+            store = self._shared.dead_letter_store(config.dead_letter.max_records)
+        else:
+            store = open_store(config.dead_letter)
         self.dead_letters = DeadLetterQueue(store, self._replay, clock=clock)
         for worker_cfg in config.workers:
             self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
@@ -194,6 +199,9 @@ class WorkerPool:
         )
         if config.health.enabled:
             self._health.start()
+        if self._shared is not None:
+            self._shared.set_workers(self._workers)
+            self._shared.start()
 
     @classmethod
     def from_yaml(
@@ -398,6 +406,9 @@ class WorkerPool:
                     "dropped": dropped,
                 },
                 "reloads": dict(self._reloads),
+                "shared_state": (
+                    {"backend": "none"} if self._shared is None else self._shared.stats()
+                ),
                 "health": {
                     "enabled": self._config.health.enabled,
                     "running": self._health.running,
@@ -513,6 +524,8 @@ class WorkerPool:
         if self._watcher is not None:
             self._watcher.stop()
         self._health.stop()
+        if self._shared is not None:
+            self._shared.stop()
         if executor is not None:
             executor.shutdown(wait=True)
         with self._lock:
@@ -669,6 +682,9 @@ class WorkerPool:
             if new.retry != old.retry:
                 self._retry = RetryPolicy(new.retry)
             self._dispatcher.set_workers_locked(self._workers.values())
+            worker_ids = list(self._workers)
+        if self._shared is not None:
+            self._shared.set_workers(worker_ids)
         for transport in to_close:
             transport.close()
         if new.health.enabled and not self._health.running:
@@ -1006,6 +1022,10 @@ class WorkerPool:
                 self._stats.succeeded += 1
             elif kind is Kind.FAILURE:
                 stats.attempts += 1
+                if self._shared is not None and not defer:
+                    # No new attempt here until every process's count is known: on a
+                    # dead worker this keeps the attempts near fail_max in total.
+                    worker.reporting += 1
                 if defer:
                     worker.breaker.release(trial)
                 else:
@@ -1034,10 +1054,45 @@ class WorkerPool:
             self._dispatcher.release_locked(now)
             if worker.removed and not worker.in_flight:
                 close_transport = True
+        shared = self._shared
+        if shared is not None:
+            # Redis I/O, outside the lock, and only on the failure path (or the first
+            # success after failures).
+            if kind is Kind.FAILURE and not defer:
+                trip = shared.report_failure(worker.id, self._config.circuit_breaker.fail_max)
+                with self._lock:
+                    worker.reporting -= 1
+                    if trip and worker.breaker.force_open():
+                        self._dispatcher.wake_all_locked()
+                    self._dispatcher.release_locked(self._clock.monotonic())
+            elif kind is Kind.SUCCESS:
+                shared.report_success(worker.id)
         if self._events:
             self._flush_events()
         if close_transport:
             worker.transport.close()
+
+    def _apply_remote(
+        self, worker_id: str, state: str, age: float, reset_timeout: float | None
+    ) -> None:
+        """Another process opened or closed a worker's breaker (shared state)."""
+        with self._lock:
+            worker = self._workers.get(worker_id)
+            if worker is None:
+                return
+            self._applying_remote = True
+            try:
+                if state == OPEN:
+                    changed = worker.breaker.force_open(age, reset_timeout)
+                else:
+                    changed = worker.breaker.force_close()
+            finally:
+                self._applying_remote = False
+            if changed:
+                self._dispatcher.wake_all_locked()
+                self._dispatcher.release_locked(self._clock.monotonic())
+        if self._events:
+            self._flush_events()
 
     def _charge(self, workers: list[Worker]) -> None:
         """Count deferred failures against workers that failed where another succeeded."""
@@ -1050,14 +1105,17 @@ class WorkerPool:
 
     def _on_transition(self, name: str, old: str, new: str) -> None:
         # Called by pybreaker under the pool's lock: queue, log after releasing it.
-        self._events.append((name, old, new))
+        self._events.append((name, old, new, self._applying_remote))
 
     def _flush_events(self) -> None:
         with self._lock:
             events, self._events = self._events, []
+            timeouts = {w.id: w.breaker.reset_timeout for w in self._workers.values()}
         now = self._clock.time()
-        for name, old, new in events:
+        for name, old, new, remote in events:
             self._notify(BreakerStateChanged(now, name, old, new))
+            if self._shared is not None and not remote and new in (OPEN, CLOSED):
+                self._shared.announce(name, new, timeouts.get(name))
 
     def _notify(self, event: Event) -> None:
         """Log a notable event and pass it to the hooks."""
@@ -1074,6 +1132,15 @@ _EVERY_WORKER_TRIED = "every worker was tried"
 
 _UNUSED = Outcome(Kind.NOT_HERE, error="lease not used")
 """Records a lease given back without an attempt (deadline reached, interrupted)."""
+
+
+def _shared_state(config: PoolConfig, on_remote: Any) -> Any:
+    """The Redis-backed shared state, when configured (redis is imported only then)."""
+    if config.shared_state.backend != "redis":
+        return None
+    from npu_sync.shared import SharedState
+
+    return SharedState(config.shared_state, on_remote)
 
 
 def _digest(text: str) -> str:

@@ -38,6 +38,7 @@ class Worker:
         "in_flight",
         "priority",
         "removed",
+        "reporting",
         "stats",
         "transport",
     )
@@ -62,6 +63,7 @@ class Worker:
         self.hinted_draining = False
         self.draining = False  # being removed: finishes its tasks, takes no new ones
         self.removed = False
+        self.reporting = 0  # failures being reported to the shared state right now
         self.cooldown_until = 0.0
         self.stats = WorkerStats()
         self.configure(config)
@@ -105,6 +107,7 @@ class Worker:
             and self.enabled
             and not self.draining
             and not self.hinted_draining
+            and not self.reporting
             and now >= self.cooldown_until
             and self.breaker.can_admit(now)
         )

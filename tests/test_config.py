@@ -223,7 +223,12 @@ def test_non_finite_numbers_rejected() -> None:
         ("timeouts", "connect", 0, "must be > 0, got 0"),
         ("timeouts", "task", 0.0, "must be > 0, got 0.0"),
         ("dead_letter", "max_records", 0, "must be >= 1, got 0"),
-        ("dead_letter", "backend", "disk", "must be one of 'memory', 'sqlite', got 'disk'"),
+        (
+            "dead_letter",
+            "backend",
+            "disk",
+            "must be one of 'memory', 'sqlite', 'redis', got 'disk'",
+        ),
         ("transport", "client", "httpx", "must be one of 'urllib3', 'requests', got 'httpx'"),
         ("transport", "max_response_bytes", 0, "must be >= 1, got 0"),
         ("pool", "threads", 0, "must be >= 1, got 0"),
@@ -410,10 +415,29 @@ def test_path_with_memory_backend() -> None:
     )
 
 
-def test_redis_backend_not_supported_yet() -> None:
-    """The reserved redis backend is refused with a clear message."""
+def test_redis_dead_letters_need_the_shared_redis_connection() -> None:
+    """dead_letter.backend: redis without shared_state.backend: redis is refused."""
     assert errors_of(native(dead_letter={"backend": "redis"})) == (
-        "npu_workers.dead_letter.backend: 'redis' is not supported yet (use 'memory' or 'sqlite')",
+        "npu_workers.dead_letter.backend: 'redis' needs shared_state.backend: redis "
+        "(it uses that connection)",
+    )
+
+
+def test_shared_state_section() -> None:
+    """shared_state parses with defaults and checks its URL and namespace."""
+    config = parse_config(
+        native(
+            shared_state={"backend": "redis", "url": "redis://10.0.0.5:6380/2", "namespace": "p1"},
+            dead_letter={"backend": "redis"},
+        )
+    )
+    assert config.shared_state.backend == "redis"
+    assert config.shared_state.url == "redis://10.0.0.5:6380/2"
+    assert config.shared_state.namespace == "p1" and config.shared_state.timeout == 0.05
+    assert config.dead_letter.backend == "redis"
+    assert errors_of(native(shared_state={"url": "http://x", "namespace": "a b"})) == (
+        "npu_workers.shared_state.url: must start with redis://, rediss:// or unix://",
+        "npu_workers.shared_state.namespace: must be a word without spaces, got 'a b'",
     )
 
 

@@ -16,6 +16,7 @@ HOMES = {
     "requests": {"transport"},
     "http": {"transport", "worker_server"},  # the reference worker is stdlib-only
     "prometheus_client": {"prometheus"},
+    "redis": {"shared"},
     "flask": {"flask"},
     "werkzeug": {"flask"},
 }

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -23,3 +27,76 @@ def start_worker() -> Iterator[Callable[..., LocalWorker]]:
     yield start
     for worker in started:
         worker.stop()
+
+
+class RedisServer:
+    """A real redis-server on a free loopback port, which tests may kill and restart."""
+
+    def __init__(self, directory: str) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.directory = directory
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.directory,
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.RedisError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                threading.Event().wait(0.02)
+        client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def flush(self) -> None:
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        client.flushall()
+        client.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path) -> Iterator[RedisServer]:
+    """A fresh redis-server for one test (skipped when redis-server is not installed)."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (.ci/run installs Debian's redis-server)")
+    pytest.importorskip("redis")
+    server = RedisServer(str(tmp_path)).start()
+    yield server
+    server.kill()

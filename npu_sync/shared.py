@@ -1,0 +1,481 @@
+"""State shared by every process that uses the same workers, through Redis.
+
+Several processes (gunicorn workers, several hosts) each run a pool. Alone, each must
+find a dead worker by failing on it ``fail_max`` times and keeps its own dead letters.
+With ``shared_state: {backend: redis}`` they share:
+
+- **breakers**: failures are counted in Redis with pybreaker's ``CircuitRedisStorage``
+  (one namespace per pool namespace and worker); the process that sees the shared
+  count reach ``fail_max`` opens its breaker and publishes the opening, and the others
+  open theirs on receipt (pub/sub, with a periodic re-read in case a message is lost).
+  A successful trial publishes the closing the same way;
+- **dead letters**: :class:`RedisDeadLetterStore`, listed and replayed from any process,
+  with a claim per record that expires if the replaying process dies.
+
+Nothing here runs under the pool's lock, and Redis is only touched on the failure
+path (a failed attempt, a trip, a close), never for a task that simply succeeds.
+
+Redis fails too. The client has short timeouts and no retry loop (redis-py's defaults
+can stall a call for seconds). The first error marks Redis unavailable: from then on
+no call is made (each process works on its local state), the outage is logged once
+and counted, and the sync thread probes Redis until it answers, then re-reads the
+shared state and resumes. Dead letters written meanwhile are kept locally and pushed
+to Redis once it is back.
+
+pybreaker's ``CircuitRedisStorage`` keeps ``opened_at`` in whole seconds; npu_sync also
+stores the opening time to the microsecond (``<namespace>:opened_at_precise``) with the
+reset timeout in force, and uses those, so a reset timeout is not cut short or
+stretched by up to a second in the other processes.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from npu_sync.breaker import CLOSED, OPEN, redis_storage
+from npu_sync.config import SharedStateConfig
+from npu_sync.deadletter import DeadLetter
+
+log = logging.getLogger(__name__)
+
+RemoteChange = Callable[[str, str, float, float | None], None]
+"""``on_remote(worker_id, state, age_seconds, reset_timeout)`` for another process's
+breaker change; ``state`` is ``"open"`` or ``"closed"``."""
+
+
+class _ErrorSink:
+    """Stands in for pybreaker's storage logger: CircuitRedisStorage swallows Redis
+    errors and logs each with a traceback; we turn them into an outage instead."""
+
+    def __init__(self, shared: SharedState) -> None:
+        self._shared = shared
+
+    def exception(self, msg: str, *args: object, **kwargs: object) -> None:
+        import sys
+
+        self._shared.lost(sys.exc_info()[1])
+
+
+class SharedState:
+    """One pool's view of the shared Redis state. Thread-safe.
+
+    Args:
+        config: the ``shared_state`` settings.
+        on_remote: called (on the sync thread) when another process changes a breaker.
+        client: a Redis client to use instead of one built from ``config.url`` (tests).
+    """
+
+    def __init__(
+        self, config: SharedStateConfig, on_remote: RemoteChange, *, client: Any = None
+    ) -> None:
+        self.config = config
+        self.namespace = config.namespace
+        self._client = client or redis.Redis.from_url(
+            config.url,
+            socket_connect_timeout=config.timeout,
+            socket_timeout=config.timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
+        self._on_remote = on_remote
+        self._lock = threading.Lock()
+        self._storages: dict[str, Any] = {}
+        self._workers: tuple[str, ...] = ()
+        self._counters: dict[str, int] = {}
+        self._sink = _ErrorSink(self)
+        self.available = True
+        self.outages = 0
+        self.last_error: str | None = None
+        self.published = 0
+        self.received = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stores: list[RedisDeadLetterStore] = []
+        self._channel = f"{self.namespace}:breakers"
+        self._origin = f"{id(self):x}-{time.time_ns():x}"
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="npu-sync-shared", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._client.close()
+
+    def set_workers(self, worker_ids: Iterable[str]) -> None:
+        with self._lock:
+            self._workers = tuple(worker_ids)
+
+    # -- availability --------------------------------------------------------------------
+
+    def lost(self, error: BaseException | None) -> None:
+        """Redis failed: stop using it until the sync thread sees it answer again."""
+        with self._lock:
+            was = self.available
+            self.available = False
+            self.last_error = f"{type(error).__name__}: {error}" if error else "unknown error"
+            if was:
+                self.outages += 1
+        if was:
+            log.warning(
+                "shared state unavailable (%s); each process uses its local state until "
+                "Redis answers again",
+                self.last_error,
+            )
+
+    def _call(self, fn: Callable[[], Any]) -> Any:
+        if not self.available:
+            return None
+        try:
+            return fn()
+        except RedisError as exc:
+            self.lost(exc)
+            return None
+
+    # -- breakers ------------------------------------------------------------------------
+
+    def _storage(self, worker_id: str) -> Any:
+        storage = self._storages.get(worker_id)
+        if storage is None and self.available:
+            try:
+                storage = redis_storage(self._client, self._key(worker_id))
+            except RedisError as exc:
+                self.lost(exc)
+                return None
+            storage.logger = self._sink
+            self._storages[worker_id] = storage
+        return storage
+
+    def _key(self, worker_id: str, field: str | None = None) -> str:
+        base = f"{self.namespace}:worker:{worker_id}"
+        return base if field is None else f"{base}:{field}"
+
+    def report_failure(self, worker_id: str, fail_max: int) -> bool:
+        """Count a worker failure for every process; True when the shared count
+        reached ``fail_max`` (the caller opens its breaker and announces it)."""
+        if self._storage(worker_id) is None:
+            return False
+        # One round trip: INCR returns the new count. The key is the one pybreaker's
+        # storage keeps its failure counter under, so both read the same number.
+        key = f"{self._key(worker_id)}:pybreaker:fail_counter"
+        count = int(self._call(lambda: self._client.incr(key)) or 0)
+        self._counters[worker_id] = count
+        return count >= fail_max
+
+    def report_success(self, worker_id: str) -> None:
+        """A success resets the shared failure count, if there is one to reset."""
+        if not self._counters.get(worker_id) or not self.available:
+            return  # the common case: no I/O at all
+        storage = self._storage(worker_id)
+        if storage is not None:
+            storage.reset_counter()
+            self._counters[worker_id] = 0
+
+    def announce(self, worker_id: str, state: str, reset_timeout: float | None) -> None:
+        """Tell the other processes this process's breaker for a worker opened or closed."""
+        storage = self._storage(worker_id)
+        if storage is None:
+            return
+        now = time.time()
+        storage.state = state
+        if state == OPEN:
+            storage.opened_at = datetime.fromtimestamp(now, tz=timezone.utc)
+            self._call(
+                lambda: self._client.mset(
+                    {
+                        self._key(worker_id, "opened_at_precise"): repr(now),
+                        self._key(worker_id, "reset_timeout"): repr(reset_timeout or 0.0),
+                    }
+                )
+            )
+        else:
+            storage.reset_counter()
+            self._counters[worker_id] = 0
+        message = json.dumps(
+            {
+                "origin": self._origin,
+                "worker": worker_id,
+                "state": state,
+                "at": now,
+                "reset_timeout": reset_timeout,
+            }
+        )
+        if self._call(lambda: self._client.publish(self._channel, message)) is not None:
+            self.published += 1
+
+    # -- the sync thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        pubsub = None
+        next_sync = 0.0
+        while not self._stop.is_set():
+            if not self.available:
+                if pubsub is not None:
+                    pubsub.close()
+                    pubsub = None
+                if self._stop.wait(self.config.sync_interval):
+                    break
+                if self._probe():
+                    next_sync = 0.0
+                continue
+            try:
+                if pubsub is None:
+                    pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+                    pubsub.subscribe(self._channel)
+                message = pubsub.get_message(timeout=0.1)
+                if message is not None:
+                    self._handle(message)
+                if time.monotonic() >= next_sync:
+                    self._sync()
+                    self._flush_stores()
+                    next_sync = time.monotonic() + self.config.sync_interval
+            except RedisError as exc:
+                self.lost(exc)
+            except Exception:  # never let the thread die
+                log.exception("shared state sync failed")
+                self._stop.wait(self.config.sync_interval)
+        if pubsub is not None:
+            with contextlib.suppress(RedisError):
+                pubsub.close()
+
+    def _probe(self) -> bool:
+        try:
+            self._client.ping()
+        except RedisError:
+            return False
+        with self._lock:
+            self.available = True
+        log.warning("shared state available again: sharing resumes")
+        return True
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        try:
+            data = json.loads(message["data"])
+            if data.get("origin") == self._origin:
+                return
+            worker, state = str(data["worker"]), str(data["state"])
+            age = max(0.0, time.time() - float(data["at"]))
+            reset = data.get("reset_timeout")
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring a malformed shared-state message: %r", message.get("data"))
+            return
+        self.received += 1
+        self._on_remote(worker, state, age, None if reset is None else float(reset))
+
+    def _sync(self) -> None:
+        """Re-read every worker's shared state: catches changes whose message was missed."""
+        workers = self._workers
+        if not workers:
+            return
+        keys: list[str] = []
+        for worker in workers:
+            storage = self._storage(worker)
+            if storage is None:
+                return
+            keys += [
+                storage._namespace("state"),
+                storage._namespace("fail_counter"),
+                self._key(worker, "opened_at_precise"),
+                self._key(worker, "reset_timeout"),
+            ]
+        values: list[Any] = self._client.mget(keys)  # type: ignore[assignment]
+        now = time.time()
+        for i, worker in enumerate(workers):
+            state, counter, opened, reset = values[4 * i : 4 * i + 4]
+            self._counters[worker] = int(counter or 0)
+            if state is None:
+                continue
+            state_text = state.decode()
+            if state_text == OPEN and opened is not None:
+                age = max(0.0, now - float(opened))
+                self._on_remote(worker, "open", age, float(reset) if reset else None)
+            elif state_text == CLOSED:
+                self._on_remote(worker, "closed", 0.0, None)
+
+    # -- dead letters --------------------------------------------------------------------
+
+    def dead_letter_store(self, max_records: int) -> RedisDeadLetterStore:
+        store = RedisDeadLetterStore(self, max_records=max_records)
+        self._stores.append(store)
+        return store
+
+    def _flush_stores(self) -> None:
+        for store in self._stores:
+            store.flush()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "backend": "redis",
+            "available": self.available,
+            "outages": self.outages,
+            "last_error": self.last_error,
+            "published": self.published,
+            "received": self.received,
+            "dead_letters_held_locally": sum(len(s.held) for s in self._stores),
+        }
+
+
+class RedisDeadLetterStore:
+    """Dead letters in Redis, shared by every process. Thread-safe.
+
+    Records are a hash (``<ns>:dlq:records``, id → JSON) ordered by a sorted set
+    (``<ns>:dlq:order``). While Redis is unavailable new records are held in this
+    process and written once it is back, so a Redis outage never loses a record.
+    ``claim``/``release_claim`` give a replay exclusive use of a record across
+    processes, with a lease that expires if the process dies mid-replay.
+    """
+
+    CLAIM_SECONDS = 120.0
+
+    def __init__(self, shared: SharedState, *, max_records: int = 10000) -> None:
+        self._shared = shared
+        self._client = shared._client
+        ns = shared.namespace
+        self._records = f"{ns}:dlq:records"
+        self._order = f"{ns}:dlq:order"
+        self._dropped_key = f"{ns}:dlq:dropped"
+        self._claims = f"{ns}:dlq:claim:"
+        self._max = max_records
+        self._lock = threading.Lock()
+        self.held: deque[DeadLetter] = deque()
+        self._local_dropped = 0
+
+    def _write(self, record: DeadLetter) -> None:
+        pipe = self._client.pipeline(transaction=True)
+        pipe.hset(self._records, record.id, json.dumps(record.to_dict()))
+        pipe.zadd(self._order, {record.id: record.created_at})
+        pipe.zcard(self._order)
+        count = pipe.execute()[-1]
+        excess = int(count) - self._max
+        if excess > 0:
+            oldest: list[Any] = self._client.zpopmin(self._order, excess)  # type: ignore[assignment]
+            ids = [member for member, _ in oldest]
+            if ids:
+                self._client.hdel(self._records, *ids)
+                self._client.incrby(self._dropped_key, len(ids))
+                log.warning("dead-letter store full: evicted %d oldest record(s)", len(ids))
+
+    def add(self, record: DeadLetter) -> None:
+        if self._shared.available:
+            try:
+                self._write(record)
+                return
+            except RedisError as exc:
+                self._shared.lost(exc)
+        with self._lock:
+            self.held.append(record)
+            while len(self.held) > self._max:
+                self.held.popleft()
+                self._local_dropped += 1
+
+    def flush(self) -> None:
+        """Write records held during an outage (called by the sync thread)."""
+        while self.held and self._shared.available:
+            with self._lock:
+                if not self.held:
+                    return
+                record = self.held[0]
+            try:
+                self._write(record)
+            except RedisError as exc:
+                self._shared.lost(exc)
+                return
+            with self._lock:
+                if self.held and self.held[0] is record:
+                    self.held.popleft()
+
+    def get(self, record_id: str) -> DeadLetter | None:
+        with self._lock:
+            for record in self.held:
+                if record.id == record_id:
+                    return record
+        raw = self._shared._call(lambda: self._client.hget(self._records, record_id))
+        return None if raw is None else DeadLetter.from_dict(json.loads(raw))
+
+    def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
+        end = -1 if limit is None else offset + limit - 1
+        ids = self._shared._call(lambda: self._client.zrange(self._order, offset, end)) or []
+        records: builtins.list[DeadLetter] = []
+        if ids:
+            raws = self._shared._call(lambda: self._client.hmget(self._records, ids)) or []
+            records = [DeadLetter.from_dict(json.loads(r)) for r in raws if r is not None]
+        with self._lock:
+            records += list(self.held)
+        return records if limit is None else records[:limit]
+
+    def replace(self, record: DeadLetter) -> None:
+        self._shared._call(
+            lambda: self._client.hset(self._records, record.id, json.dumps(record.to_dict()))
+        )
+
+    def remove(self, record_id: str) -> bool:
+        with self._lock:
+            for record in list(self.held):
+                if record.id == record_id:
+                    self.held.remove(record)
+                    return True
+
+        def drop() -> bool:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zrem(self._order, record_id)
+            pipe.hdel(self._records, record_id)
+            return bool(pipe.execute()[1])
+
+        return bool(self._shared._call(drop))
+
+    def purge(self) -> int:
+        with self._lock:
+            held = len(self.held)
+            self.held.clear()
+
+        def drop() -> int:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.zcard(self._order)
+            pipe.delete(self._order, self._records)
+            return int(pipe.execute()[0])
+
+        return held + int(self._shared._call(drop) or 0)
+
+    def __len__(self) -> int:
+        stored = self._shared._call(lambda: self._client.zcard(self._order)) or 0
+        return int(stored) + len(self.held)
+
+    @property
+    def dropped(self) -> int:
+        stored = self._shared._call(lambda: self._client.get(self._dropped_key))
+        return int(stored or 0) + self._local_dropped
+
+    def claim(self, record_id: str) -> bool:
+        key = self._claims + record_id
+        ok = self._shared._call(
+            lambda: self._client.set(
+                key, self._shared._origin, nx=True, px=int(self.CLAIM_SECONDS * 1000)
+            )
+        )
+        # With Redis down, records are only local ones: the in-process claim suffices.
+        return bool(ok) or not self._shared.available
+
+    def release_claim(self, record_id: str) -> None:
+        self._shared._call(lambda: self._client.delete(self._claims + record_id))
+
+    def close(self) -> None:
+        """The connection belongs to the shared state, which closes it."""

@@ -1,0 +1,149 @@
+"""Units of the Redis shared state, on fakeredis (the real server is in integration)."""
+
+from __future__ import annotations
+
+import pytest
+
+fakeredis = pytest.importorskip("fakeredis")
+redis = pytest.importorskip("redis")
+
+from npu_sync.config import SharedStateConfig  # noqa: E402
+from npu_sync.deadletter import DeadLetter  # noqa: E402
+from npu_sync.shared import SharedState  # noqa: E402
+from npu_sync.task import Attempt, Task  # noqa: E402
+
+
+class Changes:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def __call__(self, worker: str, state: str, age: float, reset: float | None) -> None:
+        self.seen.append((worker, state))
+
+
+def pair(server=None):
+    server = server or fakeredis.FakeServer()
+    config = SharedStateConfig(backend="redis", namespace="t")
+    a, b = Changes(), Changes()
+    one = SharedState(config, a, client=fakeredis.FakeRedis(server=server))
+    two = SharedState(config, b, client=fakeredis.FakeRedis(server=server))
+    return one, two, a, b
+
+
+def record(n: int) -> DeadLetter:
+    task = Task({"n": n}, task_id=f"task-{n}")
+    return DeadLetter.from_task(
+        task, endpoint="/inference", error="down", attempts=[Attempt("w", "x", 0.1)], now=1000.0 + n
+    )
+
+
+def test_failures_are_counted_once_for_every_process():
+    """Two processes' failures add up; the one reaching fail_max is told to open."""
+    one, two, _, _ = pair()
+    assert [one.report_failure("w1", 3), two.report_failure("w1", 3)] == [False, False]
+    assert one.report_failure("w1", 3) is True
+
+
+def test_a_success_after_failures_resets_the_shared_count():
+    """Consecutive-failure semantics hold across processes."""
+    one, two, _, _ = pair()
+    one.report_failure("w1", 3)
+    one.report_success("w1")
+    assert two.report_failure("w1", 3) is False
+    assert two.report_failure("w1", 3) is False
+
+
+def test_an_announced_opening_reaches_the_other_process_on_its_next_sync():
+    """State written by one process is applied by the other's re-read (missed messages)."""
+    one, two, _, seen = pair()
+    one.set_workers(["w1"])
+    two.set_workers(["w1"])
+    one.announce("w1", "open", 30.0)
+    two._sync()
+    assert ("w1", "open") in seen.seen
+    one.announce("w1", "closed", None)
+    two._sync()
+    assert seen.seen[-1] == ("w1", "closed")
+
+
+def test_messages_from_this_process_are_ignored():
+    """A process does not re-apply its own announcements."""
+    one, _, mine, _ = pair()
+    one._handle(
+        {"data": f'{{"origin": "{one._origin}", "worker": "w1", "state": "open", "at": 0}}'}
+    )
+    assert mine.seen == []
+
+
+def test_dead_letters_are_shared_and_ordered():
+    """Records added by one process are listed, fetched and removed by another."""
+    one, two, _, _ = pair()
+    store_one, store_two = one.dead_letter_store(100), two.dead_letter_store(100)
+    for n in range(3):
+        store_one.add(record(n))
+    assert [r.task_id for r in store_two.list()] == ["task-0", "task-1", "task-2"]
+    first = store_two.list()[0]
+    assert store_two.get(first.id) == first
+    assert store_two.remove(first.id) and len(store_one) == 2
+    assert store_one.purge() == 2 and len(store_two) == 0
+
+
+def test_the_store_is_bounded_and_counts_what_it_drops():
+    """At max_records the oldest records go, counted in dropped."""
+    one, _, _, _ = pair()
+    store = one.dead_letter_store(2)
+    for n in range(4):
+        store.add(record(n))
+    assert [r.task_id for r in store.list()] == ["task-2", "task-3"]
+    assert store.dropped == 2
+
+
+def test_a_claim_is_exclusive_across_processes_until_released():
+    """Only one process may replay a record at a time."""
+    one, two, _, _ = pair()
+    store_one, store_two = one.dead_letter_store(10), two.dead_letter_store(10)
+    assert store_one.claim("r1") is True
+    assert store_two.claim("r1") is False
+    store_one.release_claim("r1")
+    assert store_two.claim("r1") is True
+
+
+class Down:
+    """A client whose every call fails as an unreachable Redis does."""
+
+    calls = 0
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            Down.calls += 1
+            raise redis.ConnectionError("Connection refused")
+
+        return fail
+
+
+def test_an_outage_is_noticed_once_and_then_costs_no_calls(caplog):
+    """After the first error no Redis call is made; the outage is logged and counted once."""
+    Down.calls = 0
+    shared = SharedState(SharedStateConfig(backend="redis"), Changes(), client=Down())
+    for _ in range(10):
+        assert shared.report_failure("w1", 3) is False
+        shared.announce("w1", "open", 1.0)
+    assert shared.available is False and shared.outages == 1
+    assert Down.calls == 1
+    assert caplog.text.count("shared state unavailable") == 1
+
+
+def test_dead_letters_written_during_an_outage_are_kept_and_flushed_later():
+    """A record added while Redis is down is held locally, then written once it is back."""
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    store = one.dead_letter_store(10)
+    server.connected = False
+    store.add(record(1))
+    assert one.available is False and len(store.held) == 1
+    assert [r.task_id for r in store.list()] == ["task-1"]  # still visible here
+    server.connected = True
+    assert one._probe() is True
+    store.flush()
+    assert not store.held
+    assert [r.task_id for r in two.dead_letter_store(10).list()] == ["task-1"]
