@@ -24,11 +24,12 @@ from npu_sync.worker import Worker
 class Lease:
     """Permission for one attempt on ``worker``; ``trial`` marks a half-open probe."""
 
-    __slots__ = ("trial", "worker")
+    __slots__ = ("generation", "trial", "worker")
 
     def __init__(self, worker: Worker, trial: bool) -> None:
         self.worker = worker
         self.trial = trial
+        self.generation = worker.generation
 
 
 class _Waiter:

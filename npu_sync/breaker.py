@@ -96,6 +96,8 @@ class WorkerBreaker:
         self._consecutive_trips = 0
         self._trial_in_flight = False
         self._early_trial_used = False
+        self._early_pending = False  # allow_trial() moved the clock; the next trial is early
+        self._trial_early = False  # the trial in flight is an early one
         self.trips = 0
 
     # -- reading ---------------------------------------------------------------------
@@ -156,6 +158,7 @@ class WorkerBreaker:
             self._cb.half_open()
             self._state = HALF_OPEN
         self._trial_in_flight = True
+        self._trial_early, self._early_pending = self._early_pending, False
         return True
 
     def allow_trial(self) -> None:
@@ -167,6 +170,7 @@ class WorkerBreaker:
         """
         if self._state == OPEN and not self._early_trial_used:
             self._early_trial_used = True
+            self._early_pending = True
             self._opened_at = self._clock.monotonic() - self._reset_timeout
 
     def record_success(self, trial: bool) -> None:
@@ -186,6 +190,10 @@ class WorkerBreaker:
         """A call admitted by :meth:`admit` failed because of the worker."""
         if trial:
             self._trial_in_flight = False
+            if not self._trial_early:
+                # A regular trial failed: the next opening may be cut short by a
+                # passing health check again (only a failed early trial forbids it).
+                self._early_trial_used = False
             self._trip()
             return
         if self._state != CLOSED:

@@ -11,6 +11,7 @@ trials) under its own lock.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import random
 import threading
@@ -41,6 +42,7 @@ class HealthResult:
     draining: bool | None = None  # load hints from the body, when present
     max_concurrent: int | None = None
     active_tasks: int | None = None
+    generation: int = 0  # which address of the worker was checked (bumped on a move)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +108,13 @@ def probe(
     )
 
 
+def _probe_generation(
+    worker_id: str, transport: Transport, config: HealthConfig, clock: Clock, generation: int
+) -> HealthResult:
+    result = probe(worker_id, transport, config, clock)
+    return dataclasses.replace(result, generation=generation) if generation else result
+
+
 def _bool(value: object) -> bool | None:
     return value if isinstance(value, bool) else None
 
@@ -148,6 +157,7 @@ class HealthChecker:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_parallel, thread_name_prefix="npu-sync-health-check"
         )
+        self._running: dict[str, concurrent.futures.Future[HealthResult]] = {}
         self.rounds = 0
 
     @property
@@ -176,11 +186,22 @@ class HealthChecker:
         targets = list(self._targets())
         if not targets:
             return {}
+        futures: dict[concurrent.futures.Future[HealthResult], str] = {}
+        busy: list[str] = []
         try:
-            futures = {
-                self._executor.submit(probe, t.id, t.health_transport, config, self._clock): t.id
-                for t in targets
-            }
+            with self._lock:
+                for t in targets:
+                    previous = self._running.get(t.id)
+                    if previous is not None and not previous.done():
+                        # Never a second probe of a worker whose last one still runs.
+                        busy.append(t.id)
+                        continue
+                    generation = getattr(t, "generation", 0)
+                    future = self._executor.submit(
+                        _probe_generation, t.id, t.health_transport, config, self._clock, generation
+                    )
+                    self._running[t.id] = future
+                    futures[future] = t.id
         except RuntimeError:  # shut down while a round was starting
             return {}
         # A probe is bounded by its socket timeouts; the margin covers scheduling. One
@@ -188,7 +209,10 @@ class HealthChecker:
         # failed now, and its thread ends when its read timeout fires.
         done, _ = concurrent.futures.wait(futures, timeout=config.timeout + 0.5)
         now = self._clock.time()
-        results: dict[str, HealthResult] = {}
+        results: dict[str, HealthResult] = {
+            worker_id: HealthResult(worker_id, False, now, error="previous check still running")
+            for worker_id in busy
+        }
         for future, worker_id in futures.items():
             if future in done and not future.cancelled():
                 results[worker_id] = future.result()

@@ -171,6 +171,7 @@ class WorkerPool:
         self._applying_remote = False
         self._shared = _shared_state(config, self._apply_remote)
         self._source_digest: str | None = None
+        self._rejected_digest: str | None = None
         self._reload_lock = threading.Lock()
         self._reloads: dict[str, Any] = {
             "ok": 0,
@@ -452,8 +453,8 @@ class WorkerPool:
         """Stop sending tasks to a worker and drop it.
 
         With ``drain`` its in-flight tasks finish normally and its connections close
-        once they have; without, its connections close now and those tasks are
-        retried on other workers.
+        once they have; without, its idle connections close now (requests already on
+        the wire still finish there).
 
         Raises:
             KeyError: no worker has that id.
@@ -512,26 +513,26 @@ class WorkerPool:
     def close(self) -> None:
         """Stop accepting tasks, let accepted ones finish, and release every resource.
 
-        Blocks until submitted and running tasks end (each bounded by its deadline),
-        and stops the health and reload threads (within the health timeout).
-        Idempotent.
+        Blocks until submitted and running tasks end (each bounded by its deadline);
+        health checks keep running meanwhile, so a waiting task can still see a worker
+        recover. Then stops every thread the pool started. Idempotent.
         """
-        with self._lock:
+        with self._reload_lock, self._lock:
             if self._closed:
                 return
             self._closed = True
             executor = self._executor
         if self._watcher is not None:
             self._watcher.stop()
-        self._health.stop()
-        if self._shared is not None:
-            self._shared.stop()
         if executor is not None:
             executor.shutdown(wait=True)
         with self._lock:
             while self._active:
                 self._idle.wait()
             workers = list(self._workers.values())
+        self._health.stop()
+        if self._shared is not None:
+            self._shared.stop()
         for worker in workers:
             worker.transport.close()
             worker.health_transport.close()
@@ -576,8 +577,8 @@ class WorkerPool:
         with self._lock:
             for worker_id, result in results.items():
                 worker = self._workers.get(worker_id)
-                if worker is None:
-                    continue  # removed while the round ran
+                if worker is None or result.generation != worker.generation:
+                    continue  # removed, or moved to a new address, while the round ran
                 if worker.apply_health(
                     result, health.unhealthy_threshold, health.healthy_threshold
                 ):
@@ -602,13 +603,16 @@ class WorkerPool:
         with self._reload_lock:
             if self._closed:
                 return ReloadResult()
+            digest = None
             try:
                 text = read_config_text(source)
                 digest = _digest(text)
-                if digest == self._source_digest and not force:
+                if not force and digest in (self._source_digest, self._rejected_digest):
+                    # Unchanged, or the same broken content already counted and logged.
                     return ReloadResult()
                 result = self._apply_config(parse_yaml(text, source=source))
             except ConfigError as exc:
+                self._rejected_digest = digest
                 self._reloads["failed"] += 1
                 self._reloads["last_error"] = str(exc)
                 self._reloads["last_at"] = self._clock.time()
@@ -630,9 +634,17 @@ class WorkerPool:
     def _apply_config(self, new: PoolConfig, *, drain: bool = True) -> ReloadResult:
         """Make the running pool match ``new``. Call with ``_reload_lock`` held."""
         old = self._config
+        if self._closed:
+            raise PoolClosed("the pool is closed")
         restart = tuple(name for name in _NOT_HOT if getattr(new, name) != getattr(old, name))
         new = dataclasses.replace(
-            new, transport=old.transport, dead_letter=old.dead_letter, pool=old.pool
+            new,
+            transport=old.transport,
+            dead_letter=old.dead_letter,
+            pool=old.pool,
+            shared_state=old.shared_state,
+            # A configuration built in code keeps the pool's file, and its watcher.
+            source=new.source or old.source,
         )
         wanted = {w.id: w for w in new.workers}
         with self._lock:
@@ -650,6 +662,14 @@ class WorkerPool:
             if any(
                 getattr(current[wid].config, f) != getattr(wanted[wid], f) for f in _ADDRESS_FIELDS
             )
+        }
+        resized = {
+            wid: self._transport_factory(
+                wanted[wid], self._config.transport, maxsize=wanted[wid].max_concurrent
+            )
+            for wid in updated
+            if wid not in rewired
+            and current[wid].config.max_concurrent != wanted[wid].max_concurrent
         }
         to_close: list[Transport] = []
         settings_changed = any(
@@ -672,9 +692,12 @@ class WorkerPool:
                 worker.configure(wanted[wid])
                 if wid in rewired:
                     to_close += [worker.transport, worker.health_transport]
-                    worker.transport, worker.health_transport = rewired[wid]
-                    worker.breaker.reset()
-                    worker.cooldown_until = 0.0
+                    worker.moved(*rewired[wid])
+                elif wid in resized:
+                    # More (or fewer) connections: swap the task transport; requests in
+                    # flight finish on the old one, which is closed after.
+                    to_close.append(worker.transport)
+                    worker.transport = resized[wid]
             if new.circuit_breaker != old.circuit_breaker:
                 for worker in self._workers.values():
                     worker.breaker.configure(new.circuit_breaker)
@@ -1014,7 +1037,14 @@ class WorkerPool:
         with self._lock:
             worker.in_flight -= 1
             stats = worker.stats
-            if kind is Kind.SUCCESS:
+            if lease.generation != worker.generation:
+                # An attempt on the worker's old address: it says nothing about the new
+                # one (nor about its breaker), so only the slot is given back.
+                kind = Kind.NOT_HERE
+                outcome = _STALE
+            if outcome is _STALE:
+                pass
+            elif kind is Kind.SUCCESS:
                 stats.attempts += 1
                 worker.breaker.record_success(trial)
                 stats.succeeded += 1
@@ -1022,7 +1052,7 @@ class WorkerPool:
                 self._stats.succeeded += 1
             elif kind is Kind.FAILURE:
                 stats.attempts += 1
-                if self._shared is not None and not defer:
+                if self._shared is not None and not defer and lease.generation == worker.generation:
                     # No new attempt here until every process's count is known: on a
                     # dead worker this keeps the attempts near fail_max in total.
                     worker.reporting += 1
@@ -1058,7 +1088,7 @@ class WorkerPool:
         if shared is not None:
             # Redis I/O, outside the lock, and only on the failure path (or the first
             # success after failures).
-            if kind is Kind.FAILURE and not defer:
+            if kind is Kind.FAILURE and not defer and lease.generation == worker.generation:
                 trip = shared.report_failure(worker.id, self._config.circuit_breaker.fail_max)
                 with self._lock:
                     worker.reporting -= 1
@@ -1131,6 +1161,9 @@ _MIN_ATTEMPT = 0.001
 _EVERY_WORKER_TRIED = "every worker was tried"
 
 _UNUSED = Outcome(Kind.NOT_HERE, error="lease not used")
+"""Records a lease given back without an attempt (deadline reached, interrupted)."""
+
+_STALE = Outcome(Kind.NOT_HERE, error="attempt on a previous address")
 """Records a lease given back without an attempt (deadline reached, interrupted)."""
 
 

@@ -23,12 +23,19 @@ from watchdog.observers import Observer
 log = logging.getLogger(__name__)
 
 
+_IGNORED = frozenset({"opened", "closed_no_write"})
+
+
 class _Flag(FileSystemEventHandler):
     def __init__(self, names: frozenset[str], event: threading.Event) -> None:
         self._names = names
         self._event = event
 
     def on_any_event(self, event: FileSystemEvent) -> None:
+        # watchdog also reports opening a file and closing it unwritten: the pool's own
+        # read of the config would otherwise trigger the next reload, for ever.
+        if event.event_type in _IGNORED:
+            return
         try:
             for path in (event.src_path, getattr(event, "dest_path", "")):
                 name = os.path.basename(os.fsdecode(path))

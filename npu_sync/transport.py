@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import ssl
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http.cookiejar import DefaultCookiePolicy
@@ -248,25 +249,33 @@ def _describe(worker: WorkerConfig, method: str, path: str) -> str:
     return f"{method} {worker.url}{path} (worker {worker.id})"
 
 
-def _read_limited(raw: BaseHTTPResponse, limit: int, encoded: bool) -> bytes | None:
-    """Read the whole body, or return None as soon as it proves larger than ``limit``."""
+class _TooSlow(Exception):
+    """The body kept arriving past the attempt's whole read time."""
+
+
+def _read_limited(raw: BaseHTTPResponse, limit: int, encoded: bool, give_up: float) -> bytes | None:
+    """Read the whole body, or return None as soon as it proves larger than ``limit``.
+
+    The read timeout bounds each socket read, so a worker that drips its answer a byte
+    at a time would never time out: reading stops at ``give_up`` (monotonic) too.
+    """
     length = raw.length_remaining
-    if length is not None:
-        if length > limit:
-            return None
-        if not encoded:
-            return raw.read(decode_content=False)
+    if length is not None and length > limit:
+        return None
     chunks: list[bytes] = []
     size = 0
     while True:
         # Never ask for more than one byte past the limit: that byte proves the excess.
-        chunk = raw.read(min(_READ_CHUNK, limit + 1 - size), decode_content=True)
+        # read1 returns what one socket read gave, so the clock is checked in between.
+        chunk = raw.read1(min(_READ_CHUNK, limit + 1 - size), decode_content=encoded)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
         if size > limit:
             return None
         chunks.append(chunk)
+        if time.monotonic() > give_up:
+            raise _TooSlow
 
 
 def _discard(raw: BaseHTTPResponse) -> None:
@@ -407,6 +416,7 @@ class Urllib3Transport:
             sent_headers = self._json_headers
             if headers:
                 sent_headers = _merge_headers(sent_headers, self._json_headers_index, headers)
+        give_up = time.monotonic() + connect_timeout + read_timeout
         try:
             raw = self._pool.urlopen(
                 method,
@@ -422,7 +432,7 @@ class Urllib3Transport:
             )
         except (HTTPError, OSError) as exc:
             raise _from_urllib3(exc, _describe(self.worker, method, path)) from exc
-        return _finish(raw, self._limit, self.worker, method, path)
+        return _finish(raw, self._limit, self.worker, method, path, give_up)
 
     def close(self) -> None:
         """Close every pooled connection; later requests fail with ``kind="connect"``."""
@@ -430,15 +440,28 @@ class Urllib3Transport:
 
 
 def _finish(
-    raw: BaseHTTPResponse, limit: int, worker: WorkerConfig, method: str, path: str
+    raw: BaseHTTPResponse,
+    limit: int,
+    worker: WorkerConfig,
+    method: str,
+    path: str,
+    give_up: float = float("inf"),
 ) -> Response:
     """Read a streamed urllib3 response into a Response, enforcing the size limit."""
     headers = {name.lower(): value for name, value in raw.headers.itermerged()}
     try:
-        data = _read_limited(raw, limit, "content-encoding" in headers)
+        data = _read_limited(raw, limit, "content-encoding" in headers, give_up)
     except (HTTPError, OSError) as exc:
         _discard(raw)
         raise _from_urllib3(exc, _describe(worker, method, path)) from exc
+    except _TooSlow:
+        _discard(raw)
+        raise TransportError(
+            "timeout",
+            f"{_describe(worker, method, path)}: the answer was still arriving after the "
+            "connect and read timeouts together",
+            sent=True,
+        ) from None
     if data is None:
         _discard(raw)
         raise TransportError(
@@ -565,6 +588,7 @@ class RequestsTransport:
         sent_headers: Mapping[str, str] | None = headers
         if body is not None:
             sent_headers = {**self._json_headers, **headers} if headers else self._json_headers
+        give_up = time.monotonic() + connect_timeout + read_timeout
         try:
             resp = self._session.request(
                 method,
@@ -581,7 +605,7 @@ class RequestsTransport:
             raise _from_requests(exc, _describe(self.worker, method, path)) from exc
         except (HTTPError, OSError) as exc:
             raise _from_urllib3(exc, _describe(self.worker, method, path)) from exc
-        return _finish(resp.raw, self._limit, self.worker, method, path)
+        return _finish(resp.raw, self._limit, self.worker, method, path, give_up)
 
     def close(self) -> None:
         """Close every pooled connection; later requests fail with ``kind="connect"``."""

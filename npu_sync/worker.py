@@ -27,6 +27,7 @@ class Worker:
         "cooldown_until",
         "draining",
         "enabled",
+        "generation",
         "health",
         "health_failures",
         "health_passes",
@@ -64,6 +65,7 @@ class Worker:
         self.draining = False  # being removed: finishes its tasks, takes no new ones
         self.removed = False
         self.reporting = 0  # failures being reported to the shared state right now
+        self.generation = 0  # bumped when the worker moves: older outcomes are stale
         self.cooldown_until = 0.0
         self.stats = WorkerStats()
         self.configure(config)
@@ -93,6 +95,22 @@ class Worker:
             if was and self.health_failures >= unhealthy_after:
                 self.healthy = False
         return self.healthy != was
+
+    def moved(self, transport: Transport, health_transport: Transport) -> None:
+        """The worker's address changed: new connections, and nothing learnt about the
+        old address (health, hints, breaker, cool-down) carries over."""
+        self.generation += 1
+        self.transport = transport
+        self.health_transport = health_transport
+        self.healthy = True
+        self.health = None
+        self.health_failures = 0
+        self.health_passes = 0
+        self.hinted_capacity = None
+        self.hinted_draining = False
+        self.cooldown_until = 0.0
+        self.breaker.reset()
+        self._update_capacity()
 
     def _update_capacity(self) -> None:
         hinted = self.hinted_capacity

@@ -168,3 +168,17 @@ def test_early_trial_is_granted_once_per_opening():
     trip(breaker, clock, 3)  # a new opening earns a new early trial
     breaker.allow_trial()
     assert breaker.admit(clock.monotonic()) is True
+
+
+def test_a_failed_regular_trial_earns_the_next_opening_an_early_trial():
+    """After an early trial fails, a regular trial's failure lets health cut the wait again."""
+    breaker, clock = make(reset=10, cap=100)
+    trip(breaker, clock, 3)
+    breaker.allow_trial()
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.record_failure(True)  # early trial failed
+    clock.advance(breaker.reset_timeout)
+    assert breaker.admit(clock.monotonic()) is True  # the regular trial
+    breaker.record_failure(True)  # fails too: a new opening
+    breaker.allow_trial()  # the worker is fixed and its check passes
+    assert breaker.admit(clock.monotonic()) is True

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -333,3 +334,127 @@ def test_pool_follows_a_kubernetes_configmap_update(tmp_path):
         assert changed.is_set(), "the swapped configuration was not applied"
         assert pool.execute({"x": 1})["worker_id"] == "b"
         assert pool.stats()["reloads"]["last_change"]["added"] == ["b"]
+
+
+def test_the_pools_own_read_of_the_file_does_not_trigger_another_reload(tmp_path):
+    """Opening and reading the config (as a reload does) is not a change."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("v: 1\n")
+    calls = Calls()
+
+    def read_it() -> None:
+        calls()
+        path.read_text()  # what a reload does
+
+    watcher = ConfigWatcher(path, read_it, debounce=0.05, poll_interval=3600)
+    watcher.start()
+    try:
+        path.write_text("v: 2\n")
+        assert calls.wait_for(1)
+        assert not calls.wait_for(2, timeout=0.5), "the reload's own read triggered a reload"
+    finally:
+        watcher.stop()
+
+
+def test_a_moved_worker_starts_fresh_and_stale_outcomes_are_ignored():
+    """A new address resets health and breaker; a late failure from the old one is ignored."""
+    from npu_sync import TaskFailed
+
+    net = FakeNetwork(echo)
+    gate, started = threading.Event(), threading.Event()
+
+    def old_address(req):
+        if req.path == "/health":
+            return json_response(503, {"status": "down"})
+        started.set()
+        gate.wait(5)
+        return json_response(500, {"detail": "old address failing"})
+
+    net.route("a", old_address)
+    health = HealthConfig(enabled=False, unhealthy_threshold=1)
+    with WorkerPool(config(A, health=health), transport_factory=net.factory) as pool:
+        in_flight = pool.submit({"x": 1}, timeout=5)
+        assert started.wait(5)
+        pool.check_health()
+        assert pool.workers()[0]["healthy"] is False
+        net.route("a", echo)
+        pool.reload(config(worker_config("a", "http://127.0.0.1:9777"), health=health))
+        row = pool.workers()[0]
+        assert row["healthy"] is True and row["health"] is None
+        gate.set()
+        with pytest.raises(TaskFailed):
+            in_flight.result(5)  # it failed on the old address, and a was its only worker
+        row = pool.workers()[0]
+        assert row["breaker"]["failures"] == 0 and row["tasks"]["failed"] == 0
+        assert pool.execute({"x": 2}) == {"worker_id": "a"}
+
+
+def test_reload_with_a_config_object_keeps_watching_the_file(tmp_path):
+    """pool.reload(config) on a file-backed pool does not lose the file."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9901'}\n")
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        pool.reload(config(A, B))
+        assert pool.config.source == str(path)
+        assert pool.reload().removed == ("b",)
+
+
+def test_a_closed_pool_refuses_changes():
+    """add_worker, remove_worker and reload after close() raise PoolClosed."""
+    from npu_sync import PoolClosed
+
+    pool = WorkerPool(config(A), transport_factory=FakeNetwork(echo).factory)
+    pool.close()
+    for change in (
+        lambda: pool.add_worker(B),
+        lambda: pool.remove_worker("a"),
+        lambda: pool.reload(config(A, B)),
+    ):
+        with pytest.raises(PoolClosed):
+            change()
+
+
+def test_a_waiter_whose_last_candidate_is_removed_fails_at_once():
+    """Removing the only worker a waiting task could use ends its wait, not its deadline."""
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(req):
+        started.set()
+        gate.wait(5)
+        return json_response(200, {"worker_id": "a"})
+
+    net = FakeNetwork(echo)
+    net.route("a", slow)
+    one = worker_config("a", "http://127.0.0.1:9501", max_concurrent=1)
+    with WorkerPool(config(one), transport_factory=net.factory) as pool:
+        busy = pool.submit({"x": 0})
+        assert started.wait(5)
+        waiting = pool.submit({"x": 1}, timeout=30)
+        while pool.stats()["tasks"]["waiting"] < 1:
+            threading.Event().wait(0.001)
+        began = time.monotonic()
+        pool.remove_worker("a")
+        with pytest.raises(NpuSyncError):
+            waiting.result(10)
+        assert time.monotonic() - began < 5
+        gate.set()
+        busy.result(5)
+
+
+def test_breaker_settings_reach_existing_breakers_and_capacity_resizes_connections():
+    """A reload's fail_max applies to running breakers; a new max_concurrent gets a new pool."""
+    net = FakeNetwork(echo)
+    net.route("a", lambda req: json_response(500, {"detail": "down"}))
+    with WorkerPool(config(A, B), transport_factory=net.factory, clock=FakeClock()) as pool:
+        pool.reload(config(A, B, circuit_breaker=BreakerConfig(fail_max=3, reset_timeout=60)))
+        pool.execute({"x": 1})
+        pool.execute({"x": 2})
+        assert {w["id"]: w["breaker"]["state"] for w in pool.workers()}["a"] == "closed"
+        before = [t for t in net.transports("b") if not t.closed]
+        bigger = worker_config("b", "http://127.0.0.1:9502", max_concurrent=32)
+        pool.reload(config(A, bigger, circuit_breaker=BreakerConfig(fail_max=3, reset_timeout=60)))
+        assert len([t for t in before if t.closed]) == 1  # the task connections, not health
+        row = {w["id"]: w for w in pool.workers()}["b"]
+        assert row["capacity"] == 32
+        assert len([t for t in net.transports("b") if not t.closed]) == 2  # task + health
