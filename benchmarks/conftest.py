@@ -11,6 +11,15 @@ import pytest
 from npu_sync.worker_server import LocalWorker
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--json",
+        metavar="PATH",
+        default=None,
+        help="write the alternatives benchmark's figures to PATH as JSON",
+    )
+
+
 @pytest.fixture(scope="module")
 def fast_worker() -> Iterator[LocalWorker]:
     """One reference worker answering at once (latency 0), in its own process."""
