@@ -161,6 +161,7 @@ class WorkerPool:
         self._idle = threading.Condition(self._lock)
         self._stats = PoolStats()
         self._workers: dict[str, Worker] = {}
+        self._draining: dict[str, Worker] = {}  # removed, with tasks still in flight
         self._active = 0
         self._closed = False
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -398,7 +399,8 @@ class WorkerPool:
                     "fallbacks": s.fallbacks,
                     "retries": s.retries,
                     "active": self._active,
-                    "in_flight": sum(w.in_flight for w in workers),
+                    "in_flight": sum(w.in_flight for w in workers)
+                    + sum(w.in_flight for w in self._draining.values()),
                     "waiting": self._dispatcher.waiting,
                 },
                 "dead_letters": {
@@ -425,7 +427,10 @@ class WorkerPool:
         """One JSON-serialisable dict per worker, in priority order."""
         with self._lock:
             now = self._clock.monotonic()
-            ordered = sorted(self._workers.values(), key=lambda w: (w.priority, w.id))
+            ordered = sorted(
+                [*self._workers.values(), *self._draining.values()],
+                key=lambda w: (w.priority, w.id),
+            )
             captured = [w.capture() for w in ordered]
         # Percentiles and rates are computed from copies, outside the lock.
         return [render(c, now) for c in captured]
@@ -687,6 +692,8 @@ class WorkerPool:
                     to_close += [worker.transport, worker.health_transport]
                 else:
                     to_close.append(worker.health_transport)
+                    # Still shown by workers() and stats() until its tasks finish.
+                    self._draining[wid] = worker
             for wid in updated:
                 worker = self._workers[wid]
                 worker.configure(wanted[wid])
@@ -1084,6 +1091,8 @@ class WorkerPool:
             self._dispatcher.release_locked(now)
             if worker.removed and not worker.in_flight:
                 close_transport = True
+                if self._draining.get(worker.id) is worker:
+                    del self._draining[worker.id]
         shared = self._shared
         if shared is not None:
             # Redis I/O, outside the lock, and only on the failure path (or the first

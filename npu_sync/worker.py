@@ -138,6 +138,7 @@ class Worker:
             "priority": self.priority,
             "enabled": self.enabled,
             "draining": self.draining or self.hinted_draining,
+            "removed": self.removed,
             "healthy": self.healthy,
             "health": self.health,
             "breaker": {

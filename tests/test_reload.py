@@ -100,12 +100,15 @@ def test_removed_worker_drains_its_in_flight_task_and_gets_no_new_one():
         future = pool.submit({"x": 1})
         assert started.wait(5)
         pool.remove_worker("a")
-        assert [w["id"] for w in pool.workers()] == ["b"]
+        rows = {w["id"]: w for w in pool.workers()}
+        assert rows["a"]["removed"] and rows["a"]["draining"] and rows["a"]["in_flight"] == 1
+        assert pool.stats()["tasks"]["in_flight"] == 1 and pool.stats()["workers"]["total"] == 1
         assert {pool.execute({"x": i})["worker_id"] for i in range(5)} == {"b"}
         (task_transport,) = [t for t in net.transports("a") if not t.closed]
         release.set()
         assert future.result(5) == {"worker_id": "a"}
         assert task_transport.closed
+        assert [w["id"] for w in pool.workers()] == ["b"]  # gone once drained
 
 
 def test_add_and_remove_worker_at_run_time():
