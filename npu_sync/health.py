@@ -152,6 +152,7 @@ class HealthChecker:
         self._clock = clock
         self._rng = rng or random.Random()
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -172,9 +173,14 @@ class HealthChecker:
             self._thread = threading.Thread(target=self._run, name="npu-sync-health", daemon=True)
             self._thread.start()
 
+    def wake(self) -> None:
+        """The settings changed: start the next wait over with the new interval."""
+        self._wake.set()
+
     def stop(self) -> None:
         """Stop the thread; returns within the health timeout (a check may be in flight)."""
         self._stop.set()
+        self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -226,10 +232,21 @@ class HealthChecker:
 
     def _run(self) -> None:
         delay = 0.0
-        while not self._stop.wait(delay):
-            try:
-                self.check_once()
-            except Exception:  # the thread must outlive any bad round
-                log.exception("health round failed")
-            interval = self._config().interval
-            delay = interval * self._rng.uniform(1 - JITTER, 1 + JITTER)
+        while True:
+            if self._wake.wait(delay):
+                self._wake.clear()
+                if self._stop.is_set():
+                    return
+                delay = self._next_delay()  # new settings: wait the new interval
+                continue
+            if self._stop.is_set():
+                return
+            if self._config().enabled:  # a reload may turn checks off, and on again
+                try:
+                    self.check_once()
+                except Exception:  # the thread must outlive any bad round
+                    log.exception("health round failed")
+            delay = self._next_delay()
+
+    def _next_delay(self) -> float:
+        return self._config().interval * self._rng.uniform(1 - JITTER, 1 + JITTER)

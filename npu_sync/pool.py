@@ -719,8 +719,8 @@ class WorkerPool:
             transport.close()
         if new.health.enabled and not self._health.running:
             self._health.start()
-        elif not new.health.enabled and self._health.running:
-            log.warning("health checks were disabled by a reload; they stop on restart")
+        elif new.health != old.health:
+            self._health.wake()
         return ReloadResult(
             tuple(added),
             tuple(removed),

@@ -174,3 +174,41 @@ def test_nonsense_capacity_hints_are_ignored(hint):
     with make_pool(net, ids=("a",)) as pool:
         pool.check_health()
         assert pool.workers()[0]["capacity"] == 8
+
+
+def test_health_thread_survives_a_bad_round_and_follows_reloaded_settings(monkeypatch):
+    """A round that raises is logged; a reload turns checks off and back on live."""
+    net = FakeNetwork()
+    rounds = threading.Semaphore(0)
+
+    def handler(req):
+        if req.path == "/health":
+            rounds.release()
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", handler)
+    workers = (worker_config("a", "http://127.0.0.1:9401"),)
+    fast = HealthConfig(interval=0.02, timeout=1)
+    pool = WorkerPool(PoolConfig(workers=workers, health=fast), transport_factory=net.factory)
+    try:
+        assert rounds.acquire(timeout=5)
+        original = pool._apply_health
+        calls = {"n": 0}
+
+        def flaky(results):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("bad round")
+            original(results)
+
+        monkeypatch.setattr(pool._health, "_apply", flaky)
+        for _ in range(3):
+            assert rounds.acquire(timeout=5)  # still checking after the bad round
+        pool.reload(PoolConfig(workers=workers, health=HealthConfig(enabled=False, interval=0.02)))
+        while rounds.acquire(timeout=0.3):  # drain a round that was already under way
+            pass
+        assert not rounds.acquire(timeout=0.3), "checks went on while disabled"
+        pool.reload(PoolConfig(workers=workers, health=fast))
+        assert rounds.acquire(timeout=5)
+    finally:
+        pool.close()
