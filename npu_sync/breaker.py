@@ -230,13 +230,23 @@ class WorkerBreaker:
         Returns:
             Whether the state changed (False if already open or half-open).
         """
+        opened_at = self._clock.monotonic() - max(0.0, age)
+        if self._state == OPEN:
+            if opened_at > self._opened_at:
+                # A newer opening elsewhere (its trial failed): follow its timer rather
+                # than send a trial of our own on the old one.
+                self._opened_at = opened_at
+                if reset_timeout is not None:
+                    self._reset_timeout = min(reset_timeout, self._config.max_reset_timeout)
+                    self._cb.reset_timeout = self._reset_timeout
+            return False
         if self._state != CLOSED:
             return False
         self._consecutive_trips += 1
         self.trips += 1
         if reset_timeout is not None:
             self._reset_timeout = min(reset_timeout, self._config.max_reset_timeout)
-        self._opened_at = self._clock.monotonic() - max(0.0, age)
+        self._opened_at = opened_at
         self._cb.reset_timeout = self._reset_timeout
         self._cb.open()
         self._state = OPEN

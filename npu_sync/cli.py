@@ -594,6 +594,11 @@ def _open_dlq(config: PoolConfig) -> DeadLetterStore:
             file=sys.stderr,
         )
         return MemoryDeadLetterStore(max_records=1)
+    if settings.backend == "redis":
+        from npu_sync.shared import SharedState
+
+        shared = SharedState(config.shared_state, lambda *changes: None)
+        return shared.dead_letter_store(settings.max_records)
     return open_store(settings)
 
 

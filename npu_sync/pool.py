@@ -203,6 +203,7 @@ class WorkerPool:
             self._health.start()
         if self._shared is not None:
             self._shared.set_workers(self._workers)
+            self._shared.on_resume = self._announce_open_breakers
             self._shared.start()
 
     @classmethod
@@ -1041,6 +1042,7 @@ class WorkerPool:
         trial = lease.trial
         kind = outcome.kind
         close_transport = False
+        reported = False
         with self._lock:
             worker.in_flight -= 1
             stats = worker.stats
@@ -1059,10 +1061,11 @@ class WorkerPool:
                 self._stats.succeeded += 1
             elif kind is Kind.FAILURE:
                 stats.attempts += 1
-                if self._shared is not None and not defer and lease.generation == worker.generation:
+                if self._shared is not None and not defer:
                     # No new attempt here until every process's count is known: on a
                     # dead worker this keeps the attempts near fail_max in total.
                     worker.reporting += 1
+                    reported = True
                 if defer:
                     worker.breaker.release(trial)
                 else:
@@ -1097,19 +1100,34 @@ class WorkerPool:
         if shared is not None:
             # Redis I/O, outside the lock, and only on the failure path (or the first
             # success after failures).
-            if kind is Kind.FAILURE and not defer and lease.generation == worker.generation:
-                trip = shared.report_failure(worker.id, self._config.circuit_breaker.fail_max)
-                with self._lock:
-                    worker.reporting -= 1
-                    if trip and worker.breaker.force_open():
-                        self._dispatcher.wake_all_locked()
-                    self._dispatcher.release_locked(self._clock.monotonic())
+            if reported:
+                trip = False
+                try:
+                    trip = shared.report_failure(worker.id, self._config.circuit_breaker.fail_max)
+                finally:
+                    with self._lock:
+                        worker.reporting -= 1
+                        if trip and worker.breaker.force_open():
+                            self._dispatcher.wake_all_locked()
+                        self._dispatcher.release_locked(self._clock.monotonic())
             elif kind is Kind.SUCCESS:
                 shared.report_success(worker.id)
         if self._events:
             self._flush_events()
         if close_transport:
             worker.transport.close()
+
+    def _announce_open_breakers(self) -> None:
+        """After a Redis outage: write the breakers opened here meanwhile."""
+        with self._lock:
+            opened = [
+                (w.id, w.breaker.reset_timeout)
+                for w in self._workers.values()
+                if w.breaker.state == OPEN
+            ]
+        for worker_id, reset_timeout in opened:
+            if self._shared is not None:
+                self._shared.announce(worker_id, OPEN, reset_timeout)
 
     def _apply_remote(
         self, worker_id: str, state: str, age: float, reset_timeout: float | None

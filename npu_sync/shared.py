@@ -38,7 +38,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -49,6 +48,7 @@ from redis.retry import Retry
 from npu_sync.breaker import CLOSED, OPEN, redis_storage
 from npu_sync.config import SharedStateConfig
 from npu_sync.deadletter import DeadLetter
+from npu_sync.errors import NpuSyncError
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ class SharedState:
         self._storages: dict[str, Any] = {}
         self._workers: tuple[str, ...] = ()
         self._counters: dict[str, int] = {}
+        # The (state, opening time) last read from or written to Redis, per worker.
+        self._seen: dict[str, tuple[str, float | None]] = {}
+        self.on_resume: Callable[[], None] | None = None
         self._sink = _ErrorSink(self)
         self.available = True
         self.outages = 0
@@ -119,6 +122,19 @@ class SharedState:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        if not self.available:
+            self._probe()
+        for store in self._stores:
+            store.flush()
+            for record in store.held:
+                # Redis is still unreachable: the record survives only in the log.
+                log.error(
+                    "dead letter %s (task %s) could not be written to Redis before "
+                    "closing; record: %s",
+                    record.id,
+                    record.task_id,
+                    json.dumps(record.to_dict(), default=repr),
+                )
         self._client.close()
 
     def set_workers(self, worker_ids: Iterable[str]) -> None:
@@ -176,7 +192,7 @@ class SharedState:
             return False
         # One round trip: INCR returns the new count. The key is the one pybreaker's
         # storage keeps its failure counter under, so both read the same number.
-        key = f"{self._key(worker_id)}:pybreaker:fail_counter"
+        key = self._breaker_keys(worker_id)["fail_counter"]
         count = int(self._call(lambda: self._client.incr(key)) or 0)
         self._counters[worker_id] = count
         return count >= fail_max
@@ -185,31 +201,37 @@ class SharedState:
         """A success resets the shared failure count, if there is one to reset."""
         if not self._counters.get(worker_id) or not self.available:
             return  # the common case: no I/O at all
-        storage = self._storage(worker_id)
-        if storage is not None:
-            storage.reset_counter()
-            self._counters[worker_id] = 0
+        key = self._breaker_keys(worker_id)["fail_counter"]
+        self._call(lambda: self._client.set(key, 0))
+        self._counters[worker_id] = 0
 
     def announce(self, worker_id: str, state: str, reset_timeout: float | None) -> None:
-        """Tell the other processes this process's breaker for a worker opened or closed."""
-        storage = self._storage(worker_id)
-        if storage is None:
+        """Tell the other processes this process's breaker for a worker opened or closed.
+
+        One MULTI writes the state with its opening time, so a reader never sees a new
+        state with an old time; while Redis is unavailable nothing is sent at all.
+        """
+        if not self.available or self._storage(worker_id) is None:
             return
         now = time.time()
-        storage.state = state
-        if state == OPEN:
-            storage.opened_at = datetime.fromtimestamp(now, tz=timezone.utc)
-            self._call(
-                lambda: self._client.mset(
+        keys = self._breaker_keys(worker_id)
+
+        def write() -> Any:
+            pipe = self._client.pipeline(transaction=True)
+            if state == OPEN:
+                pipe.mset(
                     {
-                        self._key(worker_id, "opened_at_precise"): repr(now),
-                        self._key(worker_id, "reset_timeout"): repr(reset_timeout or 0.0),
+                        keys["state"]: state,
+                        keys["opened_at"]: str(int(now)),  # pybreaker's own, in seconds
+                        keys["opened_at_precise"]: repr(now),
+                        keys["reset_timeout"]: repr(reset_timeout or 0.0),
                     }
                 )
-            )
-        else:
-            storage.reset_counter()
-            self._counters[worker_id] = 0
+            else:
+                pipe.mset({keys["state"]: state, keys["fail_counter"]: 0})
+            pipe.publish(self._channel, message)
+            return pipe.execute()
+
         message = json.dumps(
             {
                 "origin": self._origin,
@@ -219,8 +241,22 @@ class SharedState:
                 "reset_timeout": reset_timeout,
             }
         )
-        if self._call(lambda: self._client.publish(self._channel, message)) is not None:
+        if state != OPEN:
+            self._counters[worker_id] = 0
+        if self._call(write) is not None:
             self.published += 1
+            self._seen[worker_id] = (state, now if state == OPEN else None)
+
+    def _breaker_keys(self, worker_id: str) -> dict[str, str]:
+        """pybreaker's CircuitRedisStorage key names for a worker, plus ours."""
+        pybreaker_ns = f"{self._key(worker_id)}:pybreaker"
+        return {
+            "state": f"{pybreaker_ns}:state",
+            "fail_counter": f"{pybreaker_ns}:fail_counter",
+            "opened_at": f"{pybreaker_ns}:opened_at",
+            "opened_at_precise": self._key(worker_id, "opened_at_precise"),
+            "reset_timeout": self._key(worker_id, "reset_timeout"),
+        }
 
     # -- the sync thread -----------------------------------------------------------------
 
@@ -265,6 +301,10 @@ class SharedState:
         with self._lock:
             self.available = True
         log.warning("shared state available again: sharing resumes")
+        if self.on_resume is not None:
+            # Breakers opened here during the outage were never written: write them now,
+            # before reading, so the re-read does not close them again.
+            self.on_resume()
         return True
 
     def _handle(self, message: dict[str, Any]) -> None:
@@ -288,27 +328,32 @@ class SharedState:
             return
         keys: list[str] = []
         for worker in workers:
-            storage = self._storage(worker)
-            if storage is None:
+            if self._storage(worker) is None:
                 return
-            keys += [
-                storage._namespace("state"),
-                storage._namespace("fail_counter"),
-                self._key(worker, "opened_at_precise"),
-                self._key(worker, "reset_timeout"),
-            ]
+            k = self._breaker_keys(worker)
+            keys += [k["state"], k["fail_counter"], k["opened_at_precise"], k["reset_timeout"]]
         values: list[Any] = self._client.mget(keys)  # type: ignore[assignment]
         now = time.time()
         for i, worker in enumerate(workers):
-            state, counter, opened, reset = values[4 * i : 4 * i + 4]
-            self._counters[worker] = int(counter or 0)
-            if state is None:
+            try:
+                state, counter, opened, reset = values[4 * i : 4 * i + 4]
+                self._counters[worker] = int(counter or 0)
+                if state is None:
+                    continue
+                current = (state.decode(), float(opened) if opened else None)
+                reset_timeout = float(reset) if reset else None
+            except (ValueError, UnicodeDecodeError):
+                log.warning("ignoring malformed shared state of worker %s", worker)
                 continue
-            state_text = state.decode()
-            if state_text == OPEN and opened is not None:
-                age = max(0.0, now - float(opened))
-                self._on_remote(worker, "open", age, float(reset) if reset else None)
-            elif state_text == CLOSED:
+            # Edge-triggered: act only on what changed in Redis since the last read, so a
+            # breaker this process opened a moment ago (not yet written) is not undone.
+            previous = self._seen.get(worker)
+            self._seen[worker] = current
+            if current == previous:
+                continue
+            if current[0] == OPEN and current[1] is not None:
+                self._on_remote(worker, "open", max(0.0, now - current[1]), reset_timeout)
+            elif current[0] == CLOSED and previous is not None and previous[0] == OPEN:
                 self._on_remote(worker, "closed", 0.0, None)
 
     # -- dead letters --------------------------------------------------------------------
@@ -403,36 +448,51 @@ class RedisDeadLetterStore:
                 if self.held and self.held[0] is record:
                     self.held.popleft()
 
+    def _strict(self, fn: Callable[[], Any]) -> Any:
+        """Operator calls (list, remove, purge …) fail loudly while Redis is away:
+        answering from this process's few held records would mislead."""
+        if not self._shared.available:
+            raise NpuSyncError(
+                f"shared state unavailable ({self._shared.last_error}): dead letters in "
+                "Redis cannot be read or changed now"
+            )
+        try:
+            return fn()
+        except RedisError as exc:
+            self._shared.lost(exc)
+            raise NpuSyncError(f"shared state unavailable ({exc})") from exc
+
     def get(self, record_id: str) -> DeadLetter | None:
         with self._lock:
             for record in self.held:
                 if record.id == record_id:
                     return record
-        raw = self._shared._call(lambda: self._client.hget(self._records, record_id))
+        raw = self._strict(lambda: self._client.hget(self._records, record_id))
         return None if raw is None else DeadLetter.from_dict(json.loads(raw))
 
     def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
         end = -1 if limit is None else offset + limit - 1
-        ids = self._shared._call(lambda: self._client.zrange(self._order, offset, end)) or []
-        records: builtins.list[DeadLetter] = []
-        if ids:
-            raws = self._shared._call(lambda: self._client.hmget(self._records, ids)) or []
-            records = [DeadLetter.from_dict(json.loads(r)) for r in raws if r is not None]
-        with self._lock:
-            records += list(self.held)
-        return records if limit is None else records[:limit]
+        ids = self._strict(lambda: self._client.zrange(self._order, offset, end)) or []
+        if not ids:
+            return []
+        raws = self._strict(lambda: self._client.hmget(self._records, ids)) or []
+        return [DeadLetter.from_dict(json.loads(r)) for r in raws if r is not None]
 
     def replace(self, record: DeadLetter) -> None:
-        self._shared._call(
-            lambda: self._client.hset(self._records, record.id, json.dumps(record.to_dict()))
-        )
+        def write() -> None:
+            # Only a record still stored: one removed meanwhile stays removed.
+            if self._client.zscore(self._order, record.id) is not None:
+                self._client.hset(self._records, record.id, json.dumps(record.to_dict()))
+
+        self._strict(write)
 
     def remove(self, record_id: str) -> bool:
+        held = False
         with self._lock:
             for record in list(self.held):
                 if record.id == record_id:
                     self.held.remove(record)
-                    return True
+                    held = True
 
         def drop() -> bool:
             pipe = self._client.pipeline(transaction=True)
@@ -440,42 +500,47 @@ class RedisDeadLetterStore:
             pipe.hdel(self._records, record_id)
             return bool(pipe.execute()[1])
 
-        return bool(self._shared._call(drop))
+        return bool(self._strict(drop)) or held
 
     def purge(self) -> int:
-        with self._lock:
-            held = len(self.held)
-            self.held.clear()
-
         def drop() -> int:
             pipe = self._client.pipeline(transaction=True)
             pipe.zcard(self._order)
             pipe.delete(self._order, self._records)
             return int(pipe.execute()[0])
 
-        return held + int(self._shared._call(drop) or 0)
+        removed = int(self._strict(drop) or 0)
+        with self._lock:
+            removed += len(self.held)
+            self.held.clear()
+        return removed
 
     def __len__(self) -> int:
-        stored = self._shared._call(lambda: self._client.zcard(self._order)) or 0
-        return int(stored) + len(self.held)
+        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(self.held)
 
     @property
     def dropped(self) -> int:
-        stored = self._shared._call(lambda: self._client.get(self._dropped_key))
+        stored = self._strict(lambda: self._client.get(self._dropped_key))
         return int(stored or 0) + self._local_dropped
 
     def claim(self, record_id: str) -> bool:
         key = self._claims + record_id
-        ok = self._shared._call(
-            lambda: self._client.set(
-                key, self._shared._origin, nx=True, px=int(self.CLAIM_SECONDS * 1000)
-            )
+        owner = self._shared._origin
+        ok = self._strict(
+            lambda: self._client.set(key, owner, nx=True, px=int(self.CLAIM_SECONDS * 1000))
         )
-        # With Redis down, records are only local ones: the in-process claim suffices.
-        return bool(ok) or not self._shared.available
+        return bool(ok)
 
     def release_claim(self, record_id: str) -> None:
-        self._shared._call(lambda: self._client.delete(self._claims + record_id))
+        key = self._claims + record_id
+        owner = self._shared._origin.encode()
+
+        def release() -> None:
+            # Only our own claim: after a lease ran out another process may hold it.
+            if self._client.get(key) == owner:
+                self._client.delete(key)
+
+        self._shared._call(release)
 
     def close(self) -> None:
         """The connection belongs to the shared state, which closes it."""

@@ -185,10 +185,13 @@ def test_a_replaying_process_killed_midway_loses_no_record(start_worker, redis_s
         served = worker.stats()["task_ids_seen"]
         assert len(left) < len(ids)  # some were replayed and removed
         assert len(left) + served >= len(ids)  # nothing vanished unreplayed
-        # The killed process's claim expires; meanwhile records can be removed by hand
-        # or replayed once the lease has passed. Replay what is left here:
-        for record in pool.dead_letters.list():
-            pool.dead_letters.store.release_claim(record.id)
+        # The killed process's claims end with their lease; let them end now.
+        import redis
+
+        client = redis.Redis.from_url(redis_server.url)
+        for key in client.keys("kill-test:dlq:claim:*"):
+            client.delete(key)
+        client.close()
         report = pool.dead_letters.replay()
         assert len(report.succeeded) == len(left)
         assert len(pool.dead_letters) == 0
@@ -238,3 +241,116 @@ def test_redis_outage_fails_no_task_and_sharing_resumes(start_worker, redis_serv
         while {w["id"]: w["breaker"]["state"] for w in other.workers()}["w0"] != "open":
             assert time.monotonic() < deadline, "the opening did not reach the other pool"
             time.sleep(0.02)
+
+
+def shared_config(workers, url: str, **kw) -> PoolConfig:
+    kw.setdefault("circuit_breaker", BreakerConfig(fail_max=2, reset_timeout=60))
+    return PoolConfig(
+        workers=tuple(worker_config(w.worker_id, w.url) for w in workers),
+        health=HealthConfig(enabled=False),
+        shared_state=SharedStateConfig(
+            backend="redis", url=url, sync_interval=kw.pop("sync_interval", 0.1)
+        ),
+        **kw,
+    )
+
+
+def test_a_frozen_redis_costs_a_task_at_most_one_timeout(start_worker, redis_server):
+    """Redis hung (SIGSTOP), a worker dying: no task waits on Redis more than once."""
+    import signal
+
+    workers = [start_worker(worker_id=f"w{i}") for i in range(3)]
+    quick = RetryConfig(max_retries=3, backoff_initial=0.001, backoff_max=0.002)
+    with WorkerPool(shared_config(workers, redis_server.url, retry=quick)) as pool:
+        for i in range(20):
+            pool.execute({"input_text": f"warm {i}"})
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            workers[1].kill()
+            took = []
+            for i in range(300):
+                started = time.perf_counter()
+                pool.execute({"input_text": f"frozen {i}"})
+                took.append(time.perf_counter() - started)
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+        assert pool.stats()["shared_state"]["available"] is False
+    took.sort()
+    # One call waits out the 50 ms timeout and marks Redis unavailable; no other does.
+    assert took[-2] < 0.05, took[-5:]
+    assert took[-1] < 0.5
+
+
+def test_an_opening_reaches_another_process_by_pubsub_well_before_a_resync(
+    start_worker, redis_server
+):
+    """With a 30 s re-read interval, another pool still sees an opening within a second."""
+    workers = [start_worker(worker_id=f"w{i}") for i in range(2)]
+    config = shared_config(workers, redis_server.url, sync_interval=30.0)
+    with WorkerPool(config) as one, WorkerPool(config) as two:
+        one.execute({"input_text": "warm"})
+        two.execute({"input_text": "warm"})
+        time.sleep(0.2)  # both subscribed (the first re-read happens at start)
+        workers[0].kill()
+        for i in range(4):
+            one.execute({"input_text": f"x{i}"})
+        assert {w["id"]: w["breaker"]["state"] for w in one.workers()}["w0"] == "open"
+        deadline = time.monotonic() + 1.0
+        while {w["id"]: w["breaker"]["state"] for w in two.workers()}["w0"] != "open":
+            assert time.monotonic() < deadline, "the opening did not arrive by pub/sub"
+            time.sleep(0.01)
+
+
+def test_dead_letters_held_during_an_outage_reach_redis_at_close(start_worker, redis_server):
+    """Records stored while Redis was down are written when the pool closes after it returns."""
+    worker = start_worker(worker_id="w0")
+    config = PoolConfig(
+        workers=(worker_config("w0", worker.url),),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=0),
+        shared_state=SharedStateConfig(
+            backend="redis", url=redis_server.url, namespace="held", sync_interval=30.0
+        ),
+        dead_letter=DeadLetterConfig(backend="redis"),
+    )
+    worker.kill()
+    pool = WorkerPool(config)
+    try:
+        redis_server.kill()
+        for i in range(3):
+            with pytest.raises(TaskFailed):
+                pool.execute(Task({"input_text": "x"}, task_id=f"held-{i}"))
+        assert pool.stats()["shared_state"]["dead_letters_held_locally"] == 3
+        redis_server.start()
+    finally:
+        pool.close()
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.zcard("held:dlq:order") == 3
+    client.close()
+
+
+def test_the_cli_lists_dead_letters_kept_in_redis(start_worker, redis_server, tmp_path):
+    """npu-sync dlq list works with dead_letter.backend: redis."""
+    worker = start_worker(worker_id="w0")
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers:\n"
+        f"    - {{id: w0, url: '{worker.url}'}}\n"
+        "  health: {enabled: false}\n"
+        "  retry: {max_retries: 0}\n"
+        f"  shared_state: {{backend: redis, url: '{redis_server.url}', namespace: cli}}\n"
+        "  dead_letter: {backend: redis}\n"
+    )
+    worker.kill()
+    with WorkerPool.from_yaml(path, watch=False) as pool, pytest.raises(TaskFailed):
+        pool.execute(Task({"input_text": "x"}, task_id="from-cli"))
+    out = subprocess.run(
+        [sys.executable, "-m", "npu_sync", "dlq", "list", "--config", str(path), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert [r["task_id"] for r in json.loads(out.stdout)] == ["from-cli"]
