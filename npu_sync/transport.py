@@ -274,6 +274,8 @@ def _read_limited(raw: BaseHTTPResponse, limit: int, encoded: bool, give_up: flo
         if size > limit:
             return None
         chunks.append(chunk)
+        if raw.length_remaining == 0:
+            return b"".join(chunks)  # all of a Content-Length body: no read for EOF
         if time.monotonic() > give_up:
             raise _TooSlow
 
