@@ -94,46 +94,56 @@ def test_a_dead_worker_costs_fail_max_attempts_across_processes_not_per_process(
     assert counts[True] <= fail_max + 2 * processes
 
 
+def dead_letter_yaml(tmp_path, worker, redis_url: str, namespace: str):
+    """A one-worker pool keeping its dead letters in Redis, as a file other processes load."""
+    path = tmp_path / f"{namespace}.yaml"
+    path.write_text(
+        "npu_workers:\n  workers:\n"
+        f"    - {{id: w0, url: '{worker.url}'}}\n"
+        "  health: {enabled: false}\n"
+        "  retry: {max_retries: 0}\n"
+        "  circuit_breaker: {fail_max: 5, reset_timeout: 0.2, max_reset_timeout: 0.5}\n"
+        f"  shared_state: {{backend: redis, url: '{redis_url}', namespace: {namespace}}}\n"
+        "  dead_letter: {backend: redis}\n"
+    )
+    return path
+
+
+def in_another_process(path, body: str) -> list[str]:
+    """Run ``body`` with ``pool`` built from ``path`` in a new interpreter."""
+    script = (
+        "import json, sys\n"
+        "from npu_sync import WorkerPool\n"
+        "with WorkerPool.from_yaml(sys.argv[1], watch=False) as pool:\n"
+        + "".join(f"    {line}\n" for line in body.splitlines())
+    )
+    return [sys.executable, "-c", script, str(path)]
+
+
+def fail_into_dead_letters(path, worker, task_ids) -> None:
+    worker.kill()
+    with WorkerPool.from_yaml(path, watch=False) as pool:
+        for task_id in task_ids:
+            with pytest.raises(TaskFailed):
+                pool.execute(Task({"input_text": task_id}, task_id=task_id))
+    worker.restart()
+
+
 def test_dead_letters_written_by_one_process_are_replayed_by_another(
     start_worker, redis_server, tmp_path
 ):
     """Records stored by one pool are listed, and replayed, by a pool in another process."""
     worker = start_worker(worker_id="w0")
-    shared = SharedStateConfig(backend="redis", url=redis_server.url, namespace="dlq-test")
-    config = PoolConfig(
-        workers=(worker_config("w0", worker.url),),
-        health=HealthConfig(enabled=False),
-        retry=RetryConfig(max_retries=0),
-        circuit_breaker=BreakerConfig(fail_max=5, reset_timeout=0.2, max_reset_timeout=0.5),
-        shared_state=shared,
-        dead_letter=DeadLetterConfig(backend="redis"),
+    path = dead_letter_yaml(tmp_path, worker, redis_server.url, "dlq-test")
+    fail_into_dead_letters(path, worker, [f"dl-{i}" for i in range(5)])
+    command = in_another_process(
+        path,
+        "listed = [r.task_id for r in pool.dead_letters.list()]\n"
+        "report = pool.dead_letters.replay()\n"
+        "print(json.dumps({'listed': listed, 'succeeded': len(report.succeeded),"
+        " 'left': len(pool.dead_letters)}))",
     )
-    worker.kill()
-    with WorkerPool(config) as pool:
-        for i in range(5):
-            with pytest.raises(TaskFailed):
-                pool.execute(Task({"input_text": f"x{i}"}, task_id=f"dl-{i}"))
-        assert len(pool.dead_letters) == 5
-    worker.restart()
-    script = (
-        "import sys, json\n"
-        "from npu_sync import WorkerPool\n"
-        "from npu_sync.config import (BreakerConfig, DeadLetterConfig, HealthConfig, PoolConfig,"
-        " SharedStateConfig, worker_config)\n"
-        f"config = PoolConfig(workers=(worker_config('w0', {worker.url!r}),),"
-        " health=HealthConfig(enabled=False),"
-        " circuit_breaker=BreakerConfig(fail_max=5, reset_timeout=0.2, max_reset_timeout=0.5),"
-        f" shared_state=SharedStateConfig(backend='redis', url={redis_server.url!r},"
-        " namespace='dlq-test'), dead_letter=DeadLetterConfig(backend='redis'))\n"
-        "with WorkerPool(config) as pool:\n"
-        "    listed = [r.task_id for r in pool.dead_letters.list()]\n"
-        "    report = pool.dead_letters.replay()\n"
-        "    print(json.dumps({'listed': listed, 'succeeded': len(report.succeeded),"
-        " 'left': len(pool.dead_letters)}))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
-    )
+    out = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
     result = json.loads(out.stdout)
     assert result == {"listed": [f"dl-{i}" for i in range(5)], "succeeded": 5, "left": 0}
 
@@ -141,36 +151,11 @@ def test_dead_letters_written_by_one_process_are_replayed_by_another(
 def test_a_replaying_process_killed_midway_loses_no_record(start_worker, redis_server, tmp_path):
     """Every record ends replayed (the worker saw it) or still stored (at-least-once)."""
     worker = start_worker(worker_id="w0")
-    shared = SharedStateConfig(backend="redis", url=redis_server.url, namespace="kill-test")
-    config = PoolConfig(
-        workers=(worker_config("w0", worker.url),),
-        health=HealthConfig(enabled=False),
-        retry=RetryConfig(max_retries=0),
-        circuit_breaker=BreakerConfig(fail_max=5, reset_timeout=0.2, max_reset_timeout=0.5),
-        shared_state=shared,
-        dead_letter=DeadLetterConfig(backend="redis"),
-    )
-    worker.kill()
+    path = dead_letter_yaml(tmp_path, worker, redis_server.url, "kill-test")
     ids = [f"k-{i}" for i in range(20)]
-    with WorkerPool(config) as pool:
-        for task_id in ids:
-            with pytest.raises(TaskFailed):
-                pool.execute(Task({"input_text": task_id}, task_id=task_id))
-    worker.restart()
+    fail_into_dead_letters(path, worker, ids)
     worker.control(latency_ms=100)
-    script = (
-        "from npu_sync import WorkerPool\n"
-        "from npu_sync.config import (BreakerConfig, DeadLetterConfig, HealthConfig, PoolConfig,"
-        " SharedStateConfig, worker_config)\n"
-        f"config = PoolConfig(workers=(worker_config('w0', {worker.url!r}),),"
-        " health=HealthConfig(enabled=False),"
-        " circuit_breaker=BreakerConfig(fail_max=5, reset_timeout=0.2, max_reset_timeout=0.5),"
-        f" shared_state=SharedStateConfig(backend='redis', url={redis_server.url!r},"
-        " namespace='kill-test'), dead_letter=DeadLetterConfig(backend='redis'))\n"
-        "with WorkerPool(config) as pool:\n"
-        "    pool.dead_letters.replay()\n"
-    )
-    replayer = subprocess.Popen([sys.executable, "-c", script])
+    replayer = subprocess.Popen(in_another_process(path, "pool.dead_letters.replay()"))
     try:
         deadline = time.monotonic() + 30
         while worker.stats()["inference_count"] < 5:
@@ -180,7 +165,7 @@ def test_a_replaying_process_killed_midway_loses_no_record(start_worker, redis_s
         replayer.kill()
         replayer.wait()
     worker.control(latency_ms=0)
-    with WorkerPool(config) as pool:
+    with WorkerPool.from_yaml(path, watch=False) as pool:
         left = {r.task_id for r in pool.dead_letters.list()}
         served = worker.stats()["task_ids_seen"]
         assert len(left) < len(ids)  # some were replayed and removed
