@@ -121,6 +121,10 @@ class WorkerBreaker:
         """Monotonic time at which an open breaker admits its trial; None unless open."""
         return self._opened_at + self._reset_timeout if self._state == OPEN else None
 
+    def open_for(self, now: float) -> float:
+        """Seconds since the breaker opened (0 when it is not open)."""
+        return max(0.0, now - self._opened_at) if self._state == OPEN else 0.0
+
     def can_admit(self, now: float) -> bool:
         """Whether :meth:`admit` would succeed at ``now``. No side effects."""
         state = self._state

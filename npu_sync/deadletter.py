@@ -773,11 +773,16 @@ class DeadLetterQueue:
         # A store shared by processes (Redis) also claims across processes, with a
         # lease that expires if this process dies mid-replay.
         claim = getattr(self._store, "claim", None)
-        if claim is not None and not claim(record_id):
-            with self._lock:
-                self._replaying.discard(record_id)
-            return False
-        return True
+        try:
+            claimed = claim is None or claim(record_id)
+        except BaseException:
+            claimed = None
+            raise
+        finally:
+            if not claimed:
+                with self._lock:
+                    self._replaying.discard(record_id)
+        return bool(claimed)
 
     def _release(self, record_id: str) -> None:
         release = getattr(self._store, "release_claim", None)

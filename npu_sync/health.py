@@ -194,6 +194,7 @@ class HealthChecker:
             return {}
         futures: dict[concurrent.futures.Future[HealthResult], str] = {}
         busy: list[str] = []
+        generations = {t.id: getattr(t, "generation", 0) for t in targets}
         try:
             with self._lock:
                 for t in targets:
@@ -216,7 +217,13 @@ class HealthChecker:
         done, _ = concurrent.futures.wait(futures, timeout=config.timeout + 0.5)
         now = self._clock.time()
         results: dict[str, HealthResult] = {
-            worker_id: HealthResult(worker_id, False, now, error="previous check still running")
+            worker_id: HealthResult(
+                worker_id,
+                False,
+                now,
+                error="previous check still running",
+                generation=generations[worker_id],
+            )
             for worker_id in busy
         }
         for future, worker_id in futures.items():
@@ -224,7 +231,11 @@ class HealthChecker:
                 results[worker_id] = future.result()
             else:
                 results[worker_id] = HealthResult(
-                    worker_id, False, now, error=f"no answer within {config.timeout}s"
+                    worker_id,
+                    False,
+                    now,
+                    error=f"no answer within {config.timeout}s",
+                    generation=generations[worker_id],
                 )
         self.rounds += 1
         self._apply(results)

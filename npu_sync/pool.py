@@ -428,10 +428,9 @@ class WorkerPool:
         """One JSON-serialisable dict per worker, in priority order."""
         with self._lock:
             now = self._clock.monotonic()
-            ordered = sorted(
-                [*self._workers.values(), *self._draining.values()],
-                key=lambda w: (w.priority, w.id),
-            )
+            # A draining worker re-added under its id shows once: the live row.
+            draining = [w for w in self._draining.values() if w.id not in self._workers]
+            ordered = sorted([*self._workers.values(), *draining], key=lambda w: (w.priority, w.id))
             captured = [w.capture() for w in ordered]
         # Percentiles and rates are computed from copies, outside the lock.
         return [render(c, now) for c in captured]
@@ -523,7 +522,9 @@ class WorkerPool:
         health checks keep running meanwhile, so a waiting task can still see a worker
         recover. Then stops every thread the pool started. Idempotent.
         """
-        with self._reload_lock, self._lock:
+        # Not under _reload_lock: close() may be called from a hook that runs while a
+        # reload holds it. A reload in progress sees _closed when it installs changes.
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
@@ -682,6 +683,18 @@ class WorkerPool:
             getattr(new, name) != getattr(old, name)
             for name in ("health", "circuit_breaker", "retry", "timeouts")
         )
+        with self._lock:
+            closed_meanwhile = self._closed
+        if closed_meanwhile:
+            for worker in built.values():
+                worker.transport.close()
+                worker.health_transport.close()
+            for pair in rewired.values():
+                for transport in pair:
+                    transport.close()
+            for transport in resized.values():
+                transport.close()
+            raise PoolClosed("the pool is closed")
         with self._lock:
             for wid, worker in built.items():
                 self._workers[wid] = worker
@@ -1120,14 +1133,15 @@ class WorkerPool:
     def _announce_open_breakers(self) -> None:
         """After a Redis outage: write the breakers opened here meanwhile."""
         with self._lock:
+            now = self._clock.monotonic()
             opened = [
-                (w.id, w.breaker.reset_timeout)
+                (w.id, w.breaker.reset_timeout, w.breaker.open_for(now))
                 for w in self._workers.values()
                 if w.breaker.state == OPEN
             ]
-        for worker_id, reset_timeout in opened:
+        for worker_id, reset_timeout, age in opened:
             if self._shared is not None:
-                self._shared.announce(worker_id, OPEN, reset_timeout)
+                self._shared.announce(worker_id, OPEN, reset_timeout, age)
 
     def _apply_remote(
         self, worker_id: str, state: str, age: float, reset_timeout: float | None

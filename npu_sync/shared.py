@@ -205,7 +205,9 @@ class SharedState:
         self._call(lambda: self._client.set(key, 0))
         self._counters[worker_id] = 0
 
-    def announce(self, worker_id: str, state: str, reset_timeout: float | None) -> None:
+    def announce(
+        self, worker_id: str, state: str, reset_timeout: float | None, age: float = 0.0
+    ) -> None:
         """Tell the other processes this process's breaker for a worker opened or closed.
 
         One MULTI writes the state with its opening time, so a reader never sees a new
@@ -213,7 +215,7 @@ class SharedState:
         """
         if not self.available or self._storage(worker_id) is None:
             return
-        now = time.time()
+        now = time.time() - max(0.0, age)  # when it opened, for a breaker opened earlier
         keys = self._breaker_keys(worker_id)
 
         def write() -> Any:
@@ -319,6 +321,8 @@ class SharedState:
             log.warning("ignoring a malformed shared-state message: %r", message.get("data"))
             return
         self.received += 1
+        # The re-read must not take this same change for a new one.
+        self._seen[worker] = (state, float(data["at"]) if state == OPEN else None)
         self._on_remote(worker, state, age, None if reset is None else float(reset))
 
     def _sync(self) -> None:

@@ -212,3 +212,26 @@ def test_health_thread_survives_a_bad_round_and_follows_reloaded_settings(monkey
         assert rounds.acquire(timeout=5)
     finally:
         pool.close()
+
+
+def test_a_moved_worker_whose_check_overruns_is_still_marked_unhealthy():
+    """Results the round fills in itself carry the worker's current address generation."""
+    net = FakeNetwork()
+    hold = threading.Event()
+
+    def hung(req):
+        hold.wait(5)
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", hung)
+    fast = HealthConfig(enabled=False, timeout=0.05, unhealthy_threshold=1)
+    config = PoolConfig(workers=(worker_config("a", "http://127.0.0.1:9501"),), health=fast)
+    with WorkerPool(config, transport_factory=net.factory) as pool:
+        moved = worker_config("a", "http://127.0.0.1:9502")
+        pool.reload(PoolConfig(workers=(moved,), health=fast))
+        try:
+            result = pool.check_health()["a"]
+            assert result["ok"] is False and "no answer" in result["error"]
+            assert pool.workers()[0]["healthy"] is False
+        finally:
+            hold.set()

@@ -461,3 +461,44 @@ def test_breaker_settings_reach_existing_breakers_and_capacity_resizes_connectio
         row = {w["id"]: w for w in pool.workers()}["b"]
         assert row["capacity"] == 32
         assert len([t for t in net.transports("b") if not t.closed]) == 2  # task + health
+
+
+def test_close_from_a_reload_hook_does_not_deadlock():
+    """A hook that closes the pool when a reload happens returns (no lock is held twice)."""
+    from npu_sync.events import ConfigReloaded
+
+    pool = WorkerPool(config(A), transport_factory=FakeNetwork(echo).factory)
+    pool.add_hook(lambda event: pool.close() if isinstance(event, ConfigReloaded) else None)
+    done = threading.Event()
+
+    def reload_then_signal() -> None:
+        pool.reload(config(A, B))
+        done.set()
+
+    worker = threading.Thread(target=reload_then_signal)
+    worker.start()
+    assert done.wait(10), "close() inside a reload hook deadlocked"
+    worker.join(5)
+    assert pool.closed
+
+
+def test_a_worker_re_added_while_draining_shows_once():
+    """Removing and re-adding a busy worker gives one row per id (Prometheus needs that)."""
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(req):
+        started.set()
+        gate.wait(5)
+        return json_response(200, {"worker_id": "a"})
+
+    net = FakeNetwork(echo)
+    net.route("a", slow)
+    with WorkerPool(config(A), transport_factory=net.factory) as pool:
+        busy = pool.submit({"x": 1})
+        assert started.wait(5)
+        pool.remove_worker("a")
+        pool.add_worker(A)
+        assert [w["id"] for w in pool.workers()] == ["a"]
+        assert pool.stats()["tasks"]["in_flight"] == 1
+        gate.set()
+        busy.result(5)

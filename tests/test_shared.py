@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 fakeredis = pytest.importorskip("fakeredis")
@@ -149,3 +151,35 @@ def test_dead_letters_written_during_an_outage_are_kept_and_flushed_later():
     store.flush()
     assert not store.held
     assert [r.task_id for r in two.dead_letter_store(10).list()] == ["task-1"]
+
+
+def test_a_change_received_by_pubsub_is_not_applied_again_by_the_re_read():
+    """The periodic re-read does not take a pub/sub change for a new one."""
+    one, two, _, seen = pair()
+    one.set_workers(["w1"])
+    two.set_workers(["w1"])
+    one.announce("w1", "open", 30.0)
+    opened = float(one._client.get(one._breaker_keys("w1")["opened_at_precise"]))
+    data = {"origin": "other", "worker": "w1", "state": "open", "at": opened}
+    message = {"data": json.dumps(data)}
+    two._handle(message)
+    two._sync()
+    assert seen.seen == [("w1", "open")]
+
+
+def test_a_claim_that_fails_on_redis_leaves_the_record_replayable():
+    """If claiming raises (Redis went away), the record is not stuck as 'being replayed'."""
+    from npu_sync.deadletter import DeadLetterQueue
+
+    server = fakeredis.FakeServer()
+    one, _, _, _ = pair(server)
+    store = one.dead_letter_store(10)
+    store.add(record(1))
+    rid = store.list()[0].id
+    queue = DeadLetterQueue(store, lambda task: {"ok": True})
+    server.connected = False
+    with pytest.raises(NpuSyncError):
+        queue.replay(rid)
+    server.connected = True
+    assert one._probe()
+    assert queue.replay(rid).succeeded == (rid,)
