@@ -257,7 +257,9 @@ def _read_limited(raw: BaseHTTPResponse, limit: int, encoded: bool, give_up: flo
     """Read the whole body, or return None as soon as it proves larger than ``limit``.
 
     The read timeout bounds each socket read, so a worker that drips its answer a byte
-    at a time would never time out: reading stops at ``give_up`` (monotonic) too.
+    at a time would never time out: reading also stops at ``give_up`` (monotonic), the
+    request's start plus the larger of its connect and read timeouts. The pool caps
+    both at the time left to the task, so an attempt never outlives its deadline.
     """
     length = raw.length_remaining
     if length is not None and length > limit:
@@ -418,7 +420,7 @@ class Urllib3Transport:
             sent_headers = self._json_headers
             if headers:
                 sent_headers = _merge_headers(sent_headers, self._json_headers_index, headers)
-        give_up = time.monotonic() + connect_timeout + read_timeout
+        give_up = time.monotonic() + max(connect_timeout, read_timeout)
         try:
             raw = self._pool.urlopen(
                 method,
@@ -460,8 +462,8 @@ def _finish(
         _discard(raw)
         raise TransportError(
             "timeout",
-            f"{_describe(worker, method, path)}: the answer was still arriving after the "
-            "connect and read timeouts together",
+            f"{_describe(worker, method, path)}: the answer was still arriving when the "
+            "read timeout (counted from the request's start) ran out",
             sent=True,
         ) from None
     if data is None:
@@ -590,7 +592,7 @@ class RequestsTransport:
         sent_headers: Mapping[str, str] | None = headers
         if body is not None:
             sent_headers = {**self._json_headers, **headers} if headers else self._json_headers
-        give_up = time.monotonic() + connect_timeout + read_timeout
+        give_up = time.monotonic() + max(connect_timeout, read_timeout)
         try:
             resp = self._session.request(
                 method,
