@@ -502,3 +502,18 @@ def test_a_worker_re_added_while_draining_shows_once():
         assert pool.stats()["tasks"]["in_flight"] == 1
         gate.set()
         busy.result(5)
+
+
+def test_a_broken_file_is_counted_once_until_it_changes(tmp_path):
+    """Periodic re-checks of the same broken content do not count (and log) it again."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9901'}\n")
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.write_text("npu_workers: [broken\n")
+        for _ in range(3):
+            pool._reload_if_changed()  # what the watcher's periodic re-check calls
+        assert pool.stats()["reloads"]["failed"] == 1
+        path.write_text("npu_workers: {workers: [{id: a, port: 0, host: x}]}\n")
+        pool._reload_if_changed()
+        assert pool.stats()["reloads"]["failed"] == 2

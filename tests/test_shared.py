@@ -183,3 +183,33 @@ def test_a_claim_that_fails_on_redis_leaves_the_record_replayable():
     server.connected = True
     assert one._probe()
     assert queue.replay(rid).succeeded == (rid,)
+
+
+def test_the_re_read_acts_only_on_what_changed_in_redis():
+    """A state that stays 'closed' in Redis never closes a breaker opened here meanwhile."""
+    one, two, _, seen = pair()
+    one.set_workers(["w1"])
+    two.set_workers(["w1"])
+    one.announce("w1", "closed", None)
+    two._sync()
+    two._sync()
+    assert seen.seen == []  # 'closed' all along: nothing to apply
+    one.announce("w1", "open", 10.0)
+    two._sync()
+    one.announce("w1", "closed", None)
+    two._sync()
+    assert seen.seen == [("w1", "open"), ("w1", "closed")]
+
+
+def test_breakers_opened_during_an_outage_are_written_back_when_redis_returns():
+    """When Redis answers again the pool's open breakers are written before any re-read."""
+    server = fakeredis.FakeServer()
+    one, _, _, _ = pair(server)
+    calls = []
+    one.on_resume = lambda: calls.append(one.available)
+    server.connected = False
+    one.report_failure("w1", 3)
+    assert one.available is False
+    server.connected = True
+    assert one._probe() is True
+    assert calls == [True]
