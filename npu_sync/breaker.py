@@ -181,12 +181,7 @@ class WorkerBreaker:
         """A call admitted by :meth:`admit` succeeded."""
         if trial:
             self._trial_in_flight = False
-            self._consecutive_trips = 0
-            self._early_trial_used = False
-            self._reset_timeout = self._config.reset_timeout
-            self._cb.reset_timeout = self._reset_timeout
-            self._cb.close()
-            self._state = CLOSED
+            self._close()
         elif self._state == CLOSED and self._storage.counter:
             self._storage.reset_counter()
 
@@ -215,13 +210,7 @@ class WorkerBreaker:
     def reset(self) -> None:
         """Close the breaker and forget its history (an operator's action)."""
         self._trial_in_flight = False
-        self._consecutive_trips = 0
-        self._early_trial_used = False
-        self._reset_timeout = self._config.reset_timeout
-        self._cb.reset_timeout = self._reset_timeout
-        if self._state != CLOSED:
-            self._cb.close()
-            self._state = CLOSED
+        self._close()
         self._storage.reset_counter()
 
     def force_open(self, age: float = 0.0, reset_timeout: float | None = None) -> bool:
@@ -266,13 +255,20 @@ class WorkerBreaker:
         """
         if self._state == CLOSED or self._trial_in_flight:
             return False
+        self._close()
+        return True
+
+    def _close(self) -> None:
+        """Closed, with the trip history forgotten: the base reset timeout, and a passing
+        health check may again cut the next opening short."""
         self._consecutive_trips = 0
         self._early_trial_used = False
+        self._early_pending = False
         self._reset_timeout = self._config.reset_timeout
         self._cb.reset_timeout = self._reset_timeout
-        self._cb.close()
-        self._state = CLOSED
-        return True
+        if self._state != CLOSED:
+            self._cb.close()  # pybreaker's close() also resets its failure counter
+            self._state = CLOSED
 
     def _trip(self) -> None:
         if self._consecutive_trips:

@@ -240,3 +240,49 @@ class FakeNetwork:
             self._requests.append(req)
             handler = self._routes.get(req.worker_id, self._default)
         return handler(req)
+
+
+class DrippingServer:
+    """A loopback HTTP server that answers its first connection one byte at a time.
+
+    It sends a 200 status and a ``Content-Length`` far larger than it will ever
+    send, then one byte every ``interval`` seconds (each socket read on the client
+    succeeds well within any read timeout), until closed. For testing that a whole
+    answer, not only each read, is bounded in time. Use as a context manager; the
+    server thread ends on exit.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        import socket
+
+        self._interval = interval
+        self._listener = socket.socket()
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(8)
+        self.port: int = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drip, name="dripping-server")
+
+    def _drip(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return  # closed before any client came
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n")
+            while not self._stop.wait(self._interval):
+                try:
+                    conn.sendall(b" ")
+                except OSError:
+                    return
+
+    def __enter__(self) -> DrippingServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._thread.join(5)

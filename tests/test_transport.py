@@ -861,41 +861,16 @@ def test_json_response_builds_a_json_reply():
 
 def test_an_answer_dripping_a_byte_at_a_time_times_out_overall():
     """The read timeout bounds the whole body, not only each socket read."""
-    import socket
-    import threading as _threading
-
     from npu_sync.config import TransportConfig as _TransportConfig
     from npu_sync.config import worker_config as _worker_config
+    from npu_sync.testing import DrippingServer
     from npu_sync.transport import make_transport as _make_transport
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    port = listener.getsockname()[1]
-    stop = _threading.Event()
-
-    def drip() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
-            while not stop.wait(0.05):  # one byte every 50 ms, below the read timeout
-                try:
-                    conn.sendall(b"x")
-                except OSError:
-                    return
-
-    server = _threading.Thread(target=drip)
-    server.start()
-    transport = _make_transport(
-        _worker_config("drip", f"http://127.0.0.1:{port}"), _TransportConfig()
-    )
-    try:
-        with pytest.raises(TransportError) as info:
-            transport.request("GET", "/health", connect_timeout=0.2, read_timeout=0.3)
-        assert info.value.kind == "timeout" and info.value.sent
-    finally:
-        stop.set()
-        transport.close()
-        server.join(5)
-        listener.close()
+    with DrippingServer() as server:
+        transport = _make_transport(_worker_config("drip", server.url), _TransportConfig())
+        try:
+            with pytest.raises(TransportError) as info:
+                transport.request("GET", "/health", connect_timeout=0.2, read_timeout=0.3)
+            assert info.value.kind == "timeout" and info.value.sent
+        finally:
+            transport.close()

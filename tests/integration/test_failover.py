@@ -235,39 +235,16 @@ def test_submit_pool_threads_are_used(start_worker):
 
 def test_a_worker_dripping_its_answer_cannot_hold_a_task_past_its_deadline():
     """An answer that keeps arriving a byte at a time still ends the attempt at the deadline."""
-    import socket
+    from npu_sync.testing import DrippingServer
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)
-    port = listener.getsockname()[1]
-    stop = threading.Event()
-
-    def drip() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
-            while not stop.wait(0.05):
-                try:
-                    conn.sendall(b" ")
-                except OSError:
-                    return
-
-    server = threading.Thread(target=drip)
-    server.start()
-    config = PoolConfig(
-        workers=(worker_config("drip", f"http://127.0.0.1:{port}"),),
-        health=HealthConfig(enabled=False),
-        retry=RetryConfig(max_retries=0),
-    )
-    try:
+    with DrippingServer() as server:
+        config = PoolConfig(
+            workers=(worker_config("drip", server.url),),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=0),
+        )
         with WorkerPool(config) as pool:
             started = time.monotonic()
             with pytest.raises(TaskFailed, match="timeout"):
                 pool.execute({"input_text": "x"}, timeout=0.5)
             assert time.monotonic() - started < 0.5 + 0.3
-    finally:
-        stop.set()
-        server.join(5)
-        listener.close()
