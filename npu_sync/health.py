@@ -76,7 +76,7 @@ def probe(
     started = clock.monotonic()
     try:
         response = transport.request(
-            "GET", config.endpoint, connect_timeout=config.timeout, read_timeout=config.timeout
+            "GET", config.endpoint, timeout=config.timeout, replayable=True
         )
     except TransportError as exc:
         return HealthResult(worker_id, False, checked_at, error=f"{exc.kind}: {exc}")

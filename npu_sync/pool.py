@@ -925,8 +925,9 @@ class WorkerPool:
                     path,
                     body=body,
                     headers=headers,
-                    connect_timeout=connect_timeout if connect_timeout < remaining else remaining,
-                    read_timeout=read_timeout if read_timeout < remaining else remaining,
+                    timeout=read_timeout if read_timeout < remaining else remaining,
+                    connect_timeout=connect_timeout,
+                    replayable=task.idempotent,
                 )
                 outcome = classify_response(response, now=t0 + wall)
             except TransportError as exc:

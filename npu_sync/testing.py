@@ -68,8 +68,9 @@ class FakeRequest:
     path: str
     body: bytes | None
     headers: Mapping[str, str]
-    connect_timeout: float
-    read_timeout: float
+    timeout: float
+    connect_timeout: float | None = None
+    replayable: bool = False
 
     def json(self) -> Any:
         """The body decoded as JSON; ValueError when there is none or it is not JSON."""
@@ -125,8 +126,9 @@ class FakeTransport:
         *,
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
-        connect_timeout: float,
-        read_timeout: float,
+        timeout: float,
+        connect_timeout: float | None = None,
+        replayable: bool = False,
     ) -> Response:
         """Record the request, then answer it with the handler.
 
@@ -140,7 +142,9 @@ class FakeTransport:
             sent["Content-Type"] = "application/json"
         if headers:
             sent = _merged(sent, headers)
-        req = FakeRequest(self.worker_id, method, path, body, sent, connect_timeout, read_timeout)
+        req = FakeRequest(
+            self.worker_id, method, path, body, sent, timeout, connect_timeout, replayable
+        )
         with self._lock:
             self.requests.append(req)
             closed = self.closed

@@ -33,7 +33,7 @@ from npu_sync.transport import (
 )
 
 LIMIT = 1000
-TIMEOUTS = {"connect_timeout": 2.0, "read_timeout": 5.0}
+TIMEOUTS = {"connect_timeout": 2.0, "timeout": 5.0}
 
 
 # --- a loopback HTTP server ------------------------------------------------------------
@@ -298,7 +298,7 @@ def test_read_timeout_is_timeout_and_sent(client, server):
     t = client(server.url())
     try:
         with pytest.raises(TransportError) as info:
-            t.request("POST", "/slow", body=b"{}", connect_timeout=2.0, read_timeout=0.2)
+            t.request("POST", "/slow", body=b"{}", connect_timeout=2.0, timeout=0.2)
     finally:
         release.set()
     assert (info.value.kind, info.value.sent) == ("timeout", True)
@@ -592,7 +592,7 @@ def test_tls_handshake_timeout_is_timeout_and_not_sent(client):
         port = listener.getsockname()[1]
         t = client(f"https://127.0.0.1:{port}", tls=TLSConfig(verify=False))
         with pytest.raises(TransportError) as info:
-            t.request("GET", "/health", connect_timeout=0.2, read_timeout=5.0)
+            t.request("GET", "/health", connect_timeout=0.2, timeout=5.0)
     finally:
         listener.close()
     assert (info.value.kind, info.value.sent) == ("timeout", False)
@@ -803,10 +803,10 @@ def test_fake_network_records_requests_per_worker_in_order():
     b = net.factory(worker("http://b:1", id="b"), TransportConfig())
     a.request("GET", "/1", **TIMEOUTS)
     b.request("GET", "/2", **TIMEOUTS)
-    a.request("GET", "/3", connect_timeout=1.0, read_timeout=2.5)
+    a.request("GET", "/3", connect_timeout=1.0, timeout=2.5)
     assert [r.path for r in net.requests()] == ["/1", "/2", "/3"]
     assert [r.path for r in net.requests("a")] == ["/1", "/3"]
-    assert net.requests("a")[-1].read_timeout == 2.5
+    assert net.requests("a")[-1].timeout == 2.5
     assert [r.path for r in a.requests] == ["/1", "/3"]
     assert net.transports("b") == [b]
 
@@ -870,7 +870,7 @@ def test_an_answer_dripping_a_byte_at_a_time_times_out_overall():
         transport = _make_transport(_worker_config("drip", server.url), _TransportConfig())
         try:
             with pytest.raises(TransportError) as info:
-                transport.request("GET", "/health", connect_timeout=0.2, read_timeout=0.3)
+                transport.request("GET", "/health", connect_timeout=0.2, timeout=0.3)
             assert info.value.kind == "timeout" and info.value.sent
         finally:
             transport.close()

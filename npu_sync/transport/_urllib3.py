@@ -1,12 +1,8 @@
-"""HTTP transport: one connection pool per worker.
+"""Transports on urllib3 and requests, for ``transport.client: urllib3 | requests``.
 
-This is the only module in npu_sync that imports an HTTP client. The pool calls
-:meth:`Transport.request` on its hot path, so client CPU per request bounds the whole
-library's throughput; the default, :class:`Urllib3Transport`, talks to one
-``urllib3`` connection pool directly. :class:`RequestsTransport` does the same job
-through a ``requests.Session`` for deployments that standardise on requests.
-
-Both transports behave the same way:
+:class:`Urllib3Transport` talks to one ``urllib3`` connection pool directly;
+:class:`RequestsTransport` does the same job through a ``requests.Session`` for
+deployments that standardise on requests. Both behave the same way:
 
 * One pool of keep-alive connections per worker, ``block=False``: the worker pool
   already bounds concurrency to ``max_concurrent``, and one extra short-lived
@@ -39,16 +35,13 @@ is how ``sent=False`` is known for TLS errors.
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import os
 import ssl
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from http.cookiejar import DefaultCookiePolicy
-from importlib import metadata
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import requests
 import requests.adapters
@@ -72,27 +65,24 @@ from urllib3.util.retry import Retry
 from urllib3.util.ssl_ import resolve_cert_reqs
 from urllib3.util.ssl_match_hostname import CertificateError
 
-from npu_sync.errors import NpuSyncError
+from npu_sync.transport._base import (
+    Response,
+    TransportError,
+    base_headers,
+    check_scheme,
+    describe,
+    header_index,
+    merge_headers,
+    with_content_type,
+)
 
 if TYPE_CHECKING:
     from urllib3.response import BaseHTTPResponse
 
-    from npu_sync.config import TLSConfig, TransportConfig, WorkerConfig
+    from npu_sync.config import TLSConfig, WorkerConfig
 
-__all__ = [
-    "TRANSPORT_ERROR_KINDS",
-    "RequestsTransport",
-    "Response",
-    "Transport",
-    "TransportError",
-    "Urllib3Transport",
-    "make_transport",
-]
 
 log = logging.getLogger(__name__)
-
-TRANSPORT_ERROR_KINDS = frozenset({"connect", "timeout", "reset", "too_large", "protocol", "tls"})
-"""Every value :attr:`TransportError.kind` can take."""
 
 # Bodies without a usable Content-Length (chunked, compressed, or delimited by the
 # connection closing) are read in pieces of at most this size.
@@ -105,88 +95,6 @@ _TIMEOUT_CACHE_MAX = 64
 # Retry objects are immutable, so one shared instance spares urllib3 building a new
 # one per request. total=False makes urllib3 raise the original error unchanged.
 _NO_RETRIES = Retry(total=False, redirect=False)
-
-try:
-    _USER_AGENT = f"npu-sync/{metadata.version('npu_sync')}"
-except metadata.PackageNotFoundError:  # running from a source tree
-    _USER_AGENT = "npu-sync"
-
-
-@dataclass(frozen=True, slots=True)
-class Response:
-    """A worker's complete HTTP response. Immutable; safe to share between threads.
-
-    ``headers`` has lower-cased names; repeated headers are joined with ``", "``.
-    """
-
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-    def json(self) -> Any:
-        """The body decoded as JSON.
-
-        Raises:
-            ValueError: the body is not JSON.
-        """
-        return json.loads(self.body)
-
-
-class TransportError(NpuSyncError):
-    """An HTTP exchange with a worker failed.
-
-    Attributes:
-        kind: one of ``connect``, ``timeout``, ``reset``, ``too_large``, ``protocol``,
-            ``tls``.
-        sent: ``False`` only when the request provably never reached the worker, so
-            retrying it elsewhere is safe even for a non-idempotent task.
-    """
-
-    def __init__(self, kind: str, message: str, *, sent: bool) -> None:
-        if kind not in TRANSPORT_ERROR_KINDS:
-            raise ValueError(f"unknown transport error kind {kind!r}")
-        super().__init__(message)
-        self.kind = kind
-        self.sent = sent
-
-    def __repr__(self) -> str:
-        return f"TransportError({self.kind!r}, {str(self)!r}, sent={self.sent!r})"
-
-
-class Transport(Protocol):
-    """What the pool needs to talk to one worker. Implementations must be thread-safe."""
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        *,
-        body: bytes | None = None,
-        headers: Mapping[str, str] | None = None,
-        connect_timeout: float,
-        read_timeout: float,
-    ) -> Response:
-        """Send one request and return the whole response.
-
-        Args:
-            method: HTTP method, e.g. ``"POST"``.
-            path: absolute path on the worker, starting with ``/``.
-            body: JSON bytes, sent with ``Content-Type: application/json``.
-            headers: added to (and overriding) the worker's configured headers.
-            connect_timeout: seconds to establish the connection.
-            read_timeout: seconds to wait for each read from the worker.
-
-        Returns:
-            The response, whatever its status code.
-
-        Raises:
-            TransportError: the exchange failed; see its ``kind`` and ``sent``.
-        """
-        ...
-
-    def close(self) -> None:
-        """Close every pooled connection. Requests made afterwards fail."""
-        ...
 
 
 class _HandshakeError(HTTPError):
@@ -216,37 +124,6 @@ class _HTTPSConnectionPool(urllib3.HTTPSConnectionPool):
                 raise _HandshakeError(exc) from exc
         if conn.is_verified or resolve_cert_reqs(self.cert_reqs) != ssl.CERT_NONE:
             super()._validate_conn(conn)
-
-
-def _header_index(headers: Mapping[str, str]) -> dict[str, str]:
-    return {name.lower(): name for name in headers}
-
-
-def _merge_headers(
-    base: dict[str, str], index: dict[str, str], extra: Mapping[str, str]
-) -> dict[str, str]:
-    """``base`` updated with ``extra``, header names compared case-insensitively."""
-    merged = base.copy()
-    for name, value in extra.items():
-        existing = index.get(name.lower())
-        if existing is not None and existing != name:
-            del merged[existing]
-        merged[name] = value
-    return merged
-
-
-def _base_headers(worker: WorkerConfig) -> dict[str, str]:
-    return _merge_headers({"User-Agent": _USER_AGENT}, {"user-agent": "User-Agent"}, worker.headers)
-
-
-def _with_content_type(headers: dict[str, str]) -> dict[str, str]:
-    if "content-type" in _header_index(headers):
-        return headers
-    return {**headers, "Content-Type": "application/json"}
-
-
-def _describe(worker: WorkerConfig, method: str, path: str) -> str:
-    return f"{method} {worker.url}{path} (worker {worker.id})"
 
 
 class _TooSlow(Exception):
@@ -353,13 +230,6 @@ class _TimeoutCache:
         return timeout
 
 
-def _check_scheme(worker: WorkerConfig) -> str:
-    scheme = worker.scheme
-    if scheme not in ("http", "https"):
-        raise ValueError(f"worker {worker.id}: unsupported URL scheme {scheme!r}")
-    return scheme
-
-
 class Urllib3Transport:
     """The default transport: one urllib3 connection pool to one worker.
 
@@ -377,14 +247,14 @@ class Urllib3Transport:
     ) -> None:
         self.worker = worker
         self._limit = max_response_bytes
-        self._headers = _base_headers(worker)
-        self._headers_index = _header_index(self._headers)
-        self._json_headers = _with_content_type(self._headers)
-        self._json_headers_index = _header_index(self._json_headers)
+        self._headers = base_headers(worker)
+        self._headers_index = header_index(self._headers)
+        self._json_headers = with_content_type(self._headers)
+        self._json_headers_index = header_index(self._json_headers)
         self._timeouts = _TimeoutCache()
         size = max(1, maxsize)
         self._pool: urllib3.HTTPConnectionPool
-        if _check_scheme(worker) == "https":
+        if check_scheme(worker) == "https":
             self._pool = _HTTPSConnectionPool(
                 worker.host,
                 worker.port,
@@ -406,8 +276,9 @@ class Urllib3Transport:
         *,
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
-        connect_timeout: float,
-        read_timeout: float,
+        timeout: float,
+        connect_timeout: float | None = None,
+        replayable: bool = False,
     ) -> Response:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
@@ -415,12 +286,13 @@ class Urllib3Transport:
         if body is None:
             sent_headers = self._headers
             if headers:
-                sent_headers = _merge_headers(sent_headers, self._headers_index, headers)
+                sent_headers = merge_headers(sent_headers, self._headers_index, headers)
         else:
             sent_headers = self._json_headers
             if headers:
-                sent_headers = _merge_headers(sent_headers, self._json_headers_index, headers)
-        give_up = time.monotonic() + max(connect_timeout, read_timeout)
+                sent_headers = merge_headers(sent_headers, self._json_headers_index, headers)
+        connect = timeout if connect_timeout is None else min(connect_timeout, timeout)
+        give_up = time.monotonic() + timeout
         try:
             raw = self._pool.urlopen(
                 method,
@@ -430,12 +302,12 @@ class Urllib3Transport:
                 retries=_NO_RETRIES,
                 redirect=False,
                 assert_same_host=False,
-                timeout=self._timeouts.get(connect_timeout, read_timeout),
+                timeout=self._timeouts.get(connect, timeout),
                 preload_content=False,
                 release_conn=False,
             )
         except (HTTPError, OSError) as exc:
-            raise _from_urllib3(exc, _describe(self.worker, method, path)) from exc
+            raise _from_urllib3(exc, describe(self.worker, method, path)) from exc
         return _finish(raw, self._limit, self.worker, method, path, give_up)
 
     def close(self) -> None:
@@ -457,12 +329,12 @@ def _finish(
         data = _read_limited(raw, limit, "content-encoding" in headers, give_up)
     except (HTTPError, OSError) as exc:
         _discard(raw)
-        raise _from_urllib3(exc, _describe(worker, method, path)) from exc
+        raise _from_urllib3(exc, describe(worker, method, path)) from exc
     except _TooSlow:
         _discard(raw)
         raise TransportError(
             "timeout",
-            f"{_describe(worker, method, path)}: the answer was still arriving when the "
+            f"{describe(worker, method, path)}: the answer was still arriving when the "
             "read timeout (counted from the request's start) ran out",
             sent=True,
         ) from None
@@ -470,7 +342,7 @@ def _finish(
         _discard(raw)
         raise TransportError(
             "too_large",
-            f"{_describe(worker, method, path)}: response body exceeds {limit} bytes",
+            f"{describe(worker, method, path)}: response body exceeds {limit} bytes",
             sent=True,
         )
     # Normally already released when the body ended; this covers the rest.
@@ -545,7 +417,7 @@ class RequestsTransport:
     def __init__(
         self, worker: WorkerConfig, *, tls: TLSConfig, max_response_bytes: int, maxsize: int
     ) -> None:
-        _check_scheme(worker)
+        check_scheme(worker)
         self.worker = worker
         self._limit = max_response_bytes
         self._base_url = worker.url.rstrip("/")
@@ -557,7 +429,7 @@ class RequestsTransport:
         )
         # Replacing the defaults drops requests' Accept-Encoding and Accept, so both
         # transports send the same headers.
-        session.headers = requests.structures.CaseInsensitiveDict(_base_headers(worker))
+        session.headers = requests.structures.CaseInsensitiveDict(base_headers(worker))
         session.verify = tls.verify
         if tls.cert is not None:
             session.cert = (tls.cert, tls.key) if tls.key is not None else tls.cert
@@ -577,8 +449,9 @@ class RequestsTransport:
         *,
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
-        connect_timeout: float,
-        read_timeout: float,
+        timeout: float,
+        connect_timeout: float | None = None,
+        replayable: bool = False,
     ) -> Response:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
@@ -586,29 +459,30 @@ class RequestsTransport:
         if self._closed:
             raise TransportError(
                 "connect",
-                f"{_describe(self.worker, method, path)}: transport is closed",
+                f"{describe(self.worker, method, path)}: transport is closed",
                 sent=False,
             )
         sent_headers: Mapping[str, str] | None = headers
         if body is not None:
             sent_headers = {**self._json_headers, **headers} if headers else self._json_headers
-        give_up = time.monotonic() + max(connect_timeout, read_timeout)
+        connect = timeout if connect_timeout is None else min(connect_timeout, timeout)
+        give_up = time.monotonic() + timeout
         try:
             resp = self._session.request(
                 method,
                 self._base_url + path,
                 data=body,
                 headers=sent_headers,
-                timeout=(connect_timeout, read_timeout),
+                timeout=(connect, timeout),
                 allow_redirects=False,
                 stream=True,
             )
         except requests.exceptions.RequestException as exc:
             if isinstance(exc, ValueError):  # a bad header or URL: the caller's mistake
                 raise
-            raise _from_requests(exc, _describe(self.worker, method, path)) from exc
+            raise _from_requests(exc, describe(self.worker, method, path)) from exc
         except (HTTPError, OSError) as exc:
-            raise _from_urllib3(exc, _describe(self.worker, method, path)) from exc
+            raise _from_urllib3(exc, describe(self.worker, method, path)) from exc
         return _finish(resp.raw, self._limit, self.worker, method, path, give_up)
 
     def close(self) -> None:
@@ -631,32 +505,3 @@ def _from_requests(exc: requests.exceptions.RequestException, what: str) -> Tran
     if isinstance(exc, requests.exceptions.ConnectionError):
         return TransportError("reset", f"{what}: connection error: {exc}", sent=True)
     return TransportError("protocol", f"{what}: {type(exc).__name__}: {exc}", sent=True)
-
-
-def make_transport(
-    worker: WorkerConfig, transport: TransportConfig, *, maxsize: int | None = None
-) -> Transport:
-    """Build the configured transport for one worker.
-
-    Args:
-        worker: the worker; its own ``tls`` settings win over ``transport.tls``.
-        transport: which client to use and the response size limit.
-        maxsize: connections kept for reuse; defaults to ``worker.max_concurrent``.
-
-    Returns:
-        A :class:`Urllib3Transport` or a :class:`RequestsTransport`.
-
-    Raises:
-        ValueError: unknown ``transport.client`` or worker URL scheme.
-    """
-    tls = worker.tls if worker.tls is not None else transport.tls
-    size = worker.max_concurrent if maxsize is None else maxsize
-    if transport.client == "urllib3":
-        return Urllib3Transport(
-            worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
-        )
-    if transport.client == "requests":
-        return RequestsTransport(
-            worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
-        )
-    raise ValueError(f"unknown transport client {transport.client!r}")

@@ -1,0 +1,56 @@
+"""HTTP transports: one connection pool per worker.
+
+This package is the only part of npu_sync that imports an HTTP client. The pool calls
+:meth:`Transport.request` on its hot path, so client CPU per request bounds the whole
+library's throughput. ``transport.client`` chooses the implementation:
+``urllib3`` (:class:`Urllib3Transport`) or ``requests`` (:class:`RequestsTransport`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from npu_sync.transport._base import TRANSPORT_ERROR_KINDS, Response, Transport, TransportError
+from npu_sync.transport._urllib3 import RequestsTransport, Urllib3Transport
+
+if TYPE_CHECKING:
+    from npu_sync.config import TransportConfig, WorkerConfig
+
+__all__ = [
+    "TRANSPORT_ERROR_KINDS",
+    "RequestsTransport",
+    "Response",
+    "Transport",
+    "TransportError",
+    "Urllib3Transport",
+    "make_transport",
+]
+
+
+def make_transport(
+    worker: WorkerConfig, transport: TransportConfig, *, maxsize: int | None = None
+) -> Transport:
+    """Build the configured transport for one worker.
+
+    Args:
+        worker: the worker; its own ``tls`` settings win over ``transport.tls``.
+        transport: which client to use and the response size limit.
+        maxsize: connections kept for reuse; defaults to ``worker.max_concurrent``.
+
+    Returns:
+        A :class:`Urllib3Transport` or a :class:`RequestsTransport`.
+
+    Raises:
+        ValueError: unknown ``transport.client`` or worker URL scheme.
+    """
+    tls = worker.tls if worker.tls is not None else transport.tls
+    size = worker.max_concurrent if maxsize is None else maxsize
+    if transport.client == "urllib3":
+        return Urllib3Transport(
+            worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
+        )
+    if transport.client == "requests":
+        return RequestsTransport(
+            worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
+        )
+    raise ValueError(f"unknown transport client {transport.client!r}")
