@@ -81,6 +81,7 @@ class WorkerStats:
     failed: int = 0
     rejected: int = 0
     not_here: int = 0
+    abandoned: int = 0  # cut short by the caller's deadline or a closed connection
     last_error: str | None = None
     last_error_at: float | None = None
     latency_ewma: float | None = None

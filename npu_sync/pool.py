@@ -21,7 +21,7 @@ import os
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
 
 from npu_sync.admission import Dispatcher, Lease
@@ -139,6 +139,9 @@ class WorkerPool:
         dead_letter_store: where failed tasks are kept; default from ``config``.
         rng: randomness for selection sampling.
         hooks: callables receiving every event (see :mod:`npu_sync.events`).
+        result_check: called with every 2xx answer's decoded JSON before it is
+            returned; if it raises, the answer counts as that worker's failure (and the
+            task is retried elsewhere). By default any JSON answer is a result.
     """
 
     def __init__(
@@ -150,8 +153,10 @@ class WorkerPool:
         dead_letter_store: DeadLetterStore | None = None,
         rng: random.Random | None = None,
         hooks: Iterable[Hook] = (),
+        result_check: Callable[[Any], object] | None = None,
     ) -> None:
         self._config = config
+        self._result_check = result_check
         self._hooks: tuple[Hook, ...] = tuple(hooks)
         self._clock = clock
         self._transport_factory = transport_factory
@@ -886,63 +891,85 @@ class WorkerPool:
         timeouts = config.timeouts
         connect_timeout = timeouts.connect
         read_timeout = timeouts.read
+        queue_wait = getattr(config.pool, "max_queue_wait", 10.0)
+        check = self._result_check
         start = clock.monotonic()
         # Wall-clock times (for people reading dead letters) from the monotonic clock,
         # saving a clock call per attempt.
         wall = clock.time() - start
         attempts: list[Attempt] = []
-        excluded: set[str] = set()
+        excluded: set[str] = set()  # not to be chosen for the next attempt
+        not_here: set[str] = set()  # do not serve the task's model: never again
         failures = 0
         missing_model: str | None = None
-        # A task that gets HTTP 500 from every worker may be the one at fault (a poison
-        # payload). Its first 500 is charged at once, as any worker failure; further
-        # 500s are charged only if the task then succeeds elsewhere, so one bad task
-        # cannot count against every breaker in the pool.
-        charged_500 = False
+        # A task that gets HTTP 500 (or an answer over the size limit) from every worker
+        # may be the one at fault (a poison payload). Its first such failure is charged
+        # at once, as any worker failure; further ones are charged only if the task then
+        # succeeds elsewhere, so one bad task cannot count against every breaker.
+        charged_suspect = False
         suspects: list[Worker] = []
+        too_large = 0
         headers = {"X-NPU-Task-Id": task.task_id, "X-NPU-Attempt": "1"}
         acquire = self._dispatcher.acquire
         while True:
-            lease = acquire(excluded, deadline)
-            if self._events:
-                self._flush_events()
+            wait_until = clock.monotonic() + queue_wait
+            lease = acquire(excluded, wait_until if wait_until < deadline else deadline)
             if lease is None:
-                reason = self._no_lease_reason(attempts, deadline)
+                reason = self._no_lease_reason(attempts, deadline, wait_until)
                 break
-            worker = lease.worker
-            t0 = clock.monotonic()
-            remaining = deadline - t0
-            if remaining <= _MIN_ATTEMPT:
-                self._record(lease, _UNUSED, 0.0, t0, retry=False)
-                reason = "deadline passed"
-                break
-            if attempts:
-                headers["X-NPU-Attempt"] = str(len(attempts) + 1)
-            outcome: Outcome | None = None
+            # From here until _record() takes it back, the lease holds a slot on the
+            # worker (maybe its one half-open trial): whatever is raised, give it back.
+            recorded = False
             try:
-                response = worker.transport.request(
-                    "POST",
-                    path,
-                    body=body,
-                    headers=headers,
-                    timeout=read_timeout if read_timeout < remaining else remaining,
-                    connect_timeout=connect_timeout,
-                    replayable=task.idempotent,
-                )
-                outcome = classify_response(response, now=t0 + wall)
-            except TransportError as exc:
-                outcome = classify_error(exc)
-            except Exception as exc:  # a bug, or an answer we cannot parse: not the task's
-                log.exception("unexpected error on worker %s", worker.id)
-                outcome = Outcome(Kind.FAILURE, error=f"{type(exc).__name__}: {exc}")
-            finally:
-                if outcome is None:  # interrupted (KeyboardInterrupt, SystemExit): free the lease
+                if self._events:
+                    self._flush_events()
+                worker = lease.worker
+                t0 = clock.monotonic()
+                remaining = deadline - t0
+                if remaining <= _MIN_ATTEMPT:
+                    recorded = True
+                    self._record(lease, _UNUSED, 0.0, t0, retry=False)
+                    reason = "deadline passed"
+                    break
+                if attempts:
+                    headers["X-NPU-Attempt"] = str(len(attempts) + 1)
+                budget = read_timeout if read_timeout < remaining else remaining
+                try:
+                    response = worker.transport.request(
+                        "POST",
+                        path,
+                        body=body,
+                        headers=headers,
+                        timeout=budget,
+                        connect_timeout=connect_timeout,
+                        replayable=task.idempotent,
+                    )
+                    outcome = classify_response(response, now=t0 + wall)
+                    if check is not None and outcome.kind is Kind.SUCCESS:
+                        outcome = _checked(check, outcome)
+                except TransportError as exc:
+                    # A timeout is the worker's only when its own timeout ran out: one
+                    # cut short by the task's deadline says nothing about the worker.
+                    own = connect_timeout if not exc.sent else read_timeout
+                    outcome = classify_error(exc, cut_by_caller=remaining < own)
+                except InvalidTask:
+                    # Refused before anything was sent (a header that cannot be encoded):
+                    # the task's fault, so no worker is charged and nothing is retried.
+                    recorded = True
                     self._record(lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
-            t1 = clock.monotonic()
-            suspect = False
-            if outcome.kind is Kind.FAILURE and outcome.status == 500:
-                suspect, charged_500 = charged_500, True
-            self._record(lease, outcome, t1 - t0, t1, retry=failures > 0, defer=suspect)
+                    raise
+                except Exception as exc:  # a bug of ours, or of a custom transport
+                    log.exception("unexpected error sending task to worker %s", worker.id)
+                    outcome = Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}")
+                t1 = clock.monotonic()
+                suspect = False
+                if outcome.suspect:
+                    suspect, charged_suspect = charged_suspect, True
+                recorded = True
+                self._record(lease, outcome, t1 - t0, t1, retry=failures > 0, defer=suspect)
+            finally:
+                if not recorded:
+                    self._record(lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
             kind = outcome.kind
             hooks = self._hooks
             if hooks:
@@ -986,18 +1013,34 @@ class WorkerPool:
                 )
             excluded.add(worker.id)
             if kind is Kind.NOT_HERE:
+                not_here.add(worker.id)
                 missing_model = outcome.model
                 continue
-            failures += 1
-            if suspect:
-                suspects.append(worker)
             if not task.idempotent and outcome.processed:
                 reason = f"worker {worker.id} failed a non-idempotent task that may have run"
                 break
+            if kind is Kind.ABANDONED:
+                continue  # nothing learnt about the worker: no backoff, no retry counted
+            failures += 1
+            if suspect:
+                suspects.append(worker)
+            if outcome.error is not None and outcome.error.startswith("too_large"):
+                too_large += 1
+                if too_large >= 2:
+                    # Two workers answered beyond the limit: the task asks for too much.
+                    reason = "two workers answered beyond transport.max_response_bytes"
+                    break
             wait = policy.next_wait(failures, t1 - start)
             if wait is None:
                 reason = f"all {failures} attempt(s) failed"
                 break
+            if not self._untried_left(excluded, deadline):
+                # Every worker was tried. Trying one again is better than failing, once
+                # the backoff has passed: the failure may have been transient.
+                excluded = set(not_here)
+                if not self._untried_left(excluded, deadline):
+                    reason = _EVERY_WORKER_TRIED
+                    break
             if t1 + wait >= deadline:
                 reason = "deadline passed"
                 break
@@ -1026,8 +1069,8 @@ class WorkerPool:
             )
         if suspects:
             log.info(
-                "task %s got HTTP 500 from %d more worker(s) and never succeeded: "
-                "only its first 500 was charged to a breaker",
+                "task %s failed the same way on %d more worker(s) (HTTP 500 or an answer "
+                "too large) and never succeeded: only its first failure was charged",
                 task.task_id,
                 len(suspects),
             )
@@ -1035,12 +1078,31 @@ class WorkerPool:
             reason = f"{reason}; last error on {attempts[-1].worker_id}: {attempts[-1].error}"
         raise _Exhausted(reason, attempts, start + wall)
 
-    def _no_lease_reason(self, attempts: list[Attempt], deadline: float) -> str:
-        if self._clock.monotonic() >= deadline:
-            return "deadline passed waiting for a worker"
+    def _no_lease_reason(self, attempts: list[Attempt], deadline: float, wait_until: float) -> str:
+        now = self._clock.monotonic()
+        if now >= deadline:
+            return "deadline passed" if attempts else "deadline passed waiting for a worker"
+        if now >= wait_until:
+            wait = getattr(self._config.pool, "max_queue_wait", 10.0)
+            return f"no worker could take the task within pool.max_queue_wait ({wait:g}s)"
         if not attempts:
             return "no worker in the pool can take tasks"
         return _EVERY_WORKER_TRIED
+
+    def _untried_left(self, excluded: Collection[str], by: float = math.inf) -> bool:
+        """Whether a worker outside ``excluded`` could take a task before ``by``.
+
+        A worker whose breaker stays open, or whose Retry-After cool-down lasts, past
+        ``by`` cannot. Costs a scan of the workers: called on the failure path only.
+        """
+        with self._lock:
+            for w in self._workers.values():
+                if w.id in excluded or not w.enabled or w.draining:
+                    continue
+                retry_at = w.breaker.retry_at()
+                if (retry_at is None or retry_at < by) and w.cooldown_until < by:
+                    return True
+            return False
 
     def _record(
         self,
@@ -1060,9 +1122,12 @@ class WorkerPool:
         with self._lock:
             worker.in_flight -= 1
             stats = worker.stats
-            if lease.generation != worker.generation:
+            if lease.generation != worker.generation and outcome is not _UNUSED:
                 # An attempt on the worker's old address: it says nothing about the new
-                # one (nor about its breaker), so only the slot is given back.
+                # one (nor about its breaker), so only the slot is given back, and a
+                # result still counts as the task's success.
+                if kind is Kind.SUCCESS:
+                    self._stats.succeeded += 1
                 kind = Kind.NOT_HERE
                 outcome = _STALE
             if outcome is _STALE:
@@ -1101,6 +1166,8 @@ class WorkerPool:
                 if kind is Kind.REJECTED:
                     stats.rejected += 1
                     self._stats.rejected += 1
+                elif kind is Kind.ABANDONED:
+                    stats.abandoned += 1
                 else:
                     stats.not_here += 1
             if retry:
@@ -1206,7 +1273,21 @@ _UNUSED = Outcome(Kind.NOT_HERE, error="lease not used")
 """Records a lease given back without an attempt (deadline reached, interrupted)."""
 
 _STALE = Outcome(Kind.NOT_HERE, error="attempt on a previous address")
-"""Records a lease given back without an attempt (deadline reached, interrupted)."""
+"""Records an attempt made on a worker's address before a reload moved it."""
+
+
+def _checked(check: Callable[[Any], object], outcome: Outcome) -> Outcome:
+    """Run the pool's result check on a successful answer; a refusal is a failure."""
+    try:
+        check(outcome.value)
+    except Exception as exc:
+        return Outcome(
+            Kind.FAILURE,
+            outcome.value,
+            outcome.status,
+            f"result check refused the answer: {type(exc).__name__}: {exc}",
+        )
+    return outcome
 
 
 def _shared_state(config: PoolConfig, on_remote: Any) -> Any:

@@ -27,6 +27,10 @@ class Kind(enum.Enum):
     REJECTED = "rejected"  # the task is bad: 4xx other than 408/429
     NOT_HERE = "not_here"  # the worker does not serve this model: try another, no blame
     FAILURE = "failure"  # the worker failed: counts against it, retried elsewhere
+    # No answer, and nobody to blame on the worker's side: the caller's deadline cut the
+    # attempt short, a reused keep-alive connection was found closed, or npu_sync itself
+    # failed. Never counts against the worker.
+    ABANDONED = "abandoned"
 
 
 _MODEL_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
@@ -44,6 +48,9 @@ class Outcome:
     retry_after: float | None = None
     model: str | None = None  # the model a NOT_HERE answer named
     processed: bool = True  # False when the worker provably did not run the task
+    # The same answer from every worker would be the task's doing (HTTP 500, an answer
+    # over the size limit): only the first such failure is charged at once.
+    suspect: bool = False
 
 
 def classify_response(response: Response, *, now: float | None = None) -> Outcome:
@@ -52,7 +59,7 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
     if 200 <= status < 300:
         try:
             return Outcome(Kind.SUCCESS, json.loads(response.body), status)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             return Outcome(Kind.FAILURE, None, status, f"HTTP {status} with a non-JSON body")
     body = _decode(response.body)
     detail = body.get("detail") if isinstance(body, dict) else None
@@ -71,12 +78,28 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
         _describe(status, detail),
         retry_after=parse_retry_after(response.headers.get("retry-after"), now=now),
         processed=status not in _NOT_PROCESSED,
+        suspect=status == 500,
     )
 
 
-def classify_error(error: TransportError) -> Outcome:
-    """A request that got no usable answer is the worker's failure."""
-    return Outcome(Kind.FAILURE, error=f"{error.kind}: {error}", processed=error.sent)
+def classify_error(error: TransportError, *, cut_by_caller: bool = False) -> Outcome:
+    """A request that got no usable answer: the worker's failure, unless nobody's.
+
+    Args:
+        error: what the transport raised.
+        cut_by_caller: the attempt's budget was the task's remaining time, shorter than
+            the worker's own timeouts: a timeout then says nothing about the worker.
+    """
+    message = f"{error.kind}: {error}"
+    if error.kind == "timeout" and cut_by_caller:
+        return Outcome(
+            Kind.ABANDONED, error=message + " (the task's deadline ran out)", processed=error.sent
+        )
+    if getattr(error, "stale", False):
+        return Outcome(Kind.ABANDONED, error=message, processed=error.sent)
+    return Outcome(
+        Kind.FAILURE, error=message, processed=error.sent, suspect=error.kind == "too_large"
+    )
 
 
 def parse_retry_after(value: str | None, *, now: float | None = None) -> float | None:
@@ -102,7 +125,7 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
 def _decode(body: bytes) -> Any:
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body[:200].decode("utf-8", "replace")
 
 

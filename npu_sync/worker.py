@@ -174,6 +174,7 @@ def render(captured: dict[str, Any], now: float) -> dict[str, Any]:
                 "failed": stats.failed,
                 "rejected": stats.rejected,
                 "not_here": stats.not_here,
+                "abandoned": stats.abandoned,
             },
             "failure_rate": stats.outcomes.failure_rate(now),
             "latency": {
