@@ -26,6 +26,7 @@ import yaml
 from npu_sync.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_PORT",
     "BreakerConfig",
     "DeadLetterConfig",
