@@ -26,6 +26,7 @@ import yaml
 from npu_sync.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_PORT",
     "BreakerConfig",
     "DeadLetterConfig",
@@ -51,6 +52,110 @@ logger = logging.getLogger(__name__)
 DEFAULT_PORT: Final = 8081
 """The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
 
+DEFAULT_MAX_CONCURRENT: Final = 32
+"""Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """The values a numeric key allows: ``lo..hi``, ``lo`` itself excluded when ``above``."""
+
+    lo: float
+    hi: float
+    above: bool = False
+    integer: bool = False
+
+    def describe(self) -> str:
+        if self.integer:
+            return f"{_bound(self.lo)}..{_bound(self.hi)}"
+        low = f"> {_bound(self.lo)}" if self.above else f">= {_bound(self.lo)}"
+        return f"{low} and <= {_bound(self.hi)}"
+
+    def check(self, value: object) -> int | float | str:
+        """``value`` if allowed (a float for a number key), else what is wrong with it.
+
+        A problem reads as the start of a message, to be followed by ``, got <value>``.
+        """
+        if self.integer:
+            if isinstance(value, bool) or not isinstance(value, int):
+                return "must be an integer"
+        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+            return "must be a number"
+        elif isinstance(value, float) and not math.isfinite(value):
+            return "must be a finite number"
+        # Compared before any float(): an int too large for a float must not overflow.
+        low_ok = value > self.lo if self.above else value >= self.lo
+        if not (low_ok and value <= self.hi):
+            return f"must be {self.describe()}"
+        return value if self.integer else float(value)
+
+
+_DAY: Final = 86400
+# Every numeric key's allowed range. The upper bounds keep a valid file from sizing
+# connection pools to millions, or handing a wait longer than the platform's
+# threading.TIMEOUT_MAX (about 292 years) to a lock or an event, which raises
+# OverflowError in whichever thread uses it. docs/configuration.md has the same table.
+_LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
+    {
+        "health.interval": _Range(0, _DAY, above=True),
+        "health.timeout": _Range(0, 3600, above=True),
+        "health.unhealthy_threshold": _Range(1, 1000, integer=True),
+        "health.healthy_threshold": _Range(1, 1000, integer=True),
+        "circuit_breaker.fail_max": _Range(1, 10_000, integer=True),
+        "circuit_breaker.reset_timeout": _Range(0, _DAY, above=True),
+        "circuit_breaker.max_reset_timeout": _Range(0, 7 * _DAY, above=True),
+        "retry.max_retries": _Range(0, 100, integer=True),
+        "retry.backoff_initial": _Range(0, 3600),
+        "retry.backoff_max": _Range(0, 3600),
+        "timeouts.connect": _Range(0, 3600, above=True),
+        "timeouts.read": _Range(0, _DAY, above=True),
+        "timeouts.task": _Range(0, _DAY, above=True),
+        "dead_letter.max_records": _Range(1, 10_000_000, integer=True),
+        "transport.max_response_bytes": _Range(1, 1 << 30, integer=True),
+        "transport.idle_timeout": _Range(0, 3600, above=True),
+        "pool.threads": _Range(1, 4096, integer=True),
+        "pool.max_queue_wait": _Range(0, _DAY, above=True),
+        "shared_state.timeout": _Range(0, 60, above=True),
+        "shared_state.sync_interval": _Range(0, 3600, above=True),
+        "worker.port": _Range(1, 65535, integer=True),
+        "worker.priority": _Range(0, 1_000_000, integer=True),
+        "worker.max_concurrent": _Range(1, 10_000, integer=True),
+    }
+)
+# AutoBot priorities may be negative; they become tiers 1, 2, ... once read.
+_AUTOBOT_PRIORITY: Final = _Range(-1_000_000, 1_000_000, integer=True)
+# A WorkerConfig may hold either layout's priority, so its constructor allows both.
+_WORKER_FIELD_LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
+    {"priority": _AUTOBOT_PRIORITY, "max_concurrent": _LIMITS["worker.max_concurrent"]}
+)
+
+
+def _check_limits(config: object, section: str, fields: Mapping[str, _Range]) -> None:
+    """Refuse a config built in code with a number the YAML reader would refuse.
+
+    Raises:
+        ConfigError: naming each bad field as ``<section>.<field>``.
+    """
+    problems = []
+    for name, limit in fields.items():
+        value = getattr(config, name)
+        checked = limit.check(value)
+        if isinstance(checked, str):
+            problems.append(f"{section}.{name}: {checked}, got {_show(value)}")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _section_limits() -> dict[str, Mapping[str, _Range]]:
+    sections: dict[str, dict[str, _Range]] = {}
+    for key, limit in _LIMITS.items():
+        section, _, name = key.partition(".")
+        sections.setdefault(section, {})[name] = limit
+    return {section: MappingProxyType(fields) for section, fields in sections.items()}
+
+
+_SECTION_LIMITS: Final = _section_limits()
+
 
 def _no_headers() -> Mapping[str, str]:
     return MappingProxyType({})
@@ -74,14 +179,16 @@ class WorkerConfig:
     """One worker as configured. Immutable, so thread-safe.
 
     ``url`` is normalised to ``scheme://host:port``. Build one with :func:`worker_config`
-    to have it validated; the constructor itself only freezes ``headers``. ``headers``
-    is left out of ``repr()`` because it usually carries credentials.
+    to have it validated; the constructor itself only freezes ``headers`` and checks
+    that ``priority`` and ``max_concurrent`` are within range (raising
+    :class:`~npu_sync.errors.ConfigError`). ``headers`` is left out of ``repr()``
+    because it usually carries credentials.
     """
 
     id: str
     url: str
     priority: int = 1
-    max_concurrent: int = 8
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT
     enabled: bool = True
     # Unhashable, so it takes no part in hash(); equality still compares it.
     headers: Mapping[str, str] = field(default_factory=_no_headers, hash=False, repr=False)
@@ -91,6 +198,7 @@ class WorkerConfig:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
             object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        _check_limits(self, "worker", _WORKER_FIELD_LIMITS)
 
     @property
     def scheme(self) -> str:
@@ -122,6 +230,9 @@ class HealthConfig:
     healthy_threshold: int = 1
     endpoint: str = "/health"
 
+    def __post_init__(self) -> None:
+        _check_limits(self, "health", _SECTION_LIMITS["health"])
+
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
@@ -130,6 +241,9 @@ class BreakerConfig:
     fail_max: int = 5
     reset_timeout: float = 60.0
     max_reset_timeout: float = 600.0
+
+    def __post_init__(self) -> None:
+        _check_limits(self, "circuit_breaker", _SECTION_LIMITS["circuit_breaker"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +254,26 @@ class RetryConfig:
     backoff_initial: float = 0.05
     backoff_max: float = 2.0
 
+    def __post_init__(self) -> None:
+        _check_limits(self, "retry", _SECTION_LIMITS["retry"])
+
 
 @dataclass(frozen=True, slots=True)
 class TimeoutConfig:
-    """Timeouts in seconds; ``task`` is a task's whole default deadline. Immutable."""
+    """Timeouts in seconds. Immutable, so thread-safe.
+
+    ``task`` is a task's whole default deadline; ``read`` is the budget of one whole
+    attempt, from its start to the last byte of the answer (connecting included);
+    ``connect`` is the most of that budget that establishing a connection may take.
+    The defaults keep a task inside gunicorn's default 30 s worker timeout.
+    """
 
     connect: float = 2.0
-    read: float = 30.0
-    task: float = 60.0
+    read: float = 20.0
+    task: float = 25.0
+
+    def __post_init__(self) -> None:
+        _check_limits(self, "timeouts", _SECTION_LIMITS["timeouts"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +286,9 @@ class DeadLetterConfig:
     backend: str = "memory"
     path: str | None = None
     max_records: int = 10000
+
+    def __post_init__(self) -> None:
+        _check_limits(self, "dead_letter", _SECTION_LIMITS["dead_letter"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +305,9 @@ class SharedStateConfig:
     timeout: float = 0.05  # seconds: connect and socket timeout of every Redis call
     sync_interval: float = 1.0  # seconds between full re-reads of the shared state
 
+    def __post_init__(self) -> None:
+        _check_limits(self, "shared_state", _SECTION_LIMITS["shared_state"])
+
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
@@ -184,6 +316,12 @@ class TransportConfig:
     client: str = "urllib3"
     max_response_bytes: int = 16 * 1024 * 1024
     tls: TLSConfig = field(default_factory=TLSConfig)
+    # Below the 5 s keep-alive of uvicorn, which the AutoBot worker runs: a connection
+    # idle for longer may be closed by the worker just as a request is sent on it.
+    idle_timeout: float = 4.0
+
+    def __post_init__(self) -> None:
+        _check_limits(self, "transport", _SECTION_LIMITS["transport"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +330,10 @@ class PoolSettings:
 
     threads: int = 32
     default_endpoint: str = "/inference"
+    max_queue_wait: float = 10.0  # seconds a task may wait for a worker with room
+
+    def __post_init__(self) -> None:
+        _check_limits(self, "pool", _SECTION_LIMITS["pool"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +427,10 @@ def parse_yaml(text: str, *, source: str) -> PoolConfig:
         raise ConfigError(f"YAML syntax error{where}: {problem}", source=source) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"YAML error: {exc}", source=source) from None
+    except ValueError as exc:
+        # PyYAML's constructors raise plain ValueError for a date such as 2024-13-01,
+        # a float tag on a non-number, or an integer of more than 4300 digits.
+        raise ConfigError(f"YAML error: {exc}", source=source) from None
     if data is None:
         raise ConfigError(f"{name} is empty: {_EXPECTED_TOP}", source=source)
     config = parse_config(data, source=source, base_dir=os.path.dirname(source))
@@ -335,7 +481,7 @@ def worker_config(
     port: int | None = None,
     scheme: str | None = None,
     priority: int = 1,
-    max_concurrent: int = 8,
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT,
     enabled: bool = True,
     headers: Mapping[str, str] | None = None,
     tls: TLSConfig | Mapping[str, Any] | None = None,
@@ -412,6 +558,7 @@ _AUTOBOT_IGNORED_KEYS: Final = frozenset(
     {"description", "device", "models", "capabilities", "weight", "platform", "assigned_models"}
 )
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
+_CLIENTS: Final = ("urllib3", "requests", "builtin")
 _TLS_KEYS: Final = frozenset({"verify", "cert", "key"})
 # Set by the transport per request; a configured value would break de-duplication or framing.
 _RESERVED_HEADERS: Final = frozenset(
@@ -506,12 +653,10 @@ class _Reader:
             return d
         return HealthConfig(
             enabled=self.boolean(m, "enabled", path, d.enabled),
-            interval=self.number(m, "interval", path, d.interval, above=0.0),
-            timeout=self.number(m, "timeout", path, d.timeout, above=0.0),
-            unhealthy_threshold=self.integer(
-                m, "unhealthy_threshold", path, d.unhealthy_threshold, lo=1
-            ),
-            healthy_threshold=self.integer(m, "healthy_threshold", path, d.healthy_threshold, lo=1),
+            interval=self.number(m, "interval", path, d.interval),
+            timeout=self.number(m, "timeout", path, d.timeout),
+            unhealthy_threshold=self.integer(m, "unhealthy_threshold", path, d.unhealthy_threshold),
+            healthy_threshold=self.integer(m, "healthy_threshold", path, d.healthy_threshold),
             endpoint=self.endpoint(m, "endpoint", path, d.endpoint),
         )
 
@@ -522,11 +667,9 @@ class _Reader:
             return d
         mark = len(self.errors)
         config = BreakerConfig(
-            fail_max=self.integer(m, "fail_max", path, d.fail_max, lo=1),
-            reset_timeout=self.number(m, "reset_timeout", path, d.reset_timeout, above=0.0),
-            max_reset_timeout=self.number(
-                m, "max_reset_timeout", path, d.max_reset_timeout, above=0.0
-            ),
+            fail_max=self.integer(m, "fail_max", path, d.fail_max),
+            reset_timeout=self.number(m, "reset_timeout", path, d.reset_timeout),
+            max_reset_timeout=self.number(m, "max_reset_timeout", path, d.max_reset_timeout),
         )
         if len(self.errors) == mark and config.max_reset_timeout < config.reset_timeout:
             self.error(
@@ -543,9 +686,9 @@ class _Reader:
             return d
         mark = len(self.errors)
         config = RetryConfig(
-            max_retries=self.integer(m, "max_retries", path, d.max_retries, lo=0),
-            backoff_initial=self.number(m, "backoff_initial", path, d.backoff_initial, lo=0.0),
-            backoff_max=self.number(m, "backoff_max", path, d.backoff_max, lo=0.0),
+            max_retries=self.integer(m, "max_retries", path, d.max_retries),
+            backoff_initial=self.number(m, "backoff_initial", path, d.backoff_initial),
+            backoff_max=self.number(m, "backoff_max", path, d.backoff_max),
         )
         if len(self.errors) == mark and config.backoff_max < config.backoff_initial:
             self.error(
@@ -561,9 +704,9 @@ class _Reader:
         if m is None:
             return d
         return TimeoutConfig(
-            connect=self.number(m, "connect", path, d.connect, above=0.0),
-            read=self.number(m, "read", path, d.read, above=0.0),
-            task=self.number(m, "task", path, d.task, above=0.0),
+            connect=self.number(m, "connect", path, d.connect),
+            read=self.number(m, "read", path, d.read),
+            task=self.number(m, "task", path, d.task),
         )
 
     def dead_letter(self, raw: object, path: str) -> DeadLetterConfig:
@@ -586,7 +729,7 @@ class _Reader:
         return DeadLetterConfig(
             backend=backend or d.backend,
             path=file_path,
-            max_records=self.integer(m, "max_records", path, d.max_records, lo=1),
+            max_records=self.integer(m, "max_records", path, d.max_records),
         )
 
     def shared_state(self, raw: object, path: str) -> SharedStateConfig:
@@ -619,8 +762,8 @@ class _Reader:
             backend=backend or d.backend,
             url=url,
             namespace=namespace,
-            timeout=self.number(m, "timeout", path, d.timeout, above=0),
-            sync_interval=self.number(m, "sync_interval", path, d.sync_interval, above=0),
+            timeout=self.number(m, "timeout", path, d.timeout),
+            sync_interval=self.number(m, "sync_interval", path, d.sync_interval),
         )
 
     def transport(self, raw: object, path: str) -> TransportConfig:
@@ -632,14 +775,13 @@ class _Reader:
         if "client" in m:
             value = self.string(m["client"], f"{path}.client")
             if value is not None:
-                client = self.choice(value, m["client"], f"{path}.client", ("urllib3", "requests"))
+                client = self.choice(value, m["client"], f"{path}.client", _CLIENTS)
         tls = self.tls(m["tls"], f"{path}.tls", TLSConfig()) if "tls" in m else None
         return TransportConfig(
             client=client,
-            max_response_bytes=self.integer(
-                m, "max_response_bytes", path, d.max_response_bytes, lo=1
-            ),
+            max_response_bytes=self.integer(m, "max_response_bytes", path, d.max_response_bytes),
             tls=tls or d.tls,
+            idle_timeout=self.number(m, "idle_timeout", path, d.idle_timeout),
         )
 
     def pool(self, raw: object, path: str) -> PoolSettings:
@@ -648,8 +790,9 @@ class _Reader:
         if m is None:
             return d
         return PoolSettings(
-            threads=self.integer(m, "threads", path, d.threads, lo=1),
+            threads=self.integer(m, "threads", path, d.threads),
             default_endpoint=self.endpoint(m, "default_endpoint", path, d.default_endpoint),
+            max_queue_wait=self.number(m, "max_queue_wait", path, d.max_queue_wait),
         )
 
     def tls(self, raw: object, path: str, base: TLSConfig) -> TLSConfig | None:
@@ -753,21 +896,29 @@ class _Reader:
             worker_id = urlsplit(url).netloc
 
         if autobot:
-            priority = self.integer(m, "priority", path, _AUTOBOT_DEFAULT_PRIORITY, lo=None)
+            priority = self.integer(
+                m, "priority", path, _AUTOBOT_DEFAULT_PRIORITY, limit=_AUTOBOT_PRIORITY
+            )
             if "max_concurrent" in m and "max_concurrent_tasks" in m:
                 self.error(path, "give max_concurrent or max_concurrent_tasks, not both")
             capacity_key = (
                 "max_concurrent_tasks" if "max_concurrent_tasks" in m else "max_concurrent"
             )
         else:
-            priority = self.integer(m, "priority", path, 1, lo=0)
+            priority = self.integer(m, "priority", path, 1, limit=_LIMITS["worker.priority"])
             capacity_key = "max_concurrent"
         return (
             WorkerConfig(
                 id=worker_id,
                 url=url,
                 priority=priority,
-                max_concurrent=self.integer(m, capacity_key, path, 8, lo=1),
+                max_concurrent=self.integer(
+                    m,
+                    capacity_key,
+                    path,
+                    DEFAULT_MAX_CONCURRENT,
+                    limit=_LIMITS["worker.max_concurrent"],
+                ),
                 enabled=self.boolean(m, "enabled", path, True),
                 headers=self.headers(m.get("headers"), f"{path}.headers"),
                 tls=self.tls(m.get("tls"), f"{path}.tls", tls_base),
@@ -812,7 +963,7 @@ class _Reader:
             mark = len(self.errors)
             raw = m["host"]
             host = self.string(raw, f"{path}.host")
-            port = self.integer(m, "port", path, DEFAULT_PORT, lo=1, hi=65535)
+            port = self.integer(m, "port", path, DEFAULT_PORT, limit=_LIMITS["worker.port"])
             scheme = "http"
             if "scheme" in m:
                 value = self.string(m["scheme"], f"{path}.scheme")
@@ -920,54 +1071,38 @@ class _Reader:
         path: str,
         default: int,
         *,
-        lo: int | None,
-        hi: int | None = None,
+        limit: _Range | None = None,
     ) -> int:
-        if key not in m:
-            return default
-        item_path, raw = f"{path}.{key}", m[key]
-        value = self.scalar(raw, item_path)
-        if value is _INVALID:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.error(item_path, f"must be an integer, got {_show(raw)}")
-            return default
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
-            bound = f"{lo}..{hi}" if hi is not None else f">= {lo}"
-            self.error(item_path, f"must be {bound}, got {_show(raw)}")
-            return default
-        return value
+        """The integer at ``m[key]`` within ``limit``, by default the key's own range."""
+        checked = self.bounded(m, key, path, limit)
+        return default if checked is None else int(checked)
 
-    def number(
-        self,
-        m: Mapping[Any, Any],
-        key: str,
-        path: str,
-        default: float,
-        *,
-        above: float | None = None,
-        lo: float | None = None,
-    ) -> float:
+    def number(self, m: Mapping[Any, Any], key: str, path: str, default: float) -> float:
+        """The finite number at ``m[key]`` within the key's range, as a float."""
+        checked = self.bounded(m, key, path, None)
+        return default if checked is None else float(checked)
+
+    def bounded(
+        self, m: Mapping[Any, Any], key: str, path: str, limit: _Range | None
+    ) -> int | float | None:
+        """``m[key]`` checked against ``limit`` (else ``_LIMITS`` for the key's path);
+        None when it is absent or invalid (the error is recorded).
+        """
         if key not in m:
-            return default
+            return None
         item_path, raw = f"{path}.{key}", m[key]
+        if limit is None:
+            # The limits are keyed by section and key: npu_workers.health.interval
+            # is health.interval.
+            limit = _LIMITS[item_path.partition(".")[2]]
         value = self.scalar(raw, item_path)
         if value is _INVALID:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.error(item_path, f"must be a number, got {_show(raw)}")
-            return default
-        number = float(value)
-        if not math.isfinite(number):
-            self.error(item_path, f"must be a finite number, got {_show(raw)}")
-            return default
-        if above is not None and number <= above:
-            self.error(item_path, f"must be > {above:g}, got {_show(raw)}")
-            return default
-        if lo is not None and number < lo:
-            self.error(item_path, f"must be >= {lo:g}, got {_show(raw)}")
-            return default
-        return number
+            return None
+        checked = limit.check(value)
+        if isinstance(checked, str):
+            self.error(item_path, f"{checked}, got {_show(raw)}")
+            return None
+        return checked
 
     def boolean(self, m: Mapping[Any, Any], key: str, path: str, default: bool) -> bool:
         if key not in m:
@@ -1174,5 +1309,13 @@ def _show(value: object) -> str:
         return "a mapping"
     if isinstance(value, (list, tuple)):
         return "a list"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "a very large integer"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _bound(value: float) -> str:
+    """A limit as messages and docs write it: 86400, not 86400.0."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"

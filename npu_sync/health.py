@@ -1,8 +1,9 @@
 """Active health checks: a daemon thread probes every worker's ``/health``.
 
-Each round checks all workers in parallel, each on its own connection (never the task
-connections) and bounded by ``health.timeout``, so a hung worker delays neither the
-other checks nor ``close()`` by more than that timeout. Rounds run every
+Each round checks all workers in parallel, each on a thread and a connection of its
+own (never the task connections) and bounded by ``health.timeout``, so a hung worker
+delays neither the other checks nor ``close()`` by more than that timeout, and
+whatever one worker answers fails at most that worker's check. Rounds run every
 ``health.interval`` seconds ±10 % so that many processes do not probe in step.
 The checker only *measures*; the pool applies results (thresholds, hints, breaker
 trials) under its own lock.
@@ -13,15 +14,17 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import random
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
-from npu_sync.transport import Transport, TransportError
+from npu_sync.transport import Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +71,17 @@ class Target(Protocol):
     def health_transport(self) -> Transport: ...
 
 
+MAX_BODY_BYTES = 1024 * 1024
+"""A health answer larger than this fails its check without being decoded."""
+
+
 def probe(
     worker_id: str, transport: Transport, config: HealthConfig, clock: Clock = SYSTEM_CLOCK
 ) -> HealthResult:
-    """Check one worker once: GET the health endpoint and read its verdict and hints."""
+    """Check one worker once: GET the health endpoint and read its verdict and hints.
+
+    Never raises: whatever goes wrong is a failed check of this worker.
+    """
     checked_at = clock.time()
     started = clock.monotonic()
     try:
@@ -85,8 +95,33 @@ def probe(
         return HealthResult(worker_id, False, checked_at, error=f"{type(exc).__name__}: {exc}")
     latency = clock.monotonic() - started
     try:
+        return _verdict(worker_id, response, checked_at, latency)
+    except Exception as exc:  # an answer no rule foresaw fails this check, nothing more
+        log.exception("health answer of worker %s could not be read", worker_id)
+        return HealthResult(
+            worker_id,
+            False,
+            checked_at,
+            latency,
+            response.status,
+            f"unreadable answer: {type(exc).__name__}",
+        )
+
+
+def _verdict(worker_id: str, response: Response, checked_at: float, latency: float) -> HealthResult:
+    if len(response.body) > MAX_BODY_BYTES:
+        return HealthResult(
+            worker_id,
+            False,
+            checked_at,
+            latency,
+            response.status,
+            f"body of {len(response.body)} bytes is over {MAX_BODY_BYTES}",
+        )
+    try:
         body = response.json()
-    except ValueError:
+    except (ValueError, RecursionError):
+        # RecursionError: JSON nested deeper than the interpreter's recursion limit.
         body = None
     if not isinstance(body, dict):
         return HealthResult(
@@ -94,7 +129,7 @@ def probe(
         )
     status = body.get("status")
     ok = response.status == 200 and status == "healthy"
-    error = None if ok else f"HTTP {response.status}, status {status!r}"
+    error = None if ok else f"HTTP {response.status}, status {_short(status)}"
     return HealthResult(
         worker_id,
         ok,
@@ -108,11 +143,40 @@ def probe(
     )
 
 
+def _short(value: object) -> str:
+    """A status as an error quotes it: a worker's answer may be any size or depth."""
+    if isinstance(value, (dict, list)):
+        return f"of type {type(value).__name__}"
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond sys.get_int_max_str_digits()
+        return "a very large integer"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _probe_generation(
     worker_id: str, transport: Transport, config: HealthConfig, clock: Clock, generation: int
 ) -> HealthResult:
     result = probe(worker_id, transport, config, clock)
     return dataclasses.replace(result, generation=generation) if generation else result
+
+
+def _run_probe(
+    future: concurrent.futures.Future[HealthResult],
+    worker_id: str,
+    transport: Transport,
+    config: HealthConfig,
+    clock: Clock,
+    generation: int,
+) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = _probe_generation(worker_id, transport, config, clock, generation)
+    except BaseException as exc:  # the round must learn of it, as of any other end
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 def _bool(value: object) -> bool | None:
@@ -123,6 +187,15 @@ def _positive_int(value: object, *, allow_zero: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         return None
     return value if value > 0 or (allow_zero and value == 0) else None
+
+
+# A round waits this long past health.timeout for its probes: scheduling, not network.
+_ROUND_MARGIN = 0.5
+# Event.wait raises OverflowError beyond threading.TIMEOUT_MAX, which would end the
+# thread; no valid interval (at most a day, plus jitter) comes near this cap.
+_MAX_DELAY = 86400 * (1 + JITTER)
+# The wait after a round whose settings could not be read at all.
+_FALLBACK_DELAY = HealthConfig().interval
 
 
 class HealthChecker:
@@ -144,7 +217,6 @@ class HealthChecker:
         *,
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
-        max_parallel: int = 32,
     ) -> None:
         self._targets = targets
         self._apply = apply
@@ -155,10 +227,10 @@ class HealthChecker:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max_parallel, thread_name_prefix="npu-sync-health-check"
-        )
-        self._running: dict[str, concurrent.futures.Future[HealthResult]] = {}
+        # Each worker's latest probe, and the thread running it.
+        self._running: dict[
+            str, tuple[concurrent.futures.Future[HealthResult], threading.Thread]
+        ] = {}
         self.rounds = 0
 
     @property
@@ -166,10 +238,15 @@ class HealthChecker:
         return self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
-        """Start the daemon thread; the first round runs at once."""
+        """Start the daemon thread, or start it again if it died; the first round runs
+        at once. Does nothing once :meth:`stop` was called.
+        """
         with self._lock:
-            if self._thread is not None or self._stop.is_set():
+            if self._stop.is_set() or self.running:
                 return
+            if self._thread is not None:
+                log.warning("the health thread had ended; starting it again")
+            self._wake.clear()  # the new thread reads the settings in force anyway
             self._thread = threading.Thread(target=self._run, name="npu-sync-health", daemon=True)
             self._thread.start()
 
@@ -178,13 +255,30 @@ class HealthChecker:
         self._wake.set()
 
     def stop(self) -> None:
-        """Stop the thread; returns within the health timeout (a check may be in flight)."""
+        """Stop the thread and wait for probes in flight.
+
+        Returns within about ``health.timeout`` + 0.5 s: a round in progress waits at
+        most that long for its probes, and every probe is bounded by ``health.timeout``
+        end to end. A probe that overruns even that (a transport not keeping to its
+        budget) is left to end on its own; its thread is a daemon.
+        """
+        try:
+            budget = self._config().timeout + _ROUND_MARGIN
+        except Exception:
+            budget = HealthConfig().timeout + _ROUND_MARGIN
+        # Every probe running now, and every probe of a round in progress, started
+        # before this and ends within health.timeout of its start.
+        deadline = time.monotonic() + budget
         self._stop.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+            thread.join()  # a round in progress waits at most `budget` for its probes
+        with self._lock:
+            probes = [probe_thread for _, probe_thread in self._running.values()]
+        for probe_thread in probes:
+            if probe_thread is not threading.current_thread():
+                probe_thread.join(max(0.0, deadline - time.monotonic()))
 
     def check_once(self) -> dict[str, HealthResult]:
         """Check every worker now, in parallel; apply and return the results."""
@@ -195,26 +289,25 @@ class HealthChecker:
         futures: dict[concurrent.futures.Future[HealthResult], str] = {}
         busy: list[str] = []
         generations = {t.id: getattr(t, "generation", 0) for t in targets}
-        try:
-            with self._lock:
-                for t in targets:
-                    previous = self._running.get(t.id)
-                    if previous is not None and not previous.done():
-                        # Never a second probe of a worker whose last one still runs.
-                        busy.append(t.id)
-                        continue
-                    generation = getattr(t, "generation", 0)
-                    future = self._executor.submit(
-                        _probe_generation, t.id, t.health_transport, config, self._clock, generation
-                    )
-                    self._running[t.id] = future
+        with self._lock:
+            if self._stop.is_set():
+                return {}
+            for t in targets:
+                previous = self._running.get(t.id)
+                if previous is not None and not previous[0].done():
+                    # Never a second probe of a worker whose last one still runs.
+                    busy.append(t.id)
+                    continue
+                future = self._start_probe(t, config, generations[t.id])
+                if future is not None:
                     futures[future] = t.id
-        except RuntimeError:  # shut down while a round was starting
-            return {}
-        # A probe is bounded by its socket timeouts; the margin covers scheduling. One
-        # still running after that (a worker that accepted and hung) is reported as
-        # failed now, and its thread ends when its read timeout fires.
-        done, _ = concurrent.futures.wait(futures, timeout=config.timeout + 0.5)
+            for worker_id in [w for w in self._running if w not in generations]:
+                if self._running[worker_id][0].done():
+                    del self._running[worker_id]  # the worker left the pool
+        # Each probe is bounded by health.timeout end to end; the margin covers
+        # scheduling. One still running after that (a transport overrunning its budget)
+        # is reported as failed now and is not probed again until it ends.
+        done, _ = concurrent.futures.wait(futures, timeout=config.timeout + _ROUND_MARGIN)
         now = self._clock.time()
         results: dict[str, HealthResult] = {
             worker_id: HealthResult(
@@ -227,9 +320,7 @@ class HealthChecker:
             for worker_id in busy
         }
         for future, worker_id in futures.items():
-            if future in done and not future.cancelled():
-                results[worker_id] = future.result()
-            else:
+            if future not in done:
                 results[worker_id] = HealthResult(
                     worker_id,
                     False,
@@ -237,27 +328,74 @@ class HealthChecker:
                     error=f"no answer within {config.timeout}s",
                     generation=generations[worker_id],
                 )
+                continue
+            exc = future.exception()
+            if exc is None:
+                results[worker_id] = future.result()
+            else:  # probe() catches Exception: this is something stranger, still one worker's
+                results[worker_id] = HealthResult(
+                    worker_id,
+                    False,
+                    now,
+                    error=f"{type(exc).__name__}: {exc}",
+                    generation=generations[worker_id],
+                )
         self.rounds += 1
         self._apply(results)
         return results
 
+    def _start_probe(
+        self, target: Target, config: HealthConfig, generation: int
+    ) -> concurrent.futures.Future[HealthResult] | None:
+        """Start one probe on a thread of its own; None if no thread could be started.
+
+        A thread per probe rather than a fixed pool: probes queued behind hung ones in
+        a pool would never start within the round, and their workers would be marked
+        unhealthy for another worker's fault. A probe's thread lives at most
+        ``health.timeout``, so there are never more of them than workers. Called
+        with ``_lock`` held; starting a thread does no I/O.
+        """
+        future: concurrent.futures.Future[HealthResult] = concurrent.futures.Future()
+        thread = threading.Thread(
+            target=_run_probe,
+            args=(future, target.id, target.health_transport, config, self._clock, generation),
+            name=f"npu-sync-health-check-{target.id}",
+            daemon=True,
+        )
+        try:
+            thread.start()
+        except RuntimeError:
+            # Out of threads: the process's trouble, not the worker's, so this worker
+            # is not checked this round rather than failed.
+            log.warning("cannot start a health check of worker %s: out of threads", target.id)
+            return None
+        self._running[target.id] = (future, thread)
+        return future
+
     def _run(self) -> None:
         delay = 0.0
-        while True:
-            if self._wake.wait(delay):
-                self._wake.clear()
+        while not self._stop.is_set():
+            # Nothing may end this loop but stop(): the pool relies on the thread.
+            try:
+                if self._wake.wait(delay):
+                    self._wake.clear()
+                    delay = self._next_delay()  # new settings: wait the new interval
+                    continue
                 if self._stop.is_set():
                     return
-                delay = self._next_delay()  # new settings: wait the new interval
-                continue
-            if self._stop.is_set():
-                return
-            if self._config().enabled:  # a reload may turn checks off, and on again
-                try:
+                if self._config().enabled:  # a reload may turn checks off, and on again
                     self.check_once()
-                except Exception:  # the thread must outlive any bad round
-                    log.exception("health round failed")
+            except Exception:
+                log.exception("health round failed")
             delay = self._next_delay()
 
     def _next_delay(self) -> float:
-        return self._config().interval * self._rng.uniform(1 - JITTER, 1 + JITTER)
+        """The wait before the next round: the interval, jittered, capped; never raises."""
+        try:
+            delay = float(self._config().interval) * self._rng.uniform(1 - JITTER, 1 + JITTER)
+        except Exception:
+            log.exception("cannot read health.interval; next round in %ss", _FALLBACK_DELAY)
+            return _FALLBACK_DELAY
+        if not math.isfinite(delay) or delay > _MAX_DELAY:
+            return _MAX_DELAY  # NaN too: it would make Event.wait raise
+        return max(delay, 0.0)

@@ -20,6 +20,7 @@ from npu_sync.config import (
     PoolConfig,
     PoolSettings,
     RetryConfig,
+    SharedStateConfig,
     TimeoutConfig,
     TLSConfig,
     TransportConfig,
@@ -83,7 +84,9 @@ def test_design_example_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("NPU_TOKEN", "s3cret")
     cfg = load_config(write(tmp_path, DESIGN_YAML))
     vm2, win = cfg.workers
-    assert vm2 == WorkerConfig(id="vm2-npu", url="http://172.16.168.22:8081", priority=1)
+    assert vm2 == WorkerConfig(
+        id="vm2-npu", url="http://172.16.168.22:8081", priority=1, max_concurrent=8
+    )
     assert win.url == "http://172.16.168.20:8082"
     assert win.priority == 2
     assert dict(win.headers) == {"Authorization": "Bearer s3cret"}
@@ -115,12 +118,12 @@ def test_defaults_match_the_documented_values() -> None:
     assert cfg.health == HealthConfig(True, 30.0, 2.0, 2, 1, "/health")
     assert cfg.circuit_breaker == BreakerConfig(5, 60.0, 600.0)
     assert cfg.retry == RetryConfig(3, 0.05, 2.0)
-    assert cfg.timeouts == TimeoutConfig(2.0, 30.0, 60.0)
+    assert cfg.timeouts == TimeoutConfig(2.0, 20.0, 25.0)
     assert cfg.dead_letter == DeadLetterConfig("memory", None, 10000)
-    assert cfg.transport == TransportConfig("urllib3", 16 * 1024 * 1024, TLSConfig(True))
-    assert cfg.pool == PoolSettings(32, "/inference")
+    assert cfg.transport == TransportConfig("urllib3", 16 * 1024 * 1024, TLSConfig(True), 4.0)
+    assert cfg.pool == PoolSettings(32, "/inference", 10.0)
     worker = parse_config(one_worker()).workers[0]
-    assert (worker.priority, worker.max_concurrent, worker.enabled) == (1, 8, True)
+    assert (worker.priority, worker.max_concurrent, worker.enabled) == (1, 32, True)
     assert dict(worker.headers) == {}
     assert worker.tls is None
     assert worker.url == "http://127.0.0.1:8081"
@@ -211,27 +214,34 @@ def test_non_finite_numbers_rejected() -> None:
 @pytest.mark.parametrize(
     ("section", "key", "value", "expected"),
     [
-        ("health", "interval", 0, "must be > 0, got 0"),
-        ("health", "timeout", -1.5, "must be > 0, got -1.5"),
-        ("health", "unhealthy_threshold", 0, "must be >= 1, got 0"),
-        ("health", "healthy_threshold", 0, "must be >= 1, got 0"),
+        ("health", "interval", 0, "must be > 0 and <= 86400, got 0"),
+        ("health", "timeout", -1.5, "must be > 0 and <= 3600, got -1.5"),
+        ("health", "unhealthy_threshold", 0, "must be 1..1000, got 0"),
+        ("health", "healthy_threshold", 0, "must be 1..1000, got 0"),
         ("health", "endpoint", "health", "must be a path starting with '/', got 'health'"),
-        ("circuit_breaker", "fail_max", 0, "must be >= 1, got 0"),
-        ("circuit_breaker", "reset_timeout", 0, "must be > 0, got 0"),
-        ("retry", "max_retries", -1, "must be >= 0, got -1"),
-        ("retry", "backoff_initial", -0.1, "must be >= 0, got -0.1"),
-        ("timeouts", "connect", 0, "must be > 0, got 0"),
-        ("timeouts", "task", 0.0, "must be > 0, got 0.0"),
-        ("dead_letter", "max_records", 0, "must be >= 1, got 0"),
+        ("circuit_breaker", "fail_max", 0, "must be 1..10000, got 0"),
+        ("circuit_breaker", "reset_timeout", 0, "must be > 0 and <= 86400, got 0"),
+        ("retry", "max_retries", -1, "must be 0..100, got -1"),
+        ("retry", "backoff_initial", -0.1, "must be >= 0 and <= 3600, got -0.1"),
+        ("timeouts", "connect", 0, "must be > 0 and <= 3600, got 0"),
+        ("timeouts", "task", 0.0, "must be > 0 and <= 86400, got 0.0"),
+        ("dead_letter", "max_records", 0, "must be 1..10000000, got 0"),
         (
             "dead_letter",
             "backend",
             "disk",
             "must be one of 'memory', 'sqlite', 'redis', got 'disk'",
         ),
-        ("transport", "client", "httpx", "must be one of 'urllib3', 'requests', got 'httpx'"),
-        ("transport", "max_response_bytes", 0, "must be >= 1, got 0"),
-        ("pool", "threads", 0, "must be >= 1, got 0"),
+        (
+            "transport",
+            "client",
+            "httpx",
+            "must be one of 'urllib3', 'requests', 'builtin', got 'httpx'",
+        ),
+        ("transport", "max_response_bytes", 0, "must be 1..1073741824, got 0"),
+        ("transport", "idle_timeout", 0, "must be > 0 and <= 3600, got 0"),
+        ("pool", "threads", 0, "must be 1..4096, got 0"),
+        ("pool", "max_queue_wait", -1, "must be > 0 and <= 86400, got -1"),
         ("pool", "default_endpoint", "x", "must be a path starting with '/', got 'x'"),
     ],
 )
@@ -247,8 +257,8 @@ def test_out_of_range_values(section: str, key: str, value: Any, expected: str) 
     [
         ("port", 0, "must be 1..65535, got 0"),
         ("port", 65536, "must be 1..65535, got 65536"),
-        ("priority", -1, "must be >= 0, got -1"),
-        ("max_concurrent", 0, "must be >= 1, got 0"),
+        ("priority", -1, "must be 0..1000000, got -1"),
+        ("max_concurrent", 0, "must be 1..10000, got 0"),
         ("scheme", "ftp", "must be one of 'http', 'https', got 'ftp'"),
         ("host", "bad host", "must be a host name or IP address, got 'bad host'"),
         ("id", "", "must be 1..200 printable characters without spaces, got ''"),
@@ -497,6 +507,204 @@ def test_document_shape_errors(data: Any, expected: str) -> None:
     assert message.startswith(expected)
 
 
+# -- upper bounds -----------------------------------------------------------------------
+
+# Every numeric pool-level key: its range as messages and the docs write it, its largest
+# allowed value, and the section's other keys that the largest value needs (a cross-field
+# rule would refuse it otherwise).
+POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
+    ("health.interval", "> 0 and <= 86400", 86400, {}),
+    ("health.timeout", "> 0 and <= 3600", 3600, {}),
+    ("health.unhealthy_threshold", "1..1000", 1000, {}),
+    ("health.healthy_threshold", "1..1000", 1000, {}),
+    ("circuit_breaker.fail_max", "1..10000", 10000, {}),
+    ("circuit_breaker.reset_timeout", "> 0 and <= 86400", 86400, {"max_reset_timeout": 86400}),
+    ("circuit_breaker.max_reset_timeout", "> 0 and <= 604800", 604800, {}),
+    ("retry.max_retries", "0..100", 100, {}),
+    ("retry.backoff_initial", ">= 0 and <= 3600", 3600, {"backoff_max": 3600}),
+    ("retry.backoff_max", ">= 0 and <= 3600", 3600, {}),
+    ("timeouts.connect", "> 0 and <= 3600", 3600, {}),
+    ("timeouts.read", "> 0 and <= 86400", 86400, {}),
+    ("timeouts.task", "> 0 and <= 86400", 86400, {}),
+    ("dead_letter.max_records", "1..10000000", 10_000_000, {}),
+    ("transport.max_response_bytes", "1..1073741824", 1 << 30, {}),
+    ("transport.idle_timeout", "> 0 and <= 3600", 3600, {}),
+    ("pool.threads", "1..4096", 4096, {}),
+    ("pool.max_queue_wait", "> 0 and <= 86400", 86400, {}),
+    ("shared_state.timeout", "> 0 and <= 60", 60, {}),
+    ("shared_state.sync_interval", "> 0 and <= 3600", 3600, {}),
+]
+WORKER_BOUNDS: list[tuple[str, str, int]] = [
+    ("port", "1..65535", 65535),
+    ("priority", "0..1000000", 1_000_000),
+    ("max_concurrent", "1..10000", 10_000),
+]
+SECTION_CLASSES: dict[str, Any] = {
+    "health": HealthConfig,
+    "circuit_breaker": BreakerConfig,
+    "retry": RetryConfig,
+    "timeouts": TimeoutConfig,
+    "dead_letter": DeadLetterConfig,
+    "transport": TransportConfig,
+    "pool": PoolSettings,
+    "shared_state": SharedStateConfig,
+}
+
+
+@pytest.mark.parametrize(("key", "allowed", "limit", "extra"), POOL_BOUNDS)
+def test_upper_bound_rejected_naming_key_value_and_range(
+    key: str, allowed: str, limit: int, extra: dict[str, Any]
+) -> None:
+    """A value just past a key's upper bound is refused with the key, the value and the range."""
+    section, name = key.split(".")
+    value = limit + 1 if ".." in allowed else limit + 0.5
+    assert errors_of(native(**{section: {name: value}})) == (
+        f"npu_workers.{key}: must be {allowed}, got {value!r}",
+    )
+
+
+@pytest.mark.parametrize(("key", "allowed", "limit", "extra"), POOL_BOUNDS)
+def test_upper_bound_itself_accepted(
+    key: str, allowed: str, limit: int, extra: dict[str, Any]
+) -> None:
+    """The largest allowed value of each key loads and is kept as given."""
+    section, name = key.split(".")
+    cfg = parse_config(native(**{section: {name: limit, **extra}}))
+    assert getattr(getattr(cfg, section), name) == limit
+
+
+@pytest.mark.parametrize(("key", "allowed", "limit", "extra"), POOL_BOUNDS)
+def test_constructors_refuse_what_the_reader_refuses(
+    key: str, allowed: str, limit: int, extra: dict[str, Any]
+) -> None:
+    """A section built in code with a number past its bound raises naming field and value."""
+    section, name = key.split(".")
+    value = limit + 1 if ".." in allowed else limit + 0.5
+    with pytest.raises(ConfigError) as info:
+        SECTION_CLASSES[section](**{name: value})
+    assert info.value.errors == (f"{key}: must be {allowed}, got {value!r}",)
+    built = SECTION_CLASSES[section](**{name: limit, **extra})
+    assert getattr(built, name) == limit
+
+
+@pytest.mark.parametrize(("key", "allowed", "limit"), WORKER_BOUNDS)
+def test_worker_upper_bounds(key: str, allowed: str, limit: int) -> None:
+    """Per-worker numbers past their bound are refused in YAML and in worker_config()."""
+    assert errors_of(one_worker(**{key: limit + 1})) == (
+        f"npu_workers.workers[0].{key}: must be {allowed}, got {limit + 1}",
+    )
+    assert getattr(parse_config(one_worker(**{key: limit})).workers[0], key) == limit
+    with pytest.raises(ConfigError) as info:
+        worker_config("w", host="h", **{key: limit + 1})
+    assert info.value.errors == (f"worker.{key}: must be {allowed}, got {limit + 1}",)
+    assert getattr(worker_config("w", host="h", **{key: limit}), key) == limit
+
+
+def test_reproduced_huge_values_are_refused() -> None:
+    """The values that hung or crashed a running pool are refused at load time."""
+    errors = errors_of(
+        native(
+            workers=[{"id": "w", "host": "h", "max_concurrent": 100_000_000}],
+            timeouts={"task": 9.3e9},
+            health={"interval": 1e10},
+        )
+    )
+    assert errors == (
+        "npu_workers.workers[0].max_concurrent: must be 1..10000, got 100000000",
+        "npu_workers.health.interval: must be > 0 and <= 86400, got 10000000000.0",
+        "npu_workers.timeouts.task: must be > 0 and <= 86400, got 9300000000.0",
+    )
+
+
+def test_integers_too_large_for_a_float_are_refused_not_overflowed() -> None:
+    """A number key given 10**400 reports a range error instead of raising OverflowError."""
+    (message,) = errors_of(native(timeouts={"read": 10**400}))
+    assert message.startswith("npu_workers.timeouts.read: must be > 0 and <= 86400, got 1000")
+    with pytest.raises(ConfigError) as info:
+        worker_config("w", host="h", max_concurrent=10**5000)  # too long for repr()
+    assert info.value.errors == (
+        "worker.max_concurrent: must be 1..10000, got a very large integer",
+    )
+
+
+def test_autobot_priority_range() -> None:
+    """AutoBot priorities may be negative, down to -1000000, and no further either way."""
+    workers = [{"host": "h1", "priority": -1_000_000}, {"host": "h2", "priority": 1_000_000}]
+    cfg = parse_config({"npu": {"workers": workers}})
+    assert [w.priority for w in cfg.workers] == [2, 1]
+    data = {"npu": {"workers": [{"host": "h1", "priority": -1_000_001}]}}
+    assert errors_of(data) == ("npu.workers[0].priority: must be -1000000..1000000, got -1000001",)
+
+
+@pytest.mark.parametrize("key", [key for key, allowed, *_ in POOL_BOUNDS if ".." not in allowed])
+@pytest.mark.parametrize("text", [".nan", ".inf", "-.inf"])
+def test_every_number_key_refuses_nan_and_infinities(key: str, text: str) -> None:
+    """NaN and infinities are refused by every number key, in YAML and in code."""
+    section, name = key.split(".")
+    value = yaml.safe_load(text)
+    assert errors_of(native(**{section: {name: value}})) == (
+        f"npu_workers.{key}: must be a finite number, got {value!r}",
+    )
+    with pytest.raises(ConfigError) as info:
+        SECTION_CLASSES[section](**{name: value})
+    assert info.value.errors == (f"{key}: must be a finite number, got {value!r}",)
+
+
+def test_integer_keys_refuse_nan() -> None:
+    """An integer key given NaN is refused as not an integer."""
+    assert errors_of(one_worker(max_concurrent=float("nan"))) == (
+        "npu_workers.workers[0].max_concurrent: must be an integer, got nan",
+    )
+    with pytest.raises(ConfigError) as info:
+        WorkerConfig(id="w", url="http://h:1", max_concurrent=float("nan"))  # type: ignore[arg-type]
+    assert info.value.errors == ("worker.max_concurrent: must be an integer, got nan",)
+
+
+def test_env_expanded_numbers_are_bounded_without_echoing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bound applies to a value from the environment; the message quotes it as written."""
+    monkeypatch.setenv("NPU_TASK", "1e12")
+    assert errors_of(native(timeouts={"task": "${NPU_TASK}"})) == (
+        "npu_workers.timeouts.task: must be > 0 and <= 86400, got '${NPU_TASK}'",
+    )
+
+
+def test_read_timeout_above_task_deadline_is_accepted() -> None:
+    """timeouts.read may exceed timeouts.task: the deadline caps each attempt instead."""
+    cfg = parse_config(native(timeouts={"read": 60, "task": 5}))
+    assert (cfg.timeouts.read, cfg.timeouts.task) == (60.0, 5.0)
+
+
+def test_new_keys_parse() -> None:
+    """pool.max_queue_wait, transport.idle_timeout and the builtin client load from YAML."""
+    cfg = parse_config(
+        native(pool={"max_queue_wait": 2.5}, transport={"idle_timeout": 1, "client": "builtin"})
+    )
+    assert cfg.pool.max_queue_wait == 2.5
+    assert cfg.transport.idle_timeout == 1.0
+    assert cfg.transport.client == "builtin"
+
+
+def _docs_ranges() -> dict[str, str]:
+    """Each numeric key of the docs' tables and the range its 'allowed' column gives."""
+    found: dict[str, str] = {}
+    for line in DOCS.read_text(encoding="utf-8").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 4 and cells[1].startswith(("int", "number")):
+            allowed = re.match(r"`([^`]+)`", cells[3])
+            assert allowed, f"no range in docs for {cells[0]}"
+            found[cells[0].strip("`")] = allowed.group(1)
+    return found
+
+
+def test_docs_give_every_range() -> None:
+    """docs/configuration.md lists each numeric key with the range the code enforces."""
+    expected = {key: allowed for key, allowed, *_ in POOL_BOUNDS}
+    expected.update({key: allowed for key, allowed, _ in WORKER_BOUNDS})
+    assert _docs_ranges() == expected
+
+
 # -- environment expansion --------------------------------------------------------------
 
 
@@ -611,9 +819,9 @@ def test_autobot_layout_mapping() -> None:
     cfg = parse_config(yaml.safe_load(AUTOBOT_YAML))
     assert [(w.id, w.priority, w.max_concurrent, w.enabled) for w in cfg.workers] == [
         ("npu-worker-vm2", 1, 4, True),
-        ("windows-npu-worker", 2, 8, False),
-        ("172.16.168.23:8081", 1, 8, True),
-        ("172.16.168.24:8081", 2, 8, True),  # AutoBot's default priority is 5
+        ("windows-npu-worker", 2, 32, False),
+        ("172.16.168.23:8081", 1, 32, True),
+        ("172.16.168.24:8081", 2, 32, True),  # AutoBot's default priority is 5
     ]
     assert cfg.retry.max_retries == 1
 
@@ -688,6 +896,26 @@ def test_load_empty_file(tmp_path: Path) -> None:
     assert info.value.errors == (
         f"{path} is empty: expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping",
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("npu_workers: {pool: {threads: 2024-13-01}}", "YAML error: month must be in 1..12"),
+        (
+            "npu_workers: {pool: {threads: " + "9" * 5000 + "}}",
+            "YAML error: Exceeds the limit (4300 digits) for integer string conversion",
+        ),
+    ],
+)
+def test_yaml_values_python_cannot_build_are_config_errors(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    """A date that does not exist or a 5000-digit integer is a ConfigError, not ValueError."""
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text + "\n"))
+    (message,) = info.value.errors
+    assert message.startswith(expected)
 
 
 def test_relative_sqlite_path_resolved_against_yaml_dir(tmp_path: Path) -> None:
@@ -826,7 +1054,7 @@ def test_worker_config_errors_use_worker_prefix() -> None:
     assert info.value.errors == (
         "worker.id: must be 1..200 printable characters without spaces, got ''",
         "worker.port: goes with host, not url: put it in the url",
-        "worker.max_concurrent: must be >= 1, got 0",
+        "worker.max_concurrent: must be 1..10000, got 0",
     )
 
 
@@ -841,6 +1069,7 @@ def test_config_for_url() -> None:
     """config_for_url gives one worker named default and all other defaults."""
     cfg = config_for_url("http://127.0.0.1:8081/")
     assert cfg.workers == (WorkerConfig(id="default", url="http://127.0.0.1:8081"),)
+    assert cfg.workers[0].max_concurrent == 32
     assert dataclasses.replace(cfg, workers=()) == PoolConfig()
     with pytest.raises(ConfigError) as info:
         config_for_url("127.0.0.1:8081")

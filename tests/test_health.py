@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import pytest
 
@@ -15,9 +16,9 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.health import probe
+from npu_sync.health import MAX_BODY_BYTES, HealthChecker, probe
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
-from npu_sync.transport import TransportError
+from npu_sync.transport import Response, Transport, TransportError
 
 
 def health_route(state: dict):
@@ -173,7 +174,7 @@ def test_nonsense_capacity_hints_are_ignored(hint):
     net.route("a", health_route({"body": {"status": "healthy", "max_concurrent": hint}}))
     with make_pool(net, ids=("a",)) as pool:
         pool.check_health()
-        assert pool.workers()[0]["capacity"] == 8
+        assert pool.workers()[0]["capacity"] == 32
 
 
 def test_health_thread_survives_a_bad_round_and_follows_reloaded_settings(monkeypatch):
@@ -235,3 +236,233 @@ def test_a_moved_worker_whose_check_overruns_is_still_marked_unhealthy():
             assert pool.workers()[0]["healthy"] is False
         finally:
             hold.set()
+
+
+# -- one worker's probe never affects another's -------------------------------------------
+
+
+@dataclass
+class Target:
+    """What HealthChecker needs of a worker, without a pool around it."""
+
+    id: str
+    health_transport: Transport
+
+
+def raw_response(body: bytes) -> Response:
+    return Response(200, {"content-type": "application/json"}, body)
+
+
+NESTED = b"[" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (NESTED, "not a JSON object"),
+        (b'{"status": ' + b"[" * 500 + b"]" * 500 + b"}", "status of type list"),
+        (b'{"status": "healthy", "pad": "' + b"x" * MAX_BODY_BYTES + b'"}', "bytes is over"),
+    ],
+    ids=["nested-list", "nested-status", "oversized"],
+)
+def test_probe_fails_an_unreadable_answer_without_raising(body, reason):
+    """Deep nesting or an oversized body is a failed check with a reason, not an exception."""
+    net = FakeNetwork()
+    net.route("a", lambda req: raw_response(body))
+    transport = net.factory(worker_config("a", "http://127.0.0.1:9310"), TransportConfig())
+    result = probe("a", transport, HealthConfig())
+    assert not result.ok and result.status == 200 and reason in (result.error or "")
+
+
+def test_deeply_nested_answer_fails_that_worker_only_and_the_thread_lives_on():
+    """One worker answering '[' * 100000 leaves the others' results right, round after round."""
+    net = FakeNetwork()
+    checked_b = threading.Semaphore(0)
+
+    def healthy_b(req):
+        checked_b.release()
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", lambda req: raw_response(NESTED))
+    net.route("b", healthy_b)
+    workers = (
+        worker_config("a", "http://127.0.0.1:9311"),
+        worker_config("b", "http://127.0.0.1:9312"),
+    )
+    fast = HealthConfig(interval=0.02, timeout=1, unhealthy_threshold=1)
+    with WorkerPool(
+        PoolConfig(workers=workers, health=fast), transport_factory=net.factory
+    ) as pool:
+        for _ in range(3):  # rounds keep coming: the thread survived the first
+            assert checked_b.acquire(timeout=5)
+        assert pool.stats()["health"]["running"]
+        result = pool.check_health()
+        assert result["a"]["ok"] is False and "not a JSON object" in result["a"]["error"]
+        assert result["b"]["ok"] is True
+        assert {w["id"]: w["healthy"] for w in pool.workers()} == {"a": False, "b": True}
+
+
+def test_hung_workers_do_not_keep_healthy_ones_from_being_checked():
+    """With 40 workers hung on their check, the 2 healthy ones pass every round."""
+    net = FakeNetwork()
+    release = threading.Event()
+
+    def hung(req):
+        release.wait(30)
+        return json_response(200, {"status": "healthy"})
+
+    hung_ids = [f"hung{i}" for i in range(40)]
+    for worker_id in hung_ids:
+        net.route(worker_id, hung)
+    ids = [*hung_ids, "ok1", "ok2"]  # the healthy ones last, behind every hung probe
+    workers = tuple(worker_config(w, f"http://127.0.0.1:{10000 + i}") for i, w in enumerate(ids))
+    health = HealthConfig(enabled=False, timeout=0.2, unhealthy_threshold=1)
+    pool = WorkerPool(PoolConfig(workers=workers, health=health), transport_factory=net.factory)
+    try:
+        for round_no in range(3):
+            results = pool.check_health()
+            assert results["ok1"]["ok"] and results["ok2"]["ok"], (round_no, results["ok1"])
+            assert not any(results[w]["ok"] for w in hung_ids)
+            healthy = {w["id"] for w in pool.workers() if w["healthy"]}
+            assert healthy == {"ok1", "ok2"}
+        # A hung worker is not probed again while its first check still runs.
+        assert len(net.requests("hung0")) == 1
+        assert len(net.requests("ok1")) == 3
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_health_thread_survives_an_interval_beyond_any_timer_and_unreadable_settings():
+    """A smuggled huge interval or settings that raise never end the thread; wake() resumes."""
+    net = FakeNetwork()
+    rounds = threading.Semaphore(0)
+    transport = net.factory(worker_config("a", "http://127.0.0.1:9313"), TransportConfig())
+    huge = HealthConfig(timeout=1)
+    object.__setattr__(huge, "interval", 1e10)  # past validation, as a bug might
+    state: dict = {"config": huge, "fail": False}
+    failed = threading.Event()
+
+    def settings():
+        if state["fail"]:
+            state["fail"] = False
+            failed.set()
+            raise RuntimeError("settings unavailable")
+        return state["config"]
+
+    checker = HealthChecker(
+        lambda: [Target("a", transport)], lambda results: rounds.release(), settings
+    )
+    checker.start()
+    try:
+        assert rounds.acquire(timeout=5)  # the first round, then a wait of 1e10 s, capped
+        assert checker.running
+        state.update(config=HealthConfig(interval=0.02, timeout=1), fail=True)
+        checker.wake()  # the next read of the settings fails
+        assert failed.wait(5)
+        assert checker.running
+        checker.wake()  # as a reload would
+        for _ in range(3):
+            assert rounds.acquire(timeout=5)
+        assert checker.running
+    finally:
+        checker.stop()
+    assert not checker.running
+
+
+class Die(BaseException):
+    """Ends a thread the way nothing in its loop can catch."""
+
+
+def test_start_restarts_a_health_thread_that_died(monkeypatch):
+    """start() after the thread died starts a new one, which runs rounds again."""
+    deaths: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: deaths.append(args.exc_value))
+    net = FakeNetwork()
+    rounds = threading.Semaphore(0)
+    transport = net.factory(worker_config("a", "http://127.0.0.1:9314"), TransportConfig())
+    dying = {"left": 1}
+
+    def settings():
+        if dying["left"]:
+            dying["left"] -= 1
+            raise Die()
+        return HealthConfig(interval=0.02, timeout=1)
+
+    checker = HealthChecker(
+        lambda: [Target("a", transport)], lambda results: rounds.release(), settings
+    )
+    checker.start()
+    try:
+        checker._thread.join(5)
+        assert not checker.running and len(deaths) == 1 and isinstance(deaths[0], Die)
+        checker.start()
+        assert rounds.acquire(timeout=5)
+        assert checker.running
+    finally:
+        checker.stop()
+
+
+def test_a_reload_restarts_a_dead_health_thread(monkeypatch):
+    """A good reload with health enabled brings back a health thread that had died."""
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)
+    net = FakeNetwork()
+    rounds = threading.Semaphore(0)
+
+    def handler(req):
+        if req.path == "/health":
+            rounds.release()
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", handler)
+    workers = (worker_config("a", "http://127.0.0.1:9315"),)
+    fast = HealthConfig(interval=0.02, timeout=1)
+    with WorkerPool(
+        PoolConfig(workers=workers, health=fast), transport_factory=net.factory
+    ) as pool:
+        assert rounds.acquire(timeout=5)
+        settings = pool._health._config
+        dying = {"left": 1}
+
+        def die_once():
+            if dying["left"]:
+                dying["left"] -= 1
+                raise Die()
+            return settings()
+
+        monkeypatch.setattr(pool._health, "_config", die_once)
+        pool._health._thread.join(5)
+        assert not pool.stats()["health"]["running"]
+        while rounds.acquire(timeout=0.1):  # a probe already started may still report
+            pass
+        pool.reload(PoolConfig(workers=workers, health=HealthConfig(interval=0.03, timeout=1)))
+        assert rounds.acquire(timeout=5)
+        assert pool.stats()["health"]["running"]
+
+
+def test_close_returns_while_a_probe_overruns_its_budget():
+    """close() waits for a check at most about health.timeout, even one that never ends."""
+    net = FakeNetwork()
+    started = threading.Event()
+    release = threading.Event()
+
+    def stuck(req):
+        # A real transport gives up after health.timeout; this one ignores its budget.
+        started.set()
+        release.wait(30)
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", stuck)
+    workers = (worker_config("a", "http://127.0.0.1:9316"),)
+    health = HealthConfig(interval=30, timeout=0.2)
+    pool = WorkerPool(PoolConfig(workers=workers, health=health), transport_factory=net.factory)
+    closer = threading.Thread(target=pool.close)
+    try:
+        assert started.wait(5)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive(), "close() waited for a probe past its budget"
+        assert "npu-sync-health" not in {t.name for t in threading.enumerate()}
+    finally:
+        release.set()
+        closer.join(10)
