@@ -891,7 +891,7 @@ class WorkerPool:
         timeouts = config.timeouts
         connect_timeout = timeouts.connect
         read_timeout = timeouts.read
-        queue_wait = getattr(config.pool, "max_queue_wait", 10.0)
+        queue_wait = config.pool.max_queue_wait
         check = self._result_check
         start = clock.monotonic()
         # Wall-clock times (for people reading dead letters) from the monotonic clock,
@@ -1083,7 +1083,7 @@ class WorkerPool:
         if now >= deadline:
             return "deadline passed" if attempts else "deadline passed waiting for a worker"
         if now >= wait_until:
-            wait = getattr(self._config.pool, "max_queue_wait", 10.0)
+            wait = self._config.pool.max_queue_wait
             return f"no worker could take the task within pool.max_queue_wait ({wait:g}s)"
         if not attempts:
             return "no worker in the pool can take tasks"

@@ -80,7 +80,7 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 """Attempt-duration bucket bounds in seconds: a fast model's milliseconds to a long
 generation's minute (``+Inf`` is added)."""
 
-_ATTEMPT_OUTCOMES = ("success", "rejected", "not_here", "failure")
+_ATTEMPT_OUTCOMES = ("success", "rejected", "not_here", "failure", "abandoned")
 _TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
 _RELOAD_RESULTS = ("ok", "failed")
 _BREAKER_STATES = ("closed", "open", "half-open")

@@ -133,7 +133,14 @@ def test_workers_returns_one_row_per_worker_with_documented_fields(client, pool)
     for row in rows:
         assert row["breaker"]["state"] == "closed"
         assert set(row["latency"]) == {"ewma_ms", "p50_ms", "p95_ms", "p99_ms"}
-        assert set(row["tasks"]) == {"attempts", "succeeded", "failed", "rejected", "not_here"}
+        assert set(row["tasks"]) == {
+            "attempts",
+            "succeeded",
+            "failed",
+            "rejected",
+            "not_here",
+            "abandoned",
+        }
         assert {"in_flight", "capacity", "healthy", "enabled", "draining", "last_error"} <= set(row)
         assert "headers" not in row
     assert sum(row["tasks"]["succeeded"] for row in rows) == 1

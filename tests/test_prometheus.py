@@ -167,7 +167,7 @@ def test_counters_and_histogram_count_attempts_and_tasks_by_worker_and_outcome(
         ("c", "failure"): 1,
     }
     for wid in "abc":
-        for outcome in ("success", "rejected", "not_here", "failure"):
+        for outcome in ("success", "rejected", "not_here", "failure", "abandoned"):
             assert value(
                 samples, "npu_sync_attempts_total", worker=wid, outcome=outcome
             ) == expected_attempts.get((wid, outcome), 0), (wid, outcome)
@@ -192,7 +192,7 @@ def test_histogram_buckets_count_and_sum_match_the_attempts(net, clock, registry
     for wid in "abc":
         attempts = sum(
             value(samples, "npu_sync_attempts_total", worker=wid, outcome=o)
-            for o in ("success", "rejected", "not_here", "failure")
+            for o in ("success", "rejected", "not_here", "failure", "abandoned")
         )
         assert value(samples, f"{hist}_count", worker=wid) == attempts
         assert value(samples, f"{hist}_bucket", worker=wid, le="+Inf") == attempts
