@@ -233,6 +233,13 @@ class MemoryDeadLetterStore:
         self._records: OrderedDict[str, DeadLetter] = OrderedDict()
         self._dropped = 0
 
+    def after_fork(self) -> None:
+        """In a child process: a fresh lock and no records. The parent's records stay
+        the parent's; a copy here could be replayed by both processes."""
+        self._lock = threading.Lock()
+        self._records = OrderedDict()
+        self._dropped = 0
+
     @property
     def max_records(self) -> int:
         return self._max_records
@@ -334,6 +341,10 @@ _COLUMNS = (
 )
 
 
+_INHERITED: list[sqlite3.Connection] = []
+"""SQLite connections inherited through fork(): never used, never closed."""
+
+
 class SQLiteDeadLetterStore:
     """Dead letters in a SQLite file that survives restarts and process kills. Thread-safe.
 
@@ -382,12 +393,9 @@ class SQLiteDeadLetterStore:
                 )
             if not os.path.exists(self._path):
                 os.close(os.open(self._path, os.O_CREAT | os.O_WRONLY, 0o600))
+        self._busy_timeout = busy_timeout
         try:
-            # isolation_level=None: the sqlite3 module must not open transactions behind
-            # our back; each write below opens its own BEGIN IMMEDIATE.
-            self._conn = sqlite3.connect(
-                self._path, timeout=busy_timeout, isolation_level=None, check_same_thread=False
-            )
+            self._conn = self._connect()
         except sqlite3.Error as exc:
             raise NpuSyncError(f"cannot open dead-letter store {self._path}: {exc}") from exc
         self._closed = False
@@ -397,6 +405,27 @@ class SQLiteDeadLetterStore:
             self._conn.close()
             self._closed = True
             raise
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: the sqlite3 module must not open transactions behind
+        # our back; each write below opens its own BEGIN IMMEDIATE.
+        return sqlite3.connect(
+            self._path, timeout=self._busy_timeout, isolation_level=None, check_same_thread=False
+        )
+
+    def after_fork(self) -> None:
+        """In a child process: a connection of its own.
+
+        SQLite connections must not cross ``fork()``, and closing the inherited one
+        could release or checkpoint the parent's database state, so it is kept open,
+        unused, for the child's lifetime.
+        """
+        if self._closed or self._in_memory:
+            self._lock = threading.Lock()
+            return
+        _INHERITED.append(self._conn)
+        self._lock = threading.Lock()
+        self._conn = self._connect()
 
     def _setup(self) -> None:
         try:
@@ -667,6 +696,14 @@ class DeadLetterQueue:
         self._clock = clock
         self._lock = threading.Lock()
         self._replaying: set[str] = set()
+
+    def after_fork(self) -> None:
+        """In a child process: fresh locks, and the store's own ``after_fork`` if any."""
+        self._lock = threading.Lock()
+        self._replaying = set()
+        reset = getattr(self._store, "after_fork", None)
+        if reset is not None:
+            reset()
 
     @property
     def store(self) -> DeadLetterStore:

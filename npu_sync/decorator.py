@@ -71,14 +71,40 @@ class NpuTask(Generic[P]):
         return self.pool.submit(task, fallback=local)
 
     def __get__(self, instance: object, owner: type | None = None) -> Any:
-        # Behave like a function when used on a method.
+        # Behave like a function when used on a method: bound to the instance, with
+        # submit() bound too.
         if instance is None:
             return self
-        return functools.partial(self._call, instance)
+        return _BoundNpuTask(self, instance)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         task, local = self._prepare(args, kwargs)
         return self.pool.execute(task, fallback=local)
+
+
+class _BoundNpuTask:
+    """An :class:`NpuTask` defined on a class, bound to one instance."""
+
+    __slots__ = ("__self__", "__wrapped__")
+
+    def __init__(self, task: NpuTask[Any], instance: object) -> None:
+        self.__wrapped__ = task
+        self.__self__ = instance
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__wrapped__._call(self.__self__, *args, **kwargs)
+
+    def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """Run on the pool's threads; the future ends as a direct call would."""
+        return self.__wrapped__.submit(self.__self__, *args, **kwargs)
+
+    @property
+    def pool(self) -> WorkerPool:
+        return self.__wrapped__.pool
+
+    def __repr__(self) -> str:
+        name = getattr(self.__wrapped__, "__name__", "?")
+        return f"<bound npu_task {name} of {self.__self__!r}>"
 
 
 def npu_task(

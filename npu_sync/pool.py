@@ -20,6 +20,7 @@ import math
 import os
 import random
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
@@ -63,7 +64,7 @@ from npu_sync.events import (
     log_event,
 )
 from npu_sync.health import HealthChecker, HealthResult
-from npu_sync.metrics import PoolStats
+from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.reload import ConfigWatcher
 from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error, classify_response
 from npu_sync.selector import Selector
@@ -169,6 +170,12 @@ class WorkerPool:
         self._draining: dict[str, Worker] = {}  # removed, with tasks still in flight
         self._active = 0
         self._closed = False
+        self._released = False
+        # close() called on a thread that runs one of our tasks (from a hook or a
+        # fallback) cannot wait for that task: the last task to end finishes closing.
+        self._finish_when_idle = False
+        self._local = threading.local()  # .depth: tasks of this pool on this thread
+        self._restart_pending = False  # forked: start our threads on first use
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = clock.monotonic()
         self._rng = rng or random.Random()
@@ -197,19 +204,14 @@ class WorkerPool:
         for worker_cfg in config.workers:
             self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
         self._dispatcher.set_workers(self._workers.values())
-        self._health = HealthChecker(
-            self._health_targets,
-            self._apply_health,
-            lambda: self._config.health,
-            clock=clock,
-            rng=self._rng,
-        )
+        self._health = self._new_health_checker()
         if config.health.enabled:
             self._health.start()
         if self._shared is not None:
             self._shared.set_workers(self._workers)
             self._shared.on_resume = self._announce_open_breakers
             self._shared.start()
+        _live_pools.add(self)
 
     @classmethod
     def from_yaml(
@@ -375,6 +377,8 @@ class WorkerPool:
 
     def stats(self) -> dict[str, Any]:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
+        if self._restart_pending:
+            self._restart_after_fork()
         # The store may be a file: read it before taking the selection lock.
         stored: int | None
         dropped: int | None
@@ -493,7 +497,11 @@ class WorkerPool:
         """
         if config is not None:
             with self._reload_lock:
-                return self._record_reload(self._apply_config(config))
+                result = self._apply_config(config)
+                self._count_reload(result)
+            # Hooks run after the lock is released: one may reload or add a worker.
+            self._announce_reload(result)
+            return result
         if self._config.source is None:
             raise NpuSyncError("this pool was not built from a file: pass reload(config)")
         return self._reload_file(force=True)
@@ -525,23 +533,39 @@ class WorkerPool:
 
         Blocks until submitted and running tasks end (each bounded by its deadline);
         health checks keep running meanwhile, so a waiting task can still see a worker
-        recover. Then stops every thread the pool started. Idempotent.
+        recover. Then stops every thread the pool started. Idempotent, and safe from
+        any thread: called from a hook or a fallback, on a thread that is running one
+        of this pool's tasks, it returns at once and the pool finishes closing when its
+        last task ends.
         """
-        # Not under _reload_lock: close() may be called from a hook that runs while a
-        # reload holds it. A reload in progress sees _closed when it installs changes.
+        # Not under _reload_lock: a reload in progress sees _closed when it installs
+        # its changes, and hooks never run under that lock anyway.
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             executor = self._executor
+            inside = bool(getattr(self._local, "depth", 0))
+            self._finish_when_idle = inside
         if self._watcher is not None:
             self._watcher.stop()
         if executor is not None:
-            executor.shutdown(wait=True)
+            # A pool thread cannot wait for itself; its own task ends soon after.
+            executor.shutdown(wait=not inside)
+        if inside:
+            return
         with self._lock:
             while self._active:
                 self._idle.wait()
-            workers = list(self._workers.values())
+        self._release()
+
+    def _release(self) -> None:
+        """Stop the threads and close the connections and the store, once."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+            workers = [*self._workers.values(), *self._draining.values()]
         self._health.stop()
         if self._shared is not None:
             self._shared.stop()
@@ -560,6 +584,65 @@ class WorkerPool:
         return f"<WorkerPool workers={len(self._workers)} closed={self._closed}>"
 
     # -- internals ---------------------------------------------------------------------
+
+    def _new_health_checker(self) -> HealthChecker:
+        return HealthChecker(
+            self._health_targets,
+            self._apply_health,
+            lambda: self._config.health,
+            clock=self._clock,
+            rng=self._rng,
+        )
+
+    def _after_fork(self) -> None:
+        """Make this pool usable in a child process, right after ``fork()``.
+
+        Only the forking thread exists in the child: every lock may be held by a
+        thread that is gone, tasks in flight and their slots belong to the parent, and
+        the connections are the parent's. So the locks, slots and connections start
+        afresh, the numbers count the child's own work, and the threads (health,
+        reload watcher, shared state) start again on the child's first use.
+        """
+        self._local = threading.local()
+        self._dispatcher = Dispatcher(self._clock, self._dispatcher.selector)
+        self._lock = self._dispatcher.lock
+        self._idle = threading.Condition(self._lock)
+        self._reload_lock = threading.Lock()
+        self._active = 0
+        self._executor = None
+        self._events = []
+        self._stats = PoolStats()
+        self._draining.clear()  # their tasks run in the parent
+        for worker in self._workers.values():
+            worker.in_flight = 0
+            worker.reporting = 0
+            worker.breaker.release(True)  # a trial in flight is the parent's
+            worker.stats = WorkerStats()
+            worker.transport, worker.health_transport = self._build_transports(worker.config)
+        self._dispatcher.set_workers(self._workers.values())
+        self._health = self._new_health_checker()
+        if self._watcher is not None:
+            self._watcher = ConfigWatcher(
+                self._watcher.path,
+                self._reload_if_changed,
+                poll_interval=self._watcher.poll_interval,
+            )
+        if self._shared is not None:
+            self._shared.after_fork()
+        self.dead_letters.after_fork()
+        self._restart_pending = not self._closed
+
+    def _restart_after_fork(self) -> None:
+        with self._lock:
+            if not self._restart_pending or self._closed:
+                return
+            self._restart_pending = False
+        if self._config.health.enabled:
+            self._health.start()
+        if self._watcher is not None:
+            self._watcher.start()
+        if self._shared is not None:
+            self._shared.start()
 
     def _build_worker(self, cfg: WorkerConfig) -> Worker:
         transport, health_transport = self._build_transports(cfg)
@@ -612,6 +695,7 @@ class WorkerPool:
     def _reload_file(self, *, force: bool) -> ReloadResult:
         source = self._config.source
         assert source is not None
+        failure: ConfigError | None = None
         with self._reload_lock:
             if self._closed:
                 return ReloadResult()
@@ -628,20 +712,28 @@ class WorkerPool:
                 self._reloads["failed"] += 1
                 self._reloads["last_error"] = str(exc)
                 self._reloads["last_at"] = self._clock.time()
-                self._notify(ConfigReloadFailed(self._clock.time(), source, str(exc)))
-                raise
-            self._source_digest = digest
-            return self._record_reload(result)
+                failure = exc
+            else:
+                self._source_digest = digest
+                self._count_reload(result)
+        # Hooks run after the lock is released: one may reload or add a worker.
+        if failure is not None:
+            self._notify(ConfigReloadFailed(self._clock.time(), source, str(failure)))
+            raise failure
+        self._announce_reload(result)
+        return result
 
-    def _record_reload(self, result: ReloadResult) -> ReloadResult:
+    def _count_reload(self, result: ReloadResult) -> None:
+        """Record a reload that was applied. Call with ``_reload_lock`` held."""
         self._reloads["ok"] += 1
         self._reloads["last_error"] = None
         self._reloads["last_at"] = self._clock.time()
         self._reloads["last_change"] = result.to_dict()
+
+    def _announce_reload(self, result: ReloadResult) -> None:
         self._notify(ConfigReloaded(self._clock.time(), self._config.source, result.to_dict()))
         for section in result.restart_required:
             log.warning("configuration section %r changed; it takes effect on restart", section)
-        return result
 
     def _apply_config(self, new: PoolConfig, *, drain: bool = True) -> ReloadResult:
         """Make the running pool match ``new``. Call with ``_reload_lock`` held."""
@@ -750,6 +842,8 @@ class WorkerPool:
         )
 
     def _enter(self) -> None:
+        if self._restart_pending:
+            self._restart_after_fork()
         with self._lock:
             if self._closed:
                 raise PoolClosed("the pool is closed")
@@ -759,8 +853,12 @@ class WorkerPool:
     def _leave(self) -> None:
         with self._lock:
             self._active -= 1
-            if not self._active and self._closed:
-                self._idle.notify_all()
+            if self._active or not self._closed:
+                return
+            self._idle.notify_all()
+            finish = self._finish_when_idle
+        if finish:
+            self._release()
 
     def _leave_cb(self, _future: concurrent.futures.Future[Any]) -> None:
         self._leave()
@@ -786,6 +884,16 @@ class WorkerPool:
     def _execute(
         self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
     ) -> Any:
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            return self._run_task(task, body, deadline, fallback)
+        finally:
+            local.depth -= 1
+
+    def _run_task(
+        self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
+    ) -> Any:
         if self._hooks:
             endpoint = task.endpoint or self._config.pool.default_endpoint
             emit(self._hooks, TaskStarted(self._clock.time(), task.task_id, endpoint))
@@ -809,6 +917,8 @@ class WorkerPool:
         body = task.body()
         deadline = self._deadline(task, None)
         self._enter()
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
         try:
             return self._attempts(task, body, deadline)
         except _Exhausted as exhausted:
@@ -819,6 +929,7 @@ class WorkerPool:
                 attempts=exhausted.attempts,
             ) from None
         finally:
+            local.depth -= 1
             self._leave()
 
     def _dead_letter(
@@ -1288,6 +1399,21 @@ def _checked(check: Callable[[Any], object], outcome: Outcome) -> Outcome:
             f"result check refused the answer: {type(exc).__name__}: {exc}",
         )
     return outcome
+
+
+_live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def _reinit_after_fork() -> None:
+    for pool in list(_live_pools):
+        try:
+            pool._after_fork()
+        except Exception:  # one broken pool must not break the others in the child
+            log.exception("could not prepare %r for the child process", pool)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
 def _shared_state(config: PoolConfig, on_remote: Any) -> Any:

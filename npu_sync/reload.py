@@ -72,7 +72,7 @@ class ConfigWatcher:
         self.directory = os.path.dirname(self.path)
         self._on_change = on_change
         self._debounce = debounce
-        self._poll_interval = poll_interval
+        self.poll_interval = poll_interval
         self._changed = threading.Event()
         self._stopping = threading.Event()
         self._observer: Observer | None = None  # type: ignore[valid-type]
@@ -108,7 +108,7 @@ class ConfigWatcher:
 
     def _run(self) -> None:
         while not self._stopping.is_set():
-            self._changed.wait(self._poll_interval)
+            self._changed.wait(self.poll_interval)
             if self._stopping.is_set():
                 return
             # Let a burst of events settle: each new event restarts the quiet period.

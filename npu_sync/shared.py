@@ -120,8 +120,9 @@ class SharedState:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
         if not self.available:
             self._probe()
         for store in self._stores:
@@ -136,6 +137,16 @@ class SharedState:
                     json.dumps(record.to_dict(), default=repr),
                 )
         self._client.close()
+
+    def after_fork(self) -> None:
+        """In a child process: fresh locks, no thread (``start()`` again), and nothing
+        of the parent's held records, which the parent still writes itself. The Redis
+        client's connection pool notices the new process id and reconnects."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        for store in self._stores:
+            store.after_fork()
 
     def set_workers(self, worker_ids: Iterable[str]) -> None:
         with self._lock:
@@ -407,6 +418,11 @@ class RedisDeadLetterStore:
         self._lock = threading.Lock()
         self.held: deque[DeadLetter] = deque()
         self._local_dropped = 0
+
+    def after_fork(self) -> None:
+        """In a child process: a fresh lock; records held for Redis stay the parent's."""
+        self._lock = threading.Lock()
+        self.held = deque()
 
     def _write(self, record: DeadLetter) -> None:
         pipe = self._client.pipeline(transaction=True)
