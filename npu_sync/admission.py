@@ -11,9 +11,9 @@ is due for its trial or a worker's cool-down ends, since no release signals thos
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Collection, Iterable
+from time import perf_counter as _perf_counter  # bound once: read twice per attempt
 
 from npu_sync.clock import Clock
 from npu_sync.metrics import Window
@@ -47,12 +47,18 @@ class Dispatcher:
 
     Thread-safe. ``lock`` guards every worker's mutable state, the selector and the
     waiter queue; it is never held across I/O.
+
+    Whoever changes a worker under ``lock`` in a way that may make it available tells
+    the dispatcher: :meth:`release_worker_locked` for one worker (a task ended there),
+    :meth:`release_locked` when several or unknown ones may have (a health round).
     """
 
     def __init__(self, clock: Clock, selector: Selector | None = None) -> None:
         self.lock = threading.Lock()
         self.clock = clock
         self.selector = selector or Selector()
+        self.selector.on_earlier_wake = self.wake_all_locked
+        self._parked = self.selector.parked
         self._waiters: deque[_Waiter] = deque()
         self.selection_time = Window(4096)
 
@@ -69,8 +75,7 @@ class Dispatcher:
         self.selector.set_workers(workers)
         self._serve(self.clock.monotonic())
         # Waiters whose last untried worker went away must re-check.
-        for waiter in self._waiters:
-            waiter.cond.notify()
+        self.wake_all_locked()
 
     def acquire(self, excluded: Collection[str], deadline: float) -> Lease | None:
         """A lease on the best worker not in ``excluded``, waiting until ``deadline``.
@@ -88,16 +93,15 @@ class Dispatcher:
             lease = self._try(excluded, now)
             if lease is not None:
                 return lease
-            if not self._has_candidate(excluded):
+            if not self.selector.has_candidate(excluded):
                 return None
             waiter = _Waiter(excluded, deadline, self.lock)
             self._waiters.append(waiter)
             try:
                 while waiter.lease is None:
-                    remaining = deadline - now
-                    if remaining <= 0 or not self._has_candidate(excluded):
+                    if now >= deadline or not self.selector.has_candidate(excluded):
                         break
-                    waiter.cond.wait(self._wake_in(excluded, now, remaining))
+                    waiter.cond.wait(self._wake_in(now, deadline))
                     if waiter.lease is not None:
                         break
                     now = self.clock.monotonic()
@@ -108,7 +112,22 @@ class Dispatcher:
             return waiter.lease
 
     def release_locked(self, now: float) -> None:
-        """Hand freed capacity to waiters. Call with ``lock`` held."""
+        """Workers not named may have become available (a health round, a breaker
+        closed elsewhere, tasks ended): look at them again and hand freed capacity to
+        waiters. Call with ``lock`` held.
+
+        Costs a pass over the unavailable workers at the next selection: after a task
+        ends, :meth:`release_worker_locked` is the cheap call.
+        """
+        self.selector.invalidate()
+        if self._waiters:
+            self._serve(now)
+
+    def release_worker_locked(self, worker: Worker, now: float) -> None:
+        """``worker`` changed (one of its tasks ended, its breaker or cool-down moved):
+        hand any capacity it now has to waiters. Call with ``lock`` held."""
+        if worker in self._parked:  # a worker with room already is found as it is
+            self.selector.update(worker, now)
         if self._waiters:
             self._serve(now)
 
@@ -118,49 +137,48 @@ class Dispatcher:
         for waiter in self._waiters:
             waiter.cond.notify()
 
+    # -- internals ---------------------------------------------------------------------
+
     def _try(self, excluded: Collection[str], now: float) -> Lease | None:
-        started = time.perf_counter()
-        worker = self.selector.select(excluded, now)
+        started = _perf_counter()
+        selector = self.selector
+        worker = selector.select(excluded, now)
         if worker is None:
             return None
         trial = worker.breaker.admit(now)
         if trial is None:  # pragma: no cover - select() checked can_admit under this lock
             return None
         worker.in_flight += 1
-        self.selection_time.add(time.perf_counter() - started)
+        if trial or worker.in_flight >= worker.capacity:
+            selector.taken(worker, now)
+        self.selection_time.add(_perf_counter() - started)
         return Lease(worker, trial)
 
     def _serve(self, now: float) -> None:
-        served: list[_Waiter] = []
-        for waiter in self._waiters:
+        waiters = self._waiters
+        may_have_room = self.selector.may_have_room
+        i = 0
+        while i < len(waiters):
+            waiter = waiters[i]
             if now >= waiter.deadline:
                 waiter.cond.notify()  # too late for a lease: it leaves the queue itself
+                i += 1
                 continue
-            lease = self._try(waiter.excluded, now)
-            if lease is not None:
-                waiter.lease = lease
-                served.append(waiter)
+            if not may_have_room(now):
+                break  # no worker has room for anyone
+            waiter.lease = self._try(waiter.excluded, now)
+            if waiter.lease is not None:
+                del waiters[i]
                 waiter.cond.notify()
             elif not waiter.excluded:
                 break  # no worker has room for anyone
-        for waiter in served:
-            self._waiters.remove(waiter)
+            else:
+                i += 1
 
-    def _has_candidate(self, excluded: Collection[str]) -> bool:
-        return any(
-            w.id not in excluded and w.enabled and not w.draining and not w.removed
-            for w in self.selector.workers
-        )
-
-    def _wake_in(self, excluded: Collection[str], now: float, remaining: float) -> float:
+    def _wake_in(self, now: float, deadline: float) -> float:
         """How long to sleep before something time-driven may free a worker."""
-        wake = remaining
-        for worker in self.selector.workers:
-            if worker.id in excluded:
-                continue
-            retry_at = worker.breaker.retry_at()
-            if retry_at is not None and retry_at > now:
-                wake = min(wake, retry_at - now)
-            if worker.cooldown_until > now:
-                wake = min(wake, worker.cooldown_until - now)
+        wake = deadline - now
+        due = self.selector.next_wake()
+        if due is not None and due - now < wake:
+            wake = due - now
         return max(wake, 0.001)
