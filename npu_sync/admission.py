@@ -6,10 +6,15 @@ task waits in a FIFO queue until a worker frees up or recovers, up to its deadli
 it, under the same lock that released it, so a newcomer cannot overtake a waiter and
 no waiter is woken for nothing. Waiters also wake on their own when an open breaker
 is due for its trial or a worker's cool-down ends, since no release signals those.
+
+A task does not wait when waiting cannot help: when every worker it has not tried is
+disabled, draining, or unavailable until after its deadline (see
+:meth:`Selector.can_serve_before`), it is refused at once, with the reason.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections import deque
 from collections.abc import Collection, Iterable
@@ -30,6 +35,24 @@ class Lease:
         self.worker = worker
         self.trial = trial
         self.generation = worker.generation
+
+
+class Refusal(enum.Enum):
+    """Why :meth:`Dispatcher.acquire_or_reason` gave no lease; the value reads as a reason."""
+
+    DEADLINE_PASSED = "deadline passed waiting for a worker"
+    EVERY_WORKER_TRIED = "every worker was tried"
+    NO_WORKER = "no worker in the pool can take tasks"
+    BREAKERS_OPEN = (
+        "no worker can become available before the deadline: circuit breakers open until after it"
+    )
+    COOLING_DOWN = (
+        "no worker can become available before the deadline: Retry-After cool-downs until after it"
+    )
+    BREAKERS_OPEN_OR_COOLING_DOWN = (
+        "no worker can become available before the deadline: "
+        "circuit breakers open or Retry-After cool-downs until after it"
+    )
 
 
 class _Waiter:
@@ -80,36 +103,41 @@ class Dispatcher:
     def acquire(self, excluded: Collection[str], deadline: float) -> Lease | None:
         """A lease on the best worker not in ``excluded``, waiting until ``deadline``.
 
-        Returns None when the deadline passes first, or at once when every worker
-        that could ever take this task has been tried. Never hands out a lease after
-        ``deadline``.
+        Returns None when the deadline passes first, or at once when no worker that
+        could take this task can do so before ``deadline`` (see
+        :meth:`acquire_or_reason`). Never hands out a lease after ``deadline``.
+        """
+        with self.lock:
+            now = self.clock.monotonic()
+            if now < deadline and not self._waiters:
+                lease = self._try(excluded, now)
+                if lease is not None:
+                    return lease
+        # No worker has room now (or others queue first): the full procedure.
+        got = self.acquire_or_reason(excluded, deadline)
+        return got if type(got) is Lease else None
+
+    def acquire_or_reason(self, excluded: Collection[str], deadline: float) -> Lease | Refusal:
+        """Like :meth:`acquire`, but say why no lease was given.
+
+        Returns:
+            A Lease; or the Refusal: the deadline passed, every worker was tried,
+            the pool has no worker that takes tasks, or every worker not tried is
+            held by an open breaker or a cool-down until after ``deadline``.
         """
         with self.lock:
             now = self.clock.monotonic()
             if now >= deadline:
-                return None
+                return Refusal.DEADLINE_PASSED
             if self._waiters:
                 self._serve(now)
             lease = self._try(excluded, now)
             if lease is not None:
                 return lease
-            if not self.selector.has_candidate(excluded):
-                return None
-            waiter = _Waiter(excluded, deadline, self.lock)
-            self._waiters.append(waiter)
-            try:
-                while waiter.lease is None:
-                    if now >= deadline or not self.selector.has_candidate(excluded):
-                        break
-                    waiter.cond.wait(self._wake_in(now, deadline))
-                    if waiter.lease is not None:
-                        break
-                    now = self.clock.monotonic()
-                    self._serve(now)
-            finally:
-                if waiter.lease is None:
-                    self._waiters.remove(waiter)
-            return waiter.lease
+            refusal = self._refusal(excluded, deadline, now)
+            if refusal is not None:
+                return refusal
+            return self._wait(excluded, deadline, now)
 
     def release_locked(self, now: float) -> None:
         """Workers not named may have become available (a health round, a breaker
@@ -138,6 +166,33 @@ class Dispatcher:
             waiter.cond.notify()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _wait(self, excluded: Collection[str], deadline: float, now: float) -> Lease | Refusal:
+        waiter = _Waiter(excluded, deadline, self.lock)
+        self._waiters.append(waiter)
+        refusal: Refusal | None = None
+        try:
+            while True:
+                waiter.cond.wait(self._wake_in(now, deadline))
+                if waiter.lease is not None:
+                    break
+                now = self.clock.monotonic()
+                if now >= deadline:
+                    refusal = Refusal.DEADLINE_PASSED
+                    break
+                self._serve(now)
+                if waiter.lease is not None:
+                    break
+                refusal = self._refusal(excluded, deadline, now)
+                if refusal is not None:
+                    break
+        finally:
+            if waiter.lease is None:
+                self._waiters.remove(waiter)
+        if waiter.lease is not None:
+            return waiter.lease
+        assert refusal is not None
+        return refusal
 
     def _try(self, excluded: Collection[str], now: float) -> Lease | None:
         started = _perf_counter()
@@ -174,6 +229,20 @@ class Dispatcher:
                 break  # no worker has room for anyone
             else:
                 i += 1
+
+    def _refusal(self, excluded: Collection[str], deadline: float, now: float) -> Refusal | None:
+        """Why waiting cannot help this task, or None if it may."""
+        selector = self.selector
+        if selector.can_serve_before(excluded, deadline, now):
+            return None
+        breakers, cooldowns = selector.held_past(excluded, deadline)
+        if breakers and cooldowns:
+            return Refusal.BREAKERS_OPEN_OR_COOLING_DOWN
+        if breakers:
+            return Refusal.BREAKERS_OPEN
+        if cooldowns:
+            return Refusal.COOLING_DOWN
+        return Refusal.EVERY_WORKER_TRIED if excluded else Refusal.NO_WORKER
 
     def _wake_in(self, now: float, deadline: float) -> float:
         """How long to sleep before something time-driven may free a worker."""

@@ -21,16 +21,21 @@ with a cursor per tier (the last worker picked there), so equal workers share th
 load evenly however many tiers were looked at first and however workers come and
 go. When more than :data:`P2C_THRESHOLD` workers of a tier have room, two of them
 are sampled and the lighter one wins (power of two choices): O(1) rather than exact.
+
+The index also answers whether a task could still get a worker before its deadline
+(:meth:`Selector.can_serve_before`), so that a task fails at once rather than wait
+for nothing.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
-from bisect import bisect_left
+from bisect import bisect_left, insort
 from collections.abc import Callable, Collection, Iterable
 from itertools import groupby
 
+from npu_sync.breaker import WorkerBreaker
 from npu_sync.worker import Worker
 
 P2C_THRESHOLD = 64
@@ -47,6 +52,14 @@ _BLOCKED = 3  # unavailable until told otherwise
 
 _NEVER = float("inf")
 _NOW = float("-inf")
+
+
+def _early_trial_used(breaker: WorkerBreaker) -> bool:
+    """Whether the open breaker already had the early trial a passing health check grants.
+
+    WorkerBreaker keeps this to itself; read it here, in one place, until it says so.
+    """
+    return bool(breaker._early_trial_used)
 
 
 class _Tier:
@@ -67,6 +80,9 @@ class _Slot:
     """One worker's place in the index."""
 
     __slots__ = (
+        "breaker_until",
+        "cooldown_until",
+        "doom",
         "seq",
         "state",
         "tier",
@@ -80,6 +96,11 @@ class _Slot:
         self.seq = seq
         self.state = _BLOCKED
         self.wake = 0.0  # while _TIMED
+        # Until when the worker cannot take a task whatever happens meanwhile: _NOW
+        # when it may at any moment, _NEVER when disabled or draining.
+        self.doom = _NOW
+        self.breaker_until = _NOW
+        self.cooldown_until = _NOW
 
 
 class Selector:
@@ -90,6 +111,9 @@ class Selector:
     Args:
         workers: the candidates.
         rng: randomness for sampling large tiers.
+        shared_breakers: breakers follow other processes (shared state), so an open
+            breaker may close at any time and never makes a worker unavailable until
+            a known moment.
     """
 
     def __init__(
@@ -97,16 +121,18 @@ class Selector:
         workers: Iterable[Worker] = (),
         *,
         rng: random.Random | None = None,
+        shared_breakers: bool = False,
     ) -> None:
         self._rng = rng or random.Random()
         self._random = self._rng.random
+        self._shared_breakers = shared_breakers
         self.on_earlier_wake: Callable[[], None] | None = None
         """Called when a parked worker's wake time becomes the earliest of all."""
         self.tiers: tuple[tuple[Worker, ...], ...] = ()
         self.workers: tuple[Worker, ...] = ()
         self._tiers: tuple[_Tier, ...] = ()
         self._slots: dict[Worker, _Slot] = {}
-        self._usable: set[str] = set()  # ids of enabled workers not draining
+        self._by_id: dict[str, _Slot] = {}
         # Parked slots, as ordered sets: full ones, and timed or blocked ones.
         self._full: dict[_Slot, None] = {}
         self._others: dict[_Slot, None] = {}
@@ -117,11 +143,26 @@ class Selector:
         # or _NOW once invalidate() was called. One comparison on every selection.
         self._due = _NEVER
         self._pushes = 0
+        self._doomed: list[tuple[float, int, _Slot]] = []  # sorted by doom
+        self._hopeful = 0  # slots whose doom is _NOW
         self._ready = 0  # slots in a ready list
         self._stale = False
         self.set_workers(workers)
 
     # -- configuration -----------------------------------------------------------------
+
+    @property
+    def shared_breakers(self) -> bool:
+        return self._shared_breakers
+
+    @shared_breakers.setter
+    def shared_breakers(self, value: bool) -> None:
+        self._shared_breakers = value
+        # What an open breaker means for the deadline changed: examine every parked
+        # worker again (full ones included, which a refresh otherwise mostly skips).
+        for slot in list(self._full):
+            self._move(slot, _BLOCKED, 0.0)
+        self.invalidate()
 
     def set_workers(self, workers: Iterable[Worker]) -> None:
         """Replace the candidate set; lower ``priority`` numbers form earlier tiers."""
@@ -130,12 +171,13 @@ class Selector:
         self.tiers = tuple(tuple(tier) for _, tier in groupby(ordered, key=lambda w: w.priority))
         self._tiers = tuple(_Tier() for _ in self.tiers)
         self._slots = {}
-        self._usable = {w.id for w in ordered if w.enabled and not w.draining}
+        self._by_id = {}
         self._full = {}
         self._others = {}
         self.parked.clear()  # the same dict: callers may keep a reference to it
         self._timed = []
         self._due = _NEVER
+        self._doomed = []
         self._ready = 0
         seq = 0
         for tier, members in zip(self._tiers, self.tiers, strict=True):
@@ -143,8 +185,10 @@ class Selector:
                 slot = _Slot(worker, tier, seq)
                 seq += 1
                 self._slots[worker] = slot
+                self._by_id[worker.id] = slot
                 self._others[slot] = None  # classified on first use, at that moment
                 self.parked[worker] = slot
+        self._hopeful = seq
         self._stale = bool(seq)
         self._sync_due()
 
@@ -249,7 +293,7 @@ class Selector:
         # (few, or the samples would not have kept missing).
         return self._scan(tier, excluded, now)
 
-    # -- waiting -----------------------------------------------------------------------
+    # -- whether waiting can help ------------------------------------------------------
 
     def next_wake(self) -> float | None:
         """When the earliest timed worker is due to be looked at again, if any."""
@@ -257,13 +301,45 @@ class Selector:
         timed = self._timed
         return timed[0][0] if timed else None
 
-    def has_candidate(self, excluded: Collection[str]) -> bool:
-        """Whether a worker not in ``excluded`` is enabled and not draining."""
-        usable = self._usable
-        if len(usable) > len(excluded):
+    def can_serve_before(self, excluded: Collection[str], deadline: float, now: float) -> bool:
+        """Whether some worker not in ``excluded`` may take a task before ``deadline``.
+
+        A worker may not when disabled or draining, in a Retry-After cool-down that
+        ends at or after ``deadline``, or when its breaker opens until then and cannot
+        be cut short: it already had the early trial a passing health check grants
+        (and breakers are not shared with other processes). Errs on the side of True.
+        """
+        if self._stale:
+            self._catch_up(now)
+        hopeful = self._hopeful
+        if hopeful > len(excluded):
             return True
-        tried = excluded if isinstance(excluded, set | frozenset) else set(excluded)
-        return len(usable) > sum(1 for worker_id in tried if worker_id in usable)
+        if hopeful:
+            by_id = self._by_id
+            for worker_id in excluded if isinstance(excluded, set | frozenset) else set(excluded):
+                slot = by_id.get(worker_id)
+                if slot is not None and slot.doom == _NOW:
+                    hopeful -= 1
+            if hopeful > 0:
+                return True
+        for doom, _, slot in self._doomed:
+            if doom >= deadline:
+                break
+            if slot.worker.id not in excluded:
+                return True
+        return False
+
+    def held_past(self, excluded: Collection[str], deadline: float) -> tuple[bool, bool]:
+        """Whether open breakers, and whether cool-downs, keep some worker not in
+        ``excluded`` unavailable until ``deadline`` or later."""
+        breakers = cooldowns = False
+        doomed = self._doomed
+        for i in range(bisect_left(doomed, (deadline,)), len(doomed)):
+            slot = doomed[i][2]
+            if slot.worker.id not in excluded:
+                breakers = breakers or slot.breaker_until >= deadline
+                cooldowns = cooldowns or slot.cooldown_until >= deadline
+        return breakers, cooldowns
 
     # -- the index ---------------------------------------------------------------------
 
@@ -272,8 +348,13 @@ class Selector:
         :meth:`invalidate`, and the timed ones whose time has come."""
         if self._stale:
             self._stale = False
-            # A full worker whose tasks did not end is still full.
-            recheck = [slot for slot in self._full if slot.worker.in_flight < slot.worker.capacity]
+            # A full worker whose tasks did not end is still full; only a doomed one
+            # may have changed in a way that matters (a breaker closed elsewhere).
+            recheck = [
+                slot
+                for slot in self._full
+                if slot.worker.in_flight < slot.worker.capacity or slot.doom != _NOW
+            ]
             recheck += self._others
             for slot in recheck:
                 self._classify(slot, now)
@@ -300,9 +381,25 @@ class Selector:
     def _classify(self, slot: _Slot, now: float) -> None:
         """Put ``slot`` where its worker's state says, as of ``now``."""
         worker = slot.worker
-        retry = worker.breaker.retry_at()
+        breaker = worker.breaker
+        retry = breaker.retry_at()
         cooldown = worker.cooldown_until
         usable = worker.enabled and not worker.draining
+        if not usable:
+            doom = breaker_until = cooldown_until = _NEVER
+        else:
+            cooldown_until = cooldown if cooldown > now else _NOW
+            breaker_until = (
+                retry
+                if retry is not None
+                and retry > now
+                and not self._shared_breakers
+                and _early_trial_used(breaker)
+                else _NOW
+            )
+            doom = max(cooldown_until, breaker_until)
+        slot.breaker_until = breaker_until
+        slot.cooldown_until = cooldown_until
         wake = 0.0
         if worker.eligible(now):
             state = _READY
@@ -317,6 +414,8 @@ class Selector:
         else:
             state = _BLOCKED  # a half-open breaker with its trial in flight
         self._move(slot, state, wake)
+        if doom != slot.doom:
+            self._set_doom(slot, doom)
 
     def _move(self, slot: _Slot, state: int, wake: float) -> None:
         old = slot.state
@@ -369,3 +468,16 @@ class Selector:
         self._sync_due()
         if earlier and self.on_earlier_wake is not None:
             self.on_earlier_wake()
+
+    def _set_doom(self, slot: _Slot, doom: float) -> None:
+        old = slot.doom
+        if old == _NOW:
+            self._hopeful -= 1
+        elif old != _NEVER:
+            doomed = self._doomed
+            del doomed[bisect_left(doomed, (old, slot.seq))]
+        slot.doom = doom
+        if doom == _NOW:
+            self._hopeful += 1
+        elif doom != _NEVER:
+            insort(self._doomed, (doom, slot.seq, slot))

@@ -1,4 +1,4 @@
-"""Unit tests of admission: leases, FIFO hand-off, and what waiting costs."""
+"""Unit tests of admission: leases, FIFO hand-off, what waiting costs, failing fast."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from npu_sync.admission import Dispatcher, Lease
+from npu_sync.admission import Dispatcher, Lease, Refusal
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.selector import Selector
@@ -67,14 +67,14 @@ def wait_until(condition: Callable[[], bool]) -> None:
 
 
 class Waiting:
-    """``acquire`` running on a thread of its own."""
+    """``acquire_or_reason`` running on a thread of its own."""
 
     def __init__(
         self, dispatcher: Dispatcher, deadline: float, excluded: Collection[str] = ()
     ) -> None:
         self.dispatcher = dispatcher
         self.deadline = deadline
-        self.result: Lease | None = None
+        self.result: Lease | Refusal | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(excluded,))
@@ -82,7 +82,7 @@ class Waiting:
 
     def _run(self, excluded: Collection[str]) -> None:
         try:
-            self.result = self.dispatcher.acquire(excluded, self.deadline)
+            self.result = self.dispatcher.acquire_or_reason(excluded, self.deadline)
         except BaseException as exc:
             self.error = exc
         finally:
@@ -116,7 +116,28 @@ def queue(started: list[Waiting], dispatcher: Dispatcher, deadline: float, **kw:
     return call
 
 
+def open_after_early_trial(worker: Worker, clock: FakeClock) -> None:
+    """Open the breaker, grant and fail its early trial: open for 60 s, no early trial left."""
+    breaker = worker.breaker
+    breaker.record_failure(False)
+    breaker.allow_trial()
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.record_failure(True)
+    assert breaker.retry_at() == clock.monotonic() + 60
+
+
 # -- basic contract ----------------------------------------------------------------------
+
+
+def test_acquire_returns_a_lease_or_none_and_acquire_or_reason_says_why(clock):
+    """acquire() keeps its Lease-or-None contract; acquire_or_reason() names the refusal."""
+    a = make_worker(clock, "a")
+    dispatcher = Dispatcher(clock, Selector([a]))
+    lease = dispatcher.acquire((), far(clock))
+    assert isinstance(lease, Lease) and lease.worker is a and a.in_flight == 1
+    assert dispatcher.acquire({"a"}, far(clock)) is None
+    assert dispatcher.acquire_or_reason({"a"}, far(clock)) is Refusal.EVERY_WORKER_TRIED
+    assert dispatcher.acquire_or_reason((), clock.monotonic()) is Refusal.DEADLINE_PASSED
 
 
 def test_sequential_leases_rotate_over_backups_while_the_primary_is_down(clock):
@@ -198,3 +219,93 @@ def test_queueing_and_hand_off_in_a_full_pool_look_at_few_workers(clock, started
     assert waiting.done.wait(5)
     assert isinstance(waiting.result, Lease) and waiting.result.worker is lease.worker
     assert _Watched.seen == {lease.worker.id}
+
+
+# -- failing fast when waiting cannot help -----------------------------------------------
+
+
+def test_breakers_open_past_the_deadline_with_no_early_trial_left_refuse_at_once(clock):
+    """Open until after the deadline, early trial spent: refused at once, not queued."""
+    a, b = make_worker(clock, "a"), make_worker(clock, "b")
+    open_after_early_trial(a, clock)
+    open_after_early_trial(b, clock)
+    dispatcher = Dispatcher(clock, Selector([a, b]))
+    got = dispatcher.acquire_or_reason((), clock.monotonic() + 10)
+    assert got is Refusal.BREAKERS_OPEN and dispatcher.waiting == 0
+
+
+def test_a_breaker_that_may_still_get_an_early_trial_is_waited_for(clock, started):
+    """Open past the deadline, but a passing health check could grant a trial: wait."""
+    a = make_worker(clock, "a")
+    a.breaker.record_failure(False)  # open for 30 s, early trial not used
+    dispatcher = Dispatcher(clock, Selector([a]))
+    waiting = queue(started, dispatcher, clock.monotonic() + 10)
+    with dispatcher.lock:  # what the pool does when a health check passes
+        a.breaker.allow_trial()
+        dispatcher.release_locked(clock.monotonic())
+    assert waiting.done.wait(5)
+    assert isinstance(waiting.result, Lease) and waiting.result.trial
+
+
+def test_a_breaker_due_before_the_deadline_is_waited_for(clock, started):
+    """Early trial spent, but the trial time comes before the deadline: wait for it."""
+    a = make_worker(clock, "a")
+    open_after_early_trial(a, clock)
+    dispatcher = Dispatcher(clock, Selector([a]))
+    waiting = queue(started, dispatcher, clock.monotonic() + 61)
+    clock.advance(60)
+    with dispatcher.lock:
+        dispatcher.wake_all_locked()
+    assert waiting.done.wait(5)
+    assert isinstance(waiting.result, Lease) and waiting.result.trial
+
+
+def test_shared_breakers_are_waited_for(clock, started):
+    """With breakers shared between processes, another's trial may close one any time."""
+    a = make_worker(clock, "a")
+    open_after_early_trial(a, clock)
+    dispatcher = Dispatcher(clock, Selector([a], shared_breakers=True))
+    queue(started, dispatcher, clock.monotonic() + 10)
+
+
+def test_cool_downs_past_the_deadline_refuse_at_once_and_say_so(clock):
+    """A Retry-After ending after the deadline counts as unavailable; the reason names
+    breakers, cool-downs, or both."""
+    a, b = make_worker(clock, "a"), make_worker(clock, "b")
+    a.cooldown_until = clock.monotonic() + 20
+    b.cooldown_until = clock.monotonic() + 30
+    dispatcher = Dispatcher(clock, Selector([a, b]))
+    assert dispatcher.acquire_or_reason((), clock.monotonic() + 10) is Refusal.COOLING_DOWN
+    with dispatcher.lock:
+        b.cooldown_until = 0.0
+        open_after_early_trial(b, clock)
+        dispatcher.release_worker_locked(b, clock.monotonic())
+    got = dispatcher.acquire_or_reason((), clock.monotonic() + 10)
+    assert got is Refusal.BREAKERS_OPEN_OR_COOLING_DOWN
+    assert dispatcher.acquire_or_reason({"a"}, clock.monotonic() + 10) is Refusal.BREAKERS_OPEN
+    assert dispatcher.waiting == 0
+
+
+def test_disabled_workers_and_tried_workers_leave_nothing_to_wait_for(clock):
+    """Only disabled workers: no worker; the rest tried: every worker tried."""
+    off = make_worker(clock, "off", enabled=False)
+    dispatcher = Dispatcher(clock, Selector([off]))
+    assert dispatcher.acquire_or_reason((), far(clock)) is Refusal.NO_WORKER
+    a = make_worker(clock, "a")
+    dispatcher.set_workers([off, a])
+    assert dispatcher.acquire_or_reason({"a"}, far(clock)) is Refusal.EVERY_WORKER_TRIED
+
+
+def test_a_waiter_leaves_at_once_when_its_last_hope_is_gone(clock, started):
+    """Queued behind an early trial that then fails: the breaker is open past the
+    deadline with no early trial left, so the waiter is refused without waiting it out."""
+    a = make_worker(clock, "a", capacity=4)
+    a.breaker.record_failure(False)
+    a.breaker.allow_trial()
+    dispatcher = Dispatcher(clock, Selector([a]))
+    trial = dispatcher.acquire((), far(clock))
+    assert trial is not None and trial.trial
+    waiting = queue(started, dispatcher, clock.monotonic() + 10)
+    give_back(dispatcher, trial, failed=True)
+    assert waiting.done.wait(5)
+    assert waiting.result is Refusal.BREAKERS_OPEN and dispatcher.waiting == 0
