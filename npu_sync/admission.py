@@ -10,6 +10,9 @@ is due for its trial or a worker's cool-down ends, since no release signals thos
 A task does not wait when waiting cannot help: when every worker it has not tried is
 disabled, draining, or unavailable until after its deadline (see
 :meth:`Selector.can_serve_before`), it is refused at once, with the reason.
+
+Whatever is raised in a waiting thread (``KeyboardInterrupt`` included), a lease
+handed to it is given back and passed on to the next waiter.
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ class Refusal(enum.Enum):
 
 
 class _Waiter:
-    __slots__ = ("cond", "deadline", "excluded", "lease")
+    __slots__ = ("cond", "deadline", "excluded", "lease", "queued")
 
     def __init__(self, excluded: Collection[str], deadline: float, lock: threading.Lock) -> None:
         self.excluded = excluded
         self.deadline = deadline
         self.cond = threading.Condition(lock)
         self.lease: Lease | None = None
+        self.queued = True
 
 
 class Dispatcher:
@@ -186,13 +190,26 @@ class Dispatcher:
                 refusal = self._refusal(excluded, deadline, now)
                 if refusal is not None:
                     break
+        except BaseException:
+            # Interrupted, perhaps just as a lease was handed over: give it back and
+            # pass it on, or the slot (or the breaker's only trial) is lost for good.
+            self._leave(waiter)
+            lease, waiter.lease = waiter.lease, None
+            if lease is not None:
+                self._give_back(lease.worker, lease.trial)
+                self._serve(self.clock.monotonic())
+            raise
         finally:
-            if waiter.lease is None:
-                self._waiters.remove(waiter)
+            self._leave(waiter)
         if waiter.lease is not None:
             return waiter.lease
         assert refusal is not None
         return refusal
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter.queued:
+            waiter.queued = False
+            self._waiters.remove(waiter)
 
     def _try(self, excluded: Collection[str], now: float) -> Lease | None:
         started = _perf_counter()
@@ -204,10 +221,21 @@ class Dispatcher:
         if trial is None:  # pragma: no cover - select() checked can_admit under this lock
             return None
         worker.in_flight += 1
-        if trial or worker.in_flight >= worker.capacity:
-            selector.taken(worker, now)
-        self.selection_time.add(_perf_counter() - started)
-        return Lease(worker, trial)
+        try:
+            if trial or worker.in_flight >= worker.capacity:
+                selector.taken(worker, now)
+            lease = Lease(worker, trial)
+            self.selection_time.add(_perf_counter() - started)
+        except BaseException:
+            self._give_back(worker, trial)
+            raise
+        return lease
+
+    def _give_back(self, worker: Worker, trial: bool) -> None:
+        """Undo a lease that no attempt will use."""
+        worker.in_flight -= 1
+        worker.breaker.release(trial)
+        self.selector.update(worker, self.clock.monotonic())
 
     def _serve(self, now: float) -> None:
         waiters = self._waiters
@@ -215,8 +243,10 @@ class Dispatcher:
         i = 0
         while i < len(waiters):
             waiter = waiters[i]
-            if now >= waiter.deadline:
-                waiter.cond.notify()  # too late for a lease: it leaves the queue itself
+            if waiter.lease is not None or now >= waiter.deadline:
+                # Too late for a lease, or already has one (a hand-over interrupted
+                # before the notify): it leaves the queue itself.
+                waiter.cond.notify()
                 i += 1
                 continue
             if not may_have_room(now):
@@ -224,6 +254,7 @@ class Dispatcher:
             waiter.lease = self._try(waiter.excluded, now)
             if waiter.lease is not None:
                 del waiters[i]
+                waiter.queued = False
                 waiter.cond.notify()
             elif not waiter.excluded:
                 break  # no worker has room for anyone

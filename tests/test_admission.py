@@ -1,4 +1,4 @@
-"""Unit tests of admission: leases, FIFO hand-off, what waiting costs, failing fast."""
+"""Unit tests of admission: leases, FIFO hand-off, failing fast, interrupted waiters."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from npu_sync import admission
 from npu_sync.admission import Dispatcher, Lease, Refusal
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
@@ -309,3 +310,137 @@ def test_a_waiter_leaves_at_once_when_its_last_hope_is_gone(clock, started):
     give_back(dispatcher, trial, failed=True)
     assert waiting.done.wait(5)
     assert waiting.result is Refusal.BREAKERS_OPEN and dispatcher.waiting == 0
+
+
+# -- interrupted waiters give their lease back -------------------------------------------
+
+
+class _Interrupted(KeyboardInterrupt):
+    pass
+
+
+def interrupt_waiters(monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    """Make a waiter's condition raise ``_Interrupted``, as a Ctrl-C landing then would.
+
+    ``when``: "handed" (on waking with a lease handed over by another thread), "woken"
+    (on any waking), "notified" (as the waiter's own serving pass hands it a lease).
+    """
+
+    class Interrupting(threading.Condition):
+        def __init__(self, lock: threading.Lock, waiter: Any) -> None:
+            super().__init__(lock)
+            self.waiter = waiter
+            self.armed = True
+
+        def wait(self, timeout: float | None = None) -> bool:
+            woke = super().wait(timeout)
+            if self.armed and (when == "woken" or (when == "handed" and self.waiter.lease)):
+                self.armed = False
+                raise _Interrupted
+            return woke
+
+        def notify(self, n: int = 1) -> None:
+            if self.armed and when == "notified" and self.waiter.lease:
+                self.armed = False
+                raise _Interrupted
+            super().notify(n)
+
+    class Waiter(admission._Waiter):
+        def __init__(self, excluded: Any, deadline: float, lock: threading.Lock) -> None:
+            super().__init__(excluded, deadline, lock)
+            self.cond = Interrupting(lock, self)
+
+    monkeypatch.setattr(admission, "_Waiter", Waiter)
+
+
+@pytest.mark.parametrize("trial", [False, True], ids=["slot", "trial"])
+def test_a_lease_handed_to_an_interrupted_waiter_is_given_back(clock, started, monkeypatch, trial):
+    """Interrupted as it wakes with a lease: the slot (or the half-open trial) is freed."""
+    interrupt_waiters(monkeypatch, "handed")
+    a = make_worker(clock, "a")
+    if trial:
+        a.breaker.record_failure(False)
+        clock.advance(30)  # half-open: one trial at a time
+    dispatcher = Dispatcher(clock, Selector([a]))
+    held = dispatcher.acquire((), far(clock))
+    assert held is not None and held.trial is trial
+    waiting = queue(started, dispatcher, far(clock))
+    with dispatcher.lock:  # the held attempt ends without a verdict: a new lease is due
+        a.in_flight -= 1
+        a.breaker.release(held.trial)
+        dispatcher.release_worker_locked(a, clock.monotonic())
+    assert waiting.done.wait(5)
+    assert isinstance(waiting.error, _Interrupted)
+    assert a.in_flight == 0 and dispatcher.waiting == 0
+    again = dispatcher.acquire((), far(clock))
+    assert again is not None and again.trial is trial
+
+
+def test_an_interrupted_waiter_passes_the_lease_to_the_next_one(clock, started, monkeypatch):
+    """The lease an interrupted waiter gives back goes to the waiter behind it."""
+    a = make_worker(clock, "a")
+    dispatcher = Dispatcher(clock, Selector([a]))
+    held = dispatcher.acquire((), far(clock))
+    assert held is not None
+    interrupt_waiters(monkeypatch, "handed")
+    first = queue(started, dispatcher, far(clock))
+    monkeypatch.undo()
+    second = queue(started, dispatcher, far(clock))
+    give_back(dispatcher, held)
+    assert first.done.wait(5) and isinstance(first.error, _Interrupted)
+    assert second.done.wait(5) and isinstance(second.result, Lease)
+    assert a.in_flight == 1
+
+
+def test_a_waiter_interrupted_while_waiting_leaves_the_queue(clock, started, monkeypatch):
+    """Interrupted with no lease: it leaves the queue, and later slots go to nobody else."""
+    interrupt_waiters(monkeypatch, "woken")
+    a = make_worker(clock, "a")
+    dispatcher = Dispatcher(clock, Selector([a]))
+    held = dispatcher.acquire((), far(clock))
+    assert held is not None
+    waiting = queue(started, dispatcher, far(clock))
+    with dispatcher.lock:
+        dispatcher.wake_all_locked()
+    assert waiting.done.wait(5) and isinstance(waiting.error, _Interrupted)
+    assert dispatcher.waiting == 0
+    give_back(dispatcher, held)
+    assert a.in_flight == 0
+
+
+def test_a_waiter_interrupted_while_serving_itself_gives_the_lease_back(
+    clock, started, monkeypatch
+):
+    """Its own serving pass hands it a lease and is interrupted: the lease is freed."""
+    interrupt_waiters(monkeypatch, "notified")
+    a = make_worker(clock, "a")
+    dispatcher = Dispatcher(clock, Selector([a]))
+    held = dispatcher.acquire((), far(clock))
+    assert held is not None
+    waiting = queue(started, dispatcher, far(clock))
+    with dispatcher.lock:  # freed without serving anyone: the waiter serves itself on waking
+        a.in_flight -= 1
+        dispatcher.selector.update(a, clock.monotonic())
+        dispatcher.wake_all_locked()
+    assert waiting.done.wait(5) and isinstance(waiting.error, _Interrupted)
+    assert a.in_flight == 0 and dispatcher.waiting == 0
+
+
+def test_an_interrupt_after_the_slot_is_taken_gives_it_back(clock, monkeypatch):
+    """Raised between taking the slot and returning the lease: slot and trial freed."""
+    a = make_worker(clock, "a")
+    a.breaker.record_failure(False)
+    clock.advance(30)
+    dispatcher = Dispatcher(clock, Selector([a]))
+
+    class Interrupting:
+        def add(self, value: float) -> None:
+            raise _Interrupted
+
+    monkeypatch.setattr(dispatcher, "selection_time", Interrupting())
+    with pytest.raises(_Interrupted):
+        dispatcher.acquire((), far(clock))
+    monkeypatch.undo()
+    assert a.in_flight == 0
+    again = dispatcher.acquire((), far(clock))
+    assert again is not None and again.trial
