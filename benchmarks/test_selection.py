@@ -1,6 +1,9 @@
 """Selection latency: one acquire + release of a worker lease, no I/O.
 
-With 10, 100 and 1,000 workers, from 1 thread and from 16 threads at once.
+Idle pools of 10, 100 and 1,000 workers, from 1 thread and from 16 at once; then the
+states where a scan would cost the most: a saturated tier of 1,000 workers in front of
+a tier with room, a 1,000-worker tier with one free slot, and the rate at which freed
+slots are handed to queued tasks when 32 threads compete for that one slot.
 """
 
 from __future__ import annotations
@@ -13,26 +16,49 @@ import pytest
 
 from benchmarks.conftest import report
 from npu_sync import WorkerPool
+from npu_sync.admission import Lease
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
 from npu_sync.retry import Kind, Outcome
 from npu_sync.testing import FakeNetwork
 
 SUCCESS = Outcome(Kind.SUCCESS, {})
+HEADER = ("workers", "threads", "p50 µs", "p99 µs")
 RESULTS: list[tuple[str, ...]] = []
+BUSY: list[tuple[str, ...]] = []
+HANDOFF: list[tuple[str, ...]] = []
 
 
-def _pool(n: int) -> WorkerPool:
+def _pool(n: int, capacity: int = 64, spill: int = 0) -> WorkerPool:
+    """``n`` workers at priority 1, then ``spill`` more at priority 2."""
     workers = tuple(
         worker_config(
-            f"w{i}", f"http://127.0.0.{1 + i // 60000}:{1024 + i % 60000}", max_concurrent=64
+            f"w{i}",
+            f"http://127.0.0.{1 + i // 60000}:{1024 + i % 60000}",
+            max_concurrent=capacity,
+            priority=1 if i < n else 2,
         )
-        for i in range(n)
+        for i in range(n + spill)
     )
     config = PoolConfig(workers=workers, health=HealthConfig(enabled=False))
     return WorkerPool(config, transport_factory=FakeNetwork().factory)
 
 
-def _measure(pool: WorkerPool, calls: int, out: list[float]) -> None:
+def _fill(pool: WorkerPool, leases: int) -> list[Lease]:
+    """Take ``leases`` leases and keep them: the tier fills the way real traffic fills it."""
+    held = []
+    for _ in range(leases):
+        lease = pool._dispatcher.acquire((), float("inf"))
+        assert lease is not None
+        held.append(lease)
+    return held
+
+
+def _give_back(pool: WorkerPool, held: list[Lease]) -> None:
+    for lease in held:
+        pool._record(lease, SUCCESS, 0.0, 0.0, retry=False)
+
+
+def _measure(pool: WorkerPool, calls: int, out: list[float], spill: bool = False) -> None:
     dispatcher = pool._dispatcher
     record = pool._record
     clock = time.perf_counter
@@ -41,7 +67,22 @@ def _measure(pool: WorkerPool, calls: int, out: list[float]) -> None:
         lease = dispatcher.acquire((), float("inf"))
         out.append(clock() - t0)
         assert lease is not None
+        assert not spill or lease.worker.priority == 2
         record(lease, SUCCESS, 0.0, 0.0, retry=False)
+
+
+def _run(pool: WorkerPool, threads: int, calls: int, spill: bool = False) -> tuple[float, float]:
+    samples: list[float] = []
+    runners = [
+        threading.Thread(target=_measure, args=(pool, calls // threads, samples, spill))
+        for _ in range(threads)
+    ]
+    for t in runners:
+        t.start()
+    for t in runners:
+        t.join()
+    cuts = statistics.quantiles(samples, n=100)
+    return statistics.median(samples) * 1e6, cuts[98] * 1e6
 
 
 @pytest.mark.parametrize("threads", [1, 16])
@@ -49,24 +90,99 @@ def _measure(pool: WorkerPool, calls: int, out: list[float]) -> None:
 def test_selection_latency(benchmark, workers, threads):
     """p50/p99 of acquiring a lease (select + breaker admit + in-flight count)."""
     with _pool(workers) as pool:
-        samples: list[float] = []
-        calls = 20000 // threads
+        p50, p99 = _run(pool, threads, 20000)
+        benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
+        RESULTS.append((str(workers), str(threads), f"{p50:.1f}", f"{p99:.1f}"))
+        report("selection latency, idle pool", [HEADER, *RESULTS])
+        benchmark.pedantic(_measure, args=(pool, 1, []), rounds=2000, warmup_rounds=100)
+
+
+@pytest.mark.parametrize("threads", [1, 16])
+def test_selection_past_a_saturated_tier(benchmark, threads):
+    """Every one of 1,000 priority-1 workers at capacity: leases go to priority 2."""
+    with _pool(1000, capacity=2, spill=10) as pool:
+        held = _fill(pool, 2000)
+        p50, p99 = _run(pool, threads, 10000, spill=True)
+        benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
+        BUSY.append(("1000 full + 10", str(threads), f"{p50:.1f}", f"{p99:.1f}"))
+        report("selection latency, busy pool", [HEADER, *BUSY])
+        benchmark.pedantic(_measure, args=(pool, 1, [], True), rounds=500, warmup_rounds=10)
+        _give_back(pool, held)
+
+
+@pytest.mark.parametrize("workers", [10, 1000])
+def test_selection_with_one_free_slot(benchmark, workers):
+    """A tier with one free slot among all its workers' capacity, one thread."""
+    with _pool(workers, capacity=2) as pool:
+        held = _fill(pool, workers * 2 - 1)
+        p50, p99 = _run(pool, 1, 10000)
+        benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
+        BUSY.append((f"{workers}, 1 slot free", "1", f"{p50:.1f}", f"{p99:.1f}"))
+        report("selection latency, busy pool", [HEADER, *BUSY])
+        benchmark.pedantic(_measure, args=(pool, 1, []), rounds=500, warmup_rounds=10)
+        _give_back(pool, held)
+
+
+def _cycle(
+    pool: WorkerPool, calls: int, records: list[float], queued: list[int], start: threading.Barrier
+) -> None:
+    dispatcher = pool._dispatcher
+    record = pool._record
+    clock = time.perf_counter
+    start.wait()
+    deadline = time.monotonic() + 3600  # finite: a queued task waits on a timed condition
+    for _ in range(calls):
+        lease = dispatcher.acquire((), deadline)
+        assert lease is not None
+        # Let go of the GIL while holding the lease, as a request would: the other
+        # threads run, find no room and queue.
+        time.sleep(0)
+        queued.append(dispatcher.waiting)
+        t0 = clock()
+        record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        records.append(clock() - t0)
+
+
+@pytest.mark.parametrize("workers", [10, 1000])
+def test_hand_off_rate_with_32_threads_queued(benchmark, workers):
+    """Leases per second when 32 threads compete for one free slot: each release hands
+    it to the next queued thread; also the release's own p50/p99 (where the hand-off
+    happens, under the lock)."""
+    threads, calls = 32, 250
+    with _pool(workers, capacity=2) as pool:
+        held = _fill(pool, workers * 2 - 1)
+        records: list[float] = []
+        queued: list[int] = []
+        start = threading.Barrier(threads + 1)
         runners = [
-            threading.Thread(target=_measure, args=(pool, calls, samples)) for _ in range(threads)
+            threading.Thread(target=_cycle, args=(pool, calls, records, queued, start))
+            for _ in range(threads)
         ]
         for t in runners:
             t.start()
+        start.wait()
+        t0 = time.perf_counter()
         for t in runners:
             t.join()
-        cuts = statistics.quantiles(samples, n=100)
-        p50, p99 = statistics.median(samples) * 1e6, cuts[98] * 1e6
-        benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
-        RESULTS.append((str(workers), str(threads), f"{p50:.1f}", f"{p99:.1f}"))
-        report(
-            "selection latency",
-            [("workers", "threads", "p50 µs", "p99 µs"), *RESULTS],
+        rate = threads * calls / (time.perf_counter() - t0)
+        cuts = statistics.quantiles(records, n=100)
+        p50, p99 = statistics.median(records) * 1e6, cuts[98] * 1e6
+        depth = statistics.mean(queued)
+        benchmark.extra_info.update(
+            {"leases_per_s": rate, "release_p50_us": p50, "release_p99_us": p99, "queued": depth}
         )
-        benchmark.pedantic(_measure, args=(pool, 1, []), rounds=2000, warmup_rounds=100)
+        HANDOFF.append(
+            (str(workers), str(threads), f"{depth:.0f}", f"{rate:,.0f}", f"{p50:.1f}", f"{p99:.1f}")
+        )
+        report(
+            "hand-off with 32 threads queued for 1 free slot",
+            [
+                ("workers", "threads", "queued", "leases/s", "release p50 µs", "release p99 µs"),
+                *HANDOFF,
+            ],
+        )
+        benchmark.pedantic(_measure, args=(pool, 1, []), rounds=100, warmup_rounds=10)
+        _give_back(pool, held)
 
 
 def test_plain_min_over_all_workers_baseline(benchmark):
@@ -86,5 +202,5 @@ def test_plain_min_over_all_workers_baseline(benchmark):
         p50 = statistics.median(samples) * 1e6
         benchmark.extra_info["p50_us"] = p50
         RESULTS.append(("1000 (min)", "1", f"{p50:.1f}", "-"))
-        report("selection latency", [("workers", "threads", "p50 µs", "p99 µs"), *RESULTS])
+        report("selection latency, idle pool", [HEADER, *RESULTS])
         benchmark.pedantic(plain_min, rounds=200)

@@ -6,14 +6,22 @@ task waits in a FIFO queue until a worker frees up or recovers, up to its deadli
 it, under the same lock that released it, so a newcomer cannot overtake a waiter and
 no waiter is woken for nothing. Waiters also wake on their own when an open breaker
 is due for its trial or a worker's cool-down ends, since no release signals those.
+
+A task does not wait when waiting cannot help: when every worker it has not tried is
+disabled, draining, or unavailable until after its deadline (see
+:meth:`Selector.can_serve_before`), it is refused at once, with the reason.
+
+Whatever is raised in a waiting thread (``KeyboardInterrupt`` included), a lease
+handed to it is given back and passed on to the next waiter.
 """
 
 from __future__ import annotations
 
+import enum
 import threading
-import time
 from collections import deque
 from collections.abc import Collection, Iterable
+from time import perf_counter as _perf_counter  # bound once: read twice per attempt
 
 from npu_sync.clock import Clock
 from npu_sync.metrics import Window
@@ -32,14 +40,33 @@ class Lease:
         self.generation = worker.generation
 
 
+class Refusal(enum.Enum):
+    """Why :meth:`Dispatcher.acquire_or_reason` gave no lease; the value reads as a reason."""
+
+    DEADLINE_PASSED = "deadline passed waiting for a worker"
+    EVERY_WORKER_TRIED = "every worker was tried"
+    NO_WORKER = "no worker in the pool can take tasks"
+    BREAKERS_OPEN = (
+        "no worker can become available before the deadline: circuit breakers open until after it"
+    )
+    COOLING_DOWN = (
+        "no worker can become available before the deadline: Retry-After cool-downs until after it"
+    )
+    BREAKERS_OPEN_OR_COOLING_DOWN = (
+        "no worker can become available before the deadline: "
+        "circuit breakers open or Retry-After cool-downs until after it"
+    )
+
+
 class _Waiter:
-    __slots__ = ("cond", "deadline", "excluded", "lease")
+    __slots__ = ("cond", "deadline", "excluded", "lease", "queued")
 
     def __init__(self, excluded: Collection[str], deadline: float, lock: threading.Lock) -> None:
         self.excluded = excluded
         self.deadline = deadline
         self.cond = threading.Condition(lock)
         self.lease: Lease | None = None
+        self.queued = True
 
 
 class Dispatcher:
@@ -47,12 +74,18 @@ class Dispatcher:
 
     Thread-safe. ``lock`` guards every worker's mutable state, the selector and the
     waiter queue; it is never held across I/O.
+
+    Whoever changes a worker under ``lock`` in a way that may make it available tells
+    the dispatcher: :meth:`release_worker_locked` for one worker (a task ended there),
+    :meth:`release_locked` when several or unknown ones may have (a health round).
     """
 
     def __init__(self, clock: Clock, selector: Selector | None = None) -> None:
         self.lock = threading.Lock()
         self.clock = clock
         self.selector = selector or Selector()
+        self.selector.on_earlier_wake = self.wake_all_locked
+        self._parked = self.selector.parked
         self._waiters: deque[_Waiter] = deque()
         self.selection_time = Window(4096)
 
@@ -69,46 +102,64 @@ class Dispatcher:
         self.selector.set_workers(workers)
         self._serve(self.clock.monotonic())
         # Waiters whose last untried worker went away must re-check.
-        for waiter in self._waiters:
-            waiter.cond.notify()
+        self.wake_all_locked()
 
     def acquire(self, excluded: Collection[str], deadline: float) -> Lease | None:
         """A lease on the best worker not in ``excluded``, waiting until ``deadline``.
 
-        Returns None when the deadline passes first, or at once when every worker
-        that could ever take this task has been tried. Never hands out a lease after
-        ``deadline``.
+        Returns None when the deadline passes first, or at once when no worker that
+        could take this task can do so before ``deadline`` (see
+        :meth:`acquire_or_reason`). Never hands out a lease after ``deadline``.
+        """
+        with self.lock:
+            now = self.clock.monotonic()
+            if now < deadline and not self._waiters:
+                lease = self._try(excluded, now)
+                if lease is not None:
+                    return lease
+        # No worker has room now (or others queue first): the full procedure.
+        got = self.acquire_or_reason(excluded, deadline)
+        return got if type(got) is Lease else None
+
+    def acquire_or_reason(self, excluded: Collection[str], deadline: float) -> Lease | Refusal:
+        """Like :meth:`acquire`, but say why no lease was given.
+
+        Returns:
+            A Lease; or the Refusal: the deadline passed, every worker was tried,
+            the pool has no worker that takes tasks, or every worker not tried is
+            held by an open breaker or a cool-down until after ``deadline``.
         """
         with self.lock:
             now = self.clock.monotonic()
             if now >= deadline:
-                return None
+                return Refusal.DEADLINE_PASSED
             if self._waiters:
                 self._serve(now)
             lease = self._try(excluded, now)
             if lease is not None:
                 return lease
-            if not self._has_candidate(excluded):
-                return None
-            waiter = _Waiter(excluded, deadline, self.lock)
-            self._waiters.append(waiter)
-            try:
-                while waiter.lease is None:
-                    remaining = deadline - now
-                    if remaining <= 0 or not self._has_candidate(excluded):
-                        break
-                    waiter.cond.wait(self._wake_in(excluded, now, remaining))
-                    if waiter.lease is not None:
-                        break
-                    now = self.clock.monotonic()
-                    self._serve(now)
-            finally:
-                if waiter.lease is None:
-                    self._waiters.remove(waiter)
-            return waiter.lease
+            refusal = self._refusal(excluded, deadline, now)
+            if refusal is not None:
+                return refusal
+            return self._wait(excluded, deadline, now)
 
     def release_locked(self, now: float) -> None:
-        """Hand freed capacity to waiters. Call with ``lock`` held."""
+        """Workers not named may have become available (a health round, a breaker
+        closed elsewhere, tasks ended): look at them again and hand freed capacity to
+        waiters. Call with ``lock`` held.
+
+        Costs a pass over the unavailable workers at the next selection: after a task
+        ends, :meth:`release_worker_locked` is the cheap call.
+        """
+        self.selector.invalidate()
+        if self._waiters:
+            self._serve(now)
+
+    def release_worker_locked(self, worker: Worker, now: float) -> None:
+        """``worker`` changed (one of its tasks ended, its breaker or cool-down moved):
+        hand any capacity it now has to waiters. Call with ``lock`` held."""
+        if worker in self._parked:  # a worker with room already is found as it is
+            self.selector.update(worker, now)
         if self._waiters:
             self._serve(now)
 
@@ -118,49 +169,116 @@ class Dispatcher:
         for waiter in self._waiters:
             waiter.cond.notify()
 
+    # -- internals ---------------------------------------------------------------------
+
+    def _wait(self, excluded: Collection[str], deadline: float, now: float) -> Lease | Refusal:
+        waiter = _Waiter(excluded, deadline, self.lock)
+        self._waiters.append(waiter)
+        refusal: Refusal | None = None
+        try:
+            while True:
+                waiter.cond.wait(self._wake_in(now, deadline))
+                if waiter.lease is not None:
+                    break
+                now = self.clock.monotonic()
+                if now >= deadline:
+                    refusal = Refusal.DEADLINE_PASSED
+                    break
+                self._serve(now)
+                if waiter.lease is not None:
+                    break
+                refusal = self._refusal(excluded, deadline, now)
+                if refusal is not None:
+                    break
+        except BaseException:
+            # Interrupted, perhaps just as a lease was handed over: give it back and
+            # pass it on, or the slot (or the breaker's only trial) is lost for good.
+            self._leave(waiter)
+            lease, waiter.lease = waiter.lease, None
+            if lease is not None:
+                self._give_back(lease.worker, lease.trial)
+                self._serve(self.clock.monotonic())
+            raise
+        finally:
+            self._leave(waiter)
+        if waiter.lease is not None:
+            return waiter.lease
+        assert refusal is not None
+        return refusal
+
+    def _leave(self, waiter: _Waiter) -> None:
+        if waiter.queued:
+            waiter.queued = False
+            self._waiters.remove(waiter)
+
     def _try(self, excluded: Collection[str], now: float) -> Lease | None:
-        started = time.perf_counter()
-        worker = self.selector.select(excluded, now)
+        started = _perf_counter()
+        selector = self.selector
+        worker = selector.select(excluded, now)
         if worker is None:
             return None
         trial = worker.breaker.admit(now)
         if trial is None:  # pragma: no cover - select() checked can_admit under this lock
             return None
         worker.in_flight += 1
-        self.selection_time.add(time.perf_counter() - started)
-        return Lease(worker, trial)
+        try:
+            if trial or worker.in_flight >= worker.capacity:
+                selector.taken(worker, now)
+            lease = Lease(worker, trial)
+            self.selection_time.add(_perf_counter() - started)
+        except BaseException:
+            self._give_back(worker, trial)
+            raise
+        return lease
+
+    def _give_back(self, worker: Worker, trial: bool) -> None:
+        """Undo a lease that no attempt will use."""
+        worker.in_flight -= 1
+        worker.breaker.release(trial)
+        self.selector.update(worker, self.clock.monotonic())
 
     def _serve(self, now: float) -> None:
-        served: list[_Waiter] = []
-        for waiter in self._waiters:
-            if now >= waiter.deadline:
-                waiter.cond.notify()  # too late for a lease: it leaves the queue itself
+        waiters = self._waiters
+        may_have_room = self.selector.may_have_room
+        i = 0
+        while i < len(waiters):
+            waiter = waiters[i]
+            if waiter.lease is not None or now >= waiter.deadline:
+                # Too late for a lease, or already has one (a hand-over interrupted
+                # before the notify): it leaves the queue itself.
+                waiter.cond.notify()
+                i += 1
                 continue
-            lease = self._try(waiter.excluded, now)
-            if lease is not None:
-                waiter.lease = lease
-                served.append(waiter)
+            if not may_have_room(now):
+                break  # no worker has room for anyone
+            waiter.lease = self._try(waiter.excluded, now)
+            if waiter.lease is not None:
+                del waiters[i]
+                waiter.queued = False
                 waiter.cond.notify()
             elif not waiter.excluded:
                 break  # no worker has room for anyone
-        for waiter in served:
-            self._waiters.remove(waiter)
+            else:
+                i += 1
 
-    def _has_candidate(self, excluded: Collection[str]) -> bool:
-        return any(
-            w.id not in excluded and w.enabled and not w.draining and not w.removed
-            for w in self.selector.workers
-        )
+    def _refusal(self, excluded: Collection[str], deadline: float, now: float) -> Refusal | None:
+        """Why waiting cannot help this task, or None if it may."""
+        selector = self.selector
+        if selector.can_serve_before(excluded, deadline, now):
+            return None
+        breakers, cooldowns = selector.held_past(excluded, deadline)
+        if breakers and cooldowns:
+            return Refusal.BREAKERS_OPEN_OR_COOLING_DOWN
+        if breakers:
+            return Refusal.BREAKERS_OPEN
+        if cooldowns:
+            return Refusal.COOLING_DOWN
+        return Refusal.EVERY_WORKER_TRIED if excluded else Refusal.NO_WORKER
 
-    def _wake_in(self, excluded: Collection[str], now: float, remaining: float) -> float:
+    def _wake_in(self, now: float, deadline: float) -> float:
         """How long to sleep before something time-driven may free a worker."""
-        wake = remaining
-        for worker in self.selector.workers:
-            if worker.id in excluded:
-                continue
-            retry_at = worker.breaker.retry_at()
-            if retry_at is not None and retry_at > now:
-                wake = min(wake, retry_at - now)
-            if worker.cooldown_until > now:
-                wake = min(wake, worker.cooldown_until - now)
+        wake = deadline - now
+        due = self.selector.next_wake()
+        if due is not None and due - now < wake:
+            wake = due - now
         return max(wake, 0.001)
