@@ -117,6 +117,12 @@ class WorkerBreaker:
         """The reset timeout in force: grows on consecutive trips."""
         return self._reset_timeout
 
+    @property
+    def early_trial_used(self) -> bool:
+        """Whether this opening already had its early trial (:meth:`allow_trial`): if
+        so, a passing health check cannot cut the opening short again."""
+        return self._early_trial_used
+
     def retry_at(self) -> float | None:
         """Monotonic time at which an open breaker admits its trial; None unless open."""
         return self._opened_at + self._reset_timeout if self._state == OPEN else None

@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any, NoReturn
 
-from npu_sync.admission import Dispatcher, Lease
+from npu_sync.admission import Dispatcher, Lease, Refusal
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
@@ -162,7 +162,10 @@ class WorkerPool:
         self._clock = clock
         self._transport_factory = transport_factory
         self._retry = RetryPolicy(config.retry)
-        self._dispatcher = Dispatcher(clock, Selector(rng=rng))
+        self._dispatcher = Dispatcher(
+            clock,
+            Selector(rng=rng, shared_breakers=config.shared_state.backend == "redis"),
+        )
         self._lock = self._dispatcher.lock
         self._idle = threading.Condition(self._lock)
         self._stats = PoolStats()
@@ -1021,12 +1024,12 @@ class WorkerPool:
         suspects: list[Worker] = []
         too_large = 0
         headers = {"X-NPU-Task-Id": task.task_id, "X-NPU-Attempt": "1"}
-        acquire = self._dispatcher.acquire
+        acquire = self._dispatcher.acquire_or_reason
         while True:
             wait_until = clock.monotonic() + queue_wait
             lease = acquire(excluded, wait_until if wait_until < deadline else deadline)
-            if lease is None:
-                reason = self._no_lease_reason(attempts, deadline, wait_until)
+            if isinstance(lease, Refusal):
+                reason = self._refusal_reason(lease, attempts, deadline, wait_until)
                 break
             # From here until _record() takes it back, the lease holds a slot on the
             # worker (maybe its one half-open trial): whatever is raised, give it back.
@@ -1189,16 +1192,18 @@ class WorkerPool:
             reason = f"{reason}; last error on {attempts[-1].worker_id}: {attempts[-1].error}"
         raise _Exhausted(reason, attempts, start + wall)
 
-    def _no_lease_reason(self, attempts: list[Attempt], deadline: float, wait_until: float) -> str:
-        now = self._clock.monotonic()
-        if now >= deadline:
-            return "deadline passed" if attempts else "deadline passed waiting for a worker"
-        if now >= wait_until:
-            wait = self._config.pool.max_queue_wait
-            return f"no worker could take the task within pool.max_queue_wait ({wait:g}s)"
-        if not attempts:
-            return "no worker in the pool can take tasks"
-        return _EVERY_WORKER_TRIED
+    def _refusal_reason(
+        self, refusal: Refusal, attempts: list[Attempt], deadline: float, wait_until: float
+    ) -> str:
+        """Why no worker was had, naming the limit that ran out."""
+        if wait_until >= deadline:
+            if refusal is Refusal.DEADLINE_PASSED and attempts:
+                return "deadline passed"
+            return str(refusal.value)
+        limit = f"pool.max_queue_wait ({self._config.pool.max_queue_wait:g}s)"
+        if refusal is Refusal.DEADLINE_PASSED:
+            return f"no worker could take the task within {limit}"
+        return str(refusal.value).replace("before the deadline", f"within {limit}")
 
     def _untried_left(self, excluded: Collection[str], by: float = math.inf) -> bool:
         """Whether a worker outside ``excluded`` could take a task before ``by``.
@@ -1283,7 +1288,7 @@ class WorkerPool:
                     stats.not_here += 1
             if retry:
                 self._stats.retries += 1
-            self._dispatcher.release_locked(now)
+            self._dispatcher.release_worker_locked(worker, now)
             if worker.removed and not worker.in_flight:
                 close_transport = True
                 if self._draining.get(worker.id) is worker:
@@ -1301,7 +1306,7 @@ class WorkerPool:
                         worker.reporting -= 1
                         if trip and worker.breaker.force_open():
                             self._dispatcher.wake_all_locked()
-                        self._dispatcher.release_locked(self._clock.monotonic())
+                        self._dispatcher.release_worker_locked(worker, self._clock.monotonic())
             elif kind is Kind.SUCCESS:
                 shared.report_success(worker.id)
         if self._events:

@@ -35,7 +35,6 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Collection, Iterable
 from itertools import groupby
 
-from npu_sync.breaker import WorkerBreaker
 from npu_sync.worker import Worker
 
 P2C_THRESHOLD = 64
@@ -52,14 +51,6 @@ _BLOCKED = 3  # unavailable until told otherwise
 
 _NEVER = float("inf")
 _NOW = float("-inf")
-
-
-def _early_trial_used(breaker: WorkerBreaker) -> bool:
-    """Whether the open breaker already had the early trial a passing health check grants.
-
-    WorkerBreaker keeps this to itself; read it here, in one place, until it says so.
-    """
-    return bool(breaker._early_trial_used)
 
 
 class _Tier:
@@ -394,7 +385,7 @@ class Selector:
                 if retry is not None
                 and retry > now
                 and not self._shared_breakers
-                and _early_trial_used(breaker)
+                and breaker.early_trial_used
                 else _NOW
             )
             doom = max(cooldown_until, breaker_until)
