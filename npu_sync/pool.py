@@ -1440,9 +1440,15 @@ def _check_timeout(timeout: float | None) -> None:
     if (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
-        or not (math.isfinite(timeout) and timeout > 0)
+        or not (math.isfinite(timeout) and 0 < timeout <= _MAX_TIMEOUT)
     ):
-        raise InvalidTask(f"timeout must be a positive number of seconds, got {timeout!r}")
+        raise InvalidTask(
+            f"timeout must be a number of seconds > 0 and <= {_MAX_TIMEOUT}, got {timeout!r}"
+        )
+
+
+_MAX_TIMEOUT = 86400
+"""A task's deadline is at most a day, like ``timeouts.task``."""
 
 
 # -- the process-wide default pool -------------------------------------------------------

@@ -621,3 +621,13 @@ def test_500s_are_charged_when_the_task_then_succeeds_elsewhere(net):
         assert pool.execute({"x": 1}) == {"by": "c"}
         states = {w["id"]: w["breaker"]["state"] for w in pool.workers()}
         assert states == {"a": "open", "b": "open", "c": "closed"}
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), 1e10, 86400.5, True, "5"])
+def test_a_call_timeout_outside_one_day_is_an_invalid_task(net, timeout):
+    """execute(timeout=...) takes 0 < seconds <= 86400; anything else is InvalidTask, unsent."""
+    with make_pool(net, "a") as pool:
+        with pytest.raises(InvalidTask, match="timeout"):
+            pool.execute({"x": 1}, timeout=timeout)
+        assert pool.execute({"x": 1}, timeout=86400) == {"ok": True, "worker_id": "a"}
+    assert len(net.requests("a")) == 1
