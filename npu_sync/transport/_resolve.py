@@ -1,17 +1,17 @@
 """Name resolution that never outlives the caller's budget.
 
 ``socket.getaddrinfo`` blocks for as long as the system resolver takes (seconds, on a
-bad day) and cannot be interrupted. :class:`BoundedResolver` runs lookups on a few
-daemon threads and lets the caller wait only as long as its budget allows; a lookup
-that outlives its caller still finishes in the background and fills the cache for
-the next one. Lookups of the same name share one thread, so a slow resolver cannot
-pile up a thread per caller. IP literals never reach the resolver at all.
+bad day) and cannot be interrupted. :class:`BoundedResolver` runs each lookup on a
+daemon thread of its own and lets the caller wait only as long as its budget allows; a
+lookup that outlives its caller still finishes and fills the cache for the next one.
+Callers asking for the same name share one lookup, so a slow resolver cannot pile up
+a thread per caller, and answers are cached for a few seconds, so a pool opening
+connections in a burst asks once. IP literals never reach the resolver at all.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import socket
 import threading
 import time
@@ -28,10 +28,6 @@ Lookup = Callable[[str, int], Sequence[AddrInfo]]
 # Successful answers are reused this long: worker addresses rarely move, and a pool
 # opening connections in bursts would otherwise ask the system resolver every time.
 DEFAULT_TTL = 10.0
-# Distinct names looked up at once; more wait in the queue (within their budgets).
-_MAX_THREADS = 4
-# A lookup thread with nothing to do for this long ends; the next lookup starts one.
-_THREAD_IDLE = 30.0
 # The cache holds a pool's worker names; this bound only stops unbounded growth.
 _CACHE_MAX = 256
 
@@ -88,8 +84,8 @@ class _Job:
 class BoundedResolver:
     """Resolves host names on daemon threads, waiting no longer than a deadline.
 
-    Thread-safe. Survives ``fork()``: the child starts with no threads and no
-    lookups in flight (the cache is kept).
+    Thread-safe. A lookup thread ends as soon as its lookup does. Survives ``fork()``:
+    the child starts with no lookups in flight (the cache is kept).
 
     Args:
         lookup: the blocking lookup to run; ``socket.getaddrinfo`` by default.
@@ -113,10 +109,7 @@ class BoundedResolver:
 
     def _reset(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._inflight: dict[tuple[str, int], _Job] = {}
-        self._threads = 0
-        self._idle = 0
 
     def resolve(self, host: str, port: int, deadline: float) -> list[AddrInfo]:
         """The addresses of ``host``, waiting at most until ``deadline`` (monotonic).
@@ -130,7 +123,7 @@ class BoundedResolver:
             return literal
         key = (host, port)
         now = self._clock()
-        start_thread = False
+        start = False
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None and hit[0] > now:
@@ -138,49 +131,34 @@ class BoundedResolver:
             job = self._inflight.get(key)
             if job is None:
                 job = self._inflight[key] = _Job(key)
-                self._jobs.put(job)
-                # _idle counts waiting threads minus queued jobs nobody has claimed yet.
-                if self._idle <= 0 and self._threads < _MAX_THREADS:
-                    self._threads += 1
-                    start_thread = True
-                else:
-                    self._idle -= 1
-        if start_thread:
-            threading.Thread(target=self._run, name="npu-sync-resolver", daemon=True).start()
+                start = True
+        if start:
+            threading.Thread(
+                target=self._run, args=(job,), name="npu-sync-resolver", daemon=True
+            ).start()
         if not job.done.wait(max(0.0, deadline - now)):
             raise ResolveTimeout(f"looking up {host!r} took longer than the time left")
         if job.error is not None:
             raise ResolveError(job.error)
         return job.result
 
-    def _run(self) -> None:
-        jobs = self._jobs
-        while True:
-            try:
-                job = jobs.get(timeout=_THREAD_IDLE)
-            except queue.Empty:
-                with self._lock:
-                    if jobs.empty():  # nothing queued after all: this thread may go
-                        self._threads -= 1
-                        self._idle -= 1
-                        return
-                continue
-            try:
-                result = list(self._lookup(*job.key))
-                if not result:
-                    raise socket.gaierror(socket.EAI_NONAME, "no addresses")
-            except BaseException as exc:  # whatever the lookup raised goes to the caller
-                job.error = exc
-            else:
-                job.result = result
-            with self._lock:
-                self._inflight.pop(job.key, None)
-                if job.error is None:
-                    if len(self._cache) >= _CACHE_MAX:
-                        self._cache.clear()
-                    self._cache[job.key] = (self._clock() + self._ttl, job.result)
-                self._idle += 1
-            job.done.set()
+    def _run(self, job: _Job) -> None:
+        try:
+            result = list(self._lookup(*job.key))
+            if not result:
+                raise socket.gaierror(socket.EAI_NONAME, "no addresses")
+        except BaseException as exc:  # whatever the lookup raised goes to the caller
+            job.error = exc
+        else:
+            job.result = result
+        with self._lock:
+            if self._inflight.get(job.key) is job:
+                del self._inflight[job.key]
+            if job.error is None:
+                if len(self._cache) >= _CACHE_MAX:
+                    self._cache.clear()
+                self._cache[job.key] = (self._clock() + self._ttl, job.result)
+        job.done.set()
 
     def forget(self) -> None:
         """Drop every cached answer."""
