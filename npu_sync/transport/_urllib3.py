@@ -70,6 +70,7 @@ from urllib3.exceptions import (
     ClosedPoolError,
     ConnectTimeoutError,
     DecodeError,
+    HeaderParsingError,
     HTTPError,
     InvalidChunkLength,
     MaxRetryError,
@@ -79,6 +80,7 @@ from urllib3.exceptions import (
     ReadTimeoutError,
     SSLError,
 )
+from urllib3.util.response import assert_header_parsing
 from urllib3.util.retry import Retry
 from urllib3.util.ssl_ import resolve_cert_reqs
 from urllib3.util.ssl_match_hostname import CertificateError
@@ -255,12 +257,33 @@ _DEADLINE_CLASSES: dict[type, type] = {
 }
 
 
+class _HTTPResponse(http.client.HTTPResponse):
+    """http.client's response, skipping every interim 1xx answer (it skips only 100)."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        for _ in range(h11.MAX_INTERIM + 1):
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 < status < 200 or status == 101:
+                return version, status, reason
+            _skip_head(self.fp)
+        raise http.client.HTTPException(f"more than {h11.MAX_INTERIM} interim answers")
+
+
+def _skip_head(fp: Any) -> None:
+    for _ in range(h11.MAX_HEADER_LINES + 1):
+        line = fp.readline(h11.MAX_LINE_BYTES + 1)
+        if line in (b"\r\n", b"\n", b""):
+            return
+    raise http.client.HTTPException("interim answer with too many header lines")
+
+
 class _Hooks(urllib3.connection.HTTPConnection):
     """What both connection classes add to urllib3's: bounded name lookup, sockets
     bound by the call's deadline, and the bookkeeping that tells a stale keep-alive
     connection apart from a failing worker.
     """
 
+    response_class = _HTTPResponse
     _npu_served = 0  # requests sent on the current socket
     _npu_idle_since = 0.0
 
@@ -333,13 +356,23 @@ class _Hooks(urllib3.connection.HTTPConnection):
 
     def getresponse(self) -> Any:
         try:
-            return super().getresponse()
+            response = super().getresponse()
         except ConnectionError:
             # RemoteDisconnected (EOF before the status line) is a ConnectionResetError.
             call = _current()
             if call is not None:
                 call.lost = True
             raise
+        # urllib3 only logs a head the email parser could not make sense of (a line
+        # without a colon, say); a worker's malformed answer is a protocol error.
+        original = response._original_response
+        try:
+            if original is not None:
+                assert_header_parsing(original.msg)
+        except HeaderParsingError as exc:
+            response.close()
+            raise http.client.HTTPException(f"malformed header: {exc}") from exc
+        return response
 
 
 class _HTTPConnection(_Hooks):
@@ -485,9 +518,13 @@ def _is_malformed(cause: object) -> bool:
     """Whether a ProtocolError's cause is a bad message rather than a lost connection."""
     if isinstance(cause, InvalidChunkLength):
         return True
-    # RemoteDisconnected is both a BadStatusLine and a ConnectionResetError, and an
-    # IncompleteRead means the peer stopped sending: both are lost connections.
-    if isinstance(cause, (ConnectionError, http.client.IncompleteRead)):
+    # http.client reports a chunk size that is not a number as an IncompleteRead
+    # raised while handling the ValueError.
+    if isinstance(cause, http.client.IncompleteRead):
+        return isinstance(cause.__context__, ValueError)
+    # RemoteDisconnected is both a BadStatusLine and a ConnectionResetError, and any
+    # other IncompleteRead means the peer stopped sending: both are lost connections.
+    if isinstance(cause, ConnectionError):
         return False
     return isinstance(cause, http.client.HTTPException)
 
