@@ -37,6 +37,8 @@ import os
 import select
 import socket
 import ssl
+import struct
+import sys
 import threading
 import time
 import weakref
@@ -78,6 +80,16 @@ _READ_SIZE = 16 * 1024
 _HINT_MARGIN = 1.0
 
 _HAS_POLL = hasattr(select, "poll")
+# Linux: blocking plain sockets with kernel timeouts (see _Conn), and the TCP state of
+# an idle connection read with getsockopt(TCP_INFO).
+_KERNEL_TIMEOUTS = sys.platform.startswith("linux")
+_TCP_INFO: int | None = getattr(socket, "TCP_INFO", None) if _KERNEL_TIMEOUTS else None
+_ESTABLISHED = 1  # tcpi_state of a connection neither side has closed
+_TIMEVAL = struct.Struct("@ll")
+# The longest a blocking wait lasts before the deadline is checked again; waits nearer
+# the deadline are shorter. Longer caps save nothing: at this value the timeouts
+# almost never need setting.
+_WAIT_CAP = 0.25
 _POLLIN = getattr(select, "POLLIN", 1) | getattr(select, "POLLPRI", 2)
 _POLLOUT = getattr(select, "POLLOUT", 4)
 
@@ -88,6 +100,10 @@ _WANT_READ = (BlockingIOError, InterruptedError, ssl.SSLWantReadError)
 
 class _Timeout(Exception):
     """The call's budget ran out."""
+
+
+class _Partial(_Timeout):
+    """The budget ran out after TLS took part of the request."""
 
 
 class _Lost(Exception):
@@ -104,9 +120,29 @@ class _Lost(Exception):
 
 
 class _Conn:
-    """One connection to the worker. Used by one thread at a time."""
+    """One connection to the worker. Used by one thread at a time.
 
-    __slots__ = ("buf", "expires", "max_idle", "poller", "reused", "sock", "tls")
+    Two ways to wait within a deadline. Plain TCP on Linux uses a blocking socket whose
+    kernel timeouts (SO_RCVTIMEO, SO_SNDTIMEO) end each wait: a read is one system
+    call, and the timeouts are set with setsockopt, which keeps the GIL, only when the
+    deadline comes closer than the last value set (each wait is capped at
+    ``_WAIT_CAP`` so that value rarely needs to change). Elsewhere, and for TLS (whose
+    blocking reads retry inside OpenSSL and would never come back to check the
+    deadline), the socket is non-blocking and each wait is a ``poll()``.
+    """
+
+    __slots__ = (
+        "blocking",
+        "buf",
+        "expires",
+        "max_idle",
+        "poller",
+        "rcv_wait",
+        "reused",
+        "snd_wait",
+        "sock",
+        "tls",
+    )
 
     def __init__(self, sock: socket.socket, tls: bool, max_idle: float) -> None:
         self.sock = sock
@@ -115,21 +151,99 @@ class _Conn:
         self.max_idle = max_idle
         self.expires = 0.0
         self.reused = False
+        self.blocking = _KERNEL_TIMEOUTS and not tls
+        self.rcv_wait = self.snd_wait = 0.0
         self.poller: select.poll | None = None
-        if _HAS_POLL:
-            self.poller = select.poll()
-            self.poller.register(sock.fileno(), _POLLIN)
+        if self.blocking:
+            sock.settimeout(None)
+            self.rcv_wait = self._set_wait(socket.SO_RCVTIMEO, _WAIT_CAP)
+            self.snd_wait = self._set_wait(socket.SO_SNDTIMEO, _WAIT_CAP)
+        else:
+            sock.setblocking(False)
+            if _HAS_POLL:
+                self.poller = select.poll()
+                self.poller.register(sock.fileno(), _POLLIN)
 
-    def readable(self, timeout: float) -> bool:
-        """Whether a read would not block, waiting up to ``timeout`` seconds."""
+    def _set_wait(self, option: int, seconds: float) -> float:
+        whole, fraction = divmod(seconds, 1.0)
+        # A zero timeval means "wait forever": never ask for less than a microsecond.
+        micros = max(1, int(fraction * 1e6)) if whole == 0 else int(fraction * 1e6)
+        self.sock.setsockopt(socket.SOL_SOCKET, option, _TIMEVAL.pack(int(whole), micros))
+        return seconds
+
+    def alive(self) -> bool:
+        """Whether an idle connection may carry a request: the worker has not closed or
+        reset it, and (where that cannot be told from TCP state) sent nothing on it.
+        """
+        if self.tls and self.sock.pending():  # type: ignore[attr-defined]
+            return False  # decrypted bytes nobody asked for
+        if _TCP_INFO is not None:
+            # tcpi_state, without a system call that gives up the GIL as poll() does.
+            return self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0] == _ESTABLISHED
+        return not self._readable(0.0)
+
+    def recv_into(self, view: memoryview, deadline: float) -> int:
+        """One read into ``view`` (0 means EOF), waiting no later than ``deadline``.
+
+        Raises:
+            _Timeout: the deadline passed before any byte came.
+            OSError: the connection failed (ConnectionError, TLS errors).
+        """
+        sock = self.sock
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Timeout
+            if self.blocking:
+                wait = self.rcv_wait
+                if wait > remaining or wait < _WAIT_CAP / 2 < remaining:
+                    self.rcv_wait = self._set_wait(socket.SO_RCVTIMEO, min(remaining, _WAIT_CAP))
+            elif not self._readable(remaining):
+                continue
+            try:
+                return sock.recv_into(view)
+            except _WANT_READ:
+                continue  # a kernel timeout, or a TLS record not yet whole
+            except ssl.SSLWantWriteError:
+                self._writable(deadline - time.monotonic())
+
+    def send(self, view: memoryview, deadline: float) -> int:
+        """One write from ``view``, waiting no later than ``deadline``; bytes taken.
+
+        Raises:
+            _Timeout: the deadline passed before the kernel took anything.
+            _Partial: TLS took part of a record without saying how much.
+            OSError: the connection failed.
+        """
+        sock = self.sock
+        partial = False
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise _Partial if partial else _Timeout
+            if self.blocking:
+                wait = self.snd_wait
+                if wait > remaining or wait < _WAIT_CAP / 2 < remaining:
+                    self.snd_wait = self._set_wait(socket.SO_SNDTIMEO, min(remaining, _WAIT_CAP))
+            try:
+                return sock.send(view)
+            except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
+                # Without partial writes, TLS may have taken part of the record already.
+                partial = partial or self.tls
+                if not self.blocking:
+                    self._writable(deadline - time.monotonic())
+            except ssl.SSLWantReadError:
+                partial = True
+                self._readable(deadline - time.monotonic())
+
+    def _readable(self, timeout: float) -> bool:
         if self.tls and self.sock.pending():  # type: ignore[attr-defined]
             return True
         if self.poller is not None:
             return bool(self.poller.poll(math.ceil(timeout * 1000) if timeout > 0 else 0))
         return bool(select.select([self.sock], [], [], max(0.0, timeout))[0])
 
-    def writable(self, timeout: float) -> bool:
-        """Whether a write would not block, waiting up to ``timeout`` seconds."""
+    def _writable(self, timeout: float) -> bool:
         if _HAS_POLL:
             poller = select.poll()
             poller.register(self.sock.fileno(), _POLLOUT)
@@ -342,8 +456,7 @@ class BuiltinTransport:
                 old.close()
             if conn is None:
                 return None
-            # Readable while idle: the worker closed it (EOF) or sent junk.
-            if conn.readable(0.0):
+            if not conn.alive():
                 conn.close()
                 continue
             conn.reused = True
@@ -469,46 +582,28 @@ class BuiltinTransport:
         """Write the whole request; returns True (the request may have been delivered).
 
         Raises _Lost with ``delivered=False`` when the kernel took no byte of it, and
-        _Timeout (after which the caller reports ``sent`` as whether a byte was taken).
+        _Timeout (_SentTimeout once a byte was taken).
         """
-        sock = conn.sock
         total = len(data)
         done = 0
-        # TLS may take part of a record and report it only when the write completes.
-        taken = False
-        view = memoryview(data)
-        try:
-            while done < total:
-                try:
-                    done += sock.send(view[done:] if done else data)
-                except (BlockingIOError, InterruptedError, ssl.SSLWantWriteError):
-                    taken = taken or conn.tls
-                    self._wait(conn, deadline, write=True)
-                except ssl.SSLWantReadError:
-                    taken = True
-                    self._wait(conn, deadline, write=False)
-        except _LOST as exc:
-            raise _Lost(
-                f"connection lost while sending: {exc}",
-                answered=False,
-                delivered=bool(done) or taken,
-            ) from exc
-        except _Timeout:
-            if done or taken:
-                raise _SentTimeout() from None
-            raise
-        finally:
-            view.release()
+        with memoryview(data) as view:
+            try:
+                while done < total:
+                    done += conn.send(view[done:], deadline)
+            except _Partial:
+                raise _SentTimeout from None
+            except _Timeout:
+                if done:
+                    raise _SentTimeout from None
+                raise
+            except _LOST as exc:
+                raise _Lost(
+                    f"connection lost while sending: {exc}",
+                    answered=False,
+                    # A plain socket's failed send took nothing; TLS may have taken some.
+                    delivered=bool(done) or conn.tls,
+                ) from exc
         return True
-
-    def _wait(self, conn: _Conn, deadline: float, *, write: bool) -> None:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise _Timeout
-        if write:
-            conn.writable(remaining)
-        else:
-            conn.readable(remaining)
 
     # -- reading ------------------------------------------------------------------------
 
@@ -577,27 +672,15 @@ class _Reader:
 
     def _recv_into(self, view: memoryview) -> int:
         """One read into ``view``; 0 means EOF. Waits for data within the deadline."""
-        conn = self.conn
-        sock = conn.sock
-        deadline = self.deadline
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise _SentTimeout
-            if not conn.readable(remaining):
-                continue
-            try:
-                n = sock.recv_into(view)
-            except _WANT_READ:
-                continue
-            except ssl.SSLWantWriteError:
-                conn.writable(deadline - time.monotonic())
-                continue
-            except _LOST as exc:
-                raise _Lost(f"connection lost: {exc}", answered=self.got) from exc
-            if n:
-                self.got = True
-            return n
+        try:
+            n = self.conn.recv_into(view, self.deadline)
+        except _Timeout:
+            raise _SentTimeout from None
+        except _LOST as exc:
+            raise _Lost(f"connection lost: {exc}", answered=self.got) from exc
+        if n:
+            self.got = True
+        return n
 
     def _fill(self) -> None:
         """Read more bytes after ``end``, making room first; EOF raises _Lost."""
