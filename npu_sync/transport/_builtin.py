@@ -73,6 +73,8 @@ log = logging.getLogger(__name__)
 DEFAULT_IDLE_TIMEOUT = 4.0
 """Seconds a connection may sit idle before it is closed instead of reused."""
 
+# Checked request lines kept per transport: a pool uses a handful of endpoints.
+_REQUEST_LINES_MAX = 64
 # Most answers fit in one read of this size; bigger heads grow the buffer.
 _READ_SIZE = 16 * 1024
 # A Keep-Alive hint of N seconds is trusted for N minus this, for the time the answer
@@ -326,6 +328,7 @@ class BuiltinTransport:
         self._index = header_index(headers)
         self._json_headers = json_headers
         self._json_index = header_index(json_headers)
+        self._request_lines: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()
         self._idle: list[_Conn] = []
         self._closed = False
@@ -371,25 +374,42 @@ class BuiltinTransport:
     def _encode(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None
     ) -> bytes:
-        if not path.startswith("/"):
-            raise ValueError(f"path must start with '/', got {path!r}")
         try:
-            h11.check_target(method, path)
+            line = self._request_lines.get((method, path))
+            if line is None:
+                line = self._request_line(method, path)
             if body is None:
                 block, base, index = self._block, self._headers, self._index
+                length = "Content-Length: 0\r\n" if method in h11.BODY_METHODS else ""
             else:
                 block, base, index = self._json_block, self._json_headers, self._json_index
+                length = f"Content-Length: {len(body)}\r\n"
             if headers:
-                if any(name.lower() in index for name in headers):
-                    block = h11.header_lines(merge_headers(base, index, headers))
+                extra = []
+                for name, value in headers.items():
+                    if h11.request_name(name) in index:
+                        # Overrides a configured header: rebuild the whole block.
+                        block = h11.header_lines(merge_headers(base, index, headers))
+                        break
+                    h11.check_value(name, value)
+                    extra.append(f"{name}: {value}\r\n")
                 else:
-                    block += h11.header_lines(headers)
-            head = h11.encode_head(
-                f"{method} {path} HTTP/1.1\r\n{block}{h11.content_length_line(method, body)}\r\n"
-            )
+                    block += "".join(extra)
+            head = h11.encode_head(f"{line}{block}{length}\r\n")
         except h11.BadRequest as exc:
             raise InvalidTask(f"{describe(self.worker, method, path)}: {exc}") from None
         return head + body if body else head
+
+    def _request_line(self, method: str, path: str) -> str:
+        if not path.startswith("/"):
+            raise ValueError(f"path must start with '/', got {path!r}")
+        h11.check_target(method, path)
+        line = f"{method} {path} HTTP/1.1\r\n"
+        lines = self._request_lines
+        if len(lines) >= _REQUEST_LINES_MAX:
+            lines.clear()  # a race here only rebuilds a line
+        lines[(method, path)] = line
+        return line
 
     def _exchange(
         self, conn: _Conn, data: bytes, method: str, path: str, deadline: float
@@ -618,14 +638,31 @@ class BuiltinTransport:
                 raise h11.MessageError("protocol", "unexpected 101 Switching Protocols")
         else:
             raise h11.MessageError("protocol", f"more than {h11.MAX_INTERIM} interim answers")
-        keep = h11.keeps_alive(version, headers)
-        encoding = headers.get("content-encoding")
+        get = headers.get
+        if version == "HTTP/1.1" and get("connection") is None:
+            keep = True
+        else:
+            keep = h11.keeps_alive(version, headers)
+        encoding = get("content-encoding")
         codings = h11.decodable(encoding) if encoding else None
         limit = self._limit
         # A compressed body can be a little larger than what it decodes to.
         raw_limit = limit + (limit >> 6) + 1024 if codings else limit
-        if method == "HEAD" or status in (204, 304):
+        length_text = get("content-length")
+        if method == "HEAD" or status == 204 or status == 304:
             body = b""
+        elif (
+            length_text is not None
+            and length_text.isdigit()
+            and length_text.isascii()
+            and len(length_text) < 19
+            and "transfer-encoding" not in headers
+        ):
+            # The common answer, framed by one plain Content-Length.
+            length = int(length_text)
+            if length > raw_limit:
+                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+            body = reader.exactly(length)
         elif "transfer-encoding" in headers:
             if "content-length" in headers:
                 raise h11.MessageError("protocol", "both Transfer-Encoding and Content-Length")
@@ -644,7 +681,7 @@ class BuiltinTransport:
         if codings:
             body = h11.decode(body, codings, limit)
         if keep:
-            hint = headers.get("keep-alive")
+            hint = get("keep-alive")
             if hint is not None:
                 seconds = h11.keep_alive_timeout(hint)
                 if seconds is not None:
@@ -702,6 +739,8 @@ class _Reader:
 
     def head(self) -> tuple[str, int, dict[str, str]]:
         buf = self.buf
+        if self.start == self.end:
+            self._fill()  # nothing to search yet (the first answer on a connection)
         scan = self.start
         while True:
             at = buf.find(b"\r\n\r\n", scan, self.end)

@@ -22,15 +22,12 @@ MAX_LINE_BYTES = 8 * 1024
 """Bytes in a chunk-size line (extensions included)."""
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-# Field values may hold any latin-1 text but no line breaks or NUL, which would let a
-# value start a header (or a message) of its own.
-_BAD_VALUE = re.compile(r"[\r\n\x00]")
 # Request targets: visible ASCII only (no spaces, controls or non-ASCII).
 _BAD_TARGET = re.compile(r"[^\x21-\x7e]")
 _HEX = re.compile(r"[0-9A-Fa-f]{1,15}")
 # Headers the transport writes itself: a caller's copy would break the framing.
 _FRAMING = frozenset({"content-length", "transfer-encoding"})
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SAFE_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 
 
@@ -46,6 +43,43 @@ class BadRequest(ValueError):
     """The request cannot be written as given; raised before any I/O."""
 
 
+# Names already checked, by the name as written: their lower-case form. Requests and
+# answers repeat the same few names, so each is checked (and lower-cased) once. The
+# dicts are only ever added to or cleared; a race at worst checks a name twice.
+_REQUEST_NAMES: dict[str, str] = {}
+_ANSWER_NAMES: dict[str, str] = {}
+_NAMES_MAX = 1024
+
+
+def request_name(name: str) -> str:
+    """The lower-case form of a request header name, checked.
+
+    Raises:
+        BadRequest: not a token, or a header the transport writes itself.
+    """
+    lower = _REQUEST_NAMES.get(name)
+    if lower is None:
+        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+            raise BadRequest(f"invalid header name {name!r}")
+        lower = name.lower()
+        if lower in _FRAMING:
+            raise BadRequest(f"header {name!r} is set by the transport")
+        if len(_REQUEST_NAMES) >= _NAMES_MAX:
+            _REQUEST_NAMES.clear()
+        _REQUEST_NAMES[name] = lower
+    return lower
+
+
+def check_value(name: str, value: str) -> None:
+    """Refuse a header value that could end its line (CR, LF, NUL) or is not text.
+
+    Such a value would let a header start a header, or a request, of its own.
+    """
+    if not isinstance(value, str) or "\r" in value or "\n" in value or "\0" in value:
+        # The value is not echoed: headers are where credentials live.
+        raise BadRequest(f"invalid value for header {name!r} (CR, LF, NUL or not text)")
+
+
 def header_lines(headers: Mapping[str, str]) -> str:
     """``Name: value\\r\\n`` lines for ``headers``, each checked.
 
@@ -55,13 +89,8 @@ def header_lines(headers: Mapping[str, str]) -> str:
     """
     out = []
     for name, value in headers.items():
-        if not isinstance(name, str) or not _TOKEN.fullmatch(name):
-            raise BadRequest(f"invalid header name {name!r}")
-        if not isinstance(value, str) or _BAD_VALUE.search(value):
-            # The value is not echoed: headers are where credentials live.
-            raise BadRequest(f"invalid value for header {name!r} (CR, LF, NUL or not text)")
-        if name.lower() in _FRAMING:
-            raise BadRequest(f"header {name!r} is set by the transport")
+        request_name(name)
+        check_value(name, value)
         out.append(f"{name}: {value}\r\n")
     return "".join(out)
 
@@ -77,7 +106,7 @@ def check_target(method: str, path: str) -> None:
 def content_length_line(method: str, body: bytes | None) -> str:
     if body is not None:
         return f"Content-Length: {len(body)}\r\n"
-    if method in _BODY_METHODS:
+    if method in BODY_METHODS:
         return "Content-Length: 0\r\n"
     return ""
 
@@ -116,13 +145,20 @@ def parse_head(text: str) -> tuple[str, int, dict[str, str]]:
     ):
         raise MessageError("protocol", f"malformed status line {lines[0][:80]!r}")
     headers: dict[str, str] = {}
+    names = _ANSWER_NAMES
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        # A name must be a token: empty names, names with spaces (or an obsolete fold,
-        # which starts with one) and control characters are refused.
-        if not sep or not _TOKEN.fullmatch(name):
-            raise MessageError("protocol", f"malformed header line {line[:80]!r}")
-        name = name.lower()
+        lower = names.get(name)
+        if lower is None:
+            # A name must be a token: empty names, names with spaces (or an obsolete
+            # fold, which starts with one) and control characters are refused.
+            if not sep or not _TOKEN.fullmatch(name):
+                raise MessageError("protocol", f"malformed header line {line[:80]!r}")
+            lower = name.lower()
+            if len(names) >= _NAMES_MAX:
+                names.clear()
+            names[name] = lower
+        name = lower
         value = value.strip(" \t")
         old = headers.get(name)
         headers[name] = value if old is None else f"{old}, {value}"
