@@ -39,9 +39,9 @@ import socket
 import ssl
 import struct
 import sys
-import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -329,8 +329,7 @@ class BuiltinTransport:
         self._json_headers = json_headers
         self._json_index = header_index(json_headers)
         self._request_lines: dict[tuple[str, str], str] = {}
-        self._lock = threading.Lock()
-        self._idle: list[_Conn] = []
+        self._idle: deque[_Conn] = deque()
         self._closed = False
         _live.add(self)
         log.debug("builtin transport for worker %s (%s)", worker.id, worker.url)
@@ -452,31 +451,26 @@ class BuiltinTransport:
 
     # -- the connection pool ---------------------------------------------------------
 
+    # The idle stack is a deque, whose append, pop and popleft are atomic: no lock, so a
+    # thread that loses the GIL while taking a connection cannot make 31 others wait.
+
     def _checkout(self, method: str, path: str) -> _Conn | None:
         """An idle connection that still looks alive, or None."""
+        if self._closed:
+            raise TransportError(
+                "connect",
+                f"{describe(self.worker, method, path)}: transport is closed",
+                sent=False,
+            )
+        idle = self._idle
+        now = time.monotonic()
         while True:
-            now = time.monotonic()
-            dead: list[_Conn] = []
-            conn = None
-            with self._lock:
-                if self._closed:
-                    raise TransportError(
-                        "connect",
-                        f"{describe(self.worker, method, path)}: transport is closed",
-                        sent=False,
-                    )
-                idle = self._idle
-                while idle:
-                    candidate = idle.pop()
-                    if candidate.expires > now:
-                        conn = candidate
-                        break
-                    dead.append(candidate)
-            for old in dead:
-                old.close()
-            if conn is None:
+            try:
+                conn = idle.pop()
+            except IndexError:
                 return None
-            if not conn.alive():
+            # Expired, or closed (or written to) by the worker while idle.
+            if conn.expires <= now or not conn.alive():
                 conn.close()
                 continue
             conn.reused = True
@@ -485,39 +479,47 @@ class BuiltinTransport:
     def _release(self, conn: _Conn) -> None:
         now = time.monotonic()
         conn.expires = now + conn.max_idle
-        spare = None
-        kept = False
-        with self._lock:
-            idle = self._idle
-            if not self._closed and len(idle) < self._maxsize:
-                idle.append(conn)
-                kept = True
-                # LIFO leaves the bottom of the stack unused longest: close it once it
-                # has expired instead of leaving the worker's close unanswered.
-                if idle[0].expires <= now:
-                    spare = idle.pop(0)
-        if not kept:
+        idle = self._idle
+        if self._closed or len(idle) >= self._maxsize:
+            conn.close()  # racing releases may keep one or two more: harmless
+            return
+        idle.append(conn)
+        if self._closed:
+            self._drain()  # close() ran between the check and the append
+            return
+        # LIFO leaves the bottom of the stack unused longest: close it once it has
+        # expired instead of leaving the worker's close unanswered.
+        try:
+            if idle[0].expires > now:
+                return
+            bottom = idle.popleft()
+        except IndexError:
+            return  # others took every connection meanwhile
+        if bottom.expires <= now:
+            bottom.close()
+        else:
+            idle.appendleft(bottom)  # another thread's pop changed the bottom
+
+    def _drain(self) -> None:
+        idle = self._idle
+        while True:
+            try:
+                conn = idle.pop()
+            except IndexError:
+                return
             conn.close()
-        if spare is not None:
-            spare.close()
 
     def close(self) -> None:
         """Close idle connections now; connections in use close when their call ends.
 
         Later requests fail with ``kind="connect"``. Never waits for a call in flight.
         """
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self._closed = True
+        self._drain()
 
     def _forget_after_fork(self) -> None:
         # The parent's connections are the parent's: drop our copies of them.
-        self._lock = threading.Lock()
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self._drain()
 
     # -- connecting -------------------------------------------------------------------
 
