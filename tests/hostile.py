@@ -217,6 +217,12 @@ class Hostile:
         with self.changed:
             return self.changed.wait_for(predicate, timeout)
 
+    def stop_listening(self) -> None:
+        """Refuse new connections from now on (the port is freed)."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
     def close(self) -> None:
         self.stop.set()
         # shutdown() wakes an accept() blocked in another thread; close() alone may not.

@@ -161,3 +161,24 @@ def test_a_stale_resend_that_fails_again_is_the_workers_failure(client, servers)
         ("/first", 1),
         ("/second", 2),
     ]
+
+
+def test_a_resend_that_cannot_connect_keeps_sent_true(client, servers):
+    """If the worker is gone by the re-send, the error still says the request may have
+    reached it: the stale attempt cannot prove it did not."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is None:
+            return
+        peer.send(answer(200, b"{}"))
+        if peer.wait_readable():
+            peer.server.stop_listening()
+            peer.close()
+
+    server = serve(servers, behaviour)
+    transport = client(server.url())
+    transport.request("POST", "/first", body=b"{}", **TIMEOUTS)
+    with pytest.raises(TransportError) as info:
+        transport.request("POST", "/second", body=b"{}", replayable=True, **TIMEOUTS)
+    assert (info.value.kind, info.value.sent) == ("connect", True)
+    assert [seen.path for seen in server.seen] == ["/first"]

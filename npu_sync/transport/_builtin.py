@@ -358,7 +358,8 @@ class BuiltinTransport:
             return self._exchange(conn, data, method, path, deadline)
         except _Lost as lost:
             # Only a reused connection that failed before any answer byte gets here.
-            if lost.delivered and not replayable:
+            delivered = lost.delivered
+            if delivered and not replayable:
                 raise TransportError(
                     "reset",
                     f"{describe(self.worker, method, path)}: reused keep-alive connection "
@@ -367,8 +368,14 @@ class BuiltinTransport:
                     stale=True,
                 ) from None
         log.debug("worker %s: stale keep-alive connection; re-sending", self.worker.id)
-        conn = self._connect(time.monotonic(), deadline, connect_timeout, method, path)
-        return self._exchange(conn, data, method, path, deadline)
+        try:
+            conn = self._connect(time.monotonic(), deadline, connect_timeout, method, path)
+            return self._exchange(conn, data, method, path, deadline)
+        except TransportError as exc:
+            if exc.sent or not delivered:
+                raise
+            # This attempt sent nothing, but the first may have reached the worker.
+            raise TransportError(exc.kind, f"{exc} (re-sending)", sent=True) from exc
 
     def _encode(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None
@@ -569,7 +576,6 @@ class BuiltinTransport:
             ) from error
         if self._ctx is not None:
             sock = self._handshake(sock, limit, what)
-        sock.setblocking(False)
         return _Conn(sock, self._ctx is not None, self._idle_timeout)
 
     def _handshake(self, sock: socket.socket, limit: float, what: str) -> socket.socket:

@@ -595,10 +595,15 @@ def _exchange(
         if call.expired:
             # urllib3 reports a timeout while sending as a lost connection, and a
             # timeout inside http.client's header parsing in other ways again.
-            raise TransportError(
+            cause = error.__cause__
+            error = TransportError(
                 "timeout", f"{what}: no complete answer in time", sent=error.sent
-            ) from error.__cause__
-        if not (call.reused and call.lost and error.kind == "reset"):
+            )
+            error.__cause__ = cause
+        if fresh or not (call.reused and call.lost and error.kind == "reset"):
+            if fresh and not error.sent:
+                # This attempt sent nothing, but the first may have reached the worker.
+                raise TransportError(error.kind, f"{error} (re-sending)", sent=True) from error
             raise error
         if not replayable:
             raise TransportError(
