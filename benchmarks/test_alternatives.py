@@ -4,6 +4,8 @@ Contenders, each keeping 32 tasks in flight against three reference workers (20 
 task, each in its own process on loopback):
 
 * ``npu_sync pool``: one :class:`WorkerPool`, 32 caller threads calling ``execute``;
+* ``npu_sync pool (builtin)``: the same pool on the built-in transport
+  (``transport.client: builtin``);
 * ``requests random``: what people write first: one ``requests.Session`` shared by 32
   threads, a worker picked at random, and on any error up to 3 more tries, each on a
   worker picked at random again;
@@ -63,7 +65,7 @@ import urllib3
 
 from benchmarks.conftest import report
 from npu_sync import TaskFailed, WorkerPool
-from npu_sync.config import HealthConfig, PoolConfig, worker_config
+from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
 from npu_sync.worker_server import LocalWorker
 
 try:
@@ -237,8 +239,10 @@ class PoolContender:
     probed as often as HAProxy's."""
 
     name = "npu_sync pool"
+    client: str | None = None  # the configured default
 
     def __init__(self, workers: Sequence[LocalWorker]) -> None:
+        transport = TransportConfig() if self.client is None else TransportConfig(self.client)
         config = PoolConfig(
             workers=tuple(
                 worker_config(w.worker_id, w.url, max_concurrent=IN_FLIGHT) for w in workers
@@ -249,6 +253,7 @@ class PoolContender:
                 unhealthy_threshold=FALL,
                 healthy_threshold=RISE,
             ),
+            transport=transport,
         )
         self.pool = WorkerPool(config)
         self._dead = 0
@@ -276,6 +281,13 @@ class PoolContender:
 
     def close(self) -> None:
         self.pool.close()
+
+
+class BuiltinPoolContender(PoolContender):
+    """The same pool on the built-in transport."""
+
+    name = "npu_sync pool (builtin)"
+    client = "builtin"
 
 
 class RequestsContender:
@@ -609,6 +621,7 @@ def contender_factories() -> tuple[dict[str, Factory], dict[str, str]]:
     """Every contender that can run here, and why any other cannot."""
     factories: dict[str, Factory] = {
         PoolContender.name: PoolContender,
+        BuiltinPoolContender.name: BuiltinPoolContender,
         RequestsContender.name: RequestsContender,
     }
     skipped: dict[str, str] = {}

@@ -25,6 +25,7 @@ from urllib3.exceptions import InsecureRequestWarning, MaxRetryError, NewConnect
 from npu_sync.config import TLSConfig, TransportConfig, WorkerConfig
 from npu_sync.testing import FakeNetwork, FakeRequest, FakeTransport, json_response
 from npu_sync.transport import (
+    BuiltinTransport,
     RequestsTransport,
     Response,
     TransportError,
@@ -191,6 +192,12 @@ class Net:
             Urllib3Transport(worker(url, **kw), tls=tls, max_response_bytes=limit, maxsize=maxsize)
         )
 
+    def builtin(self, url: str, *, maxsize: int = 4, limit: int = LIMIT, **kw: Any) -> Any:
+        tls = kw.pop("tls", TLSConfig())
+        return self.track(
+            BuiltinTransport(worker(url, **kw), tls=tls, max_response_bytes=limit, maxsize=maxsize)
+        )
+
     def requests(self, url: str, *, maxsize: int = 4, limit: int = LIMIT, **kw: Any) -> Any:
         tls = kw.pop("tls", TLSConfig())
         return self.track(
@@ -223,10 +230,16 @@ def server(net: Net) -> _Server:
     return net.server()
 
 
-@pytest.fixture(params=["urllib3", "requests"])
+@pytest.fixture(params=["builtin", "urllib3", "requests"])
 def client(request: pytest.FixtureRequest, net: Net) -> Callable[..., Any]:
-    """Builds a transport of each kind, so a test runs against both."""
-    return net.urllib3 if request.param == "urllib3" else net.requests
+    """Builds a transport of each kind, so a test runs against all three."""
+    return getattr(net, request.param)  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=["urllib3", "requests"])
+def urllib3_client(request: pytest.FixtureRequest, net: Net) -> Callable[..., Any]:
+    """Builds a transport of each kind built on urllib3."""
+    return getattr(net, request.param)  # type: ignore[no-any-return]
 
 
 @pytest.fixture
@@ -238,7 +251,7 @@ def refusing_port() -> Iterator[int]:
     sock.close()
 
 
-# --- both transports against the loopback server ------------------------------------
+# --- every transport against the loopback server -------------------------------------
 
 
 def test_post_sends_body_worker_headers_and_call_headers(client, server):
@@ -492,14 +505,17 @@ def test_name_resolution_failure_is_connect_and_not_sent(client, monkeypatch):
     assert (info.value.kind, info.value.sent) == ("connect", False)
 
 
-def test_connect_timeout_is_timeout_and_not_sent(client, monkeypatch):
-    """A TCP connect that times out gives 'timeout' with sent=False."""
+def test_connect_timeout_is_timeout_and_not_sent(urllib3_client, monkeypatch):
+    """A TCP connect that times out gives 'timeout' with sent=False.
+
+    (tests/test_transport_deadlines.py makes a real connect time out, for all three.)
+    """
 
     def black_hole(*args: Any, **kwargs: Any) -> Any:
         raise TimeoutError("timed out")
 
     monkeypatch.setattr(urllib3.util.connection, "create_connection", black_hole)
-    t = client("http://127.0.0.1:9")
+    t = urllib3_client("http://127.0.0.1:9")
     with pytest.raises(TransportError) as info:
         t.request("GET", "/health", **TIMEOUTS)
     assert (info.value.kind, info.value.sent) == ("timeout", False)
@@ -687,9 +703,13 @@ def test_requests_transport_maps_errors(net, mocked, error, kind, sent):
 
 
 def test_make_transport_picks_the_configured_client():
-    """client 'urllib3' and 'requests' build the matching transport; others fail."""
+    """client 'builtin', 'urllib3' and 'requests' build the matching transport."""
     w = worker("http://127.0.0.1:8081")
-    for client_name, cls in (("urllib3", Urllib3Transport), ("requests", RequestsTransport)):
+    for client_name, cls in (
+        ("builtin", BuiltinTransport),
+        ("urllib3", Urllib3Transport),
+        ("requests", RequestsTransport),
+    ):
         t = make_transport(w, TransportConfig(client=client_name))
         try:
             assert isinstance(t, cls)
@@ -730,10 +750,10 @@ def test_response_json_raises_value_error_on_non_json():
         Response(200, {}, b"\xff\xfe").json()
 
 
-def test_repeated_response_headers_are_joined(net, server):
+def test_repeated_response_headers_are_joined(client, server):
     """A header sent twice arrives once, its values joined by a comma."""
     server.routes["/multi"] = lambda h: reply(h, 200, b"{}", {"X-A": "1", "x-a": "2"})
-    resp = net.urllib3(server.url()).request("GET", "/multi", **TIMEOUTS)
+    resp = client(server.url()).request("GET", "/multi", **TIMEOUTS)
     assert resp.headers["x-a"] == "1, 2"
 
 
@@ -741,6 +761,9 @@ def test_transport_error_rejects_unknown_kinds():
     """TransportError only takes the documented kinds and shows them in its repr."""
     err = TransportError("reset", "peer went away", sent=True)
     assert repr(err) == "TransportError('reset', 'peer went away', sent=True)"
+    assert err.stale is False
+    stale = TransportError("reset", "closed while idle", sent=True, stale=True)
+    assert stale.stale and repr(stale).endswith("sent=True, stale=True)")
     with pytest.raises(ValueError, match="unknown transport error kind"):
         TransportError("oops", "x", sent=True)
 
@@ -859,7 +882,8 @@ def test_json_response_builds_a_json_reply():
     assert resp.headers == {"content-type": "application/json", "retry-after": "2"}
 
 
-def test_an_answer_dripping_a_byte_at_a_time_times_out_overall():
+@pytest.mark.parametrize("client_name", ["builtin", "urllib3", "requests"])
+def test_an_answer_dripping_a_byte_at_a_time_times_out_overall(client_name):
     """The read timeout bounds the whole body, not only each socket read."""
     from npu_sync.config import TransportConfig as _TransportConfig
     from npu_sync.config import worker_config as _worker_config
@@ -867,7 +891,9 @@ def test_an_answer_dripping_a_byte_at_a_time_times_out_overall():
     from npu_sync.transport import make_transport as _make_transport
 
     with DrippingServer() as server:
-        transport = _make_transport(_worker_config("drip", server.url), _TransportConfig())
+        transport = _make_transport(
+            _worker_config("drip", server.url), _TransportConfig(client=client_name)
+        )
         try:
             with pytest.raises(TransportError) as info:
                 transport.request("GET", "/health", connect_timeout=0.2, timeout=0.3)

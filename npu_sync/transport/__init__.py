@@ -3,7 +3,11 @@
 This package is the only part of npu_sync that imports an HTTP client. The pool calls
 :meth:`Transport.request` on its hot path, so client CPU per request bounds the whole
 library's throughput. ``transport.client`` chooses the implementation:
-``urllib3`` (:class:`Urllib3Transport`) or ``requests`` (:class:`RequestsTransport`).
+``builtin`` (:class:`BuiltinTransport`, HTTP/1.1 on the standard library: the
+leanest, and the one whose deadlines hold whatever the worker does), ``urllib3``
+(:class:`Urllib3Transport`) or ``requests`` (:class:`RequestsTransport`). All three
+keep the same contract: one budget per call, the same errors, the same limits; see
+``docs/transport.md``.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from npu_sync.transport._base import TRANSPORT_ERROR_KINDS, Response, Transport, TransportError
+from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT, BuiltinTransport
 from npu_sync.transport._urllib3 import RequestsTransport, Urllib3Transport
 
 if TYPE_CHECKING:
@@ -18,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRANSPORT_ERROR_KINDS",
+    "BuiltinTransport",
     "RequestsTransport",
     "Response",
     "Transport",
@@ -34,17 +40,29 @@ def make_transport(
 
     Args:
         worker: the worker; its own ``tls`` settings win over ``transport.tls``.
-        transport: which client to use and the response size limit.
+        transport: which client to use, the response size limit and how long an idle
+            connection stays reusable (``idle_timeout``).
         maxsize: connections kept for reuse; defaults to ``worker.max_concurrent``.
 
     Returns:
-        A :class:`Urllib3Transport` or a :class:`RequestsTransport`.
+        A :class:`BuiltinTransport`, :class:`Urllib3Transport` or
+        :class:`RequestsTransport`.
 
     Raises:
         ValueError: unknown ``transport.client`` or worker URL scheme.
     """
     tls = worker.tls if worker.tls is not None else transport.tls
     size = worker.max_concurrent if maxsize is None else maxsize
+    # Read with a default so this module works with configurations that predate the key.
+    idle_timeout: float = getattr(transport, "idle_timeout", DEFAULT_IDLE_TIMEOUT)
+    if transport.client == "builtin":
+        return BuiltinTransport(
+            worker,
+            tls=tls,
+            max_response_bytes=transport.max_response_bytes,
+            maxsize=size,
+            idle_timeout=idle_timeout,
+        )
     if transport.client == "urllib3":
         return Urllib3Transport(
             worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size

@@ -55,17 +55,22 @@ class TransportError(NpuSyncError):
             ``tls``.
         sent: ``False`` only when the request provably never reached the worker, so
             retrying it elsewhere is safe even for a non-idempotent task.
+        stale: a reused keep-alive connection was closed by the worker before any
+            byte of the answer: most likely the worker never saw the request; nobody
+            is to blame. Always with ``kind="reset"`` and ``sent=True``.
     """
 
-    def __init__(self, kind: str, message: str, *, sent: bool) -> None:
+    def __init__(self, kind: str, message: str, *, sent: bool, stale: bool = False) -> None:
         if kind not in TRANSPORT_ERROR_KINDS:
             raise ValueError(f"unknown transport error kind {kind!r}")
         super().__init__(message)
         self.kind = kind
         self.sent = sent
+        self.stale = stale
 
     def __repr__(self) -> str:
-        return f"TransportError({self.kind!r}, {str(self)!r}, sent={self.sent!r})"
+        stale = ", stale=True" if self.stale else ""
+        return f"TransportError({self.kind!r}, {str(self)!r}, sent={self.sent!r}{stale})"
 
 
 class Transport(Protocol):

@@ -16,13 +16,25 @@ deployments that standardise on requests. Both behave the same way:
 * A response body larger than ``max_response_bytes`` is ``kind="too_large"``; the
   connection it arrived on is closed, never returned half-read to the pool.
 
-Stale keep-alive connections: urllib3 checks a pooled connection for a peer close
-before reusing it and quietly opens a fresh one, so a worker that restarted between
-two requests costs nothing. What remains is the race where the worker closes the
-connection while our request is in flight. The transport does not retry that itself:
-it cannot prove the worker did not receive the request, so it reports
-``kind="reset"``, ``sent=True`` and the pool decides, on another worker, whether the
-task is idempotent enough to try again.
+The contract the built-in transport keeps, kept here too through hooks in urllib3's
+connection classes:
+
+* One budget per call. urllib3 bounds each socket read, so a worker dripping its
+  status line, its headers or its body a byte at a time would hold the caller for
+  many times the budget. Once connected, a connection's socket becomes a
+  :class:`_DeadlineSocket` (or :class:`_DeadlineSSLSocket`): the same object, whose
+  reads and writes each get the time left to the call as their timeout and fail at
+  once when none is left, so the call fails with ``kind="timeout"`` at its deadline
+  whatever http.client is reading.
+* Name lookups run on the bounded resolver (:mod:`._resolve`) and the connection is
+  made to the address found, while TLS still checks the worker's host name (urllib3
+  takes the name for SNI and verification from the connection, not the socket).
+* Idle connections older than ``idle_timeout`` are closed instead of reused.
+* Stale keep-alive connections: urllib3 checks a pooled connection for a peer close
+  before reusing it. What remains is the race where the worker closes the connection
+  just as our request goes out: a *reused* connection that ends before any byte of
+  the answer is re-sent once on a fresh connection when ``replayable``, and otherwise
+  reported with ``stale=True``.
 
 TLS with ``verify=False``: urllib3 emits ``InsecureRequestWarning`` on every request
 to a pool that does not verify certificates. Filtering that warning would be global
@@ -34,12 +46,15 @@ is how ``sent=False`` is known for TLS errors.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import logging
 import os
+import socket
 import ssl
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from http.cookiejar import DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
 
@@ -49,22 +64,29 @@ import requests.cookies
 import requests.exceptions
 import requests.structures
 import urllib3
+import urllib3.connection
+import urllib3.util.connection
 from urllib3.exceptions import (
     ClosedPoolError,
     ConnectTimeoutError,
     DecodeError,
+    HeaderParsingError,
     HTTPError,
     InvalidChunkLength,
     MaxRetryError,
+    NameResolutionError,
     NewConnectionError,
     ProtocolError,
     ReadTimeoutError,
     SSLError,
 )
+from urllib3.util.response import assert_header_parsing
 from urllib3.util.retry import Retry
 from urllib3.util.ssl_ import resolve_cert_reqs
 from urllib3.util.ssl_match_hostname import CertificateError
 
+from npu_sync.errors import InvalidTask
+from npu_sync.transport import _http11 as h11
 from npu_sync.transport._base import (
     Response,
     TransportError,
@@ -74,6 +96,14 @@ from npu_sync.transport._base import (
     header_index,
     merge_headers,
     with_content_type,
+)
+from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT
+from npu_sync.transport._resolve import (
+    BoundedResolver,
+    Lookup,
+    ResolveError,
+    ResolveTimeout,
+    default_resolver,
 )
 
 if TYPE_CHECKING:
@@ -109,10 +139,292 @@ class _HandshakeError(HTTPError):
         self.cause = cause
 
 
-class _HTTPSConnectionPool(urllib3.HTTPSConnectionPool):
+class _Call:
+    """The call in progress on this thread, as the connection hooks see it."""
+
+    __slots__ = ("connect_deadline", "deadline", "expired", "fresh", "lost", "resolver", "reused")
+
+    def __init__(
+        self, deadline: float, connect_deadline: float, resolver: BoundedResolver, fresh: bool
+    ) -> None:
+        self.deadline = deadline
+        self.connect_deadline = connect_deadline
+        self.resolver = resolver
+        self.fresh = fresh  # take no idle connection: this is a re-send
+        self.expired = False  # a socket call found the budget spent
+        self.reused = False  # the request went out on a connection used before
+        self.lost = False  # the connection ended before any byte of the answer
+
+
+# urllib3 runs a whole exchange on the calling thread, so the hooks find their call here.
+_calls = threading.local()
+
+
+def _current() -> _Call | None:
+    return getattr(_calls, "call", None)
+
+
+def _budget(sock: socket.socket) -> None:
+    """Give the socket's next call the time left to this thread's call, or fail it."""
+    call = _current()
+    if call is None:
+        return
+    remaining = call.deadline - time.monotonic()
+    if remaining <= 0:
+        call.expired = True
+        raise TimeoutError("timed out (the call's budget is spent)")
+    current = sock.gettimeout()
+    if current is None or remaining < current:
+        sock.settimeout(remaining)
+
+
+def _timed_out() -> None:
+    """Note a socket timeout that ended the call's budget (rather than a shorter one)."""
+    call = _current()
+    # Socket timeouts wake at or just after the deadline they were given.
+    if call is not None and time.monotonic() >= call.deadline - 0.005:
+        call.expired = True
+
+
+class _DeadlineSocket(socket.socket):
+    """A connected socket whose every read and write fits in the call's budget.
+
+    Not built: a connection's socket gets this class once connected. No slots of its
+    own, so the swap keeps the object's layout.
+    """
+
+    __slots__ = ()
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        _budget(self)
+        try:
+            return super().recv_into(buffer, nbytes, flags)
+        except TimeoutError:
+            _timed_out()
+            raise
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        _budget(self)
+        try:
+            return super().recv(bufsize, flags)
+        except TimeoutError:
+            _timed_out()
+            raise
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        _budget(self)
+        try:
+            return super().send(data, flags)
+        except TimeoutError:
+            _timed_out()
+            raise
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        # With a timeout, socket.sendall bounds the whole write, not each piece.
+        _budget(self)
+        try:
+            super().sendall(data, flags)
+        except TimeoutError:
+            _timed_out()
+            raise
+
+
+class _DeadlineSSLSocket(ssl.SSLSocket):
+    """The TLS counterpart of :class:`_DeadlineSocket`. SSLSocket's recv and recv_into
+    read through read(), and its sendall writes piece by piece through send().
+    """
+
+    def read(self, len: int = 1024, buffer: Any = None) -> Any:
+        _budget(self)
+        try:
+            return super().read(len, buffer)
+        except TimeoutError:
+            _timed_out()
+            raise
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        _budget(self)
+        try:
+            return super().send(data, flags)
+        except TimeoutError:
+            _timed_out()
+            raise
+
+
+_DEADLINE_CLASSES: dict[type, type] = {
+    socket.socket: _DeadlineSocket,
+    ssl.SSLSocket: _DeadlineSSLSocket,
+}
+
+
+class _HTTPResponse(http.client.HTTPResponse):
+    """http.client's response, skipping every interim 1xx answer (it skips only 100)."""
+
+    def _read_status(self) -> tuple[str, int, str]:
+        for _ in range(h11.MAX_INTERIM + 1):
+            version, status, reason = super()._read_status()  # type: ignore[misc]
+            if not 100 < status < 200 or status == 101:
+                return version, status, reason
+            _skip_head(self.fp)
+        raise http.client.HTTPException(f"more than {h11.MAX_INTERIM} interim answers")
+
+
+def _skip_head(fp: Any) -> None:
+    for _ in range(h11.MAX_HEADER_LINES + 1):
+        line = fp.readline(h11.MAX_LINE_BYTES + 1)
+        if line in (b"\r\n", b"\n", b""):
+            return
+    raise http.client.HTTPException("interim answer with too many header lines")
+
+
+class _Hooks(urllib3.connection.HTTPConnection):
+    """What both connection classes add to urllib3's: bounded name lookup, sockets
+    bound by the call's deadline, and the bookkeeping that tells a stale keep-alive
+    connection apart from a failing worker.
+    """
+
+    response_class = _HTTPResponse
+    _npu_served = 0  # requests sent on the current socket
+    _npu_idle_since = 0.0
+
+    def _new_conn(self) -> socket.socket:
+        call = _current()
+        if call is None:
+            return super()._new_conn()
+        try:
+            addresses = call.resolver.resolve(self._dns_host, self.port, call.connect_deadline)
+        except ResolveTimeout as exc:
+            raise ConnectTimeoutError(
+                self, f"Connection to {self.host} timed out (name lookup)"
+            ) from exc
+        except ResolveError as exc:
+            cause = exc.cause
+            if not isinstance(cause, socket.gaierror):
+                cause = socket.gaierror(str(cause))
+            raise NameResolutionError(self.host, self, cause) from exc.cause
+        error: OSError = TimeoutError("no time left to connect")
+        for _, _, _, _, address in addresses:
+            remaining = call.connect_deadline - time.monotonic()
+            if remaining <= 0:
+                error = TimeoutError("no time left to connect")
+                break
+            timeout = remaining if self.timeout is None else min(float(self.timeout), remaining)
+            try:
+                sock = urllib3.util.connection.create_connection(
+                    (address[0], address[1]),
+                    timeout,
+                    source_address=self.source_address,
+                    socket_options=self.socket_options,
+                )
+            except OSError as exc:
+                error = exc
+                continue
+            return sock
+        if isinstance(error, TimeoutError):
+            raise ConnectTimeoutError(self, f"Connection to {self.host} timed out") from error
+        raise NewConnectionError(self, f"Failed to establish a new connection: {error}") from error
+
+    def connect(self) -> None:
+        super().connect()
+        self._npu_served = 0
+        sock = self.sock
+        deadline_class = _DEADLINE_CLASSES.get(type(sock))
+        if deadline_class is not None:
+            sock.__class__ = deadline_class
+
+    def request(  # type: ignore[override]
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        call = _current()
+        if call is not None:
+            call.reused = self.sock is not None and self._npu_served > 0
+        try:
+            super().request(method, url, body=body, headers=headers, **kwargs)
+        except ConnectionError:
+            # urllib3 swallows a broken pipe or reset here to read what the worker
+            # answered before; if it answered nothing, the connection was stale.
+            if call is not None:
+                call.lost = True
+            raise
+        finally:
+            self._npu_served += 1
+
+    def getresponse(self) -> Any:
+        try:
+            response = super().getresponse()
+        except ConnectionError:
+            # RemoteDisconnected (EOF before the status line) is a ConnectionResetError.
+            call = _current()
+            if call is not None:
+                call.lost = True
+            raise
+        # urllib3 only logs a head the email parser could not make sense of (a line
+        # without a colon, say); a worker's malformed answer is a protocol error.
+        original = response._original_response
+        try:
+            if original is not None:
+                assert_header_parsing(original.msg)
+        except HeaderParsingError as exc:
+            response.close()
+            raise http.client.HTTPException(f"malformed header: {exc}") from exc
+        return response
+
+
+class _HTTPConnection(_Hooks):
+    pass
+
+
+class _HTTPSConnection(_Hooks, urllib3.connection.HTTPSConnection):
+    pass
+
+
+class _PoolHooks(urllib3.HTTPConnectionPool):
+    """Idle timeout, and fresh connections for re-sends."""
+
+    ConnectionCls: Any = _HTTPConnection
+    _npu_idle_timeout = DEFAULT_IDLE_TIMEOUT
+
+    def _get_conn(self, timeout: float | None = None) -> Any:
+        conn: Any = super()._get_conn(timeout)
+        if conn.sock is not None:
+            call = _current()
+            if (call is not None and call.fresh) or (
+                time.monotonic() - conn._npu_idle_since > self._npu_idle_timeout
+            ):
+                conn.close()
+        return conn
+
+    def _put_conn(self, conn: Any) -> None:
+        if conn is not None:
+            conn._npu_idle_since = time.monotonic()
+        super()._put_conn(conn)
+
+
+class _HTTPConnectionPool(_PoolHooks):
+    def __init__(
+        self, *args: Any, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._npu_idle_timeout = idle_timeout
+
+
+class _HTTPSConnectionPool(_PoolHooks, urllib3.HTTPSConnectionPool):
     """HTTPS pool that tells handshake failures apart from later ones and does not warn
     about unverified requests when verification was switched off for it on purpose.
     """
+
+    ConnectionCls = _HTTPSConnection
+
+    def __init__(
+        self, *args: Any, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._npu_idle_timeout = idle_timeout
 
     def _validate_conn(self, conn: Any) -> None:
         # urllib3 connects HTTPS connections here, before anything is written, so any
@@ -127,19 +439,20 @@ class _HTTPSConnectionPool(urllib3.HTTPSConnectionPool):
 
 
 class _TooSlow(Exception):
-    """The body kept arriving past the attempt's whole read time."""
+    """The body kept arriving past the call's deadline."""
 
 
 def _read_limited(raw: BaseHTTPResponse, limit: int, encoded: bool, give_up: float) -> bytes | None:
     """Read the whole body, or return None as soon as it proves larger than ``limit``.
 
-    The read timeout bounds each socket read, so a worker that drips its answer a byte
-    at a time would never time out: reading also stops at ``give_up`` (monotonic), the
-    request's start plus the larger of its connect and read timeouts. The pool caps
-    both at the time left to the task, so an attempt never outlives its deadline.
+    ``limit`` bounds the decoded body; with a content coding, the raw length is only
+    checked against a slightly larger bound (compressed data can be a little larger
+    than what it decodes to). Reading also stops at ``give_up`` (monotonic): the reaper
+    would stop a dripping body anyway, but checking between reads ends it sooner.
     """
     length = raw.length_remaining
-    if length is not None and length > limit:
+    raw_limit = limit + (limit >> 6) + 1024 if encoded else limit
+    if length is not None and length > raw_limit:
         return None
     chunks: list[bytes] = []
     size = 0
@@ -153,8 +466,10 @@ def _read_limited(raw: BaseHTTPResponse, limit: int, encoded: bool, give_up: flo
         if size > limit:
             return None
         chunks.append(chunk)
-        if raw.length_remaining == 0:
-            return b"".join(chunks)  # all of a Content-Length body: no read for EOF
+        # All of a Content-Length body is in: no read for EOF. A decoder may still
+        # hold output when the raw bytes are all in, so encoded bodies read on to EOF.
+        if not encoded and raw.length_remaining == 0:
+            return b"".join(chunks)
         if time.monotonic() > give_up:
             raise _TooSlow
 
@@ -203,9 +518,13 @@ def _is_malformed(cause: object) -> bool:
     """Whether a ProtocolError's cause is a bad message rather than a lost connection."""
     if isinstance(cause, InvalidChunkLength):
         return True
-    # RemoteDisconnected is both a BadStatusLine and a ConnectionResetError, and an
-    # IncompleteRead means the peer stopped sending: both are lost connections.
-    if isinstance(cause, (ConnectionError, http.client.IncompleteRead)):
+    # http.client reports a chunk size that is not a number as an IncompleteRead
+    # raised while handling the ValueError.
+    if isinstance(cause, http.client.IncompleteRead):
+        return isinstance(cause.__context__, ValueError)
+    # RemoteDisconnected is both a BadStatusLine and a ConnectionResetError, and any
+    # other IncompleteRead means the peer stopped sending: both are lost connections.
+    if isinstance(cause, ConnectionError):
         return False
     return isinstance(cause, http.client.HTTPException)
 
@@ -230,8 +549,76 @@ class _TimeoutCache:
         return timeout
 
 
+def _check_headers(headers: Mapping[str, str], what: str) -> None:
+    """Refuse header values that cannot be sent, before anything is sent."""
+    try:
+        h11.encode_head(h11.header_lines(headers))
+    except h11.BadRequest as exc:
+        raise InvalidTask(f"{what}: {exc}") from None
+
+
+def _exchange(
+    send: Callable[[], BaseHTTPResponse],
+    map_error: Callable[[BaseException, str], TransportError],
+    worker: WorkerConfig,
+    resolver: BoundedResolver,
+    limit: int,
+    method: str,
+    path: str,
+    timeout: float,
+    connect_timeout: float | None,
+    replayable: bool,
+) -> Response:
+    """Run one call through urllib3 under the call's deadline, re-sending once on a
+    fresh connection when a reused one turned out stale and the request is replayable.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    connect_deadline = (
+        deadline if connect_timeout is None else min(deadline, start + connect_timeout)
+    )
+    what = describe(worker, method, path)
+    fresh = False
+    while True:
+        call = _Call(deadline, connect_deadline, resolver, fresh)
+        _calls.call = call
+        error: TransportError
+        try:
+            return _finish(send(), limit, worker, method, path, deadline)
+        except TransportError as exc:
+            error = exc
+        except (HTTPError, OSError) as exc:
+            error = map_error(exc, what)
+            error.__cause__ = exc
+        finally:
+            _calls.call = None
+        if call.expired:
+            # urllib3 reports a timeout while sending as a lost connection, and a
+            # timeout inside http.client's header parsing in other ways again.
+            cause = error.__cause__
+            error = TransportError(
+                "timeout", f"{what}: no complete answer in time", sent=error.sent
+            )
+            error.__cause__ = cause
+        if fresh or not (call.reused and call.lost and error.kind == "reset"):
+            if fresh and not error.sent:
+                # This attempt sent nothing, but the first may have reached the worker.
+                raise TransportError(error.kind, f"{error} (re-sending)", sent=True) from error
+            raise error
+        if not replayable:
+            raise TransportError(
+                "reset",
+                f"{what}: reused keep-alive connection closed before any answer; "
+                "the request was not re-sent",
+                sent=True,
+                stale=True,
+            ) from error.__cause__
+        log.debug("worker %s: stale keep-alive connection; re-sending", worker.id)
+        fresh = True
+
+
 class Urllib3Transport:
-    """The default transport: one urllib3 connection pool to one worker.
+    """A transport on one urllib3 connection pool to one worker.
 
     Thread-safe: any number of threads may call :meth:`request` at once.
 
@@ -240,13 +627,24 @@ class Urllib3Transport:
         tls: certificate settings for ``https://`` workers.
         max_response_bytes: larger response bodies fail with ``kind="too_large"``.
         maxsize: connections kept open for reuse (at least one).
+        idle_timeout: seconds an idle connection stays reusable.
+        resolver: the blocking name lookup (``socket.getaddrinfo`` by default), run
+            on a daemon thread and waited for only within the connect budget.
     """
 
     def __init__(
-        self, worker: WorkerConfig, *, tls: TLSConfig, max_response_bytes: int, maxsize: int
+        self,
+        worker: WorkerConfig,
+        *,
+        tls: TLSConfig,
+        max_response_bytes: int,
+        maxsize: int,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        resolver: Lookup | None = None,
     ) -> None:
         self.worker = worker
         self._limit = max_response_bytes
+        self._resolver = default_resolver if resolver is None else BoundedResolver(resolver)
         self._headers = base_headers(worker)
         self._headers_index = header_index(self._headers)
         self._json_headers = with_content_type(self._headers)
@@ -261,11 +659,17 @@ class Urllib3Transport:
                 maxsize=size,
                 block=False,
                 retries=_NO_RETRIES,
+                idle_timeout=idle_timeout,
                 **_urllib3_tls_kwargs(tls),
             )
         else:
-            self._pool = urllib3.HTTPConnectionPool(
-                worker.host, worker.port, maxsize=size, block=False, retries=_NO_RETRIES
+            self._pool = _HTTPConnectionPool(
+                worker.host,
+                worker.port,
+                maxsize=size,
+                block=False,
+                retries=_NO_RETRIES,
+                idle_timeout=idle_timeout,
             )
         log.debug("transport for worker %s (%s), %d connections", worker.id, worker.url, size)
 
@@ -283,6 +687,8 @@ class Urllib3Transport:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
+        if headers:
+            _check_headers(headers, describe(self.worker, method, path))
         if body is None:
             sent_headers = self._headers
             if headers:
@@ -292,9 +698,10 @@ class Urllib3Transport:
             if headers:
                 sent_headers = merge_headers(sent_headers, self._json_headers_index, headers)
         connect = timeout if connect_timeout is None else min(connect_timeout, timeout)
-        give_up = time.monotonic() + timeout
-        try:
-            raw = self._pool.urlopen(
+        urllib3_timeout = self._timeouts.get(connect, timeout)
+
+        def send() -> BaseHTTPResponse:
+            return self._pool.urlopen(
                 method,
                 path,
                 body=body,
@@ -302,13 +709,23 @@ class Urllib3Transport:
                 retries=_NO_RETRIES,
                 redirect=False,
                 assert_same_host=False,
-                timeout=self._timeouts.get(connect, timeout),
+                timeout=urllib3_timeout,
                 preload_content=False,
                 release_conn=False,
             )
-        except (HTTPError, OSError) as exc:
-            raise _from_urllib3(exc, describe(self.worker, method, path)) from exc
-        return _finish(raw, self._limit, self.worker, method, path, give_up)
+
+        return _exchange(
+            send,
+            _from_urllib3,
+            self.worker,
+            self._resolver,
+            self._limit,
+            method,
+            path,
+            timeout,
+            connect_timeout,
+            replayable,
+        )
 
     def close(self) -> None:
         """Close every pooled connection; later requests fail with ``kind="connect"``."""
@@ -334,8 +751,7 @@ def _finish(
         _discard(raw)
         raise TransportError(
             "timeout",
-            f"{describe(worker, method, path)}: the answer was still arriving when the "
-            "read timeout (counted from the request's start) ran out",
+            f"{describe(worker, method, path)}: no complete answer in time",
             sent=True,
         ) from None
     if data is None:
@@ -362,15 +778,23 @@ def _urllib3_tls_kwargs(tls: TLSConfig) -> dict[str, Any]:
 
 
 class _NoRetryAdapter(requests.adapters.HTTPAdapter):
-    """HTTPAdapter whose HTTPS pools report handshake failures as never sent."""
+    """HTTPAdapter on this module's pools: handshake failures reported as never sent,
+    the reaper, the bounded resolver and the idle timeout.
+    """
+
+    def __init__(self, idle_timeout: float, **kwargs: Any) -> None:
+        self._idle_timeout = idle_timeout
+        super().__init__(**kwargs)
 
     def init_poolmanager(
         self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
     ) -> None:
         super().init_poolmanager(connections, maxsize, block, **pool_kwargs)
+        # PoolManager builds pools as cls(host, port, **kw) and refuses unknown keys in
+        # kw (they become part of the pool key), so the idle timeout is bound here.
         self.poolmanager.pool_classes_by_scheme = {
-            "http": urllib3.HTTPConnectionPool,
-            "https": _HTTPSConnectionPool,
+            "http": functools.partial(_HTTPConnectionPool, idle_timeout=self._idle_timeout),
+            "https": functools.partial(_HTTPSConnectionPool, idle_timeout=self._idle_timeout),
         }
 
     def close(self) -> None:
@@ -412,14 +836,25 @@ class RequestsTransport:
         tls: certificate settings for ``https://`` workers.
         max_response_bytes: larger response bodies fail with ``kind="too_large"``.
         maxsize: connections kept open for reuse (at least one).
+        idle_timeout: seconds an idle connection stays reusable.
+        resolver: the blocking name lookup (``socket.getaddrinfo`` by default), run
+            on a daemon thread and waited for only within the connect budget.
     """
 
     def __init__(
-        self, worker: WorkerConfig, *, tls: TLSConfig, max_response_bytes: int, maxsize: int
+        self,
+        worker: WorkerConfig,
+        *,
+        tls: TLSConfig,
+        max_response_bytes: int,
+        maxsize: int,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        resolver: Lookup | None = None,
     ) -> None:
         check_scheme(worker)
         self.worker = worker
         self._limit = max_response_bytes
+        self._resolver = default_resolver if resolver is None else BoundedResolver(resolver)
         self._base_url = worker.url.rstrip("/")
         session = _Session()
         session.trust_env = False
@@ -433,7 +868,9 @@ class RequestsTransport:
         session.verify = tls.verify
         if tls.cert is not None:
             session.cert = (tls.cert, tls.key) if tls.key is not None else tls.cert
-        adapter = _NoRetryAdapter(pool_connections=1, pool_maxsize=max(1, maxsize), max_retries=0)
+        adapter = _NoRetryAdapter(
+            idle_timeout, pool_connections=1, pool_maxsize=max(1, maxsize), max_retries=0
+        )
         # Only this worker's URL is served; anything else would fail loudly.
         session.adapters.clear()
         session.mount(self._base_url + "/", adapter)
@@ -456,34 +893,46 @@ class RequestsTransport:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
+        what = describe(self.worker, method, path)
         if self._closed:
-            raise TransportError(
-                "connect",
-                f"{describe(self.worker, method, path)}: transport is closed",
-                sent=False,
-            )
+            raise TransportError("connect", f"{what}: transport is closed", sent=False)
+        if headers:
+            _check_headers(headers, what)
         sent_headers: Mapping[str, str] | None = headers
         if body is not None:
             sent_headers = {**self._json_headers, **headers} if headers else self._json_headers
         connect = timeout if connect_timeout is None else min(connect_timeout, timeout)
-        give_up = time.monotonic() + timeout
-        try:
-            resp = self._session.request(
-                method,
-                self._base_url + path,
-                data=body,
-                headers=sent_headers,
-                timeout=(connect, timeout),
-                allow_redirects=False,
-                stream=True,
-            )
-        except requests.exceptions.RequestException as exc:
-            if isinstance(exc, ValueError):  # a bad header or URL: the caller's mistake
-                raise
-            raise _from_requests(exc, describe(self.worker, method, path)) from exc
-        except (HTTPError, OSError) as exc:
-            raise _from_urllib3(exc, describe(self.worker, method, path)) from exc
-        return _finish(resp.raw, self._limit, self.worker, method, path, give_up)
+
+        def send() -> BaseHTTPResponse:
+            try:
+                resp = self._session.request(
+                    method,
+                    self._base_url + path,
+                    data=body,
+                    headers=sent_headers,
+                    timeout=(connect, timeout),
+                    allow_redirects=False,
+                    stream=True,
+                )
+            except requests.exceptions.RequestException as exc:
+                if isinstance(exc, ValueError):  # a bad header or URL: the caller's mistake
+                    raise
+                raise _from_requests(exc, what) from exc
+            raw: BaseHTTPResponse = resp.raw
+            return raw
+
+        return _exchange(
+            send,
+            _from_urllib3,
+            self.worker,
+            self._resolver,
+            self._limit,
+            method,
+            path,
+            timeout,
+            connect_timeout,
+            replayable,
+        )
 
     def close(self) -> None:
         """Close every pooled connection; later requests fail with ``kind="connect"``."""

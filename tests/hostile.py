@@ -1,0 +1,322 @@
+"""Raw-socket loopback servers that misbehave on purpose, and a builder for every kind
+of transport, for the transport tests.
+
+A :class:`Hostile` server runs a *behaviour* (a function of one :class:`Peer`) on a
+thread per accepted connection. Behaviours read requests with :meth:`Peer.request`
+(which records them, so a test can check what the worker saw) and answer with raw
+bytes, as slowly or as wrongly as the test needs. Every wait in a behaviour is on the
+server's ``stop`` event, so closing the server ends them all at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import ssl
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from npu_sync.config import TLSConfig, WorkerConfig
+from npu_sync.transport import BuiltinTransport, RequestsTransport, Urllib3Transport
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One request a behaviour read in full."""
+
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    connection: int
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name.lower())
+
+
+class Peer:
+    """The server's side of one connection."""
+
+    def __init__(self, server: Hostile, sock: socket.socket, number: int) -> None:
+        self.server = server
+        self.sock = sock
+        self.number = number
+        self.buf = b""
+        self.stop = server.stop
+
+    def _recv(self) -> bytes:
+        try:
+            return self.sock.recv(65536)
+        except (OSError, ssl.SSLError):
+            return b""
+
+    def request(self) -> Seen | None:
+        """Read one whole request and record it; None if the client hung up first."""
+        while b"\r\n\r\n" not in self.buf:
+            data = self._recv()
+            if not data:
+                return None
+            self.buf += data
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        method, path, _ = lines[0].split(" ", 2)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        length = int(headers.get("content-length", "0"))
+        while len(self.buf) < length:
+            data = self._recv()
+            if not data:
+                return None
+            self.buf += data
+        body, self.buf = self.buf[:length], self.buf[length:]
+        seen = Seen(method, path, headers, body, self.number)
+        self.server.record(seen)
+        return seen
+
+    def send(self, data: bytes) -> bool:
+        """Send all of ``data``; False if the client has gone."""
+        try:
+            self.sock.sendall(data)
+        except OSError:
+            return False
+        return True
+
+    def drip(self, data: bytes, interval: float) -> bool:
+        """Send ``data`` a byte every ``interval`` seconds; False if stopped or gone."""
+        for i in range(len(data)):
+            if not self.send(data[i : i + 1]) or self.stop.wait(interval):
+                return False
+        return True
+
+    def drip_forever(self, prefix: bytes, unit: Callable[[int], bytes], interval: float) -> None:
+        """Send ``prefix``, then ``unit(n)`` for n = 0, 1, ... every ``interval`` s."""
+        if not self.send(prefix):
+            return
+        n = 0
+        while not self.stop.wait(interval):
+            if not self.send(unit(n)):
+                return
+            n += 1
+
+    def hold(self) -> None:
+        """Keep the connection open, doing nothing, until the server closes."""
+        self.stop.wait()
+
+    def wait_readable(self) -> bool:
+        """Wait until the client sends something (or hangs up) without reading it."""
+        while not self.stop.is_set():
+            try:
+                ready, _, _ = select.select([self.sock], [], [], 0.05)
+            except (OSError, ValueError):
+                return False
+            if ready:
+                return True
+        return False
+
+    def reset(self) -> None:
+        """Close with a TCP reset (SO_LINGER 0) instead of a normal close."""
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+Behaviour = Callable[[Peer], None]
+
+
+@dataclass
+class Hostile:
+    """A loopback server running ``behaviour`` on every accepted connection.
+
+    Args:
+        behaviour: what to do with each connection; the connection is closed when it
+            returns.
+        tls: server-side TLS context; the handshake runs in the connection's thread.
+        rcvbuf: receive buffer size for accepted connections (a slow reader).
+        backlog: listen backlog.
+    """
+
+    behaviour: Behaviour
+    tls: ssl.SSLContext | None = None
+    rcvbuf: int | None = None
+    backlog: int = 16
+    accept: bool = True
+    stop: threading.Event = field(default_factory=threading.Event)
+    seen: list[Seen] = field(default_factory=list)
+    connections: int = 0
+    closed_connections: int = 0
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.rcvbuf is not None:
+            # Set before listen() so that accepted sockets inherit it (and the window).
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(self.backlog)
+        self.port: int = self._listener.getsockname()[1]
+        self._threads: list[threading.Thread] = []
+        self._peers: list[Peer] = []
+        self._acceptor = threading.Thread(target=self._accept, name="hostile-accept")
+        if self.accept:
+            self._acceptor.start()
+
+    def url(self, scheme: str = "http") -> str:
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while not self.stop.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with self.changed:
+                self.connections += 1
+                number = self.connections
+            thread = threading.Thread(
+                target=self._serve, args=(sock, number), name=f"hostile-{number}"
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    def _serve(self, sock: socket.socket, number: int) -> None:
+        if self.tls is not None:
+            try:
+                sock.settimeout(10)
+                sock = self.tls.wrap_socket(sock, server_side=True)
+                sock.settimeout(None)
+            except (OSError, ssl.SSLError):
+                sock.close()
+                return
+        peer = Peer(self, sock, number)
+        self._peers.append(peer)
+        try:
+            self.behaviour(peer)
+        finally:
+            peer.close()
+            with self.changed:
+                self.closed_connections += 1
+                self.changed.notify_all()
+
+    def record(self, seen: Seen) -> None:
+        with self.changed:
+            self.seen.append(seen)
+            self.changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
+
+    def stop_listening(self) -> None:
+        """Refuse new connections from now on (the port is freed)."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        # shutdown() wakes an accept() blocked in another thread; close() alone may not.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for peer in list(self._peers):
+            with contextlib.suppress(OSError):
+                peer.sock.shutdown(socket.SHUT_RDWR)
+        if self._acceptor.is_alive():
+            self._acceptor.join(5)
+        for thread in self._threads:
+            thread.join(5)
+
+
+# -- answers ------------------------------------------------------------------------
+
+
+def answer(
+    status: int = 200,
+    body: bytes = b"{}",
+    headers: dict[str, str] | None = None,
+    *,
+    length: bool = True,
+    version: str = "HTTP/1.1",
+) -> bytes:
+    """A raw answer: status line, headers (Content-Length unless told not to), body."""
+    lines = [f"{version} {status} X"]
+    all_headers = {"Content-Type": "application/json"}
+    all_headers.update(headers or {})
+    if length:
+        all_headers["Content-Length"] = str(len(body))
+    lines += [f"{k}: {v}" for k, v in all_headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+def chunked(chunks: list[bytes], trailers: dict[str, str] | None = None) -> bytes:
+    """A chunked body (after the head), with optional trailers."""
+    out = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n"
+    for name, value in (trailers or {}).items():
+        out += f"{name}: {value}\r\n".encode()
+    return out + b"\r\n"
+
+
+def keep_answering(reply: Callable[[Seen], bytes]) -> Behaviour:
+    """A well-behaved keep-alive worker: answers every request with ``reply(seen)``."""
+
+    def behaviour(peer: Peer) -> None:
+        while (seen := peer.request()) is not None:
+            if not peer.send(reply(seen)):
+                return
+
+    return behaviour
+
+
+# -- the transports under test ------------------------------------------------------
+
+CLIENTS = ("builtin", "urllib3", "requests")
+CLASSES: dict[str, Any] = {
+    "builtin": BuiltinTransport,
+    "urllib3": Urllib3Transport,
+    "requests": RequestsTransport,
+}
+
+
+class Clients:
+    """Builds transports of one kind and closes every one built at teardown."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.built: list[Any] = []
+
+    def __call__(
+        self,
+        url: str,
+        *,
+        limit: int = 1 << 20,
+        maxsize: int = 4,
+        tls: TLSConfig | None = None,
+        worker_id: str = "w1",
+        headers: dict[str, str] | None = None,
+        **kw: Any,
+    ) -> Any:
+        worker = WorkerConfig(id=worker_id, url=url, headers=headers or {})
+        transport = CLASSES[self.kind](
+            worker,
+            tls=tls if tls is not None else TLSConfig(),
+            max_response_bytes=limit,
+            maxsize=maxsize,
+            **kw,
+        )
+        self.built.append(transport)
+        return transport
+
+    def close(self) -> None:
+        for transport in self.built:
+            transport.close()
