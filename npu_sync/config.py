@@ -313,7 +313,7 @@ class SharedStateConfig:
 class TransportConfig:
     """The HTTP client and its limits. Immutable, so thread-safe."""
 
-    client: str = "urllib3"
+    client: str = "builtin"
     max_response_bytes: int = 16 * 1024 * 1024
     tls: TLSConfig = field(default_factory=TLSConfig)
     # Below the 5 s keep-alive of uvicorn, which the AutoBot worker runs: a connection
@@ -558,7 +558,7 @@ _AUTOBOT_IGNORED_KEYS: Final = frozenset(
     {"description", "device", "models", "capabilities", "weight", "platform", "assigned_models"}
 )
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
-_CLIENTS: Final = ("urllib3", "requests", "builtin")
+_CLIENTS: Final = ("builtin", "urllib3", "requests")
 _TLS_KEYS: Final = frozenset({"verify", "cert", "key"})
 # Set by the transport per request; a configured value would break de-duplication or framing.
 _RESERVED_HEADERS: Final = frozenset(

@@ -120,7 +120,7 @@ def test_defaults_match_the_documented_values() -> None:
     assert cfg.retry == RetryConfig(3, 0.05, 2.0)
     assert cfg.timeouts == TimeoutConfig(2.0, 20.0, 25.0)
     assert cfg.dead_letter == DeadLetterConfig("memory", None, 10000)
-    assert cfg.transport == TransportConfig("urllib3", 16 * 1024 * 1024, TLSConfig(True), 4.0)
+    assert cfg.transport == TransportConfig("builtin", 16 * 1024 * 1024, TLSConfig(True), 4.0)
     assert cfg.pool == PoolSettings(32, "/inference", 10.0)
     worker = parse_config(one_worker()).workers[0]
     assert (worker.priority, worker.max_concurrent, worker.enabled) == (1, 32, True)
@@ -236,7 +236,7 @@ def test_non_finite_numbers_rejected() -> None:
             "transport",
             "client",
             "httpx",
-            "must be one of 'urllib3', 'requests', 'builtin', got 'httpx'",
+            "must be one of 'builtin', 'urllib3', 'requests', got 'httpx'",
         ),
         ("transport", "max_response_bytes", 0, "must be 1..1073741824, got 0"),
         ("transport", "idle_timeout", 0, "must be > 0 and <= 3600, got 0"),

@@ -140,7 +140,7 @@ def test_pool_settings_apply_to_later_tasks_and_sections_needing_restart_are_nam
         new = config(*workers, retry=retry2, transport=TransportConfig(client="requests"))
         result = pool.reload(new)
         assert result.settings_changed and result.restart_required == ("transport",)
-        assert pool.config.transport.client == "urllib3"
+        assert pool.config.transport.client == "builtin"
         with pytest.raises(Exception) as second:
             pool.execute({"x": 1})
         assert len(second.value.attempts) == 3
