@@ -287,7 +287,10 @@ class HealthChecker:
         if not targets:
             return {}
         futures: dict[concurrent.futures.Future[HealthResult], str] = {}
-        busy: list[str] = []
+        # Workers whose probe from another round still runs: never probed twice at
+        # once. That probe's answer, if it comes in time, is this round's answer too,
+        # but it is applied once, by the round that started it.
+        busy: dict[concurrent.futures.Future[HealthResult], str] = {}
         generations = {t.id: getattr(t, "generation", 0) for t in targets}
         with self._lock:
             if self._stop.is_set():
@@ -295,8 +298,7 @@ class HealthChecker:
             for t in targets:
                 previous = self._running.get(t.id)
                 if previous is not None and not previous[0].done():
-                    # Never a second probe of a worker whose last one still runs.
-                    busy.append(t.id)
+                    busy[previous[0]] = t.id
                     continue
                 future = self._start_probe(t, config, generations[t.id])
                 if future is not None:
@@ -307,18 +309,23 @@ class HealthChecker:
         # Each probe is bounded by health.timeout end to end; the margin covers
         # scheduling. One still running after that (a transport overrunning its budget)
         # is reported as failed now and is not probed again until it ends.
-        done, _ = concurrent.futures.wait(futures, timeout=config.timeout + _ROUND_MARGIN)
+        done, _ = concurrent.futures.wait(
+            [*futures, *busy], timeout=config.timeout + _ROUND_MARGIN
+        )
         now = self._clock.time()
-        results: dict[str, HealthResult] = {
-            worker_id: HealthResult(
-                worker_id,
-                False,
-                now,
-                error="previous check still running",
-                generation=generations[worker_id],
-            )
-            for worker_id in busy
-        }
+        results: dict[str, HealthResult] = {}
+        shared: dict[str, HealthResult] = {}
+        for future, worker_id in busy.items():
+            if future in done and future.exception() is None:
+                shared[worker_id] = future.result()
+            else:
+                results[worker_id] = HealthResult(
+                    worker_id,
+                    False,
+                    now,
+                    error="previous check still running",
+                    generation=generations[worker_id],
+                )
         for future, worker_id in futures.items():
             if future not in done:
                 results[worker_id] = HealthResult(
@@ -342,7 +349,7 @@ class HealthChecker:
                 )
         self.rounds += 1
         self._apply(results)
-        return results
+        return {**results, **shared}
 
     def _start_probe(
         self, target: Target, config: HealthConfig, generation: int

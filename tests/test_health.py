@@ -466,3 +466,55 @@ def test_close_returns_while_a_probe_overruns_its_budget():
     finally:
         release.set()
         closer.join(10)
+
+
+def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_once(
+    monkeypatch,
+):
+    """check_once() while a probe of the same worker runs waits for that probe's answer
+    (no second probe at once, no false 'still running' failure) and counts it once."""
+    import concurrent.futures
+    import types
+
+    import npu_sync.health
+
+    waiting = threading.Semaphore(0)
+
+    def wait(fs, timeout=None):
+        waiting.release()
+        return concurrent.futures.wait(fs, timeout=timeout)
+
+    fake = types.SimpleNamespace(
+        futures=types.SimpleNamespace(wait=wait, Future=concurrent.futures.Future)
+    )
+    monkeypatch.setattr(npu_sync.health, "concurrent", fake)
+    net = FakeNetwork()
+    gate, probing = threading.Event(), threading.Event()
+    probes = []
+
+    def handle(req):
+        if req.path == "/health":
+            probes.append(req)
+            probing.set()
+            assert gate.wait(5)
+        return json_response(200, {"status": "healthy"})
+
+    net.route("a", handle)
+    with make_pool(net, ids=("a",), fail=1) as pool:
+        first: dict = {}
+        runner = threading.Thread(target=lambda: first.update(pool.check_health()))
+        runner.start()
+        assert probing.wait(5)
+        second: dict = {}
+        joiner = threading.Thread(target=lambda: second.update(pool.check_health()))
+        joiner.start()
+        # Both rounds are waiting for answers: the first for its probe, the second
+        # for the same one.
+        assert waiting.acquire(timeout=5) and waiting.acquire(timeout=5)
+        gate.set()
+        runner.join(5)
+        joiner.join(5)
+        assert first["a"]["ok"] is True and second["a"]["ok"] is True
+        assert len(probes) == 1
+        worker = pool._workers["a"]
+        assert worker.health_passes == 1 and worker.healthy
