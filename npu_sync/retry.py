@@ -58,7 +58,7 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
     status = response.status
     if 200 <= status < 300:
         try:
-            return Outcome(Kind.SUCCESS, json.loads(response.body), status)
+            return Outcome(Kind.SUCCESS, decode_json(response.body), status)
         except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
             return Outcome(Kind.FAILURE, None, status, f"HTTP {status} with a non-JSON body")
     body = _decode(response.body)
@@ -122,9 +122,27 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     return max(0.0, seconds)
 
 
+_DECODE = json.JSONDecoder().decode
+
+
+def decode_json(body: bytes) -> Any:
+    """``json.loads(body)``, a few microseconds faster for the usual UTF-8 answer.
+
+    ``json.loads`` on bytes first sniffs the encoding (UTF-8, -16 or -32, with or
+    without BOM); answers are UTF-8 by the JSON standard, so that is tried directly.
+    """
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        return json.loads(body)  # UTF-16/32, or not JSON: json.loads says which
+    if text.startswith("\ufeff"):  # json.loads accepts a UTF-8 BOM on bytes too
+        text = text[1:]
+    return _DECODE(text)
+
+
 def _decode(body: bytes) -> Any:
     try:
-        return json.loads(body)
+        return decode_json(body)
     except (ValueError, RecursionError):
         return body[:200].decode("utf-8", "replace")
 
