@@ -21,7 +21,14 @@ from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TextIO
 
-from npu_sync.errors import ConfigError, NpuSyncError, TaskFailed, TaskRejected
+from npu_sync.errors import (
+    ConfigError,
+    NpuSyncError,
+    TaskFailed,
+    TaskRejected,
+    printable,
+    scrub,
+)
 
 if TYPE_CHECKING:
     from npu_sync.config import PoolConfig
@@ -84,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except _CommandError as exc:
-        print(f"npu-sync {args.command}: {exc}", file=sys.stderr)
+        _error(f"npu-sync {args.command}: {exc}")
         return exc.code
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        _error(str(exc))
         return EXIT_USAGE
     except BrokenPipeError:
         # The reader went away (``npu-sync dlq list | head``): stop quietly, and keep
@@ -95,12 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_FAILURE
     except (NpuSyncError, OSError, RuntimeError) as exc:
-        print(f"npu-sync: error: {exc}", file=sys.stderr)
+        _error(f"npu-sync: error: {exc}")
         return EXIT_FAILURE
     except Exception as exc:
         logger.debug("npu-sync %s failed", args.command, exc_info=True)
-        print(f"npu-sync: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _error(f"npu-sync: error: {type(exc).__name__}: {exc}")
         return EXIT_FAILURE
+
+
+def _error(message: str) -> None:
+    """Print an error for a person: no credential, no control character of a worker's."""
+    lines = [printable(scrub(line)) for line in message.splitlines()]
+    print("\n".join(lines), file=sys.stderr)
 
 
 def _exit_code(code: object) -> int:
@@ -543,6 +556,9 @@ def _table(headers: list[str], rows: list[list[str]], *, right: Collection[int] 
     """Rows under headers in aligned columns; the last column is never padded."""
     if not rows:
         return ""
+    # Cells may quote a worker's answer or error: nothing in them may drive the terminal.
+    headers = [printable(cell) for cell in headers]
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
     lines = []
     for r in [headers, *rows]:

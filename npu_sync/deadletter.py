@@ -24,7 +24,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from npu_sync.clock import SYSTEM_CLOCK, Clock
-from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, TaskFailed, TaskRejected
+from npu_sync.errors import (
+    ConfigError,
+    InvalidTask,
+    NpuSyncError,
+    TaskFailed,
+    TaskRejected,
+    printable,
+)
 from npu_sync.task import Attempt, Task
 
 if TYPE_CHECKING:
@@ -39,8 +46,9 @@ _MAX_ERROR_CHARS = 1000
 
 
 def _one_line(text: str) -> str:
-    """Collapse ``text`` to one bounded line, so listings stay readable."""
-    line = " ".join(str(text).split())
+    """Collapse ``text`` to one bounded line of printable characters, so listings stay
+    readable and an escape sequence from a worker cannot reach a terminal."""
+    line = printable(" ".join(str(text).split()))
     if len(line) > _MAX_ERROR_CHARS:
         line = line[: _MAX_ERROR_CHARS - 3] + "..."
     return line
