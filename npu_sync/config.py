@@ -518,8 +518,10 @@ def parse_yaml(text: str, *, source: str) -> PoolConfig:
             "kilobytes",
             source=source,
         )
-    loader = _StrictLoader(text)
+    loader: _StrictLoader | None = None
     try:
+        # The reader checks every character as the loader is built: inside the try.
+        loader = _StrictLoader(text)
         data = loader.get_single_data()
     except _TooLarge as exc:
         raise ConfigError(str(exc), source=source) from None
@@ -532,13 +534,14 @@ def parse_yaml(text: str, *, source: str) -> PoolConfig:
         problem = exc.problem or exc.context or "invalid YAML"
         raise ConfigError(f"YAML syntax error{where}: {problem}", source=source) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"YAML error: {exc}", source=source) from None
+        raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
     except ValueError as exc:
         # PyYAML's constructors raise plain ValueError for a date such as 2024-13-01,
         # a float tag on a non-number, or an integer of more than 4300 digits.
-        raise ConfigError(f"YAML error: {exc}", source=source) from None
+        raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if loader.duplicates:
         raise ConfigError(sorted(loader.duplicates), source=source)
     if data is None:

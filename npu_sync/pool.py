@@ -31,6 +31,7 @@ from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
     PoolConfig,
     WorkerConfig,
+    check_reload,
     config_for_url,
     parse_yaml,
     read_config_text,
@@ -686,13 +687,13 @@ class WorkerPool:
         for worker_id, healthy, error in changes:
             self._notify(WorkerHealthChanged(self._clock.time(), worker_id, healthy, error))
 
-    def _reload_if_changed(self) -> None:
-        """The watcher's callback: reload when the file's content changed."""
+    def _reload_if_changed(self, text: str | None = None) -> None:
+        """The watcher's callback: reload when the file's (settled) content changed."""
         # A bad file is logged and counted by _reload_file; the running config stays.
         with contextlib.suppress(ConfigError):
-            self._reload_file(force=False)
+            self._reload_file(force=False, text=text)
 
-    def _reload_file(self, *, force: bool) -> ReloadResult:
+    def _reload_file(self, *, force: bool, text: str | None = None) -> ReloadResult:
         source = self._config.source
         assert source is not None
         failure: ConfigError | None = None
@@ -701,12 +702,14 @@ class WorkerPool:
                 return ReloadResult()
             digest = None
             try:
-                text = read_config_text(source)
+                text = read_config_text(source) if text is None else text
                 digest = _digest(text)
                 if not force and digest in (self._source_digest, self._rejected_digest):
                     # Unchanged, or the same broken content already counted and logged.
                     return ReloadResult()
-                result = self._apply_config(parse_yaml(text, source=source))
+                new = parse_yaml(text, source=source)
+                check_reload(self._config, new)  # no emptying the pool by accident
+                result = self._apply_config(new)
             except ConfigError as exc:
                 self._rejected_digest = digest
                 self._reloads["failed"] += 1

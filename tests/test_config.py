@@ -1339,3 +1339,9 @@ def test_the_autobot_layout_names_its_own_key_path() -> None:
     new = parse_config({"npu": {"workers": []}})
     with pytest.raises(ConfigError, match=r"^invalid configuration:\n  npu\.workers: "):
         check_reload(pool_of(1), new)
+
+
+def test_a_control_character_in_the_file_is_a_config_error() -> None:
+    """PyYAML's reader refuses NUL while the loader is built: still a ConfigError."""
+    (error,) = yaml_errors("npu_workers:\x00\n")
+    assert error.startswith("YAML error: unacceptable character #x0000")
