@@ -380,14 +380,8 @@ class WorkerPool:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
         if self._restart_pending:
             self._restart_after_fork()
-        # The store may be a file: read it before taking the selection lock.
-        stored: int | None
-        dropped: int | None
-        try:
-            stored = len(self.dead_letters)
-            dropped = self.dead_letters.store.dropped
-        except NpuSyncError:  # the store is closed
-            stored = dropped = None
+        # The store may be a file: read it (without waiting) before taking the lock.
+        stored, dropped = self.dead_letters.counts()
         with self._lock:
             now = self._clock.monotonic()
             workers = list(self._workers.values())
@@ -904,12 +898,12 @@ class WorkerPool:
             return self._attempts(task, body, deadline)
         except _Exhausted as exhausted:
             if fallback is None:
-                self._dead_letter(task, exhausted)
+                self._dead_letter(task, exhausted, deadline)
             try:
                 result = fallback()
             except Exception as exc:
                 exhausted.reason += f"; fallback failed: {type(exc).__name__}: {exc}"
-                self._dead_letter(task, exhausted, cause=exc)
+                self._dead_letter(task, exhausted, deadline, cause=exc)
             with self._lock:
                 self._stats.fallbacks += 1
             self._notify(TaskFallback(self._clock.time(), task.task_id, exhausted.reason))
@@ -936,7 +930,11 @@ class WorkerPool:
             self._leave()
 
     def _dead_letter(
-        self, task: Task, exhausted: _Exhausted, cause: BaseException | None = None
+        self,
+        task: Task,
+        exhausted: _Exhausted,
+        deadline: float,
+        cause: BaseException | None = None,
     ) -> NoReturn:
         now = self._clock.time()
         record = DeadLetter.from_task(
@@ -949,7 +947,9 @@ class WorkerPool:
         )
         error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
         try:
-            self.dead_letters.add(record)  # durable before the caller hears of the failure
+            # Durable before the caller hears of the failure; a busy store may not hold
+            # the caller much past the task's deadline.
+            self.dead_letters.add(record, timeout=deadline - self._clock.monotonic())
         except Exception as exc:
             # The one case where the record cannot be kept: say so loudly, with the
             # whole record in the log so that nothing is lost without a trace.

@@ -465,13 +465,14 @@ def test_dlq_on_a_memory_store_explains_there_is_nothing_to_inspect(tmp_path, ca
 
 
 def test_dlq_on_a_file_that_is_not_a_database_is_a_message(tmp_path, capsys):
-    """A corrupt store file is a one-line error with exit 1, not a traceback."""
+    """A store path holding something else is a configuration error naming the key."""
     config = _sqlite_config(tmp_path)
     (tmp_path / "dead.sqlite3").write_bytes(b"this is not a database" * 100)
-    assert main(["dlq", "list", "--config", str(config)]) == 1
+    assert main(["dlq", "list", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("npu-sync: error:") and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    assert err.splitlines()[1].startswith("  dead_letter.path: cannot open dead-letter store")
+    assert err.splitlines()[1].endswith("file is not a database")
 
 
 def test_dlq_show_prints_the_whole_record(tmp_path, capsys):
