@@ -614,7 +614,7 @@ def _open_dlq(config: PoolConfig) -> DeadLetterStore:
         from npu_sync.shared import SharedState
 
         shared = SharedState(config.shared_state, lambda *changes: None)
-        return shared.dead_letter_store(settings.max_records)
+        return shared.dead_letter_store(settings.max_records, spool_path=settings.spool_path)
     return open_store(settings)
 
 

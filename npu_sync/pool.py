@@ -198,7 +198,9 @@ class WorkerPool:
         if dead_letter_store is not None:
             store: DeadLetterStore = dead_letter_store
         elif config.dead_letter.backend == "redis" and self._shared is not None:
-            store = self._shared.dead_letter_store(config.dead_letter.max_records)
+            store = self._shared.dead_letter_store(
+                config.dead_letter.max_records, spool_path=config.dead_letter.spool_path
+            )
         else:
             store = open_store(config.dead_letter)
         self.dead_letters = DeadLetterQueue(store, self._replay, clock=clock)
