@@ -169,8 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check",
         help="validate a YAML configuration",
-        description="Validate a configuration file: exit 0 with a summary, or 2 with "
-        "every error and its key path.",
+        description="Validate a configuration file and what start-up needs from the "
+        "machine (an enabled worker, a usable dead-letter file and directory, readable "
+        "certificates), creating nothing: exit 0 with a summary, or 2 with every error "
+        "and its key path.",
     )
     check.add_argument("config", help="path to the YAML file")
     check.set_defaults(run=_check)
@@ -302,14 +304,51 @@ def _count(text: str) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from npu_sync.config import load_config
+    from npu_sync.deadletter import check_store
 
     config = load_config(args.config)
+    # What start-up would fail on, or run without: checked without creating anything.
+    problems = _pool_problems(config) + check_store(config) + _tls_problems(config)
+    if problems:
+        raise ConfigError(problems, source=config.source)
     tiers = sorted({w.priority for w in config.workers})
     print(
         f"{args.config}: ok — {len(config.workers)} worker(s) in {len(tiers)} priority "
         f"tier(s), dead letters: {config.dead_letter.backend}"
     )
     return 0
+
+
+def _pool_problems(config: PoolConfig) -> list[str]:
+    if any(w.enabled for w in config.workers) or config.reload.allow_empty:
+        return []
+    what = "no worker" if not config.workers else "no enabled worker"
+    return [
+        f"{config.layout}.workers: {what}: the pool could run no task (set "
+        "reload.allow_empty: true if an empty pool is meant)"
+    ]
+
+
+def _tls_problems(config: PoolConfig) -> list[str]:
+    """Certificate files that are missing or unreadable, by key path."""
+    from npu_sync.config import TLSConfig
+
+    settings: list[tuple[str, TLSConfig]] = [
+        (f"{config.layout}.transport.tls", config.transport.tls)
+    ]
+    settings += [
+        (f"{config.layout}.workers[{i}].tls", w.tls)
+        for i, w in enumerate(config.workers)
+        if w.tls is not None and w.tls != config.transport.tls
+    ]
+    problems = []
+    for path, tls in settings:
+        files = {"verify": tls.verify, "cert": tls.cert, "key": tls.key}
+        for key, value in files.items():
+            if isinstance(value, str) and not os.access(value, os.R_OK):
+                reason = "does not exist" if not os.path.exists(value) else "is not readable"
+                problems.append(f"{path}.{key}: {value} {reason}")
+    return problems
 
 
 class _Progress:
