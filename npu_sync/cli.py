@@ -21,7 +21,14 @@ from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TextIO
 
-from npu_sync.errors import ConfigError, NpuSyncError, TaskFailed, TaskRejected
+from npu_sync.errors import (
+    ConfigError,
+    NpuSyncError,
+    TaskFailed,
+    TaskRejected,
+    printable,
+    scrub,
+)
 
 if TYPE_CHECKING:
     from npu_sync.config import PoolConfig
@@ -84,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     except _CommandError as exc:
-        print(f"npu-sync {args.command}: {exc}", file=sys.stderr)
+        _error(f"npu-sync {args.command}: {exc}")
         return exc.code
     except ConfigError as exc:
-        print(exc, file=sys.stderr)
+        _error(str(exc))
         return EXIT_USAGE
     except BrokenPipeError:
         # The reader went away (``npu-sync dlq list | head``): stop quietly, and keep
@@ -95,12 +102,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_FAILURE
     except (NpuSyncError, OSError, RuntimeError) as exc:
-        print(f"npu-sync: error: {exc}", file=sys.stderr)
+        _error(f"npu-sync: error: {exc}")
         return EXIT_FAILURE
     except Exception as exc:
         logger.debug("npu-sync %s failed", args.command, exc_info=True)
-        print(f"npu-sync: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        _error(f"npu-sync: error: {type(exc).__name__}: {exc}")
         return EXIT_FAILURE
+
+
+def _error(message: str) -> None:
+    """Print an error for a person: no credential, no control character of a worker's."""
+    lines = [printable(scrub(line)) for line in message.splitlines()]
+    print("\n".join(lines), file=sys.stderr)
 
 
 def _exit_code(code: object) -> int:
@@ -156,8 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check",
         help="validate a YAML configuration",
-        description="Validate a configuration file: exit 0 with a summary, or 2 with "
-        "every error and its key path.",
+        description="Validate a configuration file and what start-up needs from the "
+        "machine (an enabled worker, a usable dead-letter file and directory, readable "
+        "certificates), creating nothing: exit 0 with a summary, or 2 with every error "
+        "and its key path.",
     )
     check.add_argument("config", help="path to the YAML file")
     check.set_defaults(run=_check)
@@ -289,14 +304,51 @@ def _count(text: str) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from npu_sync.config import load_config
+    from npu_sync.deadletter import check_store
 
     config = load_config(args.config)
+    # What start-up would fail on, or run without: checked without creating anything.
+    problems = _pool_problems(config) + check_store(config) + _tls_problems(config)
+    if problems:
+        raise ConfigError(problems, source=config.source)
     tiers = sorted({w.priority for w in config.workers})
     print(
         f"{args.config}: ok — {len(config.workers)} worker(s) in {len(tiers)} priority "
         f"tier(s), dead letters: {config.dead_letter.backend}"
     )
     return 0
+
+
+def _pool_problems(config: PoolConfig) -> list[str]:
+    if any(w.enabled for w in config.workers) or config.reload.allow_empty:
+        return []
+    what = "no worker" if not config.workers else "no enabled worker"
+    return [
+        f"{config.layout}.workers: {what}: the pool could run no task (set "
+        "reload.allow_empty: true if an empty pool is meant)"
+    ]
+
+
+def _tls_problems(config: PoolConfig) -> list[str]:
+    """Certificate files that are missing or unreadable, by key path."""
+    from npu_sync.config import TLSConfig
+
+    settings: list[tuple[str, TLSConfig]] = [
+        (f"{config.layout}.transport.tls", config.transport.tls)
+    ]
+    settings += [
+        (f"{config.layout}.workers[{i}].tls", w.tls)
+        for i, w in enumerate(config.workers)
+        if w.tls is not None and w.tls != config.transport.tls
+    ]
+    problems = []
+    for path, tls in settings:
+        files = {"verify": tls.verify, "cert": tls.cert, "key": tls.key}
+        for key, value in files.items():
+            if isinstance(value, str) and not os.access(value, os.R_OK):
+                reason = "does not exist" if not os.path.exists(value) else "is not readable"
+                problems.append(f"{path}.{key}: {value} {reason}")
+    return problems
 
 
 class _Progress:
@@ -543,6 +595,9 @@ def _table(headers: list[str], rows: list[list[str]], *, right: Collection[int] 
     """Rows under headers in aligned columns; the last column is never padded."""
     if not rows:
         return ""
+    # Cells may quote a worker's answer or error: nothing in them may drive the terminal.
+    headers = [printable(cell) for cell in headers]
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers) - 1)]
     lines = []
     for r in [headers, *rows]:
@@ -598,7 +653,7 @@ def _open_dlq(config: PoolConfig) -> DeadLetterStore:
         from npu_sync.shared import SharedState
 
         shared = SharedState(config.shared_state, lambda *changes: None)
-        return shared.dead_letter_store(settings.max_records)
+        return shared.dead_letter_store(settings.max_records, spool_path=settings.spool_path)
     return open_store(settings)
 
 

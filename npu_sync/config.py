@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from npu_sync.errors import ConfigError
+from npu_sync.errors import ConfigError, scrub
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
@@ -33,12 +34,14 @@ __all__ = [
     "HealthConfig",
     "PoolConfig",
     "PoolSettings",
+    "ReloadConfig",
     "RetryConfig",
     "SharedStateConfig",
     "TLSConfig",
     "TimeoutConfig",
     "TransportConfig",
     "WorkerConfig",
+    "check_reload",
     "config_for_url",
     "load_config",
     "parse_config",
@@ -54,6 +57,15 @@ DEFAULT_PORT: Final = 8081
 
 DEFAULT_MAX_CONCURRENT: Final = 32
 """Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
+
+MAX_FILE_BYTES: Final = 1 << 20
+"""The largest configuration file read (1 MiB): a real one is a few kilobytes."""
+
+MAX_DEPTH: Final = 32
+"""The deepest nesting of mappings and lists a configuration file may have."""
+
+MAX_NODES: Final = 100_000
+"""The most YAML nodes (keys, values, list items) a configuration file may have."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +129,7 @@ _LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
         "pool.max_queue_wait": _Range(0, _DAY, above=True),
         "shared_state.timeout": _Range(0, 60, above=True),
         "shared_state.sync_interval": _Range(0, 3600, above=True),
+        "reload.max_removed_share": _Range(0, 1),
         "worker.port": _Range(1, 65535, integer=True),
         "worker.priority": _Range(0, 1_000_000, integer=True),
         "worker.max_concurrent": _Range(1, 10_000, integer=True),
@@ -286,6 +299,9 @@ class DeadLetterConfig:
     backend: str = "memory"
     path: str | None = None
     max_records: int = 10000
+    # redis only: the local SQLite file holding records while Redis is unreachable;
+    # None puts it under the system's temporary directory (see docs/deployment.md).
+    spool_path: str | None = None
 
     def __post_init__(self) -> None:
         _check_limits(self, "dead_letter", _SECTION_LIMITS["dead_letter"])
@@ -307,6 +323,32 @@ class SharedStateConfig:
 
     def __post_init__(self) -> None:
         _check_limits(self, "shared_state", _SECTION_LIMITS["shared_state"])
+
+    def __repr__(self) -> str:
+        # The URL usually carries the Redis password.
+        return (
+            f"SharedStateConfig(backend={self.backend!r}, url={scrub(self.url)!r}, "
+            f"namespace={self.namespace!r}, timeout={self.timeout!r}, "
+            f"sync_interval={self.sync_interval!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadConfig:
+    """What a reload of the file may do to a running pool. Immutable, so thread-safe.
+
+    A file read mid-edit, or with a duplicated or mistyped key, can be valid YAML that
+    names far fewer workers. A reload that would leave no enabled worker is refused
+    unless ``allow_empty``; one that would remove or disable more than
+    ``max_removed_share`` of the enabled workers is refused too. Both rules are read
+    from the *new* file, so the file itself must say a drastic change is meant.
+    """
+
+    allow_empty: bool = False
+    max_removed_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        _check_limits(self, "reload", _SECTION_LIMITS["reload"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,7 +391,10 @@ class PoolConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     pool: PoolSettings = field(default_factory=PoolSettings)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
+    reload: ReloadConfig = field(default_factory=ReloadConfig)
     source: str | None = None
+    # The top-level key the file used (npu_workers or npu), for key paths in messages.
+    layout: str = field(default="npu_workers", compare=False)
 
     def worker(self, worker_id: str) -> WorkerConfig:
         """The worker with this id.
@@ -392,20 +437,69 @@ def load_config(path: str | os.PathLike[str]) -> PoolConfig:
 def read_config_text(path: str | os.PathLike[str]) -> str:
     """The text of a configuration file.
 
+    Only a regular file (or a symlink to one) is read, and at most
+    :data:`MAX_FILE_BYTES` of it: a FIFO, a device or a directory is refused at once,
+    without opening it, rather than blocking the caller or the reload thread.
+
     Raises:
-        ConfigError: the file cannot be read or is not UTF-8.
+        ConfigError: the file cannot be read, is not a regular file, is too large or
+            is not UTF-8.
     """
     name = os.fspath(path)
     source = os.path.abspath(name)
+
+    def fail(problem: str) -> ConfigError:
+        return ConfigError(f"cannot read {name}: {problem}", source=source)
+
     try:
-        with open(name, encoding="utf-8") as fh:
-            return fh.read()
+        info = os.stat(name)
+        if not stat.S_ISREG(info.st_mode):
+            raise fail(f"not a regular file ({_file_kind(info.st_mode)})")
+        # O_NONBLOCK: should the path be swapped for a FIFO after the stat above, the
+        # open returns at once instead of waiting for a writer; fstat then refuses it.
+        flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+        fd = os.open(name, flags)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise fail(f"not a regular file ({_file_kind(info.st_mode)})")
+            data = _read_at_most(fd, MAX_FILE_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as exc:
-        raise ConfigError(f"cannot read {name}: {exc.strerror or exc}", source=source) from None
+        raise fail(exc.strerror or str(exc)) from None
+    if len(data) > MAX_FILE_BYTES:
+        raise fail(f"larger than {MAX_FILE_BYTES} bytes; a configuration is a few kilobytes")
+    try:
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"cannot read {name}: not UTF-8 text (byte {exc.start})", source=source
-        ) from None
+        raise fail(f"not UTF-8 text (byte {exc.start})") from None
+
+
+def _read_at_most(fd: int, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while size < limit:
+        chunk = os.read(fd, min(65536, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
+def _file_kind(mode: int) -> str:
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    for test, kind in kinds:
+        if test(mode):
+            return kind
+    return "not a file"
 
 
 def parse_yaml(text: str, *, source: str) -> PoolConfig:
@@ -418,24 +512,160 @@ def parse_yaml(text: str, *, source: str) -> PoolConfig:
         ConfigError: the text is not valid YAML or fails validation.
     """
     name = source
+    if len(text) > MAX_FILE_BYTES:
+        raise ConfigError(
+            f"{name} is larger than {MAX_FILE_BYTES} characters; a configuration is a few "
+            "kilobytes",
+            source=source,
+        )
+    loader: _StrictLoader | None = None
     try:
-        data = yaml.safe_load(text)
+        # The reader checks every character as the loader is built: inside the try.
+        loader = _StrictLoader(text)
+        data = loader.get_single_data()
+    except _TooLarge as exc:
+        raise ConfigError(str(exc), source=source) from None
+    except RecursionError:
+        # Kept for safety: the depth limit above is meant to make this unreachable.
+        raise ConfigError(f"nested deeper than {MAX_DEPTH} levels", source=source) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = exc.problem or exc.context or "invalid YAML"
         raise ConfigError(f"YAML syntax error{where}: {problem}", source=source) from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"YAML error: {exc}", source=source) from None
+        raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
     except ValueError as exc:
         # PyYAML's constructors raise plain ValueError for a date such as 2024-13-01,
         # a float tag on a non-number, or an integer of more than 4300 digits.
-        raise ConfigError(f"YAML error: {exc}", source=source) from None
+        raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+    if loader.duplicates:
+        raise ConfigError(sorted(loader.duplicates), source=source)
     if data is None:
         raise ConfigError(f"{name} is empty: {_EXPECTED_TOP}", source=source)
     config = parse_config(data, source=source, base_dir=os.path.dirname(source))
     logger.debug("loaded %d worker(s) from %s", len(config.workers), source)
     return config
+
+
+class _TooLarge(Exception):
+    """The document is nested too deeply or has too many nodes."""
+
+
+_MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` with duplicate keys reported and the document's size bounded.
+
+    PyYAML keeps the last of two equal keys without a word: a file with ``workers:``
+    twice silently loses the first list. Keys are checked as mappings are composed,
+    where the path to each is known; nesting is bounded there too, before PyYAML's
+    recursive composer could exhaust the interpreter's stack.
+    """
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.duplicates: list[str] = []
+        self._path: list[str] = []
+        self._depth = 0
+        self._nodes = 0
+
+    # The signatures follow types-PyYAML's stubs; at run time index is a key node or
+    # an int, and anchor a string or None.
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
+        self._nodes += 1
+        if self._nodes > MAX_NODES:
+            raise _TooLarge(f"more than {MAX_NODES} YAML nodes; a configuration has far fewer")
+        self._depth += 1
+        if self._depth > MAX_DEPTH:
+            where = _join_path(self._path) or "the document"
+            if len(where) > 60:
+                where = where[:57] + "..."
+            raise _TooLarge(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        key: object = index
+        if isinstance(key, yaml.ScalarNode):
+            self._path.append(str(key.value))
+        elif isinstance(key, int):
+            self._path.append(f"[{index}]")
+        else:
+            self._path.append("")  # the document itself, or a mapping's key
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._path.pop()
+            self._depth -= 1
+
+    def compose_mapping_node(self, anchor: dict[Any, yaml.Node]) -> yaml.MappingNode:
+        node = super().compose_mapping_node(anchor)
+        seen: dict[tuple[str, str], yaml.Mark] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE_TAG:
+                continue
+            first = seen.get((key.tag, key.value))
+            if first is None:
+                seen[(key.tag, key.value)] = key.start_mark
+                continue
+            again = key.start_mark
+            where = f"lines {first.line + 1} and {again.line + 1}"
+            if first.line == again.line:
+                where = f"line {again.line + 1}, columns {first.column + 1} and {again.column + 1}"
+            path = _join_path([*self._path, str(key.value)])
+            self.duplicates.append(
+                f"{path}: duplicate key ({where}); YAML would silently keep only the last one"
+            )
+        return node
+
+
+def _join_path(parts: list[str]) -> str:
+    out = ""
+    for part in parts:
+        if not part:
+            continue
+        out = out + part if part.startswith("[") or not out else f"{out}.{part}"
+    return out
+
+
+def check_reload(old: PoolConfig, new: PoolConfig) -> None:
+    """Refuse a reload that would empty a working pool or remove most of it.
+
+    The limits come from the new file's ``reload`` section (see :class:`ReloadConfig`):
+    a half-written file, or one whose ``workers:`` key is duplicated, reads as valid
+    YAML naming fewer workers, and must not take the running pool down with it.
+
+    Raises:
+        ConfigError: naming ``<layout>.workers``, what would be lost and the key that
+            allows it.
+    """
+    before = [w.id for w in old.workers if w.enabled]
+    if not before:
+        return  # nothing working to protect
+    after = {w.id for w in new.workers if w.enabled}
+    path = f"{new.layout}.workers"
+    if not after:
+        if new.reload.allow_empty:
+            return
+        raise ConfigError(
+            f"{path}: the new configuration has no enabled worker (the running one has "
+            f"{len(before)}); refused so that a half-written or mistyped file cannot empty "
+            "the pool: set reload.allow_empty: true if that is what you mean",
+            source=new.source,
+        )
+    lost = [wid for wid in before if wid not in after]
+    share = len(lost) / len(before)
+    limit = new.reload.max_removed_share
+    if share > limit:
+        shown = ", ".join(lost[:5]) + (", ..." if len(lost) > 5 else "")
+        raise ConfigError(
+            f"{path}: the new configuration removes or disables {len(lost)} of the "
+            f"{len(before)} enabled workers ({shown}), more than reload.max_removed_share "
+            f"({limit:g}) allows; refused: raise reload.max_removed_share if that is what "
+            "you mean",
+            source=new.source,
+        )
 
 
 def parse_config(
@@ -535,6 +765,7 @@ _SECTION_KEYS: Final = frozenset(
         "transport",
         "pool",
         "shared_state",
+        "reload",
     }
 )
 _WORKER_KEYS: Final = frozenset(
@@ -627,6 +858,7 @@ class _Reader:
         self.errors.extend(transport_errors)
         pool = self.pool(section.get("pool"), f"{layout}.pool")
         shared = self.shared_state(section.get("shared_state"), f"{layout}.shared_state")
+        reload = self.reload(section.get("reload"), f"{layout}.reload")
         if dead_letter.backend == "redis" and shared.backend != "redis":
             self.error(
                 f"{layout}.dead_letter.backend",
@@ -642,6 +874,8 @@ class _Reader:
             dead_letter=dead_letter,
             transport=transport,
             pool=pool,
+            reload=reload,
+            layout=layout,
         )
 
     # -- sections --------------------------------------------------------------------
@@ -658,6 +892,16 @@ class _Reader:
             unhealthy_threshold=self.integer(m, "unhealthy_threshold", path, d.unhealthy_threshold),
             healthy_threshold=self.integer(m, "healthy_threshold", path, d.healthy_threshold),
             endpoint=self.endpoint(m, "endpoint", path, d.endpoint),
+        )
+
+    def reload(self, raw: object, path: str) -> ReloadConfig:
+        d = ReloadConfig()
+        m = self.section(raw, path, ReloadConfig.__dataclass_fields__)
+        if m is None:
+            return d
+        return ReloadConfig(
+            allow_empty=self.boolean(m, "allow_empty", path, d.allow_empty),
+            max_removed_share=self.number(m, "max_removed_share", path, d.max_removed_share),
         )
 
     def breaker(self, raw: object, path: str) -> BreakerConfig:
@@ -726,10 +970,17 @@ class _Reader:
             self.error(f"{path}.path", "required when backend is 'sqlite'")
         elif backend in ("memory", "redis") and m.get("path") is not None:
             self.error(f"{path}.path", "only used with backend 'sqlite'")
+        spool = self.file_path(m, "spool_path", path, None)
+        if spool == ":memory:":
+            self.error(f"{path}.spool_path", "must be a file: it keeps records across a crash")
+            spool = None
+        if backend != "redis" and m.get("spool_path") is not None:
+            self.error(f"{path}.spool_path", "only used with backend 'redis'")
         return DeadLetterConfig(
             backend=backend or d.backend,
             path=file_path,
             max_records=self.integer(m, "max_records", path, d.max_records),
+            spool_path=spool,
         )
 
     def shared_state(self, raw: object, path: str) -> SharedStateConfig:
@@ -746,8 +997,10 @@ class _Reader:
         if "url" in m:
             text = self.string(m["url"], f"{path}.url", show_value=False)
             if text is not None:
-                if not text.startswith(("redis://", "rediss://", "unix://")):
-                    self.error(f"{path}.url", "must start with redis://, rediss:// or unix://")
+                # The URL is never quoted: it usually holds the Redis password.
+                problem = _redis_url_problem(text)
+                if problem:
+                    self.error(f"{path}.url", problem)
                 else:
                     url = text
         namespace = d.namespace
@@ -1248,6 +1501,27 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
     if not 1 <= port <= 65535:
         return "", "port must be 1..65535, got {got}"
     return f"{scheme}://{normal}:{port}", None
+
+
+def _redis_url_problem(text: str) -> str | None:
+    """What is wrong with a Redis URL, without quoting it; None when usable."""
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        return "must start with redis://, rediss:// or unix://"
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        return "has an invalid port (must be 1..65535)"
+    if parts.scheme == "unix":
+        return None if parts.path else "needs the socket's path (unix:///run/redis.sock)"
+    if port is not None and not 1 <= port <= 65535:
+        return "has an invalid port (must be 1..65535)"
+    if not parts.hostname:
+        return "has no host"
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return "has a database that is not a number (the path is the database, e.g. /0)"
+    return None
 
 
 def _normalise_host(host: str) -> tuple[str, str | None]:

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import inspect
 import json
 import logging
 import os
 import sqlite3
+import stat
+import tempfile
 import threading
+import time
 import types
 import uuid
 from collections import OrderedDict
@@ -24,11 +28,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from npu_sync.clock import SYSTEM_CLOCK, Clock
-from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, TaskFailed, TaskRejected
+from npu_sync.errors import (
+    ConfigError,
+    InvalidTask,
+    NpuSyncError,
+    TaskFailed,
+    TaskRejected,
+    printable,
+)
 from npu_sync.task import Attempt, Task
 
 if TYPE_CHECKING:
-    from npu_sync.config import DeadLetterConfig
+    from npu_sync.config import DeadLetterConfig, PoolConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,10 +48,19 @@ SCHEMA_VERSION = 1
 
 _MAX_ERROR_CHARS = 1000
 
+CLAIM_SECONDS = 120.0
+"""How long a replay's claim on a record lasts if its process dies before releasing it."""
+
+STORE_WAIT_FLOOR = 0.25
+"""The least time storing a dead letter may wait for the store, even for a task whose
+deadline has already passed: without it, a record would be lost to a momentary lock
+held by another thread's commit. See docs/reliability.md."""
+
 
 def _one_line(text: str) -> str:
-    """Collapse ``text`` to one bounded line, so listings stay readable."""
-    line = " ".join(str(text).split())
+    """Collapse ``text`` to one bounded line of printable characters, so listings stay
+    readable and an escape sequence from a worker cannot reach a terminal."""
+    line = printable(" ".join(str(text).split()))
     if len(line) > _MAX_ERROR_CHARS:
         line = line[: _MAX_ERROR_CHARS - 3] + "..."
     return line
@@ -188,9 +208,15 @@ def _need_str(data: Mapping[str, Any], key: str) -> str:
 class DeadLetterStore(Protocol):
     """Where dead letters live. Implementations must be thread-safe.
 
-    ``add`` returns only once the record is durable for that backend. ``list`` returns
-    records oldest first (in the order they were added). At ``max_records`` the oldest
-    record is evicted and counted in ``dropped``.
+    ``add`` returns only once the record is durable for that backend; a store that can
+    block (on a lock, a disk) should accept ``timeout=`` seconds as the most it may wait
+    and raise :class:`~npu_sync.errors.NpuSyncError` when that runs out. ``list``
+    returns records oldest first (in the order they were added). At ``max_records`` the
+    oldest record is evicted and counted in ``dropped``.
+
+    Optional methods the queue uses when present: ``counts()`` → ``(records, dropped)``
+    without waiting (for ``stats()``), and ``claim(id)``/``release_claim(id)`` for
+    replays that exclude each other across processes.
     """
 
     def add(self, record: DeadLetter) -> None: ...
@@ -249,8 +275,9 @@ class MemoryDeadLetterStore:
         with self._lock:
             return self._dropped
 
-    def add(self, record: DeadLetter) -> None:
-        """Store ``record``, evicting the oldest when full.
+    def add(self, record: DeadLetter, *, timeout: float | None = None) -> None:
+        """Store ``record``, evicting the oldest when full. ``timeout`` is accepted for
+        the protocol's sake: nothing here waits for longer than a dict update.
 
         Raises:
             ValueError: a record with the same id is already stored.
@@ -307,6 +334,11 @@ class MemoryDeadLetterStore:
         with self._lock:
             return len(self._records)
 
+    def counts(self) -> tuple[int | None, int | None]:
+        """``(records, dropped)``; the lock is only ever held for a dict operation."""
+        with self._lock:
+            return len(self._records), self._dropped
+
     def close(self) -> None:
         """Nothing to release; the records stay readable."""
 
@@ -335,6 +367,16 @@ CREATE TABLE dead_letter_meta (
 INSERT INTO dead_letter_meta (key, value) VALUES ('dropped', 0);
 """
 
+# Added to schema 1 files on open (readers of plain schema 1 ignore it): a replay's claim
+# on a record, held by one store object of one process until released or expired.
+_CLAIMS = """
+CREATE TABLE IF NOT EXISTS dead_letter_claims (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    expires_at REAL NOT NULL
+)
+"""
+
 _COLUMNS = (
     "id, task_id, payload, endpoint, idempotent, timeout, error, attempts,"
     " first_attempt_at, last_attempt_at, created_at, replays"
@@ -359,6 +401,15 @@ class SQLiteDeadLetterStore:
     connection makes ``close`` deterministic.
 
     ``dropped`` is kept in the file, so it counts evictions by every process that used it.
+
+    Replays claim a record in the file itself (:meth:`claim`, a row of the
+    ``dead_letter_claims`` table written in a ``BEGIN IMMEDIATE`` transaction), so two
+    processes replaying the same file never run one record twice; a claim whose
+    process died expires after :data:`CLAIM_SECONDS`.
+
+    The file is checked before each use: if it (or its directory) was deleted or
+    replaced while the store was open, every call raises ``NpuSyncError`` rather than
+    write into a file nobody can read again.
 
     Args:
         path: the database file. Its directory must exist; the file is created (mode
@@ -394,6 +445,10 @@ class SQLiteDeadLetterStore:
             if not os.path.exists(self._path):
                 os.close(os.open(self._path, os.O_CREAT | os.O_WRONLY, 0o600))
         self._busy_timeout = busy_timeout
+        self._owner = _owner_id()
+        self._counts: tuple[int | None, int | None] = (None, None)
+        self._identity: tuple[int, int] | None = None
+        self._lost: str | None = None
         try:
             self._conn = self._connect()
         except sqlite3.Error as exc:
@@ -401,6 +456,9 @@ class SQLiteDeadLetterStore:
         self._closed = False
         try:
             self._setup()
+            if not self._in_memory:
+                info = os.stat(self._path)
+                self._identity = (info.st_dev, info.st_ino)
         except BaseException:
             self._conn.close()
             self._closed = True
@@ -420,6 +478,7 @@ class SQLiteDeadLetterStore:
         could release or checkpoint the parent's database state, so it is kept open,
         unused, for the child's lifetime.
         """
+        self._owner = _owner_id()  # the parent's claims stay the parent's
         if self._closed or self._in_memory:
             self._lock = threading.Lock()
             return
@@ -447,6 +506,14 @@ class SQLiteDeadLetterStore:
                         f"dead-letter store {self._path} has schema version {version}; "
                         f"this npu_sync reads version {SCHEMA_VERSION}"
                     )
+                self._conn.execute(_CLAIMS)
+                # Known from the start, so stats() has numbers even if its first look
+                # finds the store busy.
+                (records,) = self._conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+                (dropped,) = self._conn.execute(
+                    "SELECT value FROM dead_letter_meta WHERE key = 'dropped'"
+                ).fetchone()
+                self._counts = (int(records), int(dropped))
         except sqlite3.Error as exc:
             raise NpuSyncError(f"cannot open dead-letter store {self._path}: {exc}") from exc
 
@@ -459,14 +526,30 @@ class SQLiteDeadLetterStore:
         return self._max_records
 
     @contextmanager
-    def _write(self) -> Iterator[sqlite3.Connection]:
+    def _write(self, until: float | None = None) -> Iterator[sqlite3.Connection]:
         """One write transaction; the caller holds ``self._lock``.
 
         BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that
         reads first and then writes can fail at once with SQLITE_BUSY in WAL mode,
-        without the busy handler ever waiting.
+        without the busy handler ever waiting. With ``until`` (a ``time.monotonic()``
+        value) the wait for another connection's lock ends then, not after
+        ``busy_timeout``.
         """
-        self._conn.execute("BEGIN IMMEDIATE")
+        if until is not None:
+            wait_ms = max(0, int((until - time.monotonic()) * 1000))
+            self._conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
+        try:
+            self._conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if until is not None and "locked" in str(exc):
+                raise NpuSyncError(
+                    f"dead-letter store {self._path} stayed locked by another connection "
+                    f"until the task's deadline: {exc}"
+                ) from exc
+            raise
+        finally:
+            if until is not None:
+                self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
         try:
             yield self._conn
         except BaseException:
@@ -477,11 +560,52 @@ class SQLiteDeadLetterStore:
         self._conn.execute("COMMIT")
 
     @contextmanager
-    def _locked(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
+    def _locked(self, until: float | None = None) -> Iterator[sqlite3.Connection]:
+        """The connection, under this store's lock; waits for the lock until ``until``
+        (a ``time.monotonic()`` value) when given."""
+        wait = -1.0 if until is None else max(0.0, until - time.monotonic())
+        if not self._lock.acquire(timeout=wait):
+            raise NpuSyncError(
+                f"dead-letter store {self._path} was busy (used by another thread) until "
+                "the task's deadline"
+            )
+        try:
             if self._closed:
                 raise NpuSyncError(f"dead-letter store {self._path} is closed")
+            self._check_file()
             yield self._conn
+        finally:
+            self._lock.release()
+
+    def _check_file(self) -> None:
+        """Refuse to go on once the file was deleted or replaced under the store.
+
+        SQLite keeps writing into a deleted file's inode, and every one of those
+        "committed" records would be lost with the last open connection. Called with
+        ``self._lock`` held; a stat() costs microseconds.
+        """
+        if self._identity is None:
+            return
+        if self._lost is None:
+            try:
+                info = os.stat(self._path)
+            except OSError as exc:
+                directory = os.path.dirname(os.path.abspath(self._path))
+                gone = "its directory was deleted" if not os.path.isdir(directory) else None
+                self._lost = gone or f"the file is gone ({exc.strerror or exc})"
+            else:
+                if (info.st_dev, info.st_ino) != self._identity:
+                    self._lost = "the file was replaced by another one"
+            if self._lost is not None:
+                logger.error(
+                    "dead-letter store %s can no longer be used: %s while it was open. "
+                    "Records cannot be stored until the pool is restarted; each failed "
+                    "task's record is logged instead",
+                    self._path,
+                    self._lost,
+                )
+        if self._lost is not None:
+            raise NpuSyncError(f"dead-letter store {self._path}: {self._lost} while in use")
 
     @property
     def dropped(self) -> int:
@@ -491,16 +615,25 @@ class SQLiteDeadLetterStore:
             ).fetchone()
         return int(row[0]) if row else 0
 
-    def add(self, record: DeadLetter) -> None:
+    def add(self, record: DeadLetter, *, timeout: float | None = None) -> None:
         """Store ``record`` and commit it, evicting the oldest records when full.
+
+        Args:
+            record: the record.
+            timeout: the most seconds to wait for this store's lock and then the
+                file's write lock (``busy_timeout`` when None). The commit itself, once
+                the lock is held, is not cut short.
 
         Raises:
             ValueError: a record with the same id is already stored.
             InvalidTask: the payload is not JSON-serialisable.
+            NpuSyncError: the store stayed busy for ``timeout``, is closed, or its
+                file was deleted.
         """
         values = self._row(record)
         evicted: builtins.list[tuple[str, str]] = []
-        with self._locked() as conn, self._write():
+        until = None if timeout is None else time.monotonic() + timeout
+        with self._locked(until) as conn, self._write(until):
             try:
                 conn.execute(
                     f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
@@ -579,6 +712,61 @@ class SQLiteDeadLetterStore:
             (count,) = conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
         return int(count)
 
+    def counts(self) -> tuple[int | None, int | None]:
+        """``(records, dropped)`` without waiting: for ``stats()``, which must answer
+        while another thread or process holds the store. When the store is busy the
+        last values read are returned; ``(None, None)`` once it is closed or lost."""
+        if not self._lock.acquire(blocking=False):
+            return self._counts
+        try:
+            if self._closed:
+                return None, None
+            try:
+                self._check_file()
+            except NpuSyncError:
+                return None, None
+            self._conn.execute("PRAGMA busy_timeout = 0")
+            try:
+                (records,) = self._conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+                row = self._conn.execute(
+                    "SELECT value FROM dead_letter_meta WHERE key = 'dropped'"
+                ).fetchone()
+            except sqlite3.OperationalError:  # locked (a journal that is not WAL)
+                return self._counts
+            finally:
+                self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
+            self._counts = (int(records), int(row[0]) if row else 0)
+            return self._counts
+        finally:
+            self._lock.release()
+
+    def claim(self, record_id: str) -> bool:
+        """Claim a record for one replay, across every process using this file.
+
+        Returns:
+            True when this store now holds the claim; False when another store object
+            (in this process or another) holds an unexpired one.
+        """
+        now = time.time()  # wall clock: leases are compared between processes
+        with self._locked() as conn, self._write():
+            conn.execute(
+                "DELETE FROM dead_letter_claims WHERE id = ? AND expires_at <= ?",
+                (record_id, now),
+            )
+            cursor = conn.execute(
+                "INSERT OR IGNORE INTO dead_letter_claims (id, owner, expires_at) VALUES (?,?,?)",
+                (record_id, self._owner, now + CLAIM_SECONDS),
+            )
+            return cursor.rowcount == 1
+
+    def release_claim(self, record_id: str) -> None:
+        """Give a claim back; only this store's own (an expired one may be another's)."""
+        with self._locked() as conn, self._write():
+            conn.execute(
+                "DELETE FROM dead_letter_claims WHERE id = ? AND owner = ?",
+                (record_id, self._owner),
+            )
+
     def close(self) -> None:
         """Close the connection; later calls raise NpuSyncError. Idempotent."""
         with self._lock:
@@ -638,16 +826,125 @@ def open_store(config: DeadLetterConfig) -> DeadLetterStore:
         A new, open store.
 
     Raises:
-        ConfigError: an unknown backend, or sqlite without a path.
-        FileNotFoundError: the sqlite file's directory does not exist.
+        ConfigError: an unknown backend, sqlite without a path, or a sqlite path that
+            cannot be used (no directory, not a database, a newer schema), naming
+            ``dead_letter.path``.
     """
     if config.backend == "memory":
         return MemoryDeadLetterStore(max_records=config.max_records)
     if config.backend == "sqlite":
         if not config.path:
             raise ConfigError("dead_letter.path: required when backend is sqlite")
-        return SQLiteDeadLetterStore(config.path, max_records=config.max_records)
+        try:
+            return SQLiteDeadLetterStore(config.path, max_records=config.max_records)
+        except (OSError, NpuSyncError) as exc:
+            raise ConfigError(f"dead_letter.path: {exc}") from exc
     raise ConfigError(f"dead_letter.backend: must be 'memory' or 'sqlite', got {config.backend!r}")
+
+
+def _owner_id() -> str:
+    return f"{os.getpid()}-{uuid.uuid4().hex}"
+
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_store(config: PoolConfig) -> builtins.list[str]:
+    """What would stop the configured dead-letter store from opening, without opening it.
+
+    For ``npu-sync check``: a sqlite path whose directory is missing or not writable, a
+    file there that is not a SQLite database (or is of a newer schema); for redis, a
+    spool directory that cannot be created or written. Nothing is created.
+
+    Returns:
+        One message per problem, each starting with its key path.
+    """
+    settings = config.dead_letter
+    key = f"{config.layout}.dead_letter"
+    if settings.backend == "sqlite" and settings.path and settings.path != ":memory:":
+        return [f"{key}.path: {p}" for p in _file_problems(settings.path)]
+    if settings.backend == "redis":
+        spool = settings.spool_path or default_spool_path(config.shared_state.namespace)
+        problems = _file_problems(spool, creates_directory=settings.spool_path is None)
+        return [f"{key}.spool_path: {p}" for p in problems]
+    return []
+
+
+def _file_problems(path: str, *, creates_directory: bool = False) -> builtins.list[str]:
+    """Why a SQLite file at ``path`` could not be opened or created; [] when it could."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            return [f"{directory} is not a directory"]
+        if not creates_directory:
+            return [f"directory {directory} does not exist"]
+        parent = directory
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            return [f"directory {directory} cannot be created: {parent} is not writable"]
+        return []
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return [f"directory {directory} is not writable (the file and its journal go there)"]
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return []  # created on first use
+    except OSError as exc:
+        return [f"cannot be read: {exc.strerror or exc}"]
+    if not stat.S_ISREG(info.st_mode):
+        return [f"{path} is not a regular file"]
+    if info.st_size == 0:
+        return []  # created but never written: becomes a database on first use
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        return [f"cannot be read: {exc.strerror or exc}"]
+    if magic != _SQLITE_MAGIC:
+        return [f"{path} is not a SQLite database"]
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
+        try:
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        return [f"{path} cannot be read as a database: {exc}"]
+    if version not in (0, SCHEMA_VERSION):
+        return [
+            f"{path} has schema version {version}; this npu_sync reads version {SCHEMA_VERSION}"
+        ]
+    return []
+
+
+def default_spool_path(namespace: str) -> str:
+    """Where a Redis store keeps records while Redis is unreachable, by default:
+    ``<temp dir>/npu_sync-<user>/<namespace>.spool.sqlite3``, one file per host, user
+    and namespace, shared by that user's processes."""
+    user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    return os.path.join(tempfile.gettempdir(), f"npu_sync-{user}", f"{namespace}.spool.sqlite3")
+
+
+def prepare_default_spool(path: str) -> None:
+    """Create the default spool's directory (mode 0700) if missing, and refuse one that
+    another user owns or may write to: it sits in the shared temporary directory, and
+    the records in it hold task payloads.
+
+    Raises:
+        NpuSyncError: the directory cannot be created or is not private.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        info = os.stat(directory)
+    except OSError as exc:
+        raise NpuSyncError(f"cannot create {directory}: {exc.strerror or exc}") from exc
+    if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
+        raise NpuSyncError(
+            f"{directory} belongs to another user or others may write to it: set "
+            "dead_letter.spool_path to a file in a directory of your own"
+        )
 
 
 @dataclass(frozen=True)
@@ -696,6 +993,10 @@ class DeadLetterQueue:
         self._clock = clock
         self._lock = threading.Lock()
         self._replaying: set[str] = set()
+        try:
+            self._add_timeout = "timeout" in inspect.signature(store.add).parameters
+        except (TypeError, ValueError):  # a builtin or C callable: no signature
+            self._add_timeout = False
 
     def after_fork(self) -> None:
         """In a child process: fresh locks, and the store's own ``after_fork`` if any."""
@@ -709,9 +1010,34 @@ class DeadLetterQueue:
     def store(self) -> DeadLetterStore:
         return self._store
 
-    def add(self, record: DeadLetter) -> None:
-        """Store ``record``; durable when this returns."""
-        self._store.add(record)
+    def add(self, record: DeadLetter, *, timeout: float | None = None) -> None:
+        """Store ``record``; durable when this returns.
+
+        Args:
+            record: the record.
+            timeout: the task's remaining time: the most the store may wait for a lock
+                (never less than :data:`STORE_WAIT_FLOOR`). None waits as the store
+                does by default. Ignored by a store whose ``add`` takes no timeout.
+
+        Raises:
+            NpuSyncError: the store could not take the record within that time.
+        """
+        if timeout is None or not self._add_timeout:
+            self._store.add(record)
+            return
+        self._store.add(record, timeout=max(timeout, STORE_WAIT_FLOOR))  # type: ignore[call-arg]
+
+    def counts(self) -> tuple[int | None, int | None]:
+        """``(records stored, records dropped)`` without waiting on the store: the last
+        known numbers while it is busy, None for what cannot be known (closed, lost)."""
+        counts = getattr(self._store, "counts", None)
+        try:
+            if counts is not None:
+                records, dropped = counts()
+                return records, dropped
+            return len(self._store), self._store.dropped
+        except NpuSyncError:
+            return None, None
 
     def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
         """Stored records, oldest first.

@@ -1,12 +1,71 @@
-"""The exceptions npu_sync raises. Every one derives from :class:`NpuSyncError`."""
+"""The exceptions npu_sync raises, and the two text guards every message goes through.
+
+Every exception derives from :class:`NpuSyncError`. :func:`scrub` removes credentials
+from text that may quote a URL or a header; :func:`printable` escapes the control
+characters a worker could send to reach an operator's terminal.
+"""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
     from npu_sync.task import Attempt
+
+
+REDACTED: Final = "***"
+"""What :func:`scrub` puts in place of a credential."""
+
+# user:password@ (or anything@ right after a scheme): the userinfo part of a URL. A bare
+# "name@host", without a colon or a scheme, is left alone: e-mail addresses survive.
+_USERINFO = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^\s/?#@'\"]*)@"
+    r"|(?<![\w/:@.-])(?P<bare>[^\s/?#@:'\"]+:[^\s/?#@'\"]*)@"
+)
+# Every query value: which parameter names carry secrets (token, sig, key, X-Amz-...)
+# cannot be listed exhaustively, and the values are never needed to fix a config.
+_QUERY_VALUE = re.compile(r"(?P<name>[?&;][^=\s&#'\"]+=)[^&;\s#'\"]*")
+# Authorization values: "Bearer abc", "Basic dXNlcjpw". Capitalised as HTTP writes them
+# (bearer in any case), so prose such as "basic checks" is left alone.
+_AUTH_VALUE = re.compile(r"\b(?P<scheme>(?i:bearer)|Basic|Digest)(?P<gap>\s+)[^\s'\",;]+")
+
+
+def scrub(text: str) -> str:
+    """``text`` with credentials replaced by ``***``.
+
+    Removes the userinfo of URLs (``redis://:pw@host`` → ``redis://***@host``,
+    ``user:pw@host`` → ``***@host``), every query value (``?token=x`` → ``?token=***``)
+    and the value after ``Bearer``, ``Basic`` or ``Digest``. Every message that
+    may quote a configured URL or header goes through this before it is raised,
+    logged, counted or shown.
+    """
+
+    def userinfo(match: re.Match[str]) -> str:
+        if match["scheme"] is not None:
+            return f"{match['scheme']}{REDACTED}@"
+        return f"{REDACTED}@"
+
+    if "@" in text:
+        text = _USERINFO.sub(userinfo, text)
+    if "=" in text:
+        text = _QUERY_VALUE.sub(lambda m: m["name"] + REDACTED, text)
+    return _AUTH_VALUE.sub(lambda m: m["scheme"] + m["gap"] + REDACTED, text)
+
+
+def printable(text: str) -> str:
+    """``text`` with every non-printable character escaped (``\\x1b``, ``\\u202e``, ``\\n``).
+
+    Worker answers and transport errors end up in exception messages, log lines, the
+    status page and ``npu-sync dlq list``: an escape sequence in them must not be able
+    to rewrite an operator's terminal, nor a bidi override to hide text.
+    """
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
+    )
 
 
 class NpuSyncError(Exception):
@@ -18,10 +77,14 @@ class ConfigError(NpuSyncError, ValueError):
 
     ``errors`` lists every problem found, each naming its key path, e.g.
     ``npu_workers.workers[2].port: must be 1..65535, got 0``.
+
+    Messages are passed through :func:`scrub` and :func:`printable`: a credential in a
+    mistyped URL never reaches a log, ``stats()`` or a terminal through this error.
     """
 
     def __init__(self, errors: str | Sequence[str], *, source: str | None = None) -> None:
-        self.errors: tuple[str, ...] = (errors,) if isinstance(errors, str) else tuple(errors)
+        found = (errors,) if isinstance(errors, str) else tuple(errors)
+        self.errors: tuple[str, ...] = tuple(printable(scrub(error)) for error in found)
         self.source = source
         head = f"invalid configuration in {source}" if source else "invalid configuration"
         super().__init__(head + ":\n  " + "\n  ".join(self.errors))

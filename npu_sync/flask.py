@@ -325,18 +325,31 @@ def _reload() -> Response:
 def _dead_letters() -> Response:
     limit = _query_int("limit", DEFAULT_PAGE_SIZE, maximum=MAX_PAGE_SIZE)
     offset = _query_int("offset", 0)
+    # Payloads are user data (the SQLite store is 0600 for that reason): only the admin
+    # token shows them. A request without Authorization gets the records without their
+    # payloads; one with a wrong token is refused, not quietly shown less.
+    payloads = "Authorization" in request.headers
+    if payloads:
+        _check_admin()
     queue = current_pool().dead_letters
     try:
         records = queue.list(limit=limit, offset=offset)
         total = len(queue)
     except NpuSyncError as exc:
         raise _ApiError(503, f"the dead-letter store is unavailable: {exc}") from None
+    rows = []
+    for record in records:
+        row = record.to_dict()
+        if not payloads:
+            del row["payload"]
+        rows.append(row)
     return _json(
         {
             "total": total,
             "limit": limit,
             "offset": offset,
-            "dead_letters": [record.to_dict() for record in records],
+            "payloads": payloads,
+            "dead_letters": rows,
         }
     )
 

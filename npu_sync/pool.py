@@ -31,6 +31,7 @@ from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
     PoolConfig,
     WorkerConfig,
+    check_reload,
     config_for_url,
     parse_yaml,
     read_config_text,
@@ -200,7 +201,9 @@ class WorkerPool:
         if dead_letter_store is not None:
             store: DeadLetterStore = dead_letter_store
         elif config.dead_letter.backend == "redis" and self._shared is not None:
-            store = self._shared.dead_letter_store(config.dead_letter.max_records)
+            store = self._shared.dead_letter_store(
+                config.dead_letter.max_records, spool_path=config.dead_letter.spool_path
+            )
         else:
             store = open_store(config.dead_letter)
         self.dead_letters = DeadLetterQueue(store, self._replay, clock=clock)
@@ -382,14 +385,8 @@ class WorkerPool:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
         if self._restart_pending:
             self._restart_after_fork()
-        # The store may be a file: read it before taking the selection lock.
-        stored: int | None
-        dropped: int | None
-        try:
-            stored = len(self.dead_letters)
-            dropped = self.dead_letters.store.dropped
-        except NpuSyncError:  # the store is closed
-            stored = dropped = None
+        # The store may be a file: read it (without waiting) before taking the lock.
+        stored, dropped = self.dead_letters.counts()
         with self._lock:
             now = self._clock.monotonic()
             workers = list(self._workers.values())
@@ -689,13 +686,13 @@ class WorkerPool:
         for worker_id, healthy, error in changes:
             self._notify(WorkerHealthChanged(self._clock.time(), worker_id, healthy, error))
 
-    def _reload_if_changed(self) -> None:
-        """The watcher's callback: reload when the file's content changed."""
+    def _reload_if_changed(self, text: str | None = None) -> None:
+        """The watcher's callback: reload when the file's (settled) content changed."""
         # A bad file is logged and counted by _reload_file; the running config stays.
         with contextlib.suppress(ConfigError):
-            self._reload_file(force=False)
+            self._reload_file(force=False, text=text)
 
-    def _reload_file(self, *, force: bool) -> ReloadResult:
+    def _reload_file(self, *, force: bool, text: str | None = None) -> ReloadResult:
         source = self._config.source
         assert source is not None
         failure: ConfigError | None = None
@@ -704,12 +701,14 @@ class WorkerPool:
                 return ReloadResult()
             digest = None
             try:
-                text = read_config_text(source)
+                text = read_config_text(source) if text is None else text
                 digest = _digest(text)
                 if not force and digest in (self._source_digest, self._rejected_digest):
                     # Unchanged, or the same broken content already counted and logged.
                     return ReloadResult()
-                result = self._apply_config(parse_yaml(text, source=source))
+                new = parse_yaml(text, source=source)
+                check_reload(self._config, new)  # no emptying the pool by accident
+                result = self._apply_config(new)
             except ConfigError as exc:
                 self._rejected_digest = digest
                 self._reloads["failed"] += 1
@@ -904,12 +903,12 @@ class WorkerPool:
             return self._attempts(task, body, deadline)
         except _Exhausted as exhausted:
             if fallback is None:
-                self._dead_letter(task, exhausted)
+                self._dead_letter(task, exhausted, deadline)
             try:
                 result = fallback()
             except Exception as exc:
                 exhausted.reason += f"; fallback failed: {type(exc).__name__}: {exc}"
-                self._dead_letter(task, exhausted, cause=exc)
+                self._dead_letter(task, exhausted, deadline, cause=exc)
             with self._lock:
                 self._stats.fallbacks += 1
             self._notify(TaskFallback(self._clock.time(), task.task_id, exhausted.reason))
@@ -936,7 +935,11 @@ class WorkerPool:
             self._leave()
 
     def _dead_letter(
-        self, task: Task, exhausted: _Exhausted, cause: BaseException | None = None
+        self,
+        task: Task,
+        exhausted: _Exhausted,
+        deadline: float,
+        cause: BaseException | None = None,
     ) -> NoReturn:
         now = self._clock.time()
         record = DeadLetter.from_task(
@@ -949,7 +952,9 @@ class WorkerPool:
         )
         error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
         try:
-            self.dead_letters.add(record)  # durable before the caller hears of the failure
+            # Durable before the caller hears of the failure; a busy store may not hold
+            # the caller much past the task's deadline.
+            self.dead_letters.add(record, timeout=deadline - self._clock.monotonic())
         except Exception as exc:
             # The one case where the record cannot be kept: say so loudly, with the
             # whole record in the log so that nothing is lost without a trace.

@@ -8,6 +8,12 @@ flag: an exception raised inside a watchdog handler silently kills its observer.
 A thread of ours debounces the flag and calls back; a slow periodic re-check covers
 file systems that deliver no events (some network and container mounts). Whether
 anything really changed is decided by the caller, from the file's content hash.
+
+A file being rewritten in place is often valid YAML half-way (``npu_workers:`` alone
+is an empty pool). So the callback gets the file's text only once it is *stable*: read,
+wait the debounce, read again, and only two equal reads in a row count. A writer
+slower than that is caught by the pool's own reload rules (see
+:func:`npu_sync.config.check_reload`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from collections.abc import Callable
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+
+from npu_sync.config import read_config_text
+from npu_sync.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +56,7 @@ class _Flag(FileSystemEventHandler):
 
 
 class ConfigWatcher:
-    """Calls ``on_change()`` after the config file may have changed.
+    """Calls ``on_change(text)`` after the config file may have changed.
 
     Thread-safe ``start``/``stop``. ``on_change`` runs on the watcher's own thread
     (named ``npu-sync-reload``), never on watchdog's; an exception it raises is
@@ -55,15 +64,18 @@ class ConfigWatcher:
 
     Args:
         path: the configuration file.
-        on_change: called after events settle, and every ``poll_interval`` seconds.
-        debounce: quiet time that ends a burst of events (an editor's save is several).
+        on_change: called after events settle, and every ``poll_interval`` seconds,
+            with the file's text once two reads ``debounce`` apart agree; with None
+            when the file cannot be read (the callback reads it again and reports why).
+        debounce: quiet time that ends a burst of events (an editor's save is several),
+            and the time the content must then stay the same.
         poll_interval: the periodic re-check for file systems without events.
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        on_change: Callable[[], object],
+        on_change: Callable[[str | None], object],
         *,
         debounce: float = 0.2,
         poll_interval: float = 10.0,
@@ -116,7 +128,31 @@ class ConfigWatcher:
                 self._changed.clear()
                 if self._stopping.wait(self._debounce):
                     return
+            snapshot = self._settle()
+            if snapshot is None:
+                return
+            readable, text = snapshot
             try:
-                self._on_change()
+                self._on_change(text if readable else None)
             except Exception:
                 log.exception("reloading %s failed", self.path)
+
+    def _settle(self) -> tuple[bool, str] | None:
+        """(readable, text or why not) once two reads ``debounce`` apart agree; None
+        when the watcher is stopped meanwhile."""
+        previous = self._read()
+        while True:
+            if self._stopping.wait(self._debounce):
+                return None
+            current = self._read()
+            if current == previous:
+                return current
+            # Still being written: wait for it to stay the same for a whole debounce.
+            log.debug("%s is still changing; waiting for it to settle", self.path)
+            previous = current
+
+    def _read(self) -> tuple[bool, str]:
+        try:
+            return True, read_config_text(self.path)
+        except ConfigError as exc:
+            return False, str(exc)

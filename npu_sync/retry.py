@@ -19,6 +19,7 @@ from typing import Any
 import tenacity
 
 from npu_sync.config import RetryConfig
+from npu_sync.errors import printable
 from npu_sync.transport import Response, TransportError
 
 
@@ -69,7 +70,12 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
         match = _MODEL_NOT_LOADED.match(detail)
         if match:
             return Outcome(
-                Kind.NOT_HERE, body, status, detail, model=match["model"], processed=False
+                Kind.NOT_HERE,
+                body,
+                status,
+                printable(detail[:300]),
+                model=match["model"],
+                processed=False,
             )
     return Outcome(
         Kind.FAILURE,
@@ -90,7 +96,8 @@ def classify_error(error: TransportError, *, cut_by_caller: bool = False) -> Out
         cut_by_caller: the attempt's budget was the task's remaining time, shorter than
             the worker's own timeouts: a timeout then says nothing about the worker.
     """
-    message = f"{error.kind}: {error}"
+    # A garbled status line or header from the worker is quoted in the transport's error.
+    message = printable(f"{error.kind}: {error}")
     if error.kind == "timeout" and cut_by_caller:
         return Outcome(
             Kind.ABANDONED, error=message + " (the task's deadline ran out)", processed=error.sent
@@ -148,10 +155,12 @@ def _decode(body: bytes) -> Any:
 
 
 def _describe(status: int, detail: object) -> str:
+    """The error text of an answer. Worker text is escaped here, where it enters
+    npu_sync: it reaches exception messages, logs and terminals from this point on."""
     if detail is None:
         return f"HTTP {status}"
     text = detail if isinstance(detail, str) else json.dumps(detail)
-    return f"HTTP {status}: {text[:300]}"
+    return f"HTTP {status}: {printable(text[:300])}"
 
 
 class RetryPolicy:

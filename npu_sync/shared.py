@@ -19,8 +19,14 @@ Redis fails too. The client has short timeouts and no retry loop (redis-py's def
 can stall a call for seconds). The first error marks Redis unavailable: from then on
 no call is made (each process works on its local state), the outage is logged once
 and counted, and the sync thread probes Redis until it answers, then re-reads the
-shared state and resumes. Dead letters written meanwhile are kept locally and pushed
-to Redis once it is back.
+shared state and resumes. Dead letters written meanwhile are kept in a local SQLite
+file (the *spool*, ``dead_letter.spool_path``), which survives the process being
+killed, and are pushed to Redis once it is back, by this or any later process.
+
+Redis refusing the credentials is not an outage but a configuration error, raised
+when the state is built. A new process reads the shared breaker states before its
+first task (:meth:`SharedState.start`), so it does not open with an attempt on a
+worker every other process already knows is down.
 
 pybreaker's ``CircuitRedisStorage`` keeps ``opened_at`` in whole seconds; npu_sync also
 stores the opening time to the microsecond (``<namespace>:opened_at_precise``) with the
@@ -36,19 +42,24 @@ import json
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, RedisError, ResponseError
 from redis.retry import Retry
 
 from npu_sync.breaker import CLOSED, OPEN, redis_storage
 from npu_sync.config import SharedStateConfig
-from npu_sync.deadletter import DeadLetter
-from npu_sync.errors import NpuSyncError
+from npu_sync.deadletter import (
+    CLAIM_SECONDS,
+    DeadLetter,
+    SQLiteDeadLetterStore,
+    default_spool_path,
+    prepare_default_spool,
+)
+from npu_sync.errors import ConfigError, NpuSyncError, scrub
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +88,10 @@ class SharedState:
         config: the ``shared_state`` settings.
         on_remote: called (on the sync thread) when another process changes a breaker.
         client: a Redis client to use instead of one built from ``config.url`` (tests).
+
+    Raises:
+        ConfigError: Redis refused the credentials in ``config.url``. Redis being
+            unreachable is not an error: the state starts unavailable and is probed.
     """
 
     def __init__(
@@ -111,10 +126,40 @@ class SharedState:
         self._stores: list[RedisDeadLetterStore] = []
         self._channel = f"{self.namespace}:breakers"
         self._origin = f"{id(self):x}-{time.time_ns():x}"
+        self._check_credentials()
+
+    def _check_credentials(self) -> None:
+        """One PING at start: a wrong password is the operator's to fix, not an outage
+        to wait out; an unreachable server is an outage like any later one."""
+        try:
+            self._client.ping()
+        except (AuthenticationError, ResponseError) as exc:
+            text = str(exc)
+            if not isinstance(exc, AuthenticationError) and not text.startswith(
+                ("NOAUTH", "WRONGPASS", "NOPERM")
+            ):
+                self.lost(exc)
+                return
+            with contextlib.suppress(RedisError):
+                self._client.close()
+            raise ConfigError(
+                f"shared_state.url: Redis refused the credentials ({type(exc).__name__}: "
+                f"{scrub(text)})"
+            ) from None
+        except RedisError as exc:
+            self.lost(exc)
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
+        """Read every worker's shared breaker state now, then keep it in sync on the
+        ``npu-sync-shared`` thread. The first read is made here, on the caller's
+        thread, so the pool's first task already knows which workers are down."""
+        if self.available:
+            try:
+                self._sync()
+            except RedisError as exc:
+                self.lost(exc)
         self._thread = threading.Thread(target=self._run, name="npu-sync-shared", daemon=True)
         self._thread.start()
 
@@ -127,14 +172,14 @@ class SharedState:
             self._probe()
         for store in self._stores:
             store.flush()
-            for record in store.held:
-                # Redis is still unreachable: the record survives only in the log.
-                log.error(
-                    "dead letter %s (task %s) could not be written to Redis before "
-                    "closing; record: %s",
-                    record.id,
-                    record.task_id,
-                    json.dumps(record.to_dict(), default=repr),
+            held = store.held_count()
+            if held:
+                # Redis is still unreachable; the records are safe on disk.
+                log.warning(
+                    "%d dead letter(s) could not be written to Redis before closing; they "
+                    "stay in %s and are written by the next process that finds Redis up",
+                    held,
+                    store.spool_path,
                 )
         self._client.close()
 
@@ -159,7 +204,9 @@ class SharedState:
         with self._lock:
             was = self.available
             self.available = False
-            self.last_error = f"{type(error).__name__}: {error}" if error else "unknown error"
+            self.last_error = (
+                scrub(f"{type(error).__name__}: {error}") if error else "unknown error"
+            )
             if was:
                 self.outages += 1
         if was:
@@ -373,8 +420,17 @@ class SharedState:
 
     # -- dead letters --------------------------------------------------------------------
 
-    def dead_letter_store(self, max_records: int) -> RedisDeadLetterStore:
-        store = RedisDeadLetterStore(self, max_records=max_records)
+    def dead_letter_store(
+        self, max_records: int, *, spool_path: str | None = None
+    ) -> RedisDeadLetterStore:
+        """The shared dead-letter store, spooling to ``spool_path`` (default
+        :func:`~npu_sync.deadletter.default_spool_path`) while Redis is away.
+
+        Raises:
+            ConfigError: the spool file cannot be opened or created, naming
+                ``dead_letter.spool_path``.
+        """
+        store = RedisDeadLetterStore(self, max_records=max_records, spool_path=spool_path)
         self._stores.append(store)
         return store
 
@@ -390,7 +446,7 @@ class SharedState:
             "last_error": self.last_error,
             "published": self.published,
             "received": self.received,
-            "dead_letters_held_locally": sum(len(s.held) for s in self._stores),
+            "dead_letters_held_locally": sum(s.held_count() for s in self._stores),
         }
 
 
@@ -398,15 +454,23 @@ class RedisDeadLetterStore:
     """Dead letters in Redis, shared by every process. Thread-safe.
 
     Records are a hash (``<ns>:dlq:records``, id → JSON) ordered by a sorted set
-    (``<ns>:dlq:order``). While Redis is unavailable new records are held in this
-    process and written once it is back, so a Redis outage never loses a record.
-    ``claim``/``release_claim`` give a replay exclusive use of a record across
-    processes, with a lease that expires if the process dies mid-replay.
+    (``<ns>:dlq:order``). While Redis is unavailable new records go to the *spool*, a
+    local SQLite file (``spool_path``), and are written to Redis once it is back, by
+    this process or any later one using the same file: a Redis outage loses no record,
+    not even if the process is killed meanwhile. ``claim``/``release_claim`` give a
+    replay exclusive use of a record across processes, with a lease that expires if
+    the process dies mid-replay; the release deletes the claim only if it is still
+    this process's, atomically (WATCH/MULTI).
+
+    Raises:
+        ConfigError: the spool file cannot be opened or created.
     """
 
-    CLAIM_SECONDS = 120.0
+    CLAIM_SECONDS = CLAIM_SECONDS
 
-    def __init__(self, shared: SharedState, *, max_records: int = 10000) -> None:
+    def __init__(
+        self, shared: SharedState, *, max_records: int = 10000, spool_path: str | None = None
+    ) -> None:
         self._shared = shared
         self._client = shared._client
         ns = shared.namespace
@@ -416,13 +480,22 @@ class RedisDeadLetterStore:
         self._claims = f"{ns}:dlq:claim:"
         self._max = max_records
         self._lock = threading.Lock()
-        self.held: deque[DeadLetter] = deque()
-        self._local_dropped = 0
+        self.spool_path = spool_path or default_spool_path(ns)
+        try:
+            if spool_path is None:
+                prepare_default_spool(self.spool_path)
+            self._spool = SQLiteDeadLetterStore(self.spool_path, max_records=max_records)
+        except (OSError, NpuSyncError) as exc:
+            raise ConfigError(f"dead_letter.spool_path: {exc}") from exc
 
     def after_fork(self) -> None:
-        """In a child process: a fresh lock; records held for Redis stay the parent's."""
+        """In a child process: a fresh lock and a connection of its own to the spool."""
         self._lock = threading.Lock()
-        self.held = deque()
+        self._spool.after_fork()
+
+    def held_count(self) -> int:
+        """Records waiting in the spool for Redis (the last known number if busy)."""
+        return self._spool.counts()[0] or 0
 
     def _write(self, record: DeadLetter) -> None:
         pipe = self._client.pipeline(transaction=True)
@@ -439,34 +512,62 @@ class RedisDeadLetterStore:
                 self._client.incrby(self._dropped_key, len(ids))
                 log.warning("dead-letter store full: evicted %d oldest record(s)", len(ids))
 
-    def add(self, record: DeadLetter) -> None:
+    def add(self, record: DeadLetter, *, timeout: float | None = None) -> None:
+        """Write ``record`` to Redis, or to the spool while Redis is unavailable.
+
+        Raises:
+            NpuSyncError: Redis is unavailable and the spool could not take the record
+                within ``timeout`` seconds.
+        """
         if self._shared.available:
             try:
                 self._write(record)
                 return
             except RedisError as exc:
                 self._shared.lost(exc)
-        with self._lock:
-            self.held.append(record)
-            while len(self.held) > self._max:
-                self.held.popleft()
-                self._local_dropped += 1
+        self._spool.add(record, timeout=timeout)
 
-    def flush(self) -> None:
-        """Write records held during an outage (called by the sync thread)."""
-        while self.held and self._shared.available:
-            with self._lock:
-                if not self.held:
+    def flush(self, batch: int = 100) -> None:
+        """Move spooled records to Redis, oldest first (called by the sync thread).
+
+        Several processes may share the spool file: each record is claimed in the file
+        before it is written, and removed from the file once Redis has it, so none is
+        written twice (and resurrected after a replay removed it).
+        """
+        skipped = 0  # records another process is moving: passed over, not waited for
+        while self._shared.available:
+            try:
+                waiting = self._spool.list(limit=batch, offset=skipped)
+            except NpuSyncError:
+                log.exception("cannot read the dead-letter spool %s", self.spool_path)
+                return
+            if not waiting:
+                return
+            for record in waiting:
+                moved = self._flush_one(record.id)
+                if moved is None:
                     return
-                record = self.held[0]
+                if not moved:
+                    skipped += 1
+
+    def _flush_one(self, record_id: str) -> bool | None:
+        """Move one spooled record to Redis: True when moved (by us or already by
+        another process), False when another process holds it, None when Redis failed."""
+        if not self._spool.claim(record_id):
+            return False
+        try:
+            record = self._spool.get(record_id)
+            if record is None:
+                return True  # moved already
             try:
                 self._write(record)
             except RedisError as exc:
                 self._shared.lost(exc)
-                return
-            with self._lock:
-                if self.held and self.held[0] is record:
-                    self.held.popleft()
+                return None
+            self._spool.remove(record_id)
+            return True
+        finally:
+            self._spool.release_claim(record_id)
 
     def _strict(self, fn: Callable[[], Any]) -> Any:
         """Operator calls (list, remove, purge …) fail loudly while Redis is away:
@@ -483,10 +584,9 @@ class RedisDeadLetterStore:
             raise NpuSyncError(f"shared state unavailable ({exc})") from exc
 
     def get(self, record_id: str) -> DeadLetter | None:
-        with self._lock:
-            for record in self.held:
-                if record.id == record_id:
-                    return record
+        spooled = self._spool.get(record_id)
+        if spooled is not None:
+            return spooled
         raw = self._strict(lambda: self._client.hget(self._records, record_id))
         return None if raw is None else DeadLetter.from_dict(json.loads(raw))
 
@@ -507,12 +607,7 @@ class RedisDeadLetterStore:
         self._strict(write)
 
     def remove(self, record_id: str) -> bool:
-        held = False
-        with self._lock:
-            for record in list(self.held):
-                if record.id == record_id:
-                    self.held.remove(record)
-                    held = True
+        held = self._spool.remove(record_id)
 
         def drop() -> bool:
             pipe = self._client.pipeline(transaction=True)
@@ -530,18 +625,31 @@ class RedisDeadLetterStore:
             return int(pipe.execute()[0])
 
         removed = int(self._strict(drop) or 0)
-        with self._lock:
-            removed += len(self.held)
-            self.held.clear()
-        return removed
+        return removed + self._spool.purge()
 
     def __len__(self) -> int:
-        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(self.held)
+        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(self._spool)
 
     @property
     def dropped(self) -> int:
         stored = self._strict(lambda: self._client.get(self._dropped_key))
-        return int(stored or 0) + self._local_dropped
+        return int(stored or 0) + self._spool.dropped
+
+    def counts(self) -> tuple[int | None, int | None]:
+        """``(records, dropped)`` for ``stats()``: one short Redis round trip while it is
+        available (bounded by ``shared_state.timeout``), the spool alone otherwise."""
+        spooled, spool_dropped = self._spool.counts()
+        if not self._shared.available:
+            return None, None
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.zcard(self._order)
+            pipe.get(self._dropped_key)
+            records, dropped = pipe.execute()
+        except RedisError as exc:
+            self._shared.lost(exc)
+            return None, None
+        return int(records) + (spooled or 0), int(dropped or 0) + (spool_dropped or 0)
 
     def claim(self, record_id: str) -> bool:
         key = self._claims + record_id
@@ -555,12 +663,16 @@ class RedisDeadLetterStore:
         key = self._claims + record_id
         owner = self._shared._origin.encode()
 
-        def release() -> None:
+        def compare_and_delete(pipe: Any) -> None:
             # Only our own claim: after a lease ran out another process may hold it.
-            if self._client.get(key) == owner:
-                self._client.delete(key)
+            # WATCH makes the check and the delete one step: should the key change in
+            # between, EXEC fails and redis-py runs this again.
+            if pipe.get(key) == owner:
+                pipe.multi()
+                pipe.delete(key)
 
-        self._shared._call(release)
+        self._shared._call(lambda: self._client.transaction(compare_and_delete, key))
 
     def close(self) -> None:
-        """The connection belongs to the shared state, which closes it."""
+        """Close the spool; the connection belongs to the shared state, which closes it."""
+        self._spool.close()

@@ -44,6 +44,83 @@ def test_check_lists_every_error_with_its_key_path(tmp_path, capsys):
     assert "Traceback" not in err
 
 
+def check_errors(path, capsys) -> list[str]:
+    """The error lines of 'check' (exit 2 asserted), without the heading."""
+    assert main(["check", str(path)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"invalid configuration in {path}:"
+    return [line.strip() for line in lines[1:]]
+
+
+ONE_WORKER = "npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:8081'}\n"
+
+
+@pytest.mark.parametrize(
+    ("workers", "what"),
+    [("[]", "no worker"), ("[{id: a, url: 'http://h:1', enabled: false}]", "no enabled worker")],
+)
+def test_check_refuses_a_pool_that_could_run_nothing(tmp_path, capsys, workers, what):
+    """An empty or all-disabled worker list is exit 2, unless the file says it is meant."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(f"npu_workers:\n  workers: {workers}\n")
+    assert check_errors(path, capsys) == [
+        f"npu_workers.workers: {what}: the pool could run no task (set reload.allow_empty: "
+        "true if an empty pool is meant)"
+    ]
+    path.write_text(f"npu_workers:\n  workers: {workers}\n  reload: {{allow_empty: true}}\n")
+    assert main(["check", str(path)]) == 0
+
+
+def test_check_catches_a_dead_letter_path_start_up_would_fail_on(tmp_path, capsys):
+    """A missing directory and a file that is no database are exit 2 with the key path;
+    nothing is created."""
+    path = tmp_path / "pool.yaml"
+    missing = tmp_path / "nope" / "dead.sqlite3"
+    path.write_text(ONE_WORKER + f"  dead_letter: {{backend: sqlite, path: '{missing}'}}\n")
+    assert check_errors(path, capsys) == [
+        f"npu_workers.dead_letter.path: directory {missing.parent} does not exist"
+    ]
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_text("a text file, not a database")
+    path.write_text(ONE_WORKER + f"  dead_letter: {{backend: sqlite, path: '{junk}'}}\n")
+    assert check_errors(path, capsys) == [
+        f"npu_workers.dead_letter.path: {junk} is not a SQLite database"
+    ]
+    fresh = tmp_path / "fresh.sqlite3"
+    path.write_text(ONE_WORKER + f"  dead_letter: {{backend: sqlite, path: '{fresh}'}}\n")
+    assert main(["check", str(path)]) == 0
+    assert not fresh.exists()
+
+
+def test_check_catches_a_bad_redis_url_and_missing_certificates(tmp_path, capsys):
+    """A Redis port out of range and a certificate that is not there, by key path."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        ONE_WORKER + "  shared_state: {backend: redis, url: 'redis://:pw@127.0.0.1:123456/0'}\n"
+    )
+    assert check_errors(path, capsys) == [
+        "npu_workers.shared_state.url: has an invalid port (must be 1..65535)"
+    ]
+    path.write_text(ONE_WORKER + "  transport: {tls: {cert: client.pem, key: client.key}}\n")
+    assert check_errors(path, capsys) == [
+        f"npu_workers.transport.tls.cert: {tmp_path / 'client.pem'} does not exist",
+        f"npu_workers.transport.tls.key: {tmp_path / 'client.key'} does not exist",
+    ]
+
+
+def test_check_of_a_fifo_or_a_deep_file_exits_2_at_once(tmp_path, capsys):
+    """A FIFO does not block 'check'; absurd nesting is a config error, not a crash."""
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)
+    assert check_errors(fifo, capsys) == [f"cannot read {fifo}: not a regular file (a FIFO)"]
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("npu_workers: " + "[" * 10000 + "]" * 10000 + "\n")
+    (error,) = check_errors(deep, capsys)
+    assert error.endswith("nested deeper than 32 levels")
+
+
 def test_check_of_a_missing_file_is_a_message(tmp_path, capsys):
     """A missing file is reported by name with exit code 2."""
     assert main(["check", str(tmp_path / "nope.yaml")]) == 2
@@ -465,13 +542,14 @@ def test_dlq_on_a_memory_store_explains_there_is_nothing_to_inspect(tmp_path, ca
 
 
 def test_dlq_on_a_file_that_is_not_a_database_is_a_message(tmp_path, capsys):
-    """A corrupt store file is a one-line error with exit 1, not a traceback."""
+    """A store path holding something else is a configuration error naming the key."""
     config = _sqlite_config(tmp_path)
     (tmp_path / "dead.sqlite3").write_bytes(b"this is not a database" * 100)
-    assert main(["dlq", "list", "--config", str(config)]) == 1
+    assert main(["dlq", "list", "--config", str(config)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("npu-sync: error:") and "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+    assert err.splitlines()[1].startswith("  dead_letter.path: cannot open dead-letter store")
+    assert err.splitlines()[1].endswith("file is not a database")
 
 
 def test_dlq_show_prints_the_whole_record(tmp_path, capsys):

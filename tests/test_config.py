@@ -19,15 +19,18 @@ from npu_sync.config import (
     HealthConfig,
     PoolConfig,
     PoolSettings,
+    ReloadConfig,
     RetryConfig,
     SharedStateConfig,
     TimeoutConfig,
     TLSConfig,
     TransportConfig,
     WorkerConfig,
+    check_reload,
     config_for_url,
     load_config,
     parse_config,
+    parse_yaml,
     worker_config,
 )
 from npu_sync.errors import ConfigError
@@ -533,6 +536,7 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("pool.max_queue_wait", "> 0 and <= 86400", 86400, {}),
     ("shared_state.timeout", "> 0 and <= 60", 60, {}),
     ("shared_state.sync_interval", "> 0 and <= 3600", 3600, {}),
+    ("reload.max_removed_share", ">= 0 and <= 1", 1, {}),
 ]
 WORKER_BOUNDS: list[tuple[str, str, int]] = [
     ("port", "1..65535", 65535),
@@ -548,6 +552,7 @@ SECTION_CLASSES: dict[str, Any] = {
     "transport": TransportConfig,
     "pool": PoolSettings,
     "shared_state": SharedStateConfig,
+    "reload": ReloadConfig,
 }
 
 
@@ -1074,3 +1079,269 @@ def test_config_for_url() -> None:
     with pytest.raises(ConfigError) as info:
         config_for_url("127.0.0.1:8081")
     assert info.value.errors[0].startswith("worker.url: must be an http(s) URL")
+
+
+# -- what the file reader refuses -------------------------------------------------------
+
+
+def yaml_errors(text: str) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as info:
+        parse_yaml(textwrap.dedent(text), source="/etc/npu/pool.yaml")
+    return info.value.errors
+
+
+def test_a_duplicated_key_is_refused_with_its_path_and_both_lines() -> None:
+    """PyYAML would keep the second workers: list; the file is refused instead."""
+    errors = yaml_errors(
+        """\
+        npu_workers:
+          workers:
+            - {id: a, url: 'http://127.0.0.1:9001'}
+            - {id: b, url: 'http://127.0.0.1:9002'}
+          health: {interval: 5}
+          workers: []
+        """
+    )
+    assert errors == (
+        "npu_workers.workers: duplicate key (lines 2 and 6); YAML would silently keep "
+        "only the last one",
+    )
+
+
+def test_duplicates_are_found_at_every_depth_and_all_reported() -> None:
+    """A duplicate inside a worker entry and one on a single line are both named."""
+    errors = yaml_errors(
+        """\
+        npu_workers:
+          workers:
+            - id: a
+              url: 'http://127.0.0.1:9001'
+              id: b
+          retry: {max_retries: 1, max_retries: 2}
+        """
+    )
+    assert errors == (
+        "npu_workers.retry.max_retries: duplicate key (line 6, columns 11 and 27); YAML "
+        "would silently keep only the last one",
+        "npu_workers.workers[0].id: duplicate key (lines 3 and 5); YAML would silently "
+        "keep only the last one",
+    )
+
+
+def test_merge_keys_are_not_duplicates() -> None:
+    """A YAML merge (<<: *a) overridden by the entry's own keys is not a duplicate."""
+    cfg = parse_yaml(
+        textwrap.dedent(
+            """\
+            npu_workers:
+              workers:
+                - &a {id: a, url: 'http://127.0.0.1:9001', max_concurrent: 4}
+                - {<<: *a, id: b, url: 'http://127.0.0.1:9002'}
+            """
+        ),
+        source="/x.yaml",
+    )
+    assert [(w.id, w.max_concurrent) for w in cfg.workers] == [("a", 4), ("b", 4)]
+
+
+@pytest.mark.parametrize("depth", [40, 5000, 100_000])
+def test_deep_nesting_is_a_config_error_not_a_recursion_error(depth: int) -> None:
+    """[[[[...]]]] of any depth is refused as too deep, naming where."""
+    errors = yaml_errors("npu_workers:\n  workers: " + "[" * depth + "]" * depth + "\n")
+    assert len(errors) == 1
+    assert errors[0].startswith("npu_workers.workers[0][0]")
+    assert errors[0].endswith(": nested deeper than 32 levels")
+
+
+def test_nesting_within_the_limit_is_judged_by_the_schema() -> None:
+    """Thirty levels parse; the schema then reports the odd value as usual."""
+    errors = yaml_errors("npu_workers:\n  workers: " + "[" * 30 + "]" * 30 + "\n")
+    assert errors == ("npu_workers.workers[0]: must be a mapping, got a list",)
+
+
+def test_a_file_with_too_many_nodes_is_refused() -> None:
+    """An absurdly long flat list stops at the node limit, not after building it all."""
+    text = "npu_workers:\n  workers: [" + "1," * 150_000 + "1]\n"
+    (error,) = yaml_errors(text)
+    assert error == "more than 100000 YAML nodes; a configuration has far fewer"
+
+
+def test_an_oversized_file_is_refused_before_parsing(tmp_path: Path) -> None:
+    """A file over 1 MiB is refused by the reader, naming the limit."""
+    path = tmp_path / "big.yaml"
+    path.write_text("npu_workers:\n" + "#" * (1 << 20) + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == (
+        f"cannot read {path}: larger than 1048576 bytes; a configuration is a few kilobytes",
+    )
+
+
+def test_a_fifo_is_refused_at_once_without_blocking(tmp_path: Path) -> None:
+    """A FIFO as the config path is an error, not a read that waits for a writer."""
+    fifo = tmp_path / "pool.yaml"
+    os.mkfifo(fifo)
+    result: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            load_config(fifo)
+        except BaseException as exc:
+            result.append(exc)
+
+    import threading
+
+    thread = threading.Thread(target=load, daemon=True)
+    thread.start()
+    thread.join(10)
+    if thread.is_alive():  # unblock the reader so the test process can end
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        pytest.fail("load_config blocked on a FIFO")
+    assert isinstance(result[0], ConfigError)
+    assert result[0].errors == (f"cannot read {fifo}: not a regular file (a FIFO)",)
+
+
+@pytest.mark.parametrize(
+    ("path", "kind"), [("/dev/null", "a character device"), ("/", "a directory")]
+)
+def test_devices_and_directories_are_refused(path: str, kind: str) -> None:
+    """Only regular files are configuration files."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == (f"cannot read {path}: not a regular file ({kind})",)
+
+
+def test_a_symlink_to_a_regular_file_is_read(tmp_path: Path) -> None:
+    """Regular means what the link points at: ConfigMap mounts are symlinks."""
+    target = write(tmp_path, "npu_workers:\n  workers: []\n", name="real.yaml")
+    link = tmp_path / "pool.yaml"
+    link.symlink_to(target.name)
+    assert load_config(link).workers == ()
+
+
+# -- secrets in messages and repr --------------------------------------------------------
+
+SECRET = "hunter2-secret"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"http://admin:{SECRET}@127.0.0.1:99999",  # credentials and a bad port
+        f"admin:{SECRET}@127.0.0.1:8081",  # no scheme
+        f"http://127.0.0.1:8081/?token={SECRET}",  # a token in the query
+        f"http://127.0.0.1:8081/x?a=1&access_token={SECRET}",
+        f"ftp://u:{SECRET}@h:21",
+    ],
+)
+def test_a_worker_url_with_a_credential_is_never_quoted(url: str) -> None:
+    """The message names the key and the problem, with the credential masked."""
+    errors = errors_of(native(workers=[{"id": "w", "url": url}]))
+    assert len(errors) == 1 and errors[0].startswith("npu_workers.workers[0].url: ")
+    assert SECRET not in errors[0]
+    assert SECRET not in str(ConfigError(errors))
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        (f"redis://:{SECRET}@127.0.0.1:99999/0", "has an invalid port (must be 1..65535)"),
+        (f"redis://:{SECRET}@127.0.0.1:0/0", "has an invalid port (must be 1..65535)"),
+        (f"redis://:{SECRET}@127.0.0.1:port/0", "has an invalid port (must be 1..65535)"),
+        (
+            f"redis://:{SECRET}@127.0.0.1:6379/zero",
+            "has a database that is not a number (the path is the database, e.g. /0)",
+        ),
+        (f"redis://:{SECRET}@:6379/0", "has no host"),
+        (f"http://:{SECRET}@127.0.0.1:6379", "must start with redis://, rediss:// or unix://"),
+        ("unix://", "needs the socket's path (unix:///run/redis.sock)"),
+    ],
+)
+def test_a_bad_redis_url_is_refused_at_load_without_quoting_it(url: str, problem: str) -> None:
+    """A Redis URL start-up would fail on is a ConfigError naming the key, not the URL."""
+    assert errors_of(native(shared_state={"backend": "redis", "url": url})) == (
+        f"npu_workers.shared_state.url: {problem}",
+    )
+
+
+def test_repr_of_a_config_never_shows_the_redis_password() -> None:
+    """repr(PoolConfig) and repr(SharedStateConfig) mask the URL's userinfo."""
+    shared = SharedStateConfig(backend="redis", url=f"redis://user:{SECRET}@127.0.0.1:6379/0")
+    cfg = PoolConfig(shared_state=shared)
+    for text in (repr(shared), repr(cfg), str(cfg)):
+        assert SECRET not in text
+        assert "redis://***@127.0.0.1:6379/0" in text
+    assert cfg.shared_state.url.endswith(f"{SECRET}@127.0.0.1:6379/0")  # still usable
+
+
+def test_config_error_escapes_control_characters() -> None:
+    """An escape sequence in a value quoted by a message cannot reach a terminal."""
+    (error,) = errors_of(one_worker(id="w\x1b[2Jx"))
+    assert "\x1b" not in error and "\\x1b[2J" in error
+
+
+# -- the reload section and what a reload may do --------------------------------------
+
+
+def test_the_reload_section_is_read_and_checked() -> None:
+    """reload.allow_empty and reload.max_removed_share load; nonsense is refused."""
+    cfg = parse_config(native(reload={"allow_empty": True, "max_removed_share": 0.25}))
+    assert cfg.reload == ReloadConfig(allow_empty=True, max_removed_share=0.25)
+    assert parse_config(native()).reload == ReloadConfig()
+    assert errors_of(native(reload={"allow_empty": "yes", "max_removed": 1})) == (
+        "npu_workers.reload.max_removed: unknown key (did you mean 'max_removed_share'?)",
+        "npu_workers.reload.allow_empty: must be true or false, got 'yes'",
+    )
+
+
+def pool_of(n: int, **reload: Any) -> PoolConfig:
+    return PoolConfig(
+        workers=tuple(worker_config(f"w{i}", f"http://127.0.0.1:{9000 + i}") for i in range(n)),
+        reload=ReloadConfig(**reload),
+    )
+
+
+def test_a_reload_to_no_enabled_worker_is_refused_unless_allowed() -> None:
+    """Empty or all-disabled: refused naming the key that allows it."""
+    old = pool_of(3)
+    disabled = PoolConfig(workers=tuple(dataclasses.replace(w, enabled=False) for w in old.workers))
+    for new in (PoolConfig(), disabled):
+        with pytest.raises(ConfigError) as info:
+            check_reload(old, new)
+        assert info.value.errors == (
+            "npu_workers.workers: the new configuration has no enabled worker (the running "
+            "one has 3); refused so that a half-written or mistyped file cannot empty the "
+            "pool: set reload.allow_empty: true if that is what you mean",
+        )
+    check_reload(old, PoolConfig(reload=ReloadConfig(allow_empty=True)))
+    check_reload(PoolConfig(), PoolConfig())  # nothing to protect
+
+
+def test_a_reload_removing_more_than_the_share_is_refused() -> None:
+    """Losing 3 of 4 is refused at the default 0.5; half is allowed; the file may raise it."""
+    old = pool_of(4)
+    with pytest.raises(ConfigError) as info:
+        check_reload(old, pool_of(1))
+    assert info.value.errors == (
+        "npu_workers.workers: the new configuration removes or disables 3 of the 4 enabled "
+        "workers (w1, w2, w3), more than reload.max_removed_share (0.5) allows; refused: "
+        "raise reload.max_removed_share if that is what you mean",
+    )
+    check_reload(old, pool_of(2))
+    check_reload(old, pool_of(1, max_removed_share=0.75))
+    with pytest.raises(ConfigError):
+        check_reload(old, pool_of(3, max_removed_share=0))
+
+
+def test_the_autobot_layout_names_its_own_key_path() -> None:
+    """Messages about the npu: layout say npu.workers."""
+    new = parse_config({"npu": {"workers": []}})
+    with pytest.raises(ConfigError, match=r"^invalid configuration:\n  npu\.workers: "):
+        check_reload(pool_of(1), new)
+
+
+def test_a_control_character_in_the_file_is_a_config_error() -> None:
+    """PyYAML's reader refuses NUL while the loader is built: still a ConfigError."""
+    (error,) = yaml_errors("npu_workers:\x00\n")
+    assert error.startswith("YAML error: unacceptable character #x0000")

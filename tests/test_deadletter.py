@@ -679,3 +679,260 @@ def test_queue_delegates_to_store(store: DeadLetterStore) -> None:
     assert len(dlq) == 3 and dlq.list(limit=1, offset=1) == [records[1]]
     assert dlq.remove(records[0].id) is True
     assert dlq.purge() == 2 and len(store) == 0
+
+
+# --- claims across store objects and processes ---------------------------------------
+
+
+def test_sqlite_claims_hold_across_store_objects_until_released(tmp_path: Path) -> None:
+    """A claim taken through one connection refuses every other until given back."""
+    path = tmp_path / "dlq.sqlite3"
+    one, two = SQLiteDeadLetterStore(path), SQLiteDeadLetterStore(path)
+    try:
+        one.add(make_record(1))
+        assert one.claim("x") is True
+        assert two.claim("x") is False
+        assert one.claim("x") is False  # a claim is not re-entrant either
+        two.release_claim("x")  # not two's to give back
+        assert two.claim("x") is False
+        one.release_claim("x")
+        assert two.claim("x") is True
+    finally:
+        one.close()
+        two.close()
+
+
+def test_sqlite_a_claim_whose_owner_died_expires(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After its lease a claim may be taken over; the old owner's release is then a no-op."""
+    import npu_sync.deadletter as deadletter
+
+    path = tmp_path / "dlq.sqlite3"
+    one, two = SQLiteDeadLetterStore(path), SQLiteDeadLetterStore(path)
+    try:
+        monkeypatch.setattr(deadletter, "CLAIM_SECONDS", -1.0)  # every lease already over
+        assert one.claim("x") is True
+        monkeypatch.setattr(deadletter, "CLAIM_SECONDS", 120.0)
+        assert two.claim("x") is True
+        one.release_claim("x")
+        assert one.claim("x") is False
+    finally:
+        one.close()
+        two.close()
+
+
+def test_sqlite_a_file_from_before_claims_gets_the_claims_table(tmp_path: Path) -> None:
+    """Opening a schema-1 file without the claims table adds it; records are kept."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)
+    store.add(make_record(1))
+    store.close()
+    conn = sqlite3.connect(path)
+    conn.execute("DROP TABLE dead_letter_claims")
+    conn.commit()
+    conn.close()
+    store = SQLiteDeadLetterStore(path)
+    try:
+        assert store.claim(make_record(1).id) is True
+        assert len(store) == 1
+    finally:
+        store.close()
+
+
+def test_queue_replays_claim_through_the_sqlite_file(tmp_path: Path) -> None:
+    """A record claimed by another store object of the same file is skipped by replay()."""
+    path = tmp_path / "dlq.sqlite3"
+    mine, theirs = SQLiteDeadLetterStore(path), SQLiteDeadLetterStore(path)
+    try:
+        records = [make_record(n) for n in range(3)]
+        for record in records:
+            mine.add(record)
+        assert theirs.claim(records[1].id)
+        run = FakeRun()
+        report = DeadLetterQueue(mine, run).replay()
+        assert report.succeeded == (records[0].id, records[2].id)
+        assert set(run.calls) == {"task-0", "task-2"}
+        assert [r.id for r in mine.list()] == [records[1].id]
+    finally:
+        mine.close()
+        theirs.close()
+
+
+# --- a store that is busy or gone --------------------------------------------------------
+
+
+def hold_write_lock(path: Path) -> sqlite3.Connection:
+    """Another connection holding the file's write lock, as another process would."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute("BEGIN IMMEDIATE")
+    return conn
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_sqlite_add_waits_for_a_locked_file_no_longer_than_its_timeout(tmp_path: Path) -> None:
+    """With the write lock held elsewhere, add(timeout=) gives up while it is still held."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)  # busy_timeout 30 s
+    blocker = hold_write_lock(path)
+    try:
+        thread, result = in_thread(lambda: store.add(make_record(1), timeout=0.2))
+        thread.join(10)  # far below the 30 s busy timeout the call would otherwise wait
+        assert not thread.is_alive(), "add() waited past its timeout"
+        assert isinstance(result[0], NpuSyncError)
+        assert "stayed locked by another connection until the task's deadline" in str(result[0])
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    store.add(make_record(2), timeout=0.2)  # and the connection is usable again
+    assert len(store) == 1
+    store.close()
+
+
+def test_counts_answer_while_another_thread_waits_on_the_store(tmp_path: Path) -> None:
+    """counts() never waits: an add() stuck behind a locked file does not hold it up."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)
+    store.add(make_record(1))
+    assert store.counts() == (1, 0)
+    blocker = hold_write_lock(path)
+    try:
+        stuck, _ = in_thread(lambda: store.add(make_record(2)))  # holds the store's lock
+        queue = DeadLetterQueue(store, FakeRun())
+        pause = threading.Event()
+        for _ in range(1000):  # until the add() holds the store's lock
+            if store._lock.locked():
+                break
+            pause.wait(0.01)
+        assert store._lock.locked()
+        assert queue.counts() == (1, 0)  # the last known numbers, at once
+        assert stuck.is_alive()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    stuck.join(10)
+    assert store.counts() == (2, 0)
+    store.close()
+    assert store.counts() == (None, None)
+
+
+def test_sqlite_a_deleted_directory_fails_loudly_instead_of_writing_nowhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the file's directory is deleted, add() raises rather than commit to an
+    unlinked file; reads fail the same way."""
+    import shutil
+
+    directory = tmp_path / "state"
+    directory.mkdir()
+    store = SQLiteDeadLetterStore(directory / "dlq.sqlite3")
+    store.add(make_record(1))
+    shutil.rmtree(directory)
+    with caplog.at_level(logging.ERROR, logger="npu_sync.deadletter"):
+        for n in (2, 3):
+            with pytest.raises(NpuSyncError, match="its directory was deleted while in use"):
+                store.add(make_record(n))
+    with pytest.raises(NpuSyncError, match="its directory was deleted"):
+        store.list()
+    assert store.counts() == (None, None)
+    # Said once in the log, with what to do.
+    assert len(caplog.records) == 1 and "until the pool is restarted" in caplog.text
+    store.close()
+
+
+def test_sqlite_a_file_replaced_under_the_store_is_refused(tmp_path: Path) -> None:
+    """A file deleted (or swapped for another) while open is detected by its inode."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    with pytest.raises(NpuSyncError, match="the file is gone"):
+        store.add(make_record(1))
+    store.close()
+    store = SQLiteDeadLetterStore(path)
+    os.replace(SQLiteDeadLetterStore(tmp_path / "other.sqlite3").path, path)
+    with pytest.raises(NpuSyncError, match="replaced by another one"):
+        store.get("x")
+    store.close()
+
+
+# --- what npu-sync check looks at ---------------------------------------------------------
+
+
+def sqlite_config(path: Any) -> Any:
+    from npu_sync.config import DeadLetterConfig, PoolConfig
+
+    return PoolConfig(dead_letter=DeadLetterConfig(backend="sqlite", path=str(path)))
+
+
+def test_check_store_reports_what_opening_would_fail_on(tmp_path: Path) -> None:
+    """Missing directory, not writable, not a database: each with its key path; nothing
+    is created."""
+    from npu_sync.deadletter import check_store
+
+    assert check_store(sqlite_config(tmp_path / "new.sqlite3")) == []
+    assert not (tmp_path / "new.sqlite3").exists()
+    missing = tmp_path / "nope" / "dlq.sqlite3"
+    assert check_store(sqlite_config(missing)) == [
+        f"npu_workers.dead_letter.path: directory {missing.parent} does not exist"
+    ]
+    junk = tmp_path / "junk.sqlite3"
+    junk.write_bytes(b"not a database at all")
+    assert check_store(sqlite_config(junk)) == [
+        f"npu_workers.dead_letter.path: {junk} is not a SQLite database"
+    ]
+    assert check_store(sqlite_config(tmp_path)) == [
+        f"npu_workers.dead_letter.path: {tmp_path} is not a regular file"
+    ]
+    newer = tmp_path / "newer.sqlite3"
+    conn = sqlite3.connect(newer)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.close()
+    assert check_store(sqlite_config(newer)) == [
+        f"npu_workers.dead_letter.path: {newer} has schema version {SCHEMA_VERSION + 1}; "
+        f"this npu_sync reads version {SCHEMA_VERSION}"
+    ]
+    good = SQLiteDeadLetterStore(tmp_path / "good.sqlite3")
+    good.close()
+    assert check_store(sqlite_config(good.path)) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_check_store_reports_an_unwritable_directory(tmp_path: Path) -> None:
+    """A directory the process cannot write is reported before start-up fails on it."""
+    from npu_sync.deadletter import check_store
+
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        assert check_store(sqlite_config(locked / "dlq.sqlite3")) == [
+            f"npu_workers.dead_letter.path: directory {locked} is not writable "
+            "(the file and its journal go there)"
+        ]
+    finally:
+        locked.chmod(0o700)
+
+
+def test_open_store_names_the_key_when_the_path_is_unusable(tmp_path: Path) -> None:
+    """Start-up fails with dead_letter.path in the message, not a bare FileNotFoundError."""
+    from npu_sync.config import DeadLetterConfig
+
+    missing = tmp_path / "nope" / "dlq.sqlite3"
+    with pytest.raises(ConfigError) as info:
+        open_store(DeadLetterConfig(backend="sqlite", path=str(missing)))
+    assert info.value.errors == (
+        f"dead_letter.path: dead-letter store {missing}: directory {missing.parent} does not exist",
+    )

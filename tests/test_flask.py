@@ -253,15 +253,31 @@ def test_reload_of_a_pool_without_a_file_is_a_409(client):
 def test_dead_letters_lists_failed_tasks_with_paging(client, pool, net):
     """GET /dead-letters shows stored records, oldest first, with limit and offset."""
     first, second = dead_letter(pool, net), dead_letter(pool, net)
-    body = client.get(f"{PREFIX}/dead-letters").get_json()
+    body = client.get(f"{PREFIX}/dead-letters", headers=AUTH).get_json()
     assert body["total"] == 2 and body["limit"] == 100 and body["offset"] == 0
     assert [r["id"] for r in body["dead_letters"]] == [first, second]
     record = body["dead_letters"][0]
-    assert record["payload"] == {"input_text": "doomed"}
+    assert body["payloads"] is True and record["payload"] == {"input_text": "doomed"}
     assert {a["worker_id"] for a in record["attempts"]} == {"a", "b"}
     page = client.get(f"{PREFIX}/dead-letters?limit=1&offset=1").get_json()
     assert [r["id"] for r in page["dead_letters"]] == [second]
     assert page["total"] == 2 and page["limit"] == 1 and page["offset"] == 1
+
+
+def test_dead_letter_payloads_need_the_admin_token(client, pool, net):
+    """Without Authorization the records come without payloads; a wrong token is a 401,
+    and with no token configured any Authorization is a 403."""
+    dead_letter(pool, net)
+    body = client.get(f"{PREFIX}/dead-letters").get_json()
+    assert body["payloads"] is False and body["total"] == 1
+    (record,) = body["dead_letters"]
+    assert "payload" not in record and record["attempts"]
+    assert "doomed" not in client.get(f"{PREFIX}/dead-letters").get_data(as_text=True)
+    wrong = client.get(f"{PREFIX}/dead-letters", headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "doomed" not in wrong.get_data(as_text=True)
+    closed = make_app(pool, NPU_SYNC_ADMIN_TOKEN=None).test_client()
+    assert closed.get(f"{PREFIX}/dead-letters", headers=AUTH).status_code == 403
+    assert closed.get(f"{PREFIX}/dead-letters").get_json()["payloads"] is False
 
 
 @pytest.mark.parametrize(

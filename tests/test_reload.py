@@ -180,11 +180,13 @@ def test_reload_without_a_file_needs_a_config():
 class Calls:
     def __init__(self) -> None:
         self.count = 0
+        self.texts: list[str | None] = []
         self.cond = threading.Condition()
 
-    def __call__(self) -> None:
+    def __call__(self, text: str | None) -> None:
         with self.cond:
             self.count += 1
+            self.texts.append(text)
             self.cond.notify_all()
 
     def wait_for(self, n: int, timeout: float = 5.0) -> bool:
@@ -243,8 +245,8 @@ def test_watcher_survives_an_exception_in_the_callback(tmp_path):
     path.write_text("v: 1\n")
     calls = Calls()
 
-    def flaky() -> None:
-        calls()
+    def flaky(text: str | None) -> None:
+        calls(text)
         if calls.count == 1:
             raise RuntimeError("first reload breaks")
 
@@ -298,7 +300,7 @@ def test_watcher_stops_promptly_and_leaves_no_thread(tmp_path):
     """stop() ends the observer and the reload thread."""
     path = tmp_path / "pool.yaml"
     path.write_text("v: 1\n")
-    watcher = ConfigWatcher(path, lambda: None, poll_interval=3600)
+    watcher = ConfigWatcher(path, lambda text: None, poll_interval=3600)
     watcher.start()
     names = {t.name for t in threading.enumerate()}
     assert {"npu-sync-reload", "npu-sync-watchdog"} <= names
@@ -345,8 +347,8 @@ def test_the_pools_own_read_of_the_file_does_not_trigger_another_reload(tmp_path
     path.write_text("v: 1\n")
     calls = Calls()
 
-    def read_it() -> None:
-        calls()
+    def read_it(text: str | None) -> None:
+        calls(text)
         path.read_text()  # what a reload does
 
     watcher = ConfigWatcher(path, read_it, debounce=0.05, poll_interval=3600)
@@ -515,3 +517,140 @@ def test_a_broken_file_is_counted_once_until_it_changes(tmp_path):
         path.write_text("npu_workers: {workers: [{id: a, port: 0, host: x}]}\n")
         pool._reload_if_changed()
         assert pool.stats()["reloads"]["failed"] == 2
+
+
+# -- reloads that must not take a working pool down -------------------------------------
+
+TWO_WORKERS = (
+    "npu_workers:\n  workers:\n"
+    "    - {id: a, url: 'http://127.0.0.1:9901'}\n"
+    "    - {id: b, url: 'http://127.0.0.1:9902'}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("npu_workers:\n", "no enabled worker"),  # an in-place rewrite read too early
+        ("npu_workers:\n  workers:\n", "no enabled worker"),
+        (
+            TWO_WORKERS + "  workers: []\n",
+            "duplicate key",
+        ),
+        (
+            TWO_WORKERS.replace("{id: b, url: 'http://127.0.0.1:9902'}", "{id: b, enabled: false,"),
+            "YAML syntax error",
+        ),
+        ("npu_workers:\n  workers: " + "[" * 5000 + "]" * 5000 + "\n", "nested deeper"),
+    ],
+)
+def test_a_file_that_would_empty_or_break_the_pool_is_refused_and_counted(tmp_path, text, message):
+    """Half-written, duplicated, truncated or absurd files keep both workers."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(TWO_WORKERS)
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            pool.reload()
+        assert [w["id"] for w in pool.workers()] == ["a", "b"]
+        reloads = pool.stats()["reloads"]
+        assert (reloads["ok"], reloads["failed"]) == (0, 1)
+        assert message in reloads["last_error"]
+
+
+def test_a_file_may_empty_the_pool_when_it_says_so(tmp_path):
+    """reload.allow_empty: true in the new file lets the reload through."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(TWO_WORKERS)
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.write_text("npu_workers:\n  workers: []\n  reload: {allow_empty: true}\n")
+        assert pool.reload().removed == ("a", "b")
+        assert pool.workers() == []
+
+
+def test_removing_more_than_the_allowed_share_is_refused(tmp_path):
+    """Four workers down to one is refused at the default share; the file can allow it."""
+    four = "npu_workers:\n  workers:\n" + "".join(
+        f"    - {{id: w{i}, url: 'http://127.0.0.1:{9910 + i}'}}\n" for i in range(4)
+    )
+    one = "npu_workers:\n  workers:\n    - {id: w0, url: 'http://127.0.0.1:9910'}\n"
+    path = tmp_path / "pool.yaml"
+    path.write_text(four)
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.write_text(one)
+        with pytest.raises(ConfigError, match=r"removes or disables 3 of the 4"):
+            pool.reload()
+        assert len(pool.workers()) == 4
+        path.write_text(one + "  reload: {max_removed_share: 0.75}\n")
+        assert pool.reload().removed == ("w1", "w2", "w3")
+
+
+def test_a_reload_with_a_config_object_is_taken_as_meant():
+    """The guard is for files: a PoolConfig built in code may empty the pool."""
+    with WorkerPool(config(A, B), transport_factory=FakeNetwork(echo).factory) as pool:
+        assert pool.reload(config()).removed == ("a", "b")
+
+
+class ScriptedWatcher(ConfigWatcher):
+    """A watcher whose reads of the file follow a script, to test settling alone."""
+
+    def __init__(self, path, reads) -> None:
+        super().__init__(path, lambda text: None, debounce=0.001, poll_interval=3600)
+        self.script = list(reads)
+        self.reads = 0
+
+    def _read(self):
+        self.reads += 1
+        return self.script.pop(0) if len(self.script) > 1 else self.script[0]
+
+
+def test_the_watcher_waits_for_two_equal_reads_before_calling_back(tmp_path):
+    """Content still changing is read again until it stays the same for a debounce."""
+    watcher = ScriptedWatcher(
+        tmp_path / "pool.yaml",
+        [(True, "npu_workers:\n"), (True, "npu_workers:\n  wor"), (True, "full"), (True, "full")],
+    )
+    assert watcher._settle() == (True, "full")
+    assert watcher.reads == 4
+
+
+def test_an_unreadable_file_settles_too_and_is_reported_by_the_pool(tmp_path):
+    """A file that stays unreadable is handed on (as None) for the pool to count."""
+    watcher = ScriptedWatcher(tmp_path / "pool.yaml", [(False, "cannot read: gone")])
+    assert watcher._settle() == (False, "cannot read: gone")
+    assert watcher.reads == 2
+
+
+def test_the_watcher_hands_the_settled_text_to_the_callback(tmp_path):
+    """The callback gets exactly the content that was compared, not a later read."""
+    path = tmp_path / "pool.yaml"
+    path.write_text("v: 1\n")
+    calls = Calls()
+    watcher = ConfigWatcher(path, calls, debounce=0.05, poll_interval=3600)
+    watcher.start()
+    try:
+        path.write_text("v: 2\n")
+        assert calls.wait_for(1)
+        assert calls.texts[-1] == "v: 2\n"
+        path.unlink()
+        assert calls.wait_for(2)
+        assert calls.texts[-1] is None
+    finally:
+        watcher.stop()
+
+
+def test_a_fifo_put_in_place_of_the_file_is_counted_not_waited_on(tmp_path):
+    """The pool's reload of a FIFO fails at once, is counted, and keeps the workers."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(TWO_WORKERS)
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.unlink()
+        os.mkfifo(path)
+        with pytest.raises(ConfigError, match=r"not a regular file \(a FIFO\)"):
+            pool.reload()
+        assert pool.stats()["reloads"]["failed"] == 1
+        assert len(pool.workers()) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -11,9 +12,17 @@ redis = pytest.importorskip("redis")
 
 from npu_sync.config import SharedStateConfig  # noqa: E402
 from npu_sync.deadletter import DeadLetter  # noqa: E402
-from npu_sync.errors import NpuSyncError  # noqa: E402
+from npu_sync.errors import ConfigError, NpuSyncError  # noqa: E402
 from npu_sync.shared import SharedState  # noqa: E402
 from npu_sync.task import Attempt, Task  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def private_temp_dir(tmp_path, monkeypatch):
+    """Default spool files go under this test's own temporary directory."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 class Changes:
@@ -143,13 +152,13 @@ def test_dead_letters_written_during_an_outage_are_kept_and_flushed_later():
     store = one.dead_letter_store(10)
     server.connected = False
     store.add(record(1))
-    assert one.available is False and len(store.held) == 1
+    assert one.available is False and store.held_count() == 1
     with pytest.raises(NpuSyncError, match="unavailable"):
         store.list()  # an operator is told, rather than shown a partial answer
     server.connected = True
     assert one._probe() is True
     store.flush()
-    assert not store.held
+    assert store.held_count() == 0
     assert [r.task_id for r in two.dead_letter_store(10).list()] == ["task-1"]
 
 
@@ -213,3 +222,137 @@ def test_breakers_opened_during_an_outage_are_written_back_when_redis_returns():
     server.connected = True
     assert one._probe() is True
     assert calls == [True]
+
+
+# -- the spool, claims and credentials -----------------------------------------------------
+
+
+def test_records_spooled_during_an_outage_survive_the_process_and_reach_redis_later(tmp_path):
+    """A record spooled by a process that then dies is written by the next one."""
+    server = fakeredis.FakeServer()
+    config = SharedStateConfig(backend="redis", namespace="t")
+    spool = str(tmp_path / "spool.sqlite3")
+    dying = SharedState(config, Changes(), client=fakeredis.FakeRedis(server=server))
+    store = dying.dead_letter_store(10, spool_path=spool)
+    server.connected = False
+    store.add(record(1))
+    assert store.held_count() == 1
+    # The process is killed here: no flush, no close. Redis comes back; a new process
+    # starts with the same spool file.
+    server.connected = True
+    later = SharedState(config, Changes(), client=fakeredis.FakeRedis(server=server))
+    fresh = later.dead_letter_store(10, spool_path=spool)
+    assert fresh.held_count() == 1
+    later._flush_stores()
+    assert fresh.held_count() == 0
+    assert [r.task_id for r in fresh.list()] == ["task-1"]
+
+
+def test_a_record_another_process_is_flushing_is_left_to_it(tmp_path):
+    """Two processes sharing a spool never both write one record to Redis."""
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    spool = str(tmp_path / "spool.sqlite3")
+    store_one = one.dead_letter_store(10, spool_path=spool)
+    store_two = two.dead_letter_store(10, spool_path=spool)
+    server.connected = False
+    store_one.add(record(1))
+    server.connected = True
+    assert one._probe()
+    rid = store_one._spool.list()[0].id
+    assert store_two._spool.claim(rid)  # the other process is moving it right now
+    store_one.flush()
+    assert store_one.held_count() == 1 and len(store_two) == 1  # still only in the spool
+    store_two._spool.release_claim(rid)
+    store_one.flush()
+    assert store_one.held_count() == 0 and [r.id for r in store_two.list()] == [rid]
+
+
+def test_a_spool_that_cannot_be_opened_is_a_config_error_naming_its_key(tmp_path):
+    """A spool path in a missing directory fails at start, naming dead_letter.spool_path."""
+    one, _, _, _ = pair()
+    missing = tmp_path / "nope" / "spool.sqlite3"
+    with pytest.raises(ConfigError, match=r"^invalid configuration:\n  dead_letter\.spool_path: "):
+        one.dead_letter_store(10, spool_path=str(missing))
+
+
+def test_the_default_spool_directory_must_be_private(tmp_path):
+    """A world-writable spool directory in the shared temp dir is refused."""
+    from npu_sync.deadletter import default_spool_path
+
+    one, _, _, _ = pair()
+    directory = os.path.dirname(default_spool_path("t"))
+    assert directory.startswith(str(tmp_path))  # the fixture's temp dir, not /tmp
+    os.makedirs(directory)
+    os.chmod(directory, 0o777)
+    with pytest.raises(ConfigError, match="others may write to it"):
+        one.dead_letter_store(10)
+    os.chmod(directory, 0o700)
+    assert one.dead_letter_store(10).spool_path == default_spool_path("t")
+
+
+def test_a_claim_is_released_only_if_still_ours_even_when_it_changes_meanwhile():
+    """The compare-and-delete is one step: a claim taken over between the compare and
+    the delete survives our release."""
+    server = fakeredis.FakeServer()
+    config = SharedStateConfig(backend="redis", namespace="t")
+    rival = fakeredis.FakeRedis(server=server)
+    key = "t:dlq:claim:r1"
+
+    class Racing(fakeredis.FakeRedis):
+        raced = False
+
+        def transaction(self, func, *watches, **kwargs):
+            def racing(pipe):
+                result = func(pipe)
+                if not Racing.raced:  # our lease runs out right after our check
+                    Racing.raced = True
+                    rival.set(key, b"someone-else")
+                return result
+
+            return super().transaction(racing, *watches, **kwargs)
+
+    one = SharedState(config, Changes(), client=Racing(server=server))
+    store = one.dead_letter_store(10)
+    assert store.claim("r1")
+    store.release_claim("r1")
+    assert Racing.raced
+    assert rival.get(key) == b"someone-else"
+
+
+def test_wrong_credentials_are_a_config_error_at_start_not_an_outage():
+    """AUTH refused (WRONGPASS/NOAUTH) raises ConfigError naming the key, not the password."""
+
+    class Refusing:
+        def ping(self):
+            raise redis.AuthenticationError("invalid username-password pair")
+
+        def close(self):
+            pass
+
+    with pytest.raises(ConfigError) as info:
+        SharedState(SharedStateConfig(backend="redis"), Changes(), client=Refusing())
+    assert info.value.errors == (
+        "shared_state.url: Redis refused the credentials (AuthenticationError: invalid "
+        "username-password pair)",
+    )
+
+
+def test_an_unreachable_redis_at_start_is_an_outage():
+    """Connection refused at start: the state starts unavailable, counted once."""
+    Down.calls = 0
+    shared = SharedState(SharedStateConfig(backend="redis"), Changes(), client=Down())
+    assert shared.available is False and shared.outages == 1
+
+
+def test_start_reads_the_shared_breakers_before_returning():
+    """A breaker another process opened is applied during start(), before any task."""
+    one, two, _, seen = pair()
+    one.set_workers(["w1"])
+    one.announce("w1", "open", 30.0)
+    two.set_workers(["w1"])
+    try:
+        two.start()
+        assert seen.seen[0] == ("w1", "open")
+    finally:
+        two.stop()

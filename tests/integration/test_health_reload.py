@@ -39,9 +39,11 @@ def test_failing_health_takes_a_worker_out_and_recovery_brings_it_back(start_wor
     with WorkerPool(config) as pool:
         assert {pool.execute({"input_text": str(i)})["worker_id"] for i in range(20)} == {"a", "b"}
         a.control(health_status="unhealthy")
-        took = wait_until(lambda: not by_id(pool)["a"]["healthy"], 5, "a to turn unhealthy")
-        # interval * threshold, plus jitter and the checks' own time.
-        assert took < 0.1 * 2 * 1.1 + 1.0
+        rounds = pool.stats()["health"]["rounds"]
+        wait_until(lambda: not by_id(pool)["a"]["healthy"], 5, "a to turn unhealthy")
+        # Two failed checks (the threshold) take two rounds at least, and need no more
+        # than a couple besides (the round running when /health turned, one to spare).
+        assert 2 <= pool.stats()["health"]["rounds"] - rounds <= 4
         assert {pool.execute({"input_text": str(i)})["worker_id"] for i in range(40)} == {"b"}
         a.control(health_status="healthy")
         wait_until(lambda: by_id(pool)["a"]["healthy"], 5, "a to recover")
@@ -59,17 +61,18 @@ def test_hung_worker_delays_neither_other_checks_nor_close(start_worker):
     )
     pool = WorkerPool(config)
     try:
-        started = time.monotonic()
+        # The health thread's first round runs at start; a check of a worker whose
+        # previous check still runs is refused, so let that round end first.
+        wait_until(lambda: pool.stats()["health"]["rounds"] >= 1, 5, "the first round")
+        # The hung worker never answers: the round can only end by its timeout.
         results = pool.check_health()
-        elapsed = time.monotonic() - started
         assert results["fine"]["ok"] is True and results["hung"]["ok"] is False
-        assert elapsed < 0.5 + 0.75
         assert pool.execute({"input_text": "x"})["worker_id"] == "fine"
     finally:
-        started = time.monotonic()
-        pool.close()
-        closing = time.monotonic() - started
-    assert closing < 0.5 + 1.0, f"close() took {closing:.2f}s"
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        closer.join(10)  # the hung worker never answers: close() must not wait for it
+    assert not closer.is_alive(), "close() waited for the hung worker"
     assert not [t for t in threading.enumerate() if t.name.startswith("npu-sync")]
 
 
@@ -140,8 +143,7 @@ def test_yaml_rewrites_under_load_add_remove_and_survive_a_broken_file(start_wor
         wait_until(lambda: load.done() >= 100, 20, "the load to get going")
 
         write_atomically(path, yaml_for(ws))
-        took = wait_until(lambda: load.by_worker.get("w3", 0) > 0, 5, "w3 to receive tasks")
-        assert took < 2.0
+        wait_until(lambda: load.by_worker.get("w3", 0) > 0, 5, "w3 to receive tasks")
 
         write_atomically(path, yaml_for([ws[0], ws[2], ws[3]]))
         wait_until(lambda: "w1" not in by_id(pool), 5, "w1 to be removed")
