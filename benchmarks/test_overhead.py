@@ -1,10 +1,11 @@
 """pool.execute against a bare call with the same HTTP client, side by side.
 
-The bare call sends the same request as the pool (same body, same headers), so the
-difference is the pool's own work in the client. Calls are interleaved one by one
-(bare, pool, requests, bare, pool, …) so that machine noise hits every contender
-alike; the figure that matters is the ratio of medians, printed and stored in
-the benchmark's extra_info.
+For each client the pool can use (the built-in transport, the default, and urllib3),
+the bare call sends the same request as the pool (same body, same headers) and decodes
+the JSON answer, so the difference is the pool's own work in the client. Calls are
+interleaved one by one so that machine noise hits every contender alike; the figures
+that matter are the ratios of medians, printed and stored in the benchmark's
+extra_info.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import urllib3
 
 from benchmarks.conftest import interleave, report, summarise
 from npu_sync import WorkerPool
-from npu_sync.config import HealthConfig, PoolConfig, worker_config
+from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
+from npu_sync.transport import make_transport
 
 PAYLOAD = {"model_id": "default", "input_text": "benchmark", "max_tokens": 16}
 ROUNDS = 3000
@@ -45,6 +47,20 @@ def _bare_urllib3(url: str):
     return call, http.close
 
 
+def _bare_builtin(url: str):
+    transport = make_transport(worker_config("bare", url, max_concurrent=4), TransportConfig())
+    headers = {"X-NPU-Task-Id": "0" * 32, "X-NPU-Attempt": "1"}
+
+    def call() -> dict:
+        body = json.dumps(PAYLOAD).encode()
+        response = transport.request(
+            "POST", "/inference", body=body, headers=headers, timeout=20.0, connect_timeout=2.0
+        )
+        return json.loads(response.body)
+
+    return call, transport.close
+
+
 def _bare_requests(url: str):
     session = requests.Session()
 
@@ -55,39 +71,56 @@ def _bare_requests(url: str):
 
 
 def test_execute_overhead_vs_bare_client(benchmark, fast_worker):
-    """Median latency of pool.execute over a bare urllib3 call and a requests.Session call."""
-    config = PoolConfig(
-        workers=(worker_config("bench", fast_worker.url, max_concurrent=8),),
-        health=HealthConfig(enabled=False),
-    )
-    bare, close_bare = _bare_urllib3(fast_worker.url)
+    """Median latency of pool.execute over a bare call with the same client."""
+
+    def config(client: str) -> PoolConfig:
+        return PoolConfig(
+            workers=(worker_config("bench", fast_worker.url, max_concurrent=8),),
+            health=HealthConfig(enabled=False),
+            transport=TransportConfig(client=client),
+        )
+
+    bare_builtin, close_builtin = _bare_builtin(fast_worker.url)
+    bare_urllib3, close_urllib3 = _bare_urllib3(fast_worker.url)
     session_call, close_session = _bare_requests(fast_worker.url)
-    with WorkerPool(config) as pool:
+    with WorkerPool(config("builtin")) as pool, WorkerPool(config("urllib3")) as pool3:
         contenders = {
-            "bare urllib3": bare,
-            "pool.execute": lambda: pool.execute(PAYLOAD),
+            "bare builtin": bare_builtin,
+            "pool.execute (builtin)": lambda: pool.execute(PAYLOAD),
+            "bare urllib3": bare_urllib3,
+            "pool.execute (urllib3)": lambda: pool3.execute(PAYLOAD),
             "requests.Session": session_call,
         }
         interleave(contenders, 200)  # warm connections and code paths
         figures = summarise(interleave(contenders, ROUNDS))
-        base = figures["bare urllib3"]["median_us"]
-        pool_median = figures["pool.execute"]["median_us"]
-        benchmark.extra_info.update(
-            {
-                "figures": figures,
-                "pool_over_bare_urllib3": pool_median / base,
-                "pool_over_requests_session": pool_median
-                / figures["requests.Session"]["median_us"],
-            }
-        )
+        median = {k: f["median_us"] for k, f in figures.items()}
+        base = median["bare builtin"]
+        ratios = {
+            "pool_over_bare_builtin": median["pool.execute (builtin)"] / base,
+            "pool_over_bare_urllib3": median["pool.execute (urllib3)"] / median["bare urllib3"],
+            "pool_over_requests_session": median["pool.execute (builtin)"]
+            / median["requests.Session"],
+        }
+        benchmark.extra_info.update({"figures": figures, **ratios})
+        same_client = {
+            "pool.execute (builtin)": "bare builtin",
+            "pool.execute (urllib3)": "bare urllib3",
+        }
         report(
             "pool.execute vs bare clients (one loopback worker, latency 0)",
-            [("client", "median µs", "p99 µs", "vs bare urllib3")]
+            [("client", "median µs", "p99 µs", "vs bare builtin", "vs same bare client")]
             + [
-                (k, f"{f['median_us']:.0f}", f"{f['p99_us']:.0f}", f"{f['median_us'] / base:.3f}")
+                (
+                    k,
+                    f"{f['median_us']:.0f}",
+                    f"{f['p99_us']:.0f}",
+                    f"{f['median_us'] / base:.3f}",
+                    f"{f['median_us'] / median[same_client[k]]:.3f}" if k in same_client else "",
+                )
                 for k, f in figures.items()
             ],
         )
         benchmark.pedantic(lambda: pool.execute(PAYLOAD), rounds=500, warmup_rounds=50)
-    close_bare()
+    close_builtin()
+    close_urllib3()
     close_session()
