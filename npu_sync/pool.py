@@ -1163,8 +1163,10 @@ class WorkerPool:
             if not task.idempotent and outcome.processed:
                 reason = f"worker {worker.id} failed a non-idempotent task that may have run"
                 break
-            if kind is Kind.ABANDONED:
+            if kind is Kind.ABANDONED and self._untried_left(excluded, deadline):
                 continue  # nothing learnt about the worker: no backoff, no retry counted
+            # An abandoned attempt with no other worker left (a stale connection on the
+            # only worker) is retried like a failure: after a backoff, within max_retries.
             failures += 1
             if suspect:
                 suspects.append(worker)
@@ -1178,11 +1180,14 @@ class WorkerPool:
             if wait is None:
                 reason = f"all {failures} attempt(s) failed"
                 break
-            if not self._untried_left(excluded, deadline):
+            # A worker is worth waiting for only if it can take the task before the next
+            # attempt would stop waiting for one (pool.max_queue_wait, or the deadline).
+            horizon = min(deadline, t1 + wait + queue_wait)
+            if not self._untried_left(excluded, horizon):
                 # Every worker was tried. Trying one again is better than failing, once
                 # the backoff has passed: the failure may have been transient.
                 excluded = set(not_here)
-                if not self._untried_left(excluded, deadline):
+                if not self._untried_left(excluded, horizon):
                     reason = _EVERY_WORKER_TRIED
                     break
             if t1 + wait >= deadline:
