@@ -4,6 +4,7 @@ reload, and interrupts at every step of a task."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,8 +70,13 @@ def npu_threads() -> set[threading.Thread]:
 
 
 def assert_fully_closed(pool: WorkerPool, net: FakeNetwork, before: set[threading.Thread]) -> None:
-    """Closed, every thread the pool started has ended, every connection is closed."""
+    """Closed, every connection closed, every thread the pool started ended (within 10 s:
+    the last task to end may still be releasing the pool on a pool thread)."""
     assert pool.closed
+    deadline = time.monotonic() + 10
+    while not all(t.closed for t in net.transports()):  # closed after the threads stop
+        assert time.monotonic() < deadline, "the pool was never released"
+        threading.Event().wait(0.01)
     started = npu_threads() - before
     for thread in started:
         thread.join(10)
