@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -83,13 +84,28 @@ class NpuTask(Generic[P]):
 
 
 class _BoundNpuTask:
-    """An :class:`NpuTask` defined on a class, bound to one instance."""
+    # An NpuTask defined on a class, bound to one instance. Like a bound method it shows
+    # the function's name, docstring and signature (without ``self``); __doc__ is a
+    # property, so this class has no docstring of its own.
 
     __slots__ = ("__self__", "__wrapped__")
 
     def __init__(self, task: NpuTask[Any], instance: object) -> None:
         self.__wrapped__ = task
         self.__self__ = instance
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.__wrapped__.__doc__
+
+    @property
+    def __name__(self) -> str:
+        return str(getattr(self.__wrapped__, "__name__", "?"))
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        signature = inspect.signature(self.__wrapped__)
+        return signature.replace(parameters=list(signature.parameters.values())[1:])
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.__wrapped__._call(self.__self__, *args, **kwargs)
@@ -103,8 +119,7 @@ class _BoundNpuTask:
         return self.__wrapped__.pool
 
     def __repr__(self) -> str:
-        name = getattr(self.__wrapped__, "__name__", "?")
-        return f"<bound npu_task {name} of {self.__self__!r}>"
+        return f"<bound npu_task {self.__name__} of {self.__self__!r}>"
 
 
 def npu_task(

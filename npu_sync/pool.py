@@ -175,10 +175,13 @@ class WorkerPool:
         self._active = 0
         self._closed = False
         self._released = False
+        self._release_done = threading.Event()
         # close() called on a thread that runs one of our tasks (from a hook or a
         # fallback) cannot wait for that task: the last task to end finishes closing.
         self._finish_when_idle = False
-        self._local = threading.local()  # .depth: tasks of this pool on this thread
+        # .depth > 0: this thread runs the pool's own work (a task, a hook called from
+        # one of the pool's threads, a pool thread's future callback).
+        self._local = threading.local()
         self._restart_pending = False  # forked: start our threads on first use
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = clock.monotonic()
@@ -534,30 +537,37 @@ class WorkerPool:
         Blocks until submitted and running tasks end (each bounded by its deadline);
         health checks keep running meanwhile, so a waiting task can still see a worker
         recover. Then stops every thread the pool started. Idempotent, and safe from
-        any thread: called from a hook or a fallback, on a thread that is running one
-        of this pool's tasks, it returns at once and the pool finishes closing when its
-        last task ends.
+        any thread; every call made outside the pool's own work returns only once the
+        pool is released. Called on a thread doing the pool's own work (from a hook, a
+        fallback, or a callback of a future the pool runs), it returns at once and the
+        pool finishes closing when its last task ends.
         """
         # Not under _reload_lock: a reload in progress sees _closed when it installs
         # its changes, and hooks never run under that lock anyway.
         with self._lock:
-            if self._closed:
-                return
+            first = not self._closed
             self._closed = True
             executor = self._executor
+            # Such a thread cannot wait: for its own task, nor for a release that stops
+            # and joins it (the health, reload and shared-state threads).
             inside = bool(getattr(self._local, "depth", 0))
-            self._finish_when_idle = inside
-        if self._watcher is not None:
+            if inside:
+                self._finish_when_idle = True
+            release_now = inside and not self._active
+        if first and self._watcher is not None:
             self._watcher.stop()
         if executor is not None:
             # A pool thread cannot wait for itself; its own task ends soon after.
             executor.shutdown(wait=not inside)
         if inside:
+            if release_now:  # no task left to finish closing
+                self._release()
             return
         with self._lock:
             while self._active:
                 self._idle.wait()
         self._release()
+        self._release_done.wait()  # another thread may be releasing right now
 
     def _release(self) -> None:
         """Stop the threads and close the connections and the store, once."""
@@ -566,13 +576,30 @@ class WorkerPool:
                 return
             self._released = True
             workers = [*self._workers.values(), *self._draining.values()]
-        self._health.stop()
-        if self._shared is not None:
-            self._shared.stop()
-        for worker in workers:
-            worker.transport.close()
-            worker.health_transport.close()
-        self.dead_letters.close()
+        try:
+            self._health.stop()
+            if self._shared is not None:
+                self._shared.stop()
+            for worker in workers:
+                worker.transport.close()
+                worker.health_transport.close()
+            self.dead_letters.close()
+        finally:
+            self._release_done.set()
+
+    @contextlib.contextmanager
+    def _own_work(self) -> Iterator[None]:
+        """Mark this thread as doing the pool's work while hooks may run on it."""
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            local.depth -= 1
+
+    def _mark_pool_thread(self) -> None:
+        """The executor's initializer: a pool thread's future callbacks are pool work."""
+        self._local.depth = 1
 
     def __enter__(self) -> WorkerPool:
         return self
@@ -608,6 +635,9 @@ class WorkerPool:
         self._lock = self._dispatcher.lock
         self._idle = threading.Condition(self._lock)
         self._reload_lock = threading.Lock()
+        self._release_done = threading.Event()
+        if self._released:  # the parent's release is the child's: nothing left to close
+            self._release_done.set()
         self._active = 0
         self._executor = None
         self._events = []
@@ -683,13 +713,14 @@ class WorkerPool:
                     # wait out the reset timeout. Only that task's success closes it.
                     worker.breaker.allow_trial()
             self._dispatcher.release_locked(self._clock.monotonic())
-        for worker_id, healthy, error in changes:
-            self._notify(WorkerHealthChanged(self._clock.time(), worker_id, healthy, error))
+        with self._own_work():
+            for worker_id, healthy, error in changes:
+                self._notify(WorkerHealthChanged(self._clock.time(), worker_id, healthy, error))
 
     def _reload_if_changed(self, text: str | None = None) -> None:
         """The watcher's callback: reload when the file's (settled) content changed."""
         # A bad file is logged and counted by _reload_file; the running config stays.
-        with contextlib.suppress(ConfigError):
+        with contextlib.suppress(ConfigError), self._own_work():
             self._reload_file(force=False, text=text)
 
     def _reload_file(self, *, force: bool, text: str | None = None) -> ReloadResult:
@@ -873,7 +904,9 @@ class WorkerPool:
                     raise PoolClosed("the pool is closed")
                 if self._executor is None:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
-                        max_workers=self._config.pool.threads, thread_name_prefix="npu-sync-task"
+                        max_workers=self._config.pool.threads,
+                        thread_name_prefix="npu-sync-task",
+                        initializer=self._mark_pool_thread,
                     )
                 executor = self._executor
         return executor
@@ -1138,8 +1171,10 @@ class WorkerPool:
             if not task.idempotent and outcome.processed:
                 reason = f"worker {worker.id} failed a non-idempotent task that may have run"
                 break
-            if kind is Kind.ABANDONED:
+            if kind is Kind.ABANDONED and self._untried_left(excluded, deadline):
                 continue  # nothing learnt about the worker: no backoff, no retry counted
+            # An abandoned attempt with no other worker left (a stale connection on the
+            # only worker) is retried like a failure: after a backoff, within max_retries.
             failures += 1
             if suspect:
                 suspects.append(worker)
@@ -1153,11 +1188,14 @@ class WorkerPool:
             if wait is None:
                 reason = f"all {failures} attempt(s) failed"
                 break
-            if not self._untried_left(excluded, deadline):
+            # A worker is worth waiting for only if it can take the task before the next
+            # attempt would stop waiting for one (pool.max_queue_wait, or the deadline).
+            horizon = min(deadline, t1 + wait + queue_wait)
+            if not self._untried_left(excluded, horizon):
                 # Every worker was tried. Trying one again is better than failing, once
                 # the backoff has passed: the failure may have been transient.
                 excluded = set(not_here)
-                if not self._untried_left(excluded, deadline):
+                if not self._untried_left(excluded, horizon):
                     reason = _EVERY_WORKER_TRIED
                     break
             if t1 + wait >= deadline:
@@ -1352,7 +1390,8 @@ class WorkerPool:
                 self._dispatcher.wake_all_locked()
                 self._dispatcher.release_locked(self._clock.monotonic())
         if self._events:
-            self._flush_events()
+            with self._own_work():
+                self._flush_events()
 
     def _charge(self, workers: list[Worker]) -> None:
         """Count deferred failures against workers that failed where another succeeded."""

@@ -38,6 +38,7 @@ class Task:
             safe. Non-idempotent tasks are retried only when the request provably never
             reached the worker (connect errors, an open breaker).
         task_id: sent as ``X-NPU-Task-Id`` on every attempt; a uuid4 by default.
+            Printable ASCII, at most 200 characters.
     """
 
     payload: Any
@@ -64,6 +65,13 @@ class Task:
             )
         if not self.task_id.isprintable():
             raise InvalidTask(f"task_id must be printable, got {self.task_id!r}")
+        if not self.task_id.isascii():
+            # Sent as the X-NPU-Task-Id header: beyond ASCII, HTTP clients refuse it or
+            # servers decode it differently, and a worker could not de-duplicate by it.
+            raise InvalidTask(
+                f"task_id must be ASCII (it is sent as the X-NPU-Task-Id header), "
+                f"got {self.task_id!r}"
+            )
 
     def body(self) -> bytes:
         """The payload encoded as JSON; raises InvalidTask when it cannot be."""
