@@ -202,18 +202,23 @@ def test_invalid_task_from_the_transport_ends_the_task_uncharged_and_unretried()
         assert pool.execute({"x": 1}) == {"by": "a"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the urllib3 transport raises UnicodeEncodeError for a header it cannot "
-    "encode; the Transport protocol says InvalidTask",
-)
-def test_the_urllib3_transport_refuses_an_unencodable_task_id_as_invalid_task():
-    """Past Task's own check, the real transport still turns a bad header into InvalidTask."""
+@pytest.mark.parametrize("client", ["builtin", "urllib3", "requests"])
+def test_every_transport_refuses_an_unencodable_task_id_as_invalid_task(client):
+    """Past Task's own check, each real transport still turns a bad header into
+    InvalidTask: the task's fault, no worker charged."""
     task = Task({"x": 1}, task_id="order-1")
     object.__setattr__(task, "task_id", "订单-1")  # as a record from an older version could
-    cfg = config("a", timeouts=TimeoutConfig(connect=0.5, read=1.0, task=2.0))
-    with WorkerPool(cfg) as pool, pytest.raises(InvalidTask):
-        pool.execute(task)
+    cfg = config(
+        "a",
+        timeouts=TimeoutConfig(connect=0.5, read=1.0, task=2.0),
+        transport=TransportConfig(client=client),
+    )
+    with WorkerPool(cfg) as pool:
+        with pytest.raises(InvalidTask):
+            pool.execute(task)
+        (row,) = pool.workers()
+        assert row["breaker"]["failures"] == 0 and row["in_flight"] == 0
+        assert row["tasks"]["failed"] == 0
 
 
 # -- A3: answers over the size limit -------------------------------------------------------

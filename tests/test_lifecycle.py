@@ -578,11 +578,6 @@ class _InterruptedOnHandOver(threading.Condition):
         return notified
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Dispatcher.acquire drops a lease handed to a waiter that is interrupted "
-    "before it returns (admission.py)",
-)
 def test_an_interrupt_as_a_waiter_is_handed_a_slot_leaks_nothing(monkeypatch):
     """A waiter interrupted just as a slot was handed to it gives the slot back."""
     gate, started = threading.Event(), threading.Event()
