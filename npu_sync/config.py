@@ -1262,6 +1262,11 @@ class _Reader:
                 # The value is never echoed: headers are where credentials live.
                 self.error(item_path, "must not contain line breaks or NUL characters")
                 continue
+            if not text.isascii() or not text.isprintable():
+                # It could not be sent (HTTP header values are bytes, and workers decode
+                # anything past ASCII differently): every task would be refused for it.
+                self.error(item_path, "must be printable ASCII (the value is not shown)")
+                continue
             found[name] = text
         return MappingProxyType(found)
 

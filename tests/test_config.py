@@ -392,6 +392,18 @@ def test_header_line_break_rejected_without_echo() -> None:
     )
 
 
+@pytest.mark.parametrize("value", ["clé✓-secret", "tok\x1b[31m", "tok\tab"])
+def test_header_value_that_cannot_be_sent_is_rejected_without_echo(value) -> None:
+    """A header value that is not printable ASCII could never be sent: refused at load,
+    naming the key, never quoting the value (it may be a credential)."""
+    (message,) = errors_of(one_worker(headers={"Authorization": value}))
+    assert message == (
+        "npu_workers.workers[0].headers.Authorization: "
+        "must be printable ASCII (the value is not shown)"
+    )
+    assert value not in message
+
+
 def test_backoff_initial_above_backoff_max() -> None:
     """backoff_max below backoff_initial is reported on backoff_max."""
     assert errors_of(native(retry={"backoff_initial": 3, "backoff_max": 1})) == (
