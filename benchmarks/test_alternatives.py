@@ -3,9 +3,10 @@
 Contenders, each keeping 32 tasks in flight against three reference workers (20 ms per
 task, each in its own process on loopback):
 
-* ``npu_sync pool``: one :class:`WorkerPool`, 32 caller threads calling ``execute``;
-* ``npu_sync pool (builtin)``: the same pool on the built-in transport
-  (``transport.client: builtin``);
+* ``npu_sync pool``: one :class:`WorkerPool` with the default configuration (only the
+  workers listed: the built-in transport, 32 tasks a worker), 32 caller threads
+  calling ``execute``;
+* ``npu_sync pool (urllib3)``: the same pool on ``transport.client: urllib3``;
 * ``requests random``: what people write first: one ``requests.Session`` shared by 32
   threads, a worker picked at random, and on any error up to 3 more tries, each on a
   worker picked at random again;
@@ -65,7 +66,7 @@ import urllib3
 
 from benchmarks.conftest import report
 from npu_sync import TaskFailed, WorkerPool
-from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
+from npu_sync.config import PoolConfig, TransportConfig, worker_config
 from npu_sync.worker_server import LocalWorker
 
 try:
@@ -235,8 +236,7 @@ class Contender(Protocol):
 
 
 class PoolContender:
-    """npu_sync's pool: default settings but room for 32 tasks a worker and health
-    probed as often as HAProxy's."""
+    """npu_sync's pool with the default configuration: only the workers are given."""
 
     name = "npu_sync pool"
     client: str | None = None  # the configured default
@@ -244,15 +244,7 @@ class PoolContender:
     def __init__(self, workers: Sequence[LocalWorker]) -> None:
         transport = TransportConfig() if self.client is None else TransportConfig(self.client)
         config = PoolConfig(
-            workers=tuple(
-                worker_config(w.worker_id, w.url, max_concurrent=IN_FLIGHT) for w in workers
-            ),
-            health=HealthConfig(
-                interval=CHECK_INTERVAL,
-                timeout=CHECK_INTERVAL,
-                unhealthy_threshold=FALL,
-                healthy_threshold=RISE,
-            ),
+            workers=tuple(worker_config(w.worker_id, w.url) for w in workers),
             transport=transport,
         )
         self.pool = WorkerPool(config)
@@ -283,11 +275,11 @@ class PoolContender:
         self.pool.close()
 
 
-class BuiltinPoolContender(PoolContender):
-    """The same pool on the built-in transport."""
+class Urllib3PoolContender(PoolContender):
+    """The same pool on the urllib3 transport."""
 
-    name = "npu_sync pool (builtin)"
-    client = "builtin"
+    name = "npu_sync pool (urllib3)"
+    client = "urllib3"
 
 
 class RequestsContender:
@@ -621,7 +613,7 @@ def contender_factories() -> tuple[dict[str, Factory], dict[str, str]]:
     """Every contender that can run here, and why any other cannot."""
     factories: dict[str, Factory] = {
         PoolContender.name: PoolContender,
-        BuiltinPoolContender.name: BuiltinPoolContender,
+        Urllib3PoolContender.name: Urllib3PoolContender,
         RequestsContender.name: RequestsContender,
     }
     skipped: dict[str, str] = {}
