@@ -11,11 +11,14 @@ server's ``stop`` event, so closing the server ends them all at once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import select
 import socket
 import ssl
 import struct
+import termios
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +56,10 @@ class Peer:
             return self.sock.recv(65536)
         except (OSError, ssl.SSLError):
             return b""
+
+    def receive(self) -> bytes:
+        """Whatever the client sent next, raw; b"" once it has hung up."""
+        return self._recv()
 
     def request(self) -> Seen | None:
         """Read one whole request and record it; None if the client hung up first."""
@@ -104,6 +111,38 @@ class Peer:
                 return
             n += 1
 
+    def flushed(self, timeout: float = 5.0) -> bool:
+        """Wait until the client's kernel has acknowledged every byte sent so far, so
+        that those bytes are waiting in its receive buffer; False if stopped or gone.
+        """
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            try:
+                queued = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+            except (OSError, ValueError):
+                return False
+            if struct.unpack("i", queued)[0] == 0:
+                return True
+            # The kernel offers no wake-up for "all acknowledged": look again shortly.
+            if self.stop.wait(0.001):
+                return False
+        return False
+
+    def head(self) -> bytes | None:
+        """Read only a request's head (up to the blank line), leaving its body unread."""
+        while b"\r\n\r\n" not in self.buf:
+            data = self._recv()
+            if not data:
+                return None
+            self.buf += data
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        return head
+
+    def half_close(self) -> None:
+        """Shut down the sending side (a FIN), keeping the connection open for reading."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
     def hold(self) -> None:
         """Keep the connection open, doing nothing, until the server closes."""
         self.stop.wait()
@@ -143,6 +182,8 @@ class Hostile:
         tls: server-side TLS context; the handshake runs in the connection's thread.
         rcvbuf: receive buffer size for accepted connections (a slow reader).
         backlog: listen backlog.
+        nodelay: send every write at once (TCP_NODELAY), so that two writes in a row
+            reach the client as two segments rather than waiting for its ACK.
     """
 
     behaviour: Behaviour
@@ -150,6 +191,7 @@ class Hostile:
     rcvbuf: int | None = None
     backlog: int = 16
     accept: bool = True
+    nodelay: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     seen: list[Seen] = field(default_factory=list)
     connections: int = 0
@@ -190,6 +232,8 @@ class Hostile:
             thread.start()
 
     def _serve(self, sock: socket.socket, number: int) -> None:
+        if self.nodelay:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             try:
                 sock.settimeout(10)
@@ -265,6 +309,48 @@ def chunked(chunks: list[bytes], trailers: dict[str, str] | None = None) -> byte
     for name, value in (trailers or {}).items():
         out += f"{name}: {value}\r\n".encode()
     return out + b"\r\n"
+
+
+def tls_handshake_stalling(ctx: ssl.SSLContext, step: str) -> Behaviour:
+    """A TLS worker (on a plain-TCP :class:`Hostile`) that stops its handshake at ``step``
+    and holds the connection open:
+
+    * ``"client hello"``: reads the ClientHello, never answers it;
+    * ``"server flight"``: sends the first half of its first flight (ServerHello ...);
+    * ``"drip"``: sends its first flight a byte every 50 ms;
+    * ``"finished"``: completes the handshake, then never reads the request.
+    """
+
+    def behaviour(peer: Peer) -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = ctx.wrap_bio(incoming, outgoing, server_side=True)
+        done = False
+        while not done:
+            data = peer.receive()
+            if not data:
+                return
+            incoming.write(data)
+            try:
+                tls.do_handshake()
+                done = True
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError:
+                return
+            flight = outgoing.read()
+            if step == "client hello":
+                break
+            if flight and step == "server flight":
+                peer.send(flight[: len(flight) // 2])
+                break
+            if flight and step == "drip":
+                peer.drip(flight, 0.05)
+                break
+            if flight and not peer.send(flight):
+                return
+        peer.hold()
+
+    return behaviour
 
 
 def keep_answering(reply: Callable[[Seen], bytes]) -> Behaviour:

@@ -1,0 +1,380 @@
+"""The pool's promises against hostile workers on loopback, through every client.
+
+Each scenario runs tasks through :meth:`WorkerPool.execute` against raw-socket workers
+that misbehave on purpose, and checks what the pool promises whatever a worker does:
+
+1. every task ends by its deadline (plus a generous margin) with a result,
+   ``TaskRejected``, or ``TaskFailed`` whose dead letter was stored;
+2. a breaker measures only its worker: an attempt cut short by the caller's deadline,
+   or a keep-alive connection found stale, charges nobody, while a worker that fails
+   within its own timeouts is charged;
+3. nothing is left behind: no slot in flight, no active task, no npu-sync thread once
+   ``close()`` has returned, which it does promptly.
+
+Timeouts are short (a task 1.2 s, an attempt 0.8 s) so that a worker holding a call
+shows at once; margins are a second, since the point is "bounded", not milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    RetryConfig,
+    TimeoutConfig,
+    TLSConfig,
+    TransportConfig,
+    worker_config,
+)
+from tests.hostile import CLIENTS, Hostile, Peer, answer
+
+TASK = 1.2  # a task's deadline
+READ = 0.8  # one attempt's own budget: the first attempt's timeout is the worker's
+SHORT = 0.4  # a caller's deadline, shorter than the worker's own timeout
+MARGIN = 1.0  # far above an honest overshoot, far below what an unbounded wait takes
+DRIP = 0.05  # seconds between two bytes from a dripping worker
+PAYLOAD = {"model_id": "default", "input_text": "hi"}
+
+
+@dataclass
+class Ended:
+    """How one task ended."""
+
+    kind: str  # "result", "rejected" or "failed"
+    value: Any
+    error: Exception | None
+    elapsed: float
+
+
+class Run:
+    """A pool over hostile workers, and the checks every scenario ends with."""
+
+    def __init__(
+        self,
+        client: str,
+        servers: list[Hostile],
+        *,
+        scheme: str = "http",
+        tls: TLSConfig | None = None,
+        connect: float = READ,
+        read: float = READ,
+        fail_max: int = 3,
+        max_retries: int = 3,
+    ) -> None:
+        workers = tuple(
+            worker_config(f"w{i}", server.url(scheme), max_concurrent=4)
+            for i, server in enumerate(servers)
+        )
+        self.pool = WorkerPool(
+            PoolConfig(
+                workers=workers,
+                timeouts=TimeoutConfig(connect=connect, read=read, task=TASK),
+                transport=TransportConfig(client=client, tls=tls or TLSConfig()),
+                health=HealthConfig(enabled=False),
+                retry=RetryConfig(max_retries=max_retries, backoff_initial=0.01, backoff_max=0.05),
+                circuit_breaker=BreakerConfig(
+                    fail_max=fail_max, reset_timeout=60, max_reset_timeout=600
+                ),
+            )
+        )
+        self.closed = False
+
+    def execute(self, timeout: float = TASK, *, idempotent: bool = True, **kw: Any) -> Ended:
+        """Run one task; check that it ended in time, in exactly one of the three ways,
+        and that it left nothing in flight."""
+        task = Task(kw.pop("payload", PAYLOAD), timeout=timeout, idempotent=idempotent, **kw)
+        start = time.monotonic()
+        error: Exception | None = None
+        value = None
+        try:
+            value = self.pool.execute(task)
+            kind = "result"
+        except TaskRejected as exc:
+            kind, error = "rejected", exc
+        except TaskFailed as exc:
+            kind, error = "failed", exc
+            assert exc.dead_letter_id is not None, exc
+            record = self.pool.dead_letters.get(exc.dead_letter_id)
+            assert record is not None and record.task_id == task.task_id
+        elapsed = time.monotonic() - start
+        assert elapsed < timeout + MARGIN, f"task took {elapsed:.2f}s: {error!r}"
+        self.check_quiet()
+        return Ended(kind, value, error, elapsed)
+
+    def check_quiet(self) -> None:
+        assert [w["in_flight"] for w in self.pool.workers()] == [0] * len(self.pool.workers())
+        assert self.pool.stats()["tasks"]["active"] == 0
+
+    def row(self, worker_id: str = "w0") -> dict[str, Any]:
+        (row,) = [w for w in self.pool.workers() if w["id"] == worker_id]
+        return row
+
+    def charged(self, worker_id: str = "w0") -> int:
+        """Failures charged to the worker (each counts towards its breaker)."""
+        return int(self.row(worker_id)["tasks"]["failed"])
+
+    def abandoned(self, worker_id: str = "w0") -> int:
+        return int(self.row(worker_id)["tasks"]["abandoned"])
+
+    def breaker(self, worker_id: str = "w0") -> str:
+        return str(self.row(worker_id)["breaker"]["state"])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        start = time.monotonic()
+        self.pool.close()
+        assert time.monotonic() - start < MARGIN
+        left = []
+        for thread in threading.enumerate():
+            if thread.name.startswith("npu-sync"):
+                thread.join(MARGIN)
+                if thread.is_alive():
+                    left.append(thread.name)
+        assert not left, f"threads left after close(): {left}"
+
+
+@pytest.fixture(params=CLIENTS)
+def client(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Hostile]]:
+    started: list[Hostile] = []
+    yield started
+    for server in started:
+        server.close()
+
+
+@pytest.fixture
+def runs() -> Iterator[Callable[..., Run]]:
+    built: list[Run] = []
+
+    def build(*args: Any, **kw: Any) -> Run:
+        run = Run(*args, **kw)
+        built.append(run)
+        return run
+
+    yield build
+    for run in built:
+        run.close()
+
+
+def serve(servers: list[Hostile], behaviour: Any, **kw: Any) -> Hostile:
+    kw.setdefault("nodelay", True)
+    server = Hostile(behaviour, **kw)
+    servers.append(server)
+    return server
+
+
+def seq_of(body: bytes) -> int:
+    return int(json.loads(body)["input_text"])
+
+
+# -- 1. dripping and stalling, phase by phase --------------------------------------------
+
+
+def _chunked_answer() -> tuple[bytes, dict[str, int]]:
+    """A chunked answer with a trailer, and where each of its parts starts."""
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Pad: " + b"p" * 80 + b"\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    body = b'{"pad": "' + b"x" * 80 + b'"}'
+    size = b"%x;pad=%s\r\n" % (len(body), b"e" * 80)
+    trailer = b"X-Trailer: " + b"t" * 80 + b"\r\n"
+    full = head + size + body + b"\r\n0\r\n" + trailer + b"\r\n"
+    return full, {
+        "status line": 0,
+        "a header": head.index(b"X-Pad"),
+        "a chunk size": len(head),
+        "chunk data": len(head) + len(size),
+        "a trailer": full.index(b"X-Trailer"),
+        "the last CRLF": len(full) - 2,
+    }
+
+
+CHUNKED, PHASES = _chunked_answer()
+
+
+def drip_from(at: int) -> Any:
+    """Send the answer up to ``at`` at once, then a byte every DRIP s, never the last."""
+
+    def behaviour(peer: Peer) -> None:
+        if (
+            peer.request() is not None
+            and peer.send(CHUNKED[:at])
+            and peer.drip(CHUNKED[at:-1], DRIP)
+        ):
+            peer.hold()
+
+    return behaviour
+
+
+def short_body(peer: Peer) -> None:
+    """Promise 1000 bytes of body, send 10, stall."""
+    if peer.request() is not None:
+        peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 10)
+        peer.hold()
+
+
+def interim_forever(peer: Peer) -> None:
+    """Answer ``100 Continue`` after ``100 Continue``, one every DRIP s, forever."""
+    if peer.request() is not None:
+        peer.drip_forever(b"", lambda n: b"HTTP/1.1 100 Continue\r\n\r\n", DRIP)
+
+
+def huge_head_slowly(peer: Peer) -> None:
+    """A status line, then 1 KiB header lines, one every DRIP s, without end."""
+    if peer.request() is not None:
+        line = b"h" * 1024
+        peer.drip_forever(b"HTTP/1.1 200 OK\r\n", lambda n: b"X-%d: %s\r\n" % (n, line), DRIP)
+
+
+STALLS: dict[str, Any] = {
+    **{f"drips {phase}": drip_from(at) for phase, at in PHASES.items()},
+    "sends less body than its Content-Length": short_body,
+    "sends 1xx after 1xx": interim_forever,
+    "sends a huge head slowly": huge_head_slowly,
+}
+
+
+def concurrently(scenarios: dict[str, Callable[[], None]]) -> None:
+    """Run independent scenarios on threads of their own (each takes a task's deadline
+    or two of waiting); fail naming every scenario that failed."""
+    failures: dict[str, BaseException] = {}
+
+    def run(name: str, scenario: Callable[[], None]) -> None:
+        try:
+            scenario()
+        except BaseException as exc:  # reported below, under the scenario's name
+            failures[name] = exc
+
+    threads = [
+        threading.Thread(target=run, args=item, name=f"scenario-{item[0]}")
+        for item in scenarios.items()
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, "\n".join(f"{name}: {exc!r}" for name, exc in failures.items())
+
+
+def test_a_stalling_worker_holds_no_task_past_its_deadline(client, servers, runs):
+    """Whatever phase a worker stalls in, a task ends by its deadline and is dead-lettered;
+    a caller's short deadline charges nothing, the worker's own timeout charges once."""
+
+    def scenario(behaviour: Any) -> Callable[[], None]:
+        run = runs(client, [serve(servers, behaviour)])
+
+        def check() -> None:
+            cut = run.execute(SHORT)
+            assert cut.kind == "failed"
+            assert (run.charged(), run.abandoned()) == (0, 1)
+            ended = run.execute(TASK)
+            assert ended.kind == "failed"
+            # The first attempt used the worker's whole budget: charged. The re-try had
+            # only the task's remaining time, shorter than that: not charged.
+            assert (run.charged(), run.abandoned()) == (1, 2)
+            assert run.breaker() == "closed"
+
+        return check
+
+    concurrently({name: scenario(behaviour) for name, behaviour in STALLS.items()})
+
+
+def test_a_flood_of_interim_answers_fails_fast_and_charges_the_worker(client, servers, runs):
+    """A worker answering only 1xx answers, as fast as it can, is charged for each try."""
+
+    def flood(peer: Peer) -> None:
+        while peer.request() is not None:
+            if not peer.send(b"HTTP/1.1 102 Processing\r\n\r\n" * 200):
+                return
+            peer.hold()
+
+    run = runs(client, [serve(servers, flood)], fail_max=2)
+    ended = run.execute()
+    assert ended.kind == "failed"
+    assert run.charged() == 2 and run.breaker() == "open"
+
+
+# -- 2. resets, half-closes and early answers ----------------------------------------------
+
+
+def reset_after_accepting(peer: Peer) -> None:
+    peer.reset()
+
+
+def reset_mid_request(peer: Peer) -> None:
+    if peer.receive():  # some of the request, not necessarily all
+        peer.reset()
+
+
+def reset_after_the_status_line(peer: Peer) -> None:
+    if peer.request() is not None:
+        peer.send(b"HTTP/1.1 200 OK\r\n")
+        peer.reset()
+
+
+def reset_mid_body(peer: Peer) -> None:
+    if peer.request() is not None:
+        peer.send(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"a": ')
+        peer.reset()
+
+
+def half_close_before_answering(peer: Peer) -> None:
+    if peer.request() is not None:
+        peer.half_close()
+        peer.hold()
+
+
+BROKEN: dict[str, Any] = {
+    "resets after accepting": reset_after_accepting,
+    "resets mid-request": reset_mid_request,
+    "resets after the status line": reset_after_the_status_line,
+    "resets mid-body": reset_mid_body,
+    "half-closes before answering": half_close_before_answering,
+}
+
+
+@pytest.mark.parametrize("behaviour", BROKEN.values(), ids=BROKEN.keys())
+def test_a_worker_that_breaks_every_fresh_connection_is_charged(client, servers, runs, behaviour):
+    """Resetting or half-closing every new connection is the worker's fault: charged at
+    once, retried, and its breaker opens; the task still ends by its deadline."""
+    run = runs(client, [serve(servers, behaviour)], fail_max=2)
+    ended = run.execute()
+    assert ended.kind == "failed"
+    assert ended.elapsed < READ  # each failure was immediate, not a timeout
+    assert run.charged() == 2 and run.breaker() == "open"
+    assert run.abandoned() == 0
+
+
+def reset_after_the_last_byte(peer: Peer) -> None:
+    if (seen := peer.request()) is not None:
+        peer.send(answer(200, b'{"n": %d}' % seq_of(seen.body)))
+        peer.reset()
+
+
+def test_a_reset_right_after_a_whole_answer_loses_nothing(client, servers, runs):
+    """An answer followed at once by a reset is the task's result; nobody is charged."""
+    server = serve(servers, reset_after_the_last_byte)
+    run = runs(client, [server])
+    for n in range(20):
+        ended = run.execute(payload={**PAYLOAD, "input_text": str(n)})
+        assert (ended.kind, ended.value) == ("result", {"n": n})
+    assert run.charged() == 0
+    assert len(server.seen) == 20
