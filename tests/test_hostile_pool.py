@@ -378,3 +378,22 @@ def test_a_reset_right_after_a_whole_answer_loses_nothing(client, servers, runs)
         assert (ended.kind, ended.value) == ("result", {"n": n})
     assert run.charged() == 0
     assert len(server.seen) == 20
+
+
+@pytest.mark.parametrize("status", [413, 200])
+def test_an_answer_before_the_body_was_read_is_the_answer(client, servers, runs, status):
+    """A worker that answers before reading a large body, then closes, is understood:
+    a 413 rejects the task (nobody charged), a 200 is its result."""
+    answered = threading.Event()
+
+    def early(peer: Peer) -> None:
+        if peer.head() is not None:
+            peer.send(answer(status, b'{"detail": "early"}', {"Connection": "close"}))
+            answered.set()
+            peer.reset()  # unread body: closing resets the connection anyway
+
+    run = runs(client, [serve(servers, early)])
+    ended = run.execute(payload={**PAYLOAD, "input_text": "x" * (16 << 20)})
+    assert answered.is_set()
+    assert ended.kind == ("rejected" if status == 413 else "result"), ended.error
+    assert run.charged() == 0

@@ -426,8 +426,15 @@ class BuiltinTransport:
         """
         sent = False
         try:
-            sent = self._send(conn, data, deadline)
-            response, keep = self._read_response(conn, method, deadline)
+            try:
+                sent = self._send(conn, data, deadline)
+            except _Lost as lost:
+                if not lost.delivered:
+                    raise
+                sent = True
+                response, keep = self._early_answer(conn, method, deadline, lost), False
+            else:
+                response, keep = self._read_response(conn, method, deadline)
         except (_Timeout, _Lost, h11.MessageError, OSError) as exc:
             conn.close()
             if isinstance(exc, _Lost) and conn.reused and not exc.answered:
@@ -442,6 +449,22 @@ class BuiltinTransport:
         else:
             conn.close()
         return response
+
+    def _early_answer(self, conn: _Conn, method: str, deadline: float, lost: _Lost) -> Response:
+        """The answer a worker sent before it stopped reading the request, if any.
+
+        A worker may answer before it has read the whole request (a 413 for a body too
+        large, say) and close the connection: the write fails, yet the answer waits in
+        the socket. Raises ``lost`` when no byte of an answer came.
+        """
+        try:
+            return self._read_response(conn, method, deadline)[0]
+        except _Lost as late:
+            if late.answered:
+                raise
+        except (_Timeout, ssl.SSLError):
+            pass  # nothing more to be had from a connection whose write failed
+        raise lost
 
     def _error(self, exc: Exception, sent: bool, method: str, path: str) -> TransportError:
         what = describe(self.worker, method, path)
