@@ -397,3 +397,52 @@ def test_an_answer_before_the_body_was_read_is_the_answer(client, servers, runs,
     assert answered.is_set()
     assert ended.kind == ("rejected" if status == 413 else "result"), ended.error
     assert run.charged() == 0
+
+
+# -- 3. keep-alive connections: stale, and answers nobody asked for ------------------------
+
+
+def close_when_the_next_request_arrives(peer: Peer) -> None:
+    """Answer one request, then close (a reset: the next request is unread) the moment
+    the next one arrives: the worker never reads it."""
+    if (seen := peer.request()) is not None:
+        peer.send(answer(200, b'{"n": %d}' % seq_of(seen.body)))
+        if peer.wait_readable():
+            peer.reset()
+
+
+def close_right_after_answering(peer: Peer) -> None:
+    """Answer one request, then close at once without saying ``Connection: close``."""
+    if (seen := peer.request()) is not None:
+        peer.send(answer(200, b'{"n": %d}' % seq_of(seen.body)))
+
+
+STALE: dict[str, Any] = {
+    "closed as the next request arrives": close_when_the_next_request_arrives,
+    "closed right after answering": close_right_after_answering,
+}
+
+
+@pytest.mark.parametrize("idempotent", [True, False], ids=["replayable", "not-replayable"])
+@pytest.mark.parametrize("behaviour", STALE.values(), ids=STALE.keys())
+def test_stale_keep_alive_connections_never_charge_the_worker(
+    client, servers, runs, behaviour, idempotent
+):
+    """A hundred tasks on connections the worker closes under them: replayable ones all
+    succeed, the others succeed or fail dead-lettered, and the breaker is never touched."""
+    server = serve(servers, behaviour)
+    run = runs(client, [server], fail_max=1)
+    results = []
+    for n in range(100):
+        ended = run.execute(payload={**PAYLOAD, "input_text": str(n)}, idempotent=idempotent)
+        assert ended.kind in ("result", "failed")
+        if ended.kind == "result":
+            assert ended.value == {"n": n}
+            results.append(n)
+    assert run.charged() == 0 and run.breaker() == "closed"
+    if idempotent:
+        assert len(results) == 100
+    # Every task the worker answered is one it read; none was run twice.
+    ran = [seq_of(seen.body) for seen in server.seen]
+    assert sorted(set(ran)) == sorted(ran)
+    assert set(results) <= set(ran)
