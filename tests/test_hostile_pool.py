@@ -17,7 +17,9 @@ shows at once; margins are a second, since the point is "bounded", not milliseco
 
 from __future__ import annotations
 
+import contextlib
 import json
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import trustme
 
 from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool
 from npu_sync.config import (
@@ -171,6 +174,24 @@ def runs() -> Iterator[Callable[..., Run]]:
     yield build
     for run in built:
         run.close()
+
+
+@dataclass
+class Certs:
+    """A test CA, a server context for 127.0.0.1, and the client settings trusting it."""
+
+    server: ssl.SSLContext
+    client: TLSConfig
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    ca = trustme.CA()
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server)
+    path = tmp_path_factory.mktemp("ca") / "ca.pem"
+    ca.cert_pem.write_to_path(str(path))
+    return Certs(server, TLSConfig(verify=str(path)))
 
 
 def serve(servers: list[Hostile], behaviour: Any, **kw: Any) -> Hostile:
@@ -446,3 +467,62 @@ def test_stale_keep_alive_connections_never_charge_the_worker(
     ran = [seq_of(seen.body) for seen in server.seen]
     assert sorted(set(ran)) == sorted(ran)
     assert set(results) <= set(ran)
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_second_answer_to_one_request_is_never_the_next_tasks_result(
+    client, servers, runs, certs, scheme
+):
+    """A worker that answers every request twice: each task still gets its own answer,
+    never the stray one waiting on the connection from the task before."""
+    stray_arrived = threading.Event()
+
+    def twice(peer: Peer) -> None:
+        while (seen := peer.request()) is not None:
+            n = seq_of(seen.body)
+            peer.send(answer(200, b'{"n": %d}' % n))
+            peer.send(answer(200, b'{"stray": %d}' % n))
+            # Both answers are in the client's socket before its next task starts.
+            peer.flushed()
+            stray_arrived.set()
+
+    tls = certs.server if scheme == "https" else None
+    server = serve(servers, twice, tls=tls)
+    run = runs(client, [server], scheme=scheme, tls=certs.client)
+    for n in range(30):
+        stray_arrived.clear()
+        ended = run.execute(payload={**PAYLOAD, "input_text": str(n)})
+        assert (ended.kind, ended.value) == ("result", {"n": n})
+        assert stray_arrived.wait(5)
+    assert run.charged() == 0
+    assert [seq_of(seen.body) for seen in server.seen] == list(range(30))
+
+
+def test_a_tls_close_notify_on_an_idle_connection_costs_no_task(client, servers, runs, certs):
+    """A TLS worker that ends the session (close_notify) on an idle connection, keeping
+    TCP open: the next task, even one that cannot be re-sent, goes out on a new one."""
+    notified = threading.Event()
+
+    def answer_then_close_notify(peer: Peer) -> None:
+        if (seen := peer.request()) is None:
+            return
+        peer.send(answer(200, b'{"n": %d}' % seq_of(seen.body)))
+        sock = peer.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        sock.setblocking(False)
+        with contextlib.suppress(ssl.SSLWantReadError, OSError):
+            sock.unwrap()  # sends close_notify, then would wait for the client's
+        sock.setblocking(True)
+        peer.flushed()
+        notified.set()
+        peer.hold()
+
+    server = serve(servers, answer_then_close_notify, tls=certs.server)
+    run = runs(client, [server], scheme="https", tls=certs.client)
+    for n in range(5):
+        notified.clear()
+        ended = run.execute(payload={**PAYLOAD, "input_text": str(n)}, idempotent=False)
+        assert (ended.kind, ended.value) == ("result", {"n": n})
+        assert notified.wait(5)
+    assert (run.charged(), run.abandoned()) == (0, 0)
+    assert server.connections == 5
