@@ -40,7 +40,7 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from tests.hostile import CLIENTS, Hostile, Peer, answer
+from tests.hostile import CLIENTS, Hostile, Peer, answer, tls_handshake_stalling
 
 TASK = 1.2  # a task's deadline
 READ = 0.8  # one attempt's own budget: the first attempt's timeout is the worker's
@@ -526,3 +526,49 @@ def test_a_tls_close_notify_on_an_idle_connection_costs_no_task(client, servers,
         assert notified.wait(5)
     assert (run.charged(), run.abandoned()) == (0, 0)
     assert server.connections == 5
+
+
+# -- 4. TLS --------------------------------------------------------------------------------
+
+HANDSHAKE_STEPS = ("client hello", "server flight", "drip", "finished")
+
+
+def test_a_tls_handshake_stalled_at_any_step_holds_no_task(client, servers, runs, certs):
+    """Whatever step a TLS worker stalls its handshake at, a task ends by its deadline;
+    a caller's short deadline charges nothing, the worker's own timeout charges once."""
+
+    def scenario(step: str) -> Callable[[], None]:
+        server = serve(servers, tls_handshake_stalling(certs.server, step))
+        run = runs(client, [server], scheme="https", tls=certs.client)
+
+        def check() -> None:
+            assert run.execute(SHORT).kind == "failed"
+            assert (run.charged(), run.abandoned()) == (0, 1)
+            assert run.execute(TASK).kind == "failed"
+            assert (run.charged(), run.abandoned()) == (1, 2)
+
+        return check
+
+    concurrently({step: scenario(step) for step in HANDSHAKE_STEPS})
+
+
+def test_a_tls_close_notify_mid_body_is_the_workers_failure(client, servers, runs, certs):
+    """A TLS worker ending the session in the middle of a body is charged at once."""
+
+    def close_notify_mid_body(peer: Peer) -> None:
+        if peer.request() is None:
+            return
+        peer.send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+        sock = peer.sock
+        assert isinstance(sock, ssl.SSLSocket)
+        sock.setblocking(False)
+        with contextlib.suppress(ssl.SSLWantReadError, OSError):
+            sock.unwrap()
+        sock.setblocking(True)
+        peer.hold()
+
+    server = serve(servers, close_notify_mid_body, tls=certs.server)
+    run = runs(client, [server], scheme="https", tls=certs.client, fail_max=2)
+    ended = run.execute()
+    assert ended.kind == "failed" and ended.elapsed < READ
+    assert run.charged() == 2 and run.breaker() == "open"
