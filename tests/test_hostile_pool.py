@@ -572,3 +572,14 @@ def test_a_tls_close_notify_mid_body_is_the_workers_failure(client, servers, run
     ended = run.execute()
     assert ended.kind == "failed" and ended.elapsed < READ
     assert run.charged() == 2 and run.breaker() == "open"
+
+
+def test_a_connect_budget_longer_than_the_attempts_still_charges_a_stalled_handshake(
+    client, servers, runs, certs
+):
+    """With timeouts.connect above timeouts.read, a handshake that uses up the attempt's
+    own budget is the worker's failure, not the caller's deadline."""
+    server = serve(servers, tls_handshake_stalling(certs.server, "client hello"))
+    run = runs(client, [server], scheme="https", tls=certs.client, connect=2 * TASK)
+    assert run.execute(TASK).kind == "failed"
+    assert (run.charged(), run.abandoned()) == (1, 1)
