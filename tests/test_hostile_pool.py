@@ -21,7 +21,6 @@ import contextlib
 import json
 import ssl
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -29,124 +28,22 @@ from typing import Any
 import pytest
 import trustme
 
-from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool
-from npu_sync.config import (
-    BreakerConfig,
-    HealthConfig,
-    PoolConfig,
-    RetryConfig,
-    TimeoutConfig,
-    TLSConfig,
-    TransportConfig,
-    worker_config,
+from npu_sync.config import TLSConfig
+from tests.hostile import (
+    CLIENTS,
+    PAYLOAD,
+    READ,
+    TASK,
+    Hostile,
+    Peer,
+    PoolRun,
+    answer,
+    concurrently,
+    tls_handshake_stalling,
 )
-from tests.hostile import CLIENTS, Hostile, Peer, answer, tls_handshake_stalling
 
-TASK = 1.2  # a task's deadline
-READ = 0.8  # one attempt's own budget: the first attempt's timeout is the worker's
 SHORT = 0.4  # a caller's deadline, shorter than the worker's own timeout
-MARGIN = 1.0  # far above an honest overshoot, far below what an unbounded wait takes
 DRIP = 0.05  # seconds between two bytes from a dripping worker
-PAYLOAD = {"model_id": "default", "input_text": "hi"}
-
-
-@dataclass
-class Ended:
-    """How one task ended."""
-
-    kind: str  # "result", "rejected" or "failed"
-    value: Any
-    error: Exception | None
-    elapsed: float
-
-
-class Run:
-    """A pool over hostile workers, and the checks every scenario ends with."""
-
-    def __init__(
-        self,
-        client: str,
-        servers: list[Hostile],
-        *,
-        scheme: str = "http",
-        tls: TLSConfig | None = None,
-        connect: float = READ,
-        read: float = READ,
-        fail_max: int = 3,
-        max_retries: int = 3,
-    ) -> None:
-        workers = tuple(
-            worker_config(f"w{i}", server.url(scheme), max_concurrent=4)
-            for i, server in enumerate(servers)
-        )
-        self.pool = WorkerPool(
-            PoolConfig(
-                workers=workers,
-                timeouts=TimeoutConfig(connect=connect, read=read, task=TASK),
-                transport=TransportConfig(client=client, tls=tls or TLSConfig()),
-                health=HealthConfig(enabled=False),
-                retry=RetryConfig(max_retries=max_retries, backoff_initial=0.01, backoff_max=0.05),
-                circuit_breaker=BreakerConfig(
-                    fail_max=fail_max, reset_timeout=60, max_reset_timeout=600
-                ),
-            )
-        )
-        self.closed = False
-
-    def execute(self, timeout: float = TASK, *, idempotent: bool = True, **kw: Any) -> Ended:
-        """Run one task; check that it ended in time, in exactly one of the three ways,
-        and that it left nothing in flight."""
-        task = Task(kw.pop("payload", PAYLOAD), timeout=timeout, idempotent=idempotent, **kw)
-        start = time.monotonic()
-        error: Exception | None = None
-        value = None
-        try:
-            value = self.pool.execute(task)
-            kind = "result"
-        except TaskRejected as exc:
-            kind, error = "rejected", exc
-        except TaskFailed as exc:
-            kind, error = "failed", exc
-            assert exc.dead_letter_id is not None, exc
-            record = self.pool.dead_letters.get(exc.dead_letter_id)
-            assert record is not None and record.task_id == task.task_id
-        elapsed = time.monotonic() - start
-        assert elapsed < timeout + MARGIN, f"task took {elapsed:.2f}s: {error!r}"
-        self.check_quiet()
-        return Ended(kind, value, error, elapsed)
-
-    def check_quiet(self) -> None:
-        assert [w["in_flight"] for w in self.pool.workers()] == [0] * len(self.pool.workers())
-        assert self.pool.stats()["tasks"]["active"] == 0
-
-    def row(self, worker_id: str = "w0") -> dict[str, Any]:
-        (row,) = [w for w in self.pool.workers() if w["id"] == worker_id]
-        return row
-
-    def charged(self, worker_id: str = "w0") -> int:
-        """Failures charged to the worker (each counts towards its breaker)."""
-        return int(self.row(worker_id)["tasks"]["failed"])
-
-    def abandoned(self, worker_id: str = "w0") -> int:
-        return int(self.row(worker_id)["tasks"]["abandoned"])
-
-    def breaker(self, worker_id: str = "w0") -> str:
-        return str(self.row(worker_id)["breaker"]["state"])
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        start = time.monotonic()
-        self.pool.close()
-        assert time.monotonic() - start < MARGIN
-        left = []
-        for thread in threading.enumerate():
-            if thread.name.startswith("npu-sync"):
-                thread.join(MARGIN)
-                if thread.is_alive():
-                    left.append(thread.name)
-        assert not left, f"threads left after close(): {left}"
 
 
 @pytest.fixture(params=CLIENTS)
@@ -163,11 +60,11 @@ def servers() -> Iterator[list[Hostile]]:
 
 
 @pytest.fixture
-def runs() -> Iterator[Callable[..., Run]]:
-    built: list[Run] = []
+def runs() -> Iterator[Callable[..., PoolRun]]:
+    built: list[PoolRun] = []
 
-    def build(*args: Any, **kw: Any) -> Run:
-        run = Run(*args, **kw)
+    def build(*args: Any, **kw: Any) -> PoolRun:
+        run = PoolRun(*args, **kw)
         built.append(run)
         return run
 
@@ -271,28 +168,6 @@ STALLS: dict[str, Any] = {
     "sends 1xx after 1xx": interim_forever,
     "sends a huge head slowly": huge_head_slowly,
 }
-
-
-def concurrently(scenarios: dict[str, Callable[[], None]]) -> None:
-    """Run independent scenarios on threads of their own (each takes a task's deadline
-    or two of waiting); fail naming every scenario that failed."""
-    failures: dict[str, BaseException] = {}
-
-    def run(name: str, scenario: Callable[[], None]) -> None:
-        try:
-            scenario()
-        except BaseException as exc:  # reported below, under the scenario's name
-            failures[name] = exc
-
-    threads = [
-        threading.Thread(target=run, args=item, name=f"scenario-{item[0]}")
-        for item in scenarios.items()
-    ]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not failures, "\n".join(f"{name}: {exc!r}" for name, exc in failures.items())
 
 
 def test_a_stalling_worker_holds_no_task_past_its_deadline(client, servers, runs):
