@@ -477,10 +477,46 @@ class PoolRun:
         and that it left nothing in flight."""
         task = Task(kw.pop("payload", PAYLOAD), timeout=timeout, idempotent=idempotent, **kw)
         start = time.monotonic()
+        try:
+            ended = self._ended(task, lambda: self.pool.execute(task))
+        finally:
+            elapsed = time.monotonic() - start
+        ended.elapsed = elapsed
+        assert elapsed < timeout + MARGIN, f"task took {elapsed:.2f}s: {ended.error!r}"
+        self.check_quiet()
+        return ended
+
+    def submit(
+        self, timeout: float = TASK, *, idempotent: bool = True, **kw: Any
+    ) -> Callable[[], Ended]:
+        """Submit one task; the returned call waits for it and checks, as :meth:`execute`
+        does, how and when it ended (counting from the submission)."""
+        task = Task(kw.pop("payload", PAYLOAD), timeout=timeout, idempotent=idempotent, **kw)
+        start = time.monotonic()
+        future = self.pool.submit(task)
+        done = threading.Event()
+        ended_at: list[float] = []
+
+        def finished(_: Any) -> None:
+            ended_at.append(time.monotonic())
+            done.set()
+
+        future.add_done_callback(finished)
+
+        def wait() -> Ended:
+            assert done.wait(timeout + 5 * MARGIN)
+            ended = self._ended(task, future.result)
+            ended.elapsed = ended_at[0] - start
+            assert ended.elapsed < timeout + MARGIN, f"took {ended.elapsed:.2f}s: {ended.error!r}"
+            return ended
+
+        return wait
+
+    def _ended(self, task: Task, call: Callable[[], Any]) -> Ended:
         error: Exception | None = None
         value = None
         try:
-            value = self.pool.execute(task)
+            value = call()
             kind = "result"
         except TaskRejected as exc:
             kind, error = "rejected", exc
@@ -489,10 +525,7 @@ class PoolRun:
             assert exc.dead_letter_id is not None, exc
             record = self.pool.dead_letters.get(exc.dead_letter_id)
             assert record is not None and record.task_id == task.task_id
-        elapsed = time.monotonic() - start
-        assert elapsed < timeout + MARGIN, f"task took {elapsed:.2f}s: {error!r}"
-        self.check_quiet()
-        return Ended(kind, value, error, elapsed)
+        return Ended(kind, value, error, 0.0)
 
     def check_quiet(self) -> None:
         assert [w["in_flight"] for w in self.pool.workers()] == [0] * len(self.pool.workers())
@@ -512,13 +545,15 @@ class PoolRun:
     def breaker(self, worker_id: str = "w0") -> str:
         return str(self.row(worker_id)["breaker"]["state"])
 
-    def close(self) -> None:
+    def close(self, within: float = MARGIN) -> None:
+        """Close the pool; check that close() returned ``within`` seconds and that no
+        thread of the pool is left."""
         if self.closed:
             return
         self.closed = True
         start = time.monotonic()
         self.pool.close()
-        assert time.monotonic() - start < MARGIN
+        assert time.monotonic() - start < within
         left = []
         for thread in threading.enumerate():
             if thread.name.startswith("npu-sync"):

@@ -31,6 +31,7 @@ import trustme
 from npu_sync.config import TLSConfig
 from tests.hostile import (
     CLIENTS,
+    MARGIN,
     PAYLOAD,
     READ,
     TASK,
@@ -458,3 +459,48 @@ def test_a_connect_budget_longer_than_the_attempts_still_charges_a_stalled_hands
     run = runs(client, [server], scheme="https", tls=certs.client, connect=2 * TASK)
     assert run.execute(TASK).kind == "failed"
     assert (run.charged(), run.abandoned()) == (1, 1)
+
+
+# -- 5. many callers at once -------------------------------------------------------------
+
+
+def test_many_callers_over_a_mix_of_hostile_workers(client, servers, runs):
+    """Sixty tasks at once over one healthy worker and four hostile ones: each ends by its
+    deadline in one of the three ways, with its own answer; the healthy worker is never
+    charged, and nothing is left in flight."""
+
+    def echo(peer: Peer) -> None:
+        while (seen := peer.request()) is not None:
+            if not peer.send(answer(200, b'{"n": %d}' % seq_of(seen.body))):
+                return
+
+    hostile = [
+        drip_from(0),
+        reset_after_accepting,
+        close_right_after_answering,
+        half_close_before_answering,
+    ]
+    healthy = serve(servers, echo)
+    # Breakers that never open keep the hostile workers in the rotation.
+    run = runs(
+        client, [healthy, *(serve(servers, b) for b in hostile)], fail_max=1000, max_retries=4
+    )
+    waits = [run.submit(payload={**PAYLOAD, "input_text": str(n)}) for n in range(60)]
+    ended = [wait() for wait in waits]
+    for n, one in enumerate(ended):
+        assert one.kind in ("result", "failed"), one.error
+        if one.kind == "result":
+            assert one.value == {"n": n}
+    assert sum(one.kind == "result" for one in ended) >= 30
+    run.check_quiet()
+    assert run.charged("w0") == 0 and run.breaker("w0") == "closed"
+    assert all(run.charged(f"w{i}") > 0 for i in (1, 2))  # the dripper and the resetter
+
+
+def test_close_during_a_storm_waits_only_for_the_tasks_deadlines(client, servers, runs):
+    """close() with twenty tasks held by a dripping worker returns once their deadlines
+    have passed, every task dead-lettered, and no thread of the pool left."""
+    run = runs(client, [serve(servers, drip_from(0))])
+    waits = [run.submit() for _ in range(20)]
+    run.close(within=TASK + MARGIN)
+    assert all(wait().kind == "failed" for wait in waits)
