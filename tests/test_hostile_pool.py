@@ -277,10 +277,13 @@ def test_a_reset_right_after_a_whole_answer_loses_nothing(client, servers, runs)
     assert len(server.seen) == 20
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 @pytest.mark.parametrize("status", [413, 200])
-def test_an_answer_before_the_body_was_read_is_the_answer(client, servers, runs, status):
+def test_an_answer_before_the_body_was_read_is_the_answer(
+    client, servers, runs, certs, status, scheme
+):
     """A worker that answers before reading a large body, then closes, is understood:
-    a 413 rejects the task (nobody charged), a 200 is its result."""
+    a 413 rejects the task (nobody charged), a 200 is its result. Over TLS too."""
     answered = threading.Event()
 
     def early(peer: Peer) -> None:
@@ -289,7 +292,8 @@ def test_an_answer_before_the_body_was_read_is_the_answer(client, servers, runs,
             answered.set()
             peer.reset()  # unread body: closing resets the connection anyway
 
-    run = runs(client, [serve(servers, early)])
+    tls = certs.server if scheme == "https" else None
+    run = runs(client, [serve(servers, early, tls=tls)], scheme=scheme, tls=certs.client)
     ended = run.execute(payload={**PAYLOAD, "input_text": "x" * (16 << 20)})
     assert answered.is_set()
     assert ended.kind == ("rejected" if status == 413 else "result"), ended.error
@@ -320,19 +324,22 @@ STALE: dict[str, Any] = {
 }
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 @pytest.mark.parametrize("idempotent", [True, False], ids=["replayable", "not-replayable"])
 @pytest.mark.parametrize("behaviour", STALE.values(), ids=STALE.keys())
 def test_stale_keep_alive_connections_never_charge_the_worker(
-    client, servers, runs, behaviour, idempotent
+    client, servers, runs, certs, behaviour, idempotent, scheme
 ):
     """A hundred tasks on connections the worker closes under them: replayable ones all
-    succeed, the others succeed or fail dead-lettered, and the breaker is never touched."""
-    server = serve(servers, behaviour)
-    run = runs(client, [server], fail_max=1)
+    succeed, the others succeed or fail dead-lettered, and the breaker is never touched.
+    Over TLS too."""
+    server = serve(servers, behaviour, tls=certs.server if scheme == "https" else None)
+    run = runs(client, [server], scheme=scheme, tls=certs.client, fail_max=1)
     results = []
     for n in range(100):
         ended = run.execute(payload={**PAYLOAD, "input_text": str(n)}, idempotent=idempotent)
         assert ended.kind in ("result", "failed")
+        assert run.charged() == 0, ended.error
         if ended.kind == "result":
             assert ended.value == {"n": n}
             results.append(n)
