@@ -171,12 +171,15 @@ STALLS: dict[str, Any] = {
 }
 
 
-def test_a_stalling_worker_holds_no_task_past_its_deadline(client, servers, runs):
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_stalling_worker_holds_no_task_past_its_deadline(client, servers, runs, certs, scheme):
     """Whatever phase a worker stalls in, a task ends by its deadline and is dead-lettered;
-    a caller's short deadline charges nothing, the worker's own timeout charges once."""
+    a caller's short deadline charges nothing, the worker's own timeout charges once.
+    Over TLS too."""
+    tls = certs.server if scheme == "https" else None
 
     def scenario(behaviour: Any) -> Callable[[], None]:
-        run = runs(client, [serve(servers, behaviour)])
+        run = runs(client, [serve(servers, behaviour, tls=tls)], scheme=scheme, tls=certs.client)
 
         def check() -> None:
             cut = run.execute(SHORT)
@@ -248,11 +251,18 @@ BROKEN: dict[str, Any] = {
 }
 
 
+@pytest.mark.parametrize("scheme", ["http", "https"])
 @pytest.mark.parametrize("behaviour", BROKEN.values(), ids=BROKEN.keys())
-def test_a_worker_that_breaks_every_fresh_connection_is_charged(client, servers, runs, behaviour):
+def test_a_worker_that_breaks_every_fresh_connection_is_charged(
+    client, servers, runs, certs, behaviour, scheme
+):
     """Resetting or half-closing every new connection is the worker's fault: charged at
-    once, retried, and its breaker opens; the task still ends by its deadline."""
-    run = runs(client, [serve(servers, behaviour)], fail_max=2)
+    once, retried, and its breaker opens; the task still ends by its deadline. Over TLS
+    too, after the handshake."""
+    tls = certs.server if scheme == "https" else None
+    run = runs(
+        client, [serve(servers, behaviour, tls=tls)], scheme=scheme, tls=certs.client, fail_max=2
+    )
     ended = run.execute()
     assert ended.kind == "failed"
     assert ended.elapsed < READ  # each failure was immediate, not a timeout
@@ -266,10 +276,14 @@ def reset_after_the_last_byte(peer: Peer) -> None:
         peer.reset()
 
 
-def test_a_reset_right_after_a_whole_answer_loses_nothing(client, servers, runs):
-    """An answer followed at once by a reset is the task's result; nobody is charged."""
-    server = serve(servers, reset_after_the_last_byte)
-    run = runs(client, [server])
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_a_reset_right_after_a_whole_answer_loses_nothing(client, servers, runs, certs, scheme):
+    """An answer followed at once by a reset is the task's result; nobody is charged.
+    Over TLS too."""
+    server = serve(
+        servers, reset_after_the_last_byte, tls=certs.server if scheme == "https" else None
+    )
+    run = runs(client, [server], scheme=scheme, tls=certs.client)
     for n in range(20):
         ended = run.execute(payload={**PAYLOAD, "input_text": str(n)})
         assert (ended.kind, ended.value) == ("result", {"n": n})
