@@ -1102,7 +1102,8 @@ class WorkerPool:
                 except TransportError as exc:
                     # A timeout is the worker's only when its own timeout ran out: one
                     # cut short by the task's deadline says nothing about the worker.
-                    own = connect_timeout if not exc.sent else read_timeout
+                    # Connecting gets at most the smaller of the two timeouts.
+                    own = read_timeout if exc.sent else min(connect_timeout, read_timeout)
                     outcome = classify_error(exc, cut_by_caller=remaining < own)
                 except InvalidTask:
                     # Refused before anything was sent (a header that cannot be encoded):

@@ -1,5 +1,6 @@
-"""Raw-socket loopback servers that misbehave on purpose, and a builder for every kind
-of transport, for the transport tests.
+"""Raw-socket loopback servers that misbehave on purpose, a builder for every kind of
+transport, and a pool over such servers (:class:`PoolRun`) that checks the pool's
+promises after every task: for the transport and hostile-worker tests.
 
 A :class:`Hostile` server runs a *behaviour* (a function of one :class:`Peer`) on a
 thread per accepted connection. Behaviours read requests with :meth:`Peer.request`
@@ -11,16 +12,30 @@ server's ``stop`` event, so closing the server ends them all at once.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import select
 import socket
 import ssl
 import struct
+import termios
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from npu_sync.config import TLSConfig, WorkerConfig
+from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    RetryConfig,
+    TimeoutConfig,
+    TLSConfig,
+    TransportConfig,
+    WorkerConfig,
+    worker_config,
+)
 from npu_sync.transport import BuiltinTransport, RequestsTransport, Urllib3Transport
 
 
@@ -53,6 +68,10 @@ class Peer:
             return self.sock.recv(65536)
         except (OSError, ssl.SSLError):
             return b""
+
+    def receive(self) -> bytes:
+        """Whatever the client sent next, raw; b"" once it has hung up."""
+        return self._recv()
 
     def request(self) -> Seen | None:
         """Read one whole request and record it; None if the client hung up first."""
@@ -104,6 +123,38 @@ class Peer:
                 return
             n += 1
 
+    def flushed(self, timeout: float = 5.0) -> bool:
+        """Wait until the client's kernel has acknowledged every byte sent so far, so
+        that those bytes are waiting in its receive buffer; False if stopped or gone.
+        """
+        give_up = time.monotonic() + timeout
+        while time.monotonic() < give_up:
+            try:
+                queued = fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+            except (OSError, ValueError):
+                return False
+            if struct.unpack("i", queued)[0] == 0:
+                return True
+            # The kernel offers no wake-up for "all acknowledged": look again shortly.
+            if self.stop.wait(0.001):
+                return False
+        return False
+
+    def head(self) -> bytes | None:
+        """Read only a request's head (up to the blank line), leaving its body unread."""
+        while b"\r\n\r\n" not in self.buf:
+            data = self._recv()
+            if not data:
+                return None
+            self.buf += data
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        return head
+
+    def half_close(self) -> None:
+        """Shut down the sending side (a FIN), keeping the connection open for reading."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
     def hold(self) -> None:
         """Keep the connection open, doing nothing, until the server closes."""
         self.stop.wait()
@@ -143,6 +194,8 @@ class Hostile:
         tls: server-side TLS context; the handshake runs in the connection's thread.
         rcvbuf: receive buffer size for accepted connections (a slow reader).
         backlog: listen backlog.
+        nodelay: send every write at once (TCP_NODELAY), so that two writes in a row
+            reach the client as two segments rather than waiting for its ACK.
     """
 
     behaviour: Behaviour
@@ -150,6 +203,7 @@ class Hostile:
     rcvbuf: int | None = None
     backlog: int = 16
     accept: bool = True
+    nodelay: bool = False
     stop: threading.Event = field(default_factory=threading.Event)
     seen: list[Seen] = field(default_factory=list)
     connections: int = 0
@@ -190,6 +244,8 @@ class Hostile:
             thread.start()
 
     def _serve(self, sock: socket.socket, number: int) -> None:
+        if self.nodelay:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if self.tls is not None:
             try:
                 sock.settimeout(10)
@@ -267,6 +323,48 @@ def chunked(chunks: list[bytes], trailers: dict[str, str] | None = None) -> byte
     return out + b"\r\n"
 
 
+def tls_handshake_stalling(ctx: ssl.SSLContext, step: str) -> Behaviour:
+    """A TLS worker (on a plain-TCP :class:`Hostile`) that stops its handshake at ``step``
+    and holds the connection open:
+
+    * ``"client hello"``: reads the ClientHello, never answers it;
+    * ``"server flight"``: sends the first half of its first flight (ServerHello ...);
+    * ``"drip"``: sends its first flight a byte every 50 ms;
+    * ``"finished"``: completes the handshake, then never reads the request.
+    """
+
+    def behaviour(peer: Peer) -> None:
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = ctx.wrap_bio(incoming, outgoing, server_side=True)
+        done = False
+        while not done:
+            data = peer.receive()
+            if not data:
+                return
+            incoming.write(data)
+            try:
+                tls.do_handshake()
+                done = True
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError:
+                return
+            flight = outgoing.read()
+            if step == "client hello":
+                break
+            if flight and step == "server flight":
+                peer.send(flight[: len(flight) // 2])
+                break
+            if flight and step == "drip":
+                peer.drip(flight, 0.05)
+                break
+            if flight and not peer.send(flight):
+                return
+        peer.hold()
+
+    return behaviour
+
+
 def keep_answering(reply: Callable[[Seen], bytes]) -> Behaviour:
     """A well-behaved keep-alive worker: answers every request with ``reply(seen)``."""
 
@@ -320,3 +418,168 @@ class Clients:
     def close(self) -> None:
         for transport in self.built:
             transport.close()
+
+
+# -- a pool over hostile workers ------------------------------------------------------
+
+TASK = 1.2  # a task's deadline
+READ = 0.8  # one attempt's own budget: the first attempt's timeout is the worker's
+MARGIN = 1.0  # far above an honest overshoot, far below what an unbounded wait takes
+PAYLOAD = {"model_id": "default", "input_text": "hi"}
+
+
+@dataclass
+class Ended:
+    """How one task ended."""
+
+    kind: str  # "result", "rejected" or "failed"
+    value: Any
+    error: Exception | None
+    elapsed: float
+
+
+class PoolRun:
+    """A pool over hostile workers (servers or URLs, ids ``w0``, ``w1`` ...), and the
+    checks every scenario ends with: see :meth:`execute` and :meth:`close`."""
+
+    def __init__(
+        self,
+        client: str,
+        workers: list[Hostile | str],
+        *,
+        scheme: str = "http",
+        tls: TLSConfig | None = None,
+        connect: float = READ,
+        read: float = READ,
+        fail_max: int = 3,
+        max_retries: int = 3,
+    ) -> None:
+        configs = tuple(
+            worker_config(f"w{i}", w if isinstance(w, str) else w.url(scheme), max_concurrent=4)
+            for i, w in enumerate(workers)
+        )
+        self.pool = WorkerPool(
+            PoolConfig(
+                workers=configs,
+                timeouts=TimeoutConfig(connect=connect, read=read, task=TASK),
+                transport=TransportConfig(client=client, tls=tls or TLSConfig()),
+                health=HealthConfig(enabled=False),
+                retry=RetryConfig(max_retries=max_retries, backoff_initial=0.01, backoff_max=0.05),
+                circuit_breaker=BreakerConfig(
+                    fail_max=fail_max, reset_timeout=60, max_reset_timeout=600
+                ),
+            )
+        )
+        self.closed = False
+
+    def execute(self, timeout: float = TASK, *, idempotent: bool = True, **kw: Any) -> Ended:
+        """Run one task; check that it ended in time, in exactly one of the three ways,
+        and that it left nothing in flight."""
+        task = Task(kw.pop("payload", PAYLOAD), timeout=timeout, idempotent=idempotent, **kw)
+        start = time.monotonic()
+        try:
+            ended = self._ended(task, lambda: self.pool.execute(task))
+        finally:
+            elapsed = time.monotonic() - start
+        ended.elapsed = elapsed
+        assert elapsed < timeout + MARGIN, f"task took {elapsed:.2f}s: {ended.error!r}"
+        self.check_quiet()
+        return ended
+
+    def submit(
+        self, timeout: float = TASK, *, idempotent: bool = True, **kw: Any
+    ) -> Callable[[], Ended]:
+        """Submit one task; the returned call waits for it and checks, as :meth:`execute`
+        does, how and when it ended (counting from the submission)."""
+        task = Task(kw.pop("payload", PAYLOAD), timeout=timeout, idempotent=idempotent, **kw)
+        start = time.monotonic()
+        future = self.pool.submit(task)
+        done = threading.Event()
+        ended_at: list[float] = []
+
+        def finished(_: Any) -> None:
+            ended_at.append(time.monotonic())
+            done.set()
+
+        future.add_done_callback(finished)
+
+        def wait() -> Ended:
+            assert done.wait(timeout + 5 * MARGIN)
+            ended = self._ended(task, future.result)
+            ended.elapsed = ended_at[0] - start
+            assert ended.elapsed < timeout + MARGIN, f"took {ended.elapsed:.2f}s: {ended.error!r}"
+            return ended
+
+        return wait
+
+    def _ended(self, task: Task, call: Callable[[], Any]) -> Ended:
+        error: Exception | None = None
+        value = None
+        try:
+            value = call()
+            kind = "result"
+        except TaskRejected as exc:
+            kind, error = "rejected", exc
+        except TaskFailed as exc:
+            kind, error = "failed", exc
+            assert exc.dead_letter_id is not None, exc
+            record = self.pool.dead_letters.get(exc.dead_letter_id)
+            assert record is not None and record.task_id == task.task_id
+        return Ended(kind, value, error, 0.0)
+
+    def check_quiet(self) -> None:
+        assert [w["in_flight"] for w in self.pool.workers()] == [0] * len(self.pool.workers())
+        assert self.pool.stats()["tasks"]["active"] == 0
+
+    def row(self, worker_id: str = "w0") -> dict[str, Any]:
+        (row,) = [w for w in self.pool.workers() if w["id"] == worker_id]
+        return row
+
+    def charged(self, worker_id: str = "w0") -> int:
+        """Failures charged to the worker (each counts towards its breaker)."""
+        return int(self.row(worker_id)["tasks"]["failed"])
+
+    def abandoned(self, worker_id: str = "w0") -> int:
+        return int(self.row(worker_id)["tasks"]["abandoned"])
+
+    def breaker(self, worker_id: str = "w0") -> str:
+        return str(self.row(worker_id)["breaker"]["state"])
+
+    def close(self, within: float = MARGIN) -> None:
+        """Close the pool; check that close() returned ``within`` seconds and that no
+        thread of the pool is left."""
+        if self.closed:
+            return
+        self.closed = True
+        start = time.monotonic()
+        self.pool.close()
+        assert time.monotonic() - start < within
+        left = []
+        for thread in threading.enumerate():
+            if thread.name.startswith("npu-sync"):
+                thread.join(MARGIN)
+                if thread.is_alive():
+                    left.append(thread.name)
+        assert not left, f"threads left after close(): {left}"
+
+
+def concurrently(scenarios: dict[str, Callable[[], None]]) -> None:
+    """Run independent scenarios on threads of their own (each takes a task's deadline
+    or two of waiting); fail naming every scenario that failed."""
+    failures: dict[str, BaseException] = {}
+
+    def run(name: str, scenario: Callable[[], None]) -> None:
+        try:
+            scenario()
+        except BaseException as exc:  # reported below, under the scenario's name
+            failures[name] = exc
+
+    threads = [
+        threading.Thread(target=run, args=item, name=f"scenario-{item[0]}")
+        for item in scenarios.items()
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, "\n".join(f"{name}: {exc!r}" for name, exc in failures.items())

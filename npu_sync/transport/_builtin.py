@@ -7,8 +7,8 @@ throughput. This transport does exactly that job with the standard library:
 * A keep-alive pool per worker: a LIFO stack of idle connections (the most recently
   used one is the likeliest to be alive), at most ``maxsize`` kept; when none is idle a
   new one is opened rather than waiting, and closed after use if the stack is full.
-  Before reuse a connection is polled with a zero timeout: an idle connection that is
-  readable has been closed by the worker (or holds junk) and is dropped. Connections
+  Before reuse a connection is checked: one that the worker closed, reset or sent
+  anything on while it was idle (junk, a second answer, a TLS close_notify) is dropped. Connections
   idle longer than ``idle_timeout`` (4 s, under uvicorn's 5 s keep-alive) or than a
   worker's ``Keep-Alive: timeout=N`` hint allow are closed, not reused.
 * One deadline per call. Every wait (name resolution, connect, TLS handshake, each
@@ -87,6 +87,11 @@ _HAS_POLL = hasattr(select, "poll")
 _KERNEL_TIMEOUTS = sys.platform.startswith("linux")
 _TCP_INFO: int | None = getattr(socket, "TCP_INFO", None) if _KERNEL_TIMEOUTS else None
 _ESTABLISHED = 1  # tcpi_state of a connection neither side has closed
+# struct tcp_info's tcpi_state (its first byte) and tcpi_bytes_received (Linux 4.1+).
+_TCP_INFO_FIELDS = struct.Struct("=B127xQ")
+_TCP_INFO_SIZE = _TCP_INFO_FIELDS.size
+_tcp_info_fields = _TCP_INFO_FIELDS.unpack_from
+_IPPROTO_TCP = int(socket.IPPROTO_TCP)
 _TIMEVAL = struct.Struct("@ll")
 # The longest a blocking wait lasts before the deadline is checked again; waits nearer
 # the deadline are shorter. Longer caps save nothing: at this value the timeouts
@@ -140,6 +145,7 @@ class _Conn:
         "max_idle",
         "poller",
         "rcv_wait",
+        "received",
         "reused",
         "snd_wait",
         "sock",
@@ -152,6 +158,7 @@ class _Conn:
         self.buf = bytearray(_READ_SIZE)
         self.max_idle = max_idle
         self.expires = 0.0
+        self.received = 0  # bytes read from the socket, all of them consumed
         self.reused = False
         self.blocking = _KERNEL_TIMEOUTS and not tls
         self.rcv_wait = self.snd_wait = 0.0
@@ -174,14 +181,21 @@ class _Conn:
         return seconds
 
     def alive(self) -> bool:
-        """Whether an idle connection may carry a request: the worker has not closed or
-        reset it, and (where that cannot be told from TCP state) sent nothing on it.
+        """Whether an idle connection may carry a request: the worker has neither closed
+        nor reset it, nor sent anything on it since the last answer (a second answer to
+        one request would otherwise be taken for the next request's).
         """
-        if self.tls and self.sock.pending():  # type: ignore[attr-defined]
-            return False  # decrypted bytes nobody asked for
-        if _TCP_INFO is not None:
-            # tcpi_state, without a system call that gives up the GIL as poll() does.
-            return self.sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, 1)[0] == _ESTABLISHED
+        if _TCP_INFO is not None and not self.tls:
+            # Without a system call that gives up the GIL as poll() does: the TCP state,
+            # and whether the kernel received more bytes than were read.
+            info = self.sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, _TCP_INFO_SIZE)
+            try:
+                state, received = _tcp_info_fields(info)
+            except struct.error:
+                pass  # a kernel older than 4.1: no byte count; ask the socket below
+            else:
+                return bool(state == _ESTABLISHED and received == self.received)
+        # TLS: bytes OpenSSL has not read yet cannot be counted; ask the socket.
         return not self._readable(0.0)
 
     def recv_into(self, view: memoryview, deadline: float) -> int:
@@ -203,11 +217,14 @@ class _Conn:
             elif not self._readable(remaining):
                 continue
             try:
-                return sock.recv_into(view)
+                n = sock.recv_into(view)
             except _WANT_READ:
                 continue  # a kernel timeout, or a TLS record not yet whole
             except ssl.SSLWantWriteError:
                 self._writable(deadline - time.monotonic())
+            else:
+                self.received += n
+                return n
 
     def send(self, view: memoryview, deadline: float) -> int:
         """One write from ``view``, waiting no later than ``deadline``; bytes taken.
@@ -426,8 +443,15 @@ class BuiltinTransport:
         """
         sent = False
         try:
-            sent = self._send(conn, data, deadline)
-            response, keep = self._read_response(conn, method, deadline)
+            try:
+                sent = self._send(conn, data, deadline)
+            except _Lost as lost:
+                if not lost.delivered:
+                    raise
+                sent = True
+                response, keep = self._early_answer(conn, method, deadline, lost), False
+            else:
+                response, keep = self._read_response(conn, method, deadline)
         except (_Timeout, _Lost, h11.MessageError, OSError) as exc:
             conn.close()
             if isinstance(exc, _Lost) and conn.reused and not exc.answered:
@@ -442,6 +466,22 @@ class BuiltinTransport:
         else:
             conn.close()
         return response
+
+    def _early_answer(self, conn: _Conn, method: str, deadline: float, lost: _Lost) -> Response:
+        """The answer a worker sent before it stopped reading the request, if any.
+
+        A worker may answer before it has read the whole request (a 413 for a body too
+        large, say) and close the connection: the write fails, yet the answer waits in
+        the socket. Raises ``lost`` when no byte of an answer came.
+        """
+        try:
+            return self._read_response(conn, method, deadline)[0]
+        except _Lost as late:
+            if late.answered:
+                raise
+        except (_Timeout, ssl.SSLError):
+            pass  # nothing more to be had from a connection whose write failed
+        raise lost
 
     def _error(self, exc: Exception, sent: bool, method: str, path: str) -> TransportError:
         what = describe(self.worker, method, path)

@@ -46,6 +46,7 @@ is how ``sent=False`` is known for TLS errors.
 
 from __future__ import annotations
 
+import errno
 import functools
 import http.client
 import logging
@@ -232,6 +233,11 @@ class _DeadlineSocket(socket.socket):
 class _DeadlineSSLSocket(ssl.SSLSocket):
     """The TLS counterpart of :class:`_DeadlineSocket`. SSLSocket's recv and recv_into
     read through read(), and its sendall writes piece by piece through send().
+
+    A write to a connection the worker closed fails with SSLEOFError where plain TCP
+    says BrokenPipeError; it is raised as the latter, on which urllib3 goes on to read
+    the answer (a worker may answer before reading the whole request, then close), and
+    a connection that ends with no answer is then known for stale like a plain one.
     """
 
     def read(self, len: int = 1024, buffer: Any = None) -> Any:
@@ -249,6 +255,8 @@ class _DeadlineSSLSocket(ssl.SSLSocket):
         except TimeoutError:
             _timed_out()
             raise
+        except ssl.SSLEOFError as exc:
+            raise BrokenPipeError(errno.EPIPE, f"connection lost while sending: {exc}") from exc
 
 
 _DEADLINE_CLASSES: dict[type, type] = {
