@@ -309,9 +309,7 @@ class HealthChecker:
         # Each probe is bounded by health.timeout end to end; the margin covers
         # scheduling. One still running after that (a transport overrunning its budget)
         # is reported as failed now and is not probed again until it ends.
-        done, _ = concurrent.futures.wait(
-            [*futures, *busy], timeout=config.timeout + _ROUND_MARGIN
-        )
+        done, _ = concurrent.futures.wait([*futures, *busy], timeout=config.timeout + _ROUND_MARGIN)
         now = self._clock.time()
         results: dict[str, HealthResult] = {}
         shared: dict[str, HealthResult] = {}
