@@ -564,7 +564,8 @@ class _StrictLoader(yaml.SafeLoader):
     PyYAML keeps the last of two equal keys without a word: a file with ``workers:``
     twice silently loses the first list. Keys are checked as mappings are composed,
     where the path to each is known; nesting is bounded there too, before PyYAML's
-    recursive composer could exhaust the interpreter's stack.
+    recursive composer could exhaust the interpreter's stack, and so are the pairs
+    merge keys copy, before they are copied.
     """
 
     def __init__(self, text: str) -> None:
@@ -573,6 +574,8 @@ class _StrictLoader(yaml.SafeLoader):
         self._path: list[str] = []
         self._depth = 0
         self._nodes = 0
+        self._merged = 0
+        self._flattened: set[int] = set()  # nodes live as long as the loader: ids stay theirs
 
     # The signatures follow types-PyYAML's stubs; at run time index is a key node or
     # an int, and anchor a string or None.
@@ -598,6 +601,31 @@ class _StrictLoader(yaml.SafeLoader):
         finally:
             self._path.pop()
             self._depth -= 1
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # A merge key (<<) copies the merged mapping's pairs into this one, and a merged
+        # mapping may merge others in turn: 600 bytes of "<<: [*a, *a, ...]" nested a few
+        # levels deep expand to billions of pairs. Count the pairs before PyYAML copies
+        # them; each merged mapping is flattened (and counted) first, once.
+        if id(node) in self._flattened:
+            return  # its merge keys are gone already: nothing left to copy
+        merged = 0
+        for key, value in node.value:
+            if key.tag != _MERGE_TAG:
+                continue
+            sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
+            for source in sources:
+                if isinstance(source, yaml.MappingNode):
+                    self.flatten_mapping(source)
+                    merged += len(source.value)
+        self._merged += merged
+        if self._merged > MAX_NODES:
+            raise _TooLarge(
+                f"merge keys (<<) copy more than {MAX_NODES} YAML nodes; a configuration "
+                "has far fewer"
+            )
+        super().flatten_mapping(node)
+        self._flattened.add(id(node))
 
     def compose_mapping_node(self, anchor: dict[Any, yaml.Node]) -> yaml.MappingNode:
         node = super().compose_mapping_node(anchor)
