@@ -1617,7 +1617,9 @@ def _show(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return "a list"
     try:
-        text = repr(value)
+        # Scrubbed before it is cut: a cut before a URL's '@' would leave its password
+        # for ConfigError's own scrub to miss.
+        text = scrub(repr(value))
     except ValueError:  # an int beyond sys.get_int_max_str_digits()
         return "a very large integer"
     return text if len(text) <= 80 else text[:77] + "..."

@@ -20,13 +20,16 @@ REDACTED: Final = "***"
 
 # user:password@ (or anything@ right after a scheme): the userinfo part of a URL. A bare
 # "name@host", without a colon or a scheme, is left alone: e-mail addresses survive.
+# Everything up to the *last* '@' of the word goes: a password typed unencoded may hold
+# '/', '?' or '#', which end a URL's authority for a parser but not for the operator.
 _USERINFO = re.compile(
-    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^\s/?#@'\"]*)@"
-    r"|(?<![\w/:@.-])(?P<bare>[^\s/?#@:'\"]+:[^\s/?#@'\"]*)@"
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/+)(?P<info>[^\s'\"]*)@"
+    r"|(?<![\w/:@.-])(?P<bare>[^\s/?#@:'\"]+:[^\s'\"]*)@"
 )
-# Every query value: which parameter names carry secrets (token, sig, key, X-Amz-...)
-# cannot be listed exhaustively, and the values are never needed to fix a config.
-_QUERY_VALUE = re.compile(r"(?P<name>[?&;][^=\s&#'\"]+=)[^&;\s#'\"]*")
+# Every query value, and every name=value of a fragment (OAuth puts access_token there):
+# which names carry secrets (token, sig, key, X-Amz-...) cannot be listed exhaustively,
+# and the values are never needed to fix a config.
+_QUERY_VALUE = re.compile(r"(?P<name>[?&;#][^=\s&#'\"]+=)[^&;\s#'\"]*")
 # Authorization values: "Bearer abc", "Basic dXNlcjpw". Capitalised as HTTP writes them
 # (bearer in any case), so prose such as "basic checks" is left alone.
 _AUTH_VALUE = re.compile(r"\b(?P<scheme>(?i:bearer)|Basic|Digest)(?P<gap>\s+)[^\s'\",;]+")

@@ -124,6 +124,16 @@ LEAKY_URLS = [
 ]
 
 
+@pytest.mark.parametrize("url", LEAKY_URLS)
+def test_no_shape_of_a_credential_in_a_worker_url_is_quoted(url):
+    """Whatever the URL's shape, the ConfigError names the key and hides the secret."""
+    with pytest.raises(ConfigError) as info:
+        parse_yaml(f"npu_workers:\n  workers:\n    - {{id: a, url: '{url}'}}\n", source="/x.yaml")
+    assert "npu_workers.workers[0].url" in str(info.value)
+    assert SECRET not in str(info.value)
+    assert SECRET[:6] not in str(info.value)
+
+
 def test_scrub_still_leaves_ordinary_text_alone():
     """Masking to the last '@' and fragments does not eat e-mail addresses or prose."""
     assert scrub("mail ops@example.com, see http://host/x#section") == (
