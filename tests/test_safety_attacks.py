@@ -107,6 +107,26 @@ def test_plain_merge_keys_still_load():
     ]
 
 
+def test_a_file_with_countless_errors_gives_a_bounded_error(tmp_path):
+    """90,000 aliases of one broken worker make one short ConfigError, and stats() and
+    the log carry that short text, not megabytes of it."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(workers_yaml(["a", "b"]))
+    broken = "w: &w {id: a, url: 'http://127.0.0.1:1'}\nnpu_workers:\n  workers: ["
+    broken += ", ".join(["*w"] * 90_000) + "]\n"
+    with WorkerPool.from_yaml(
+        path, watch=False, transport_factory=FakeNetwork(echo).factory
+    ) as pool:
+        path.write_text(broken)
+        with pytest.raises(ConfigError) as info:
+            pool.reload()
+        assert len(str(info.value)) < 100_000
+        assert len(info.value.errors) <= 101
+        assert "more" in info.value.errors[-1]
+        assert len(json.dumps(pool.stats())) < 100_000
+        assert [w["id"] for w in pool.workers()] == ["a", "b"]
+
+
 # -- secrets in every shape a URL can take ------------------------------------------------
 
 LEAKY_URLS = [
