@@ -748,6 +748,8 @@ class WorkerPool:
                 failure = exc
             else:
                 self._source_digest = digest
+                # Should the file go back to that broken content, it is a new failure.
+                self._rejected_digest = None
                 self._count_reload(result)
         # Hooks run after the lock is released: one may reload or add a worker.
         if failure is not None:

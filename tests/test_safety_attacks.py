@@ -165,6 +165,28 @@ def test_scrub_still_leaves_ordinary_text_alone():
 # -- reload decisions -------------------------------------------------------------------
 
 
+def test_a_broken_file_is_counted_again_after_a_good_one_in_between(tmp_path):
+    """Broken content, then good content, then the same broken content: the second
+    break is counted and reported too (it is a new failure of the file on disk)."""
+    path = tmp_path / "pool.yaml"
+    good_a = workers_yaml(["a", "b"])
+    good_b = workers_yaml(["a", "b", "c"])
+    broken = "npu_workers: [broken\n"
+    with WorkerPool.from_yaml(
+        path_with(path, good_a), watch=False, transport_factory=FakeNetwork(echo).factory
+    ) as pool:
+        path.write_text(broken)
+        pool._reload_if_changed()
+        path.write_text(good_b)
+        pool._reload_if_changed()
+        assert pool.stats()["reloads"]["last_error"] is None
+        path.write_text(broken)
+        pool._reload_if_changed()
+        reloads = pool.stats()["reloads"]
+        assert (reloads["ok"], reloads["failed"]) == (1, 2)
+        assert "YAML syntax error" in reloads["last_error"]
+
+
 def path_with(path, text: str):
     path.write_text(text)
     return path
