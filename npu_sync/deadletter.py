@@ -215,8 +215,9 @@ class DeadLetterStore(Protocol):
     oldest record is evicted and counted in ``dropped``.
 
     Optional methods the queue uses when present: ``counts()`` → ``(records, dropped)``
-    without waiting (for ``stats()``), and ``claim(id)``/``release_claim(id)`` for
-    replays that exclude each other across processes.
+    without waiting (for ``stats()``), and ``claim(id, run_time=)``/``release_claim(id)``
+    for replays that exclude each other across processes (``run_time``, the seconds the
+    replay may run, is passed only to a ``claim`` that accepts it).
     """
 
     def add(self, record: DeadLetter) -> None: ...
@@ -740,8 +741,14 @@ class SQLiteDeadLetterStore:
         finally:
             self._lock.release()
 
-    def claim(self, record_id: str) -> bool:
+    def claim(self, record_id: str, *, run_time: float = 0.0) -> bool:
         """Claim a record for one replay, across every process using this file.
+
+        Args:
+            record_id: the record.
+            run_time: how long the replay may run, in seconds; the claim lasts that
+                long plus :data:`CLAIM_SECONDS`, so it cannot expire while the replay
+                still runs, only after its process died.
 
         Returns:
             True when this store now holds the claim; False when another store object
@@ -755,7 +762,7 @@ class SQLiteDeadLetterStore:
             )
             cursor = conn.execute(
                 "INSERT OR IGNORE INTO dead_letter_claims (id, owner, expires_at) VALUES (?,?,?)",
-                (record_id, self._owner, now + CLAIM_SECONDS),
+                (record_id, self._owner, now + CLAIM_SECONDS + max(0.0, run_time)),
             )
             return cursor.rowcount == 1
 
@@ -840,6 +847,14 @@ def open_store(config: DeadLetterConfig) -> DeadLetterStore:
         except (OSError, NpuSyncError) as exc:
             raise ConfigError(f"dead_letter.path: {exc}") from exc
     raise ConfigError(f"dead_letter.backend: must be 'memory' or 'sqlite', got {config.backend!r}")
+
+
+def _takes(function: Callable[..., Any], parameter: str) -> bool:
+    """Whether ``function`` accepts the keyword ``parameter`` (stores predating it do not)."""
+    try:
+        return parameter in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature
+        return False
 
 
 def _owner_id() -> str:
@@ -983,20 +998,27 @@ class DeadLetterQueue:
         run: runs one task on the pool without dead-lettering it again; returns the
             result or raises ``TaskRejected`` or ``TaskFailed``.
         clock: the source of wall-clock time and durations for replay attempts.
+        run_time: the most seconds ``run`` may take for a record (its task's
+            deadline); a store's claim on the record is made to outlast it.
     """
 
     def __init__(
-        self, store: DeadLetterStore, run: Callable[[Task], Any], *, clock: Clock = SYSTEM_CLOCK
+        self,
+        store: DeadLetterStore,
+        run: Callable[[Task], Any],
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        run_time: Callable[[DeadLetter], float] | None = None,
     ) -> None:
         self._store = store
         self._run = run
         self._clock = clock
+        self._run_time = run_time
         self._lock = threading.Lock()
         self._replaying: set[str] = set()
-        try:
-            self._add_timeout = "timeout" in inspect.signature(store.add).parameters
-        except (TypeError, ValueError):  # a builtin or C callable: no signature
-            self._add_timeout = False
+        self._add_timeout = _takes(store.add, "timeout")
+        claim = getattr(store, "claim", None)
+        self._claim_run_time = claim is not None and _takes(claim, "run_time")
 
     def after_fork(self) -> None:
         """In a child process: fresh locks, and the store's own ``after_fork`` if any."""
@@ -1095,23 +1117,28 @@ class DeadLetterQueue:
         rejected: builtins.list[str] = []
         results: dict[str, Any] = {}
         if record_id is not None:
-            if not self._claim(record_id):
-                raise NpuSyncError(f"dead letter {record_id} is already being replayed")
-            ids = [record_id]
+            found = self._store.get(record_id)
+            if found is None:
+                raise KeyError(f"no dead letter with id {record_id!r}")
+            listed = [found]
         else:
-            ids = [record.id for record in self._store.list()]
-        for rid in ids:
-            if record_id is None and not self._claim(rid):
+            listed = self._store.list()
+        for listed_record in listed:
+            rid = listed_record.id
+            if not self._claim(listed_record):
+                if record_id is not None:
+                    raise NpuSyncError(f"dead letter {rid} is already being replayed")
                 continue
             try:
-                # Read again after claiming: another replay may have finished and removed
-                # this record since the listing above, and must not be run twice.
-                record = self._store.get(rid)
-                if record is None:
+                # Read again after claiming: another replay may have finished and
+                # removed this record since the listing above, and must not run it
+                # twice.
+                current = self._store.get(rid)
+                if current is None:
                     if record_id is not None:
                         raise KeyError(f"no dead letter with id {rid!r}")
                     continue
-                outcome, result = self._replay_one(record)
+                outcome, result = self._replay_one(current)
             finally:
                 self._release(rid)
             if outcome == "succeeded":
@@ -1128,31 +1155,41 @@ class DeadLetterQueue:
             results=types.MappingProxyType(results),
         )
 
-    def _claim(self, record_id: str) -> bool:
+    def _claim(self, record: DeadLetter) -> bool:
+        record_id = record.id
         with self._lock:
             if record_id in self._replaying:
                 return False
             self._replaying.add(record_id)
-        # A store shared by processes (Redis) also claims across processes, with a
-        # lease that expires if this process dies mid-replay.
+        # A store shared by processes (SQLite, Redis) also claims across processes, with
+        # a lease that expires if this process dies mid-replay, and not before the
+        # replay's own deadline: a lease shorter than the task let another process run
+        # it a second time while the first run was still waiting for its answer.
         claim = getattr(self._store, "claim", None)
         try:
-            claimed = claim is None or claim(record_id)
+            if claim is None:
+                claimed = True
+            elif self._claim_run_time and self._run_time is not None:
+                claimed = bool(claim(record_id, run_time=self._run_time(record)))
+            else:
+                claimed = bool(claim(record_id))
         except BaseException:
-            claimed = None
+            claimed = False
             raise
         finally:
             if not claimed:
                 with self._lock:
                     self._replaying.discard(record_id)
-        return bool(claimed)
+        return claimed
 
     def _release(self, record_id: str) -> None:
-        release = getattr(self._store, "release_claim", None)
-        if release is not None:
-            release(record_id)
-        with self._lock:
-            self._replaying.discard(record_id)
+        try:
+            release = getattr(self._store, "release_claim", None)
+            if release is not None:
+                release(record_id)
+        finally:
+            with self._lock:
+                self._replaying.discard(record_id)
 
     def _replay_one(self, record: DeadLetter) -> tuple[str, Any]:
         started_wall = self._clock.time()

@@ -209,7 +209,12 @@ class WorkerPool:
             )
         else:
             store = open_store(config.dead_letter)
-        self.dead_letters = DeadLetterQueue(store, self._replay, clock=clock)
+        self.dead_letters = DeadLetterQueue(
+            store,
+            self._replay,
+            clock=clock,
+            run_time=self._replay_budget,
+        )
         for worker_cfg in config.workers:
             self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
         self._dispatcher.set_workers(self._workers.values())
@@ -948,6 +953,10 @@ class WorkerPool:
                 self._stats.fallbacks += 1
             self._notify(TaskFallback(self._clock.time(), task.task_id, exhausted.reason))
             return result
+
+    def _replay_budget(self, record: DeadLetter) -> float:
+        """The longest a replay of ``record`` may run: its task's deadline."""
+        return record.timeout or self._config.timeouts.task
 
     def _replay(self, task: Task) -> Any:
         """Run a dead-lettered task again without dead-lettering it a second time."""

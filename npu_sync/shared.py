@@ -651,12 +651,13 @@ class RedisDeadLetterStore:
             return None, None
         return int(records) + (spooled or 0), int(dropped or 0) + (spool_dropped or 0)
 
-    def claim(self, record_id: str) -> bool:
+    def claim(self, record_id: str, *, run_time: float = 0.0) -> bool:
+        """Claim a record for one replay across processes, for ``run_time`` seconds (how
+        long the replay may run) plus ``CLAIM_SECONDS``."""
         key = self._claims + record_id
         owner = self._shared._origin
-        ok = self._strict(
-            lambda: self._client.set(key, owner, nx=True, px=int(self.CLAIM_SECONDS * 1000))
-        )
+        lease_ms = int((self.CLAIM_SECONDS + max(0.0, run_time)) * 1000)
+        ok = self._strict(lambda: self._client.set(key, owner, nx=True, px=lease_ms))
         return bool(ok)
 
     def release_claim(self, record_id: str) -> None:
