@@ -23,7 +23,7 @@ import types
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -1000,6 +1000,9 @@ class DeadLetterQueue:
         clock: the source of wall-clock time and durations for replay attempts.
         run_time: the most seconds ``run`` may take for a record (its task's
             deadline); a store's claim on the record is made to outlast it.
+        hold: entered around each record's replay, from its claim to the release of
+            the claim; the pool counts it as running work there, so that closing the
+            pool waits for the replay's outcome to be stored.
     """
 
     def __init__(
@@ -1009,11 +1012,13 @@ class DeadLetterQueue:
         *,
         clock: Clock = SYSTEM_CLOCK,
         run_time: Callable[[DeadLetter], float] | None = None,
+        hold: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         self._store = store
         self._run = run
         self._clock = clock
         self._run_time = run_time
+        self._hold = hold
         self._lock = threading.Lock()
         self._replaying: set[str] = set()
         self._add_timeout = _takes(store.add, "timeout")
@@ -1125,22 +1130,23 @@ class DeadLetterQueue:
             listed = self._store.list()
         for listed_record in listed:
             rid = listed_record.id
-            if not self._claim(listed_record):
-                if record_id is not None:
-                    raise NpuSyncError(f"dead letter {rid} is already being replayed")
-                continue
-            try:
-                # Read again after claiming: another replay may have finished and
-                # removed this record since the listing above, and must not run it
-                # twice.
-                current = self._store.get(rid)
-                if current is None:
+            with self._hold():
+                if not self._claim(listed_record):
                     if record_id is not None:
-                        raise KeyError(f"no dead letter with id {rid!r}")
+                        raise NpuSyncError(f"dead letter {rid} is already being replayed")
                     continue
-                outcome, result = self._replay_one(current)
-            finally:
-                self._release(rid)
+                try:
+                    # Read again after claiming: another replay may have finished and
+                    # removed this record since the listing above, and must not run it
+                    # twice.
+                    current = self._store.get(rid)
+                    if current is None:
+                        if record_id is not None:
+                            raise KeyError(f"no dead letter with id {rid!r}")
+                        continue
+                    outcome, result = self._replay_one(current)
+                finally:
+                    self._release(rid)
             if outcome == "succeeded":
                 succeeded.append(rid)
                 results[rid] = result

@@ -214,6 +214,7 @@ class WorkerPool:
             self._replay,
             clock=clock,
             run_time=self._replay_budget,
+            hold=self._replaying,
         )
         for worker_cfg in config.workers:
             self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
@@ -954,15 +955,32 @@ class WorkerPool:
             self._notify(TaskFallback(self._clock.time(), task.task_id, exhausted.reason))
             return result
 
+    @contextlib.contextmanager
+    def _replaying(self) -> Iterator[None]:
+        """One dead letter's replay, from its claim to storing its outcome: work that
+        close() waits for, so the store is not closed between the task and its record."""
+        if self._restart_pending:
+            self._restart_after_fork()
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
+            self._active += 1  # counted as submitted only if it runs (in _replay)
+        try:
+            yield
+        finally:
+            self._leave()
+
     def _replay_budget(self, record: DeadLetter) -> float:
         """The longest a replay of ``record`` may run: its task's deadline."""
         return record.timeout or self._config.timeouts.task
 
     def _replay(self, task: Task) -> Any:
-        """Run a dead-lettered task again without dead-lettering it a second time."""
+        """Run a dead-lettered task again without dead-lettering it a second time.
+        Called inside :meth:`_replaying`."""
         body = task.body()
         deadline = self._deadline(task, None)
-        self._enter()
+        with self._lock:
+            self._stats.submitted += 1
         local = self._local
         local.depth = getattr(local, "depth", 0) + 1
         try:
@@ -976,7 +994,6 @@ class WorkerPool:
             ) from None
         finally:
             local.depth -= 1
-            self._leave()
 
     def _dead_letter(
         self,

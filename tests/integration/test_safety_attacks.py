@@ -301,6 +301,31 @@ class CloseDuringRemove(SQLiteDeadLetterStore):
         return super().remove(record_id)
 
 
+def test_closing_the_pool_during_a_replay_keeps_the_replays_outcome(start_worker, tmp_path):
+    """close() called while a replayed task finishes waits for the record's removal: the
+    record is not left behind (to run again later) with its task already done."""
+    worker = start_worker(worker_id="w0")
+    store_path = tmp_path / "dead.sqlite3"
+    (rid,) = fill_sqlite(store_path, 1)
+    store = CloseDuringRemove(store_path)
+    pool = WorkerPool(hung_worker_pool_config(worker, DeadLetterConfig()), dead_letter_store=store)
+    store.pool = pool
+    try:
+        report = pool.dead_letters.replay(rid)
+    finally:
+        if store.closer is not None:
+            store.closer.join(30)
+        pool.close()
+    assert report.succeeded == (rid,)
+    after = SQLiteDeadLetterStore(store_path)
+    try:
+        assert len(after) == 0
+        (claims,) = after._conn.execute("SELECT COUNT(*) FROM dead_letter_claims").fetchone()
+        assert claims == 0
+    finally:
+        after.close()
+
+
 # -- a full disk -----------------------------------------------------------------------------
 
 
