@@ -18,7 +18,7 @@ import time
 import pytest
 import redis
 
-from npu_sync import NpuSyncError, Task, TaskFailed, WorkerPool
+from npu_sync import ConfigError, NpuSyncError, Task, TaskFailed, WorkerPool
 from npu_sync import deadletter as deadletter_module
 from npu_sync.config import (
     DeadLetterConfig,
@@ -457,3 +457,25 @@ def test_two_processes_flushing_one_spool_write_each_record_once(
     assert [m.decode() for m in checker.zrange("flush:dlq:order", 0, -1)] == ids
     checker.close()
     client.close()
+
+
+def test_a_redis_database_number_redis_refuses_is_a_config_error_at_start(
+    start_worker, redis_server
+):
+    """redis://host:port/99 on a server of 16 databases: Redis answers, and refuses the
+    database. That is the operator's to fix (ConfigError naming shared_state.url), not
+    an outage that spools every dead letter for ever."""
+    worker = start_worker(worker_id="w0")
+    config = PoolConfig(
+        workers=(worker_config("w0", worker.url),),
+        health=HealthConfig(enabled=False),
+        shared_state=SharedStateConfig(
+            backend="redis", url=redis_server.url.rsplit("/", 1)[0] + "/99", timeout=0.5
+        ),
+        dead_letter=DeadLetterConfig(backend="redis"),
+    )
+    with pytest.raises(ConfigError) as info:
+        WorkerPool(config)
+    (error,) = info.value.errors
+    assert error.startswith("shared_state.url: ")
+    assert "DB index is out of range" in error
