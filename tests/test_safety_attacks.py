@@ -489,3 +489,57 @@ def test_credentials_in_headers_and_the_redis_url_reach_no_surface_when_all_fail
     for where, text in surfaces.items():
         for secret in (HEADER_SECRET, BEARER_SECRET, REDIS_SECRET):
             assert secret not in text, f"{secret} leaked into {where}"
+
+
+# -- records written by another tool or an older version ----------------------------------
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\r\b\u202e"
+
+
+def test_hostile_text_stored_in_a_record_reaches_no_terminal_through_the_cli(tmp_path, capsys):
+    """A record whose id, task id, error and attempts hold escape sequences (written
+    into the file by an older npu_sync or another tool): `npu-sync dlq list`, `show`,
+    `list --json` and `replay` print them escaped."""
+    import sqlite3
+
+    from npu_sync.deadletter import SQLiteDeadLetterStore
+
+    store = tmp_path / "dead.sqlite3"
+    SQLiteDeadLetterStore(store).close()
+    with sqlite3.connect(store) as conn:
+        conn.execute(
+            "INSERT INTO dead_letters (id, task_id, payload, endpoint, idempotent, timeout,"
+            " error, attempts, first_attempt_at, last_attempt_at, created_at)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                "id" + HOSTILE,
+                "task" + HOSTILE,
+                json.dumps({"input_text": HOSTILE}),
+                "/inference",
+                1,
+                1.0,
+                "error" + HOSTILE,
+                json.dumps([{"worker_id": "w" + HOSTILE, "error": HOSTILE, "duration": 0.1}]),
+                1.0,
+                1.0,
+                1.0,
+            ),
+        )
+    conn.close()
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+        "  health: {enabled: false}\n  retry: {max_retries: 0}\n"
+        f"  dead_letter: {{backend: sqlite, path: '{store}'}}\n"
+    )
+    for argv in (
+        ["dlq", "list"],
+        ["dlq", "list", "--json"],
+        ["dlq", "show", "id" + HOSTILE],
+        ["dlq", "replay"],
+    ):
+        main([*argv, "--config", str(path)])
+        out, err = capsys.readouterr()
+        assert "id" in out, argv
+        for char in ("\x1b", "\x07", "\r", "\b", "\u202e"):
+            assert char not in out + err, f"{char!r} reached the terminal via {argv}"
