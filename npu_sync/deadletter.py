@@ -881,6 +881,9 @@ def check_store(config: PoolConfig) -> builtins.list[str]:
     if settings.backend == "redis":
         spool = settings.spool_path or default_spool_path(config.shared_state.namespace)
         problems = _file_problems(spool, creates_directory=settings.spool_path is None)
+        if settings.spool_path is None and not problems:
+            shared = _shared_directory_problem(os.path.dirname(os.path.abspath(spool)))
+            problems = [shared] if shared else []
         return [f"{key}.spool_path: {p}" for p in problems]
     return []
 
@@ -952,14 +955,28 @@ def prepare_default_spool(path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        info = os.stat(directory)
     except OSError as exc:
         raise NpuSyncError(f"cannot create {directory}: {exc.strerror or exc}") from exc
+    problem = _shared_directory_problem(directory)
+    if problem:
+        raise NpuSyncError(problem)
+
+
+def _shared_directory_problem(directory: str) -> str | None:
+    """Why the default spool's directory is not private to this user; None when it is,
+    or does not exist yet (it is then created 0700)."""
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot use {directory}: {exc.strerror or exc}"
     if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
-        raise NpuSyncError(
+        return (
             f"{directory} belongs to another user or others may write to it: set "
             "dead_letter.spool_path to a file in a directory of your own"
         )
+    return None
 
 
 @dataclass(frozen=True)

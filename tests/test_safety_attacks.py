@@ -543,3 +543,31 @@ def test_hostile_text_stored_in_a_record_reaches_no_terminal_through_the_cli(tmp
         assert "id" in out, argv
         for char in ("\x1b", "\x07", "\r", "\b", "\u202e"):
             assert char not in out + err, f"{char!r} reached the terminal via {argv}"
+
+
+# -- npu-sync check against what start-up refuses ------------------------------------------
+
+
+def test_check_refuses_a_default_spool_directory_others_may_write_to(tmp_path, monkeypatch, capsys):
+    """The default Redis spool's directory exists, world-writable: start-up refuses it,
+    so `npu-sync check` must too (exit 2, the key named), not answer ok."""
+    import tempfile
+
+    from npu_sync.deadletter import default_spool_path
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spool_dir = os.path.dirname(default_spool_path("npu_sync"))
+    os.makedirs(spool_dir)
+    os.chmod(spool_dir, 0o777)
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+        "  shared_state: {backend: redis, url: 'redis://127.0.0.1:1/0'}\n"
+        "  dead_letter: {backend: redis}\n"
+    )
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "npu_workers.dead_letter.spool_path:" in err
+    assert "others may write to it" in err
+    os.chmod(spool_dir, 0o700)
+    assert main(["check", str(path)]) == 0
