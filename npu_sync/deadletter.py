@@ -408,9 +408,9 @@ class SQLiteDeadLetterStore:
     processes replaying the same file never run one record twice; a claim whose
     process died expires after :data:`CLAIM_SECONDS`.
 
-    The file is checked before each use: if it (or its directory) was deleted or
-    replaced while the store was open, every call raises ``NpuSyncError`` rather than
-    write into a file nobody can read again.
+    The file is checked before each use: if it (or its directory) was deleted,
+    replaced or truncated while the store was open, every call raises ``NpuSyncError``
+    rather than write into a file nobody can read again.
 
     Args:
         path: the database file. Its directory must exist; the file is created (mode
@@ -597,6 +597,10 @@ class SQLiteDeadLetterStore:
             else:
                 if (info.st_dev, info.st_ino) != self._identity:
                     self._lost = "the file was replaced by another one"
+                elif info.st_size < _SQLITE_HEADER_BYTES:
+                    # Truncated in place (": > file", a copytruncate): SQLite would go
+                    # on committing into its WAL, and the file would not open again.
+                    self._lost = "the file was truncated"
             if self._lost is not None:
                 logger.error(
                     "dead-letter store %s can no longer be used: %s while it was open. "
@@ -862,6 +866,7 @@ def _owner_id() -> str:
 
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+_SQLITE_HEADER_BYTES = 100  # no database file, once written, is smaller
 
 
 def check_store(config: PoolConfig) -> builtins.list[str]:
