@@ -394,8 +394,10 @@ class WorkerPool:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
         if self._restart_pending:
             self._restart_after_fork()
-        # The store may be a file: read it (without waiting) before taking the lock.
+        # The store may be a file: read it (without waiting) before taking the lock; so
+        # is the shared state's spool file.
         stored, dropped = self.dead_letters.counts()
+        shared = {"backend": "none"} if self._shared is None else self._shared.stats()
         with self._lock:
             now = self._clock.monotonic()
             workers = list(self._workers.values())
@@ -428,9 +430,7 @@ class WorkerPool:
                     "dropped": dropped,
                 },
                 "reloads": dict(self._reloads),
-                "shared_state": (
-                    {"backend": "none"} if self._shared is None else self._shared.stats()
-                ),
+                "shared_state": shared,
                 "health": {
                     "enabled": self._config.health.enabled,
                     "running": self._health.running,

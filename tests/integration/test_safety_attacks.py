@@ -479,3 +479,32 @@ def test_a_redis_database_number_redis_refuses_is_a_config_error_at_start(
     (error,) = info.value.errors
     assert error.startswith("shared_state.url: ")
     assert "DB index is out of range" in error
+
+
+def test_stats_read_the_redis_spool_without_holding_the_pools_lock(
+    start_worker, redis_server, monkeypatch
+):
+    """stats() counts the records held in the spool file (SQLite I/O) outside the lock
+    every task's worker selection takes."""
+    worker = start_worker(worker_id="w0")
+    config = PoolConfig(
+        workers=(worker_config("w0", worker.url),),
+        health=HealthConfig(enabled=False),
+        shared_state=SharedStateConfig(backend="redis", url=redis_server.url, timeout=0.5),
+        dead_letter=DeadLetterConfig(backend="redis"),
+    )
+    with WorkerPool(config) as pool:
+        store = pool.dead_letters.store
+        spool = store._spool
+        held_during_io: list[bool] = []
+        original = type(spool).counts
+
+        def counts(self):
+            held_during_io.append(pool._lock.locked())
+            return original(self)
+
+        monkeypatch.setattr(spool, "counts", counts.__get__(spool))
+        stats = pool.stats()
+    assert stats["shared_state"]["dead_letters_held_locally"] == 0
+    assert held_during_io, "the spool was not read"
+    assert not any(held_during_io), "the spool file was read under the pool's lock"
