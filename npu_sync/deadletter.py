@@ -421,7 +421,8 @@ class SQLiteDeadLetterStore:
 
     Raises:
         FileNotFoundError: the file's directory does not exist.
-        NpuSyncError: the file is not a SQLite database, or was written by a newer schema.
+        NpuSyncError: the file is not a SQLite database, is another application's
+            database, or was written by a newer schema.
         ValueError: ``max_records`` is not None or an int >= 1.
     """
 
@@ -497,6 +498,12 @@ class SQLiteDeadLetterStore:
             self._conn.execute("PRAGMA synchronous=FULL")
             with self._write():
                 version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+                if version == 0 and _has_tables(self._conn):
+                    raise NpuSyncError(
+                        f"dead-letter store {self._path} is a database of something else "
+                        "(it has tables, and no npu_sync schema version): name a file of "
+                        "its own"
+                    )
                 if version == 0:
                     for statement in _SCHEMA.split(";"):
                         if statement.strip():
@@ -853,6 +860,12 @@ def open_store(config: DeadLetterConfig) -> DeadLetterStore:
     raise ConfigError(f"dead_letter.backend: must be 'memory' or 'sqlite', got {config.backend!r}")
 
 
+def _has_tables(conn: sqlite3.Connection) -> bool:
+    """Whether the database holds anything: a file of version 0 is ours only if empty
+    (every file this module ever wrote has its schema version set)."""
+    return conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is not None
+
+
 def _takes(function: Callable[..., Any], parameter: str) -> bool:
     """Whether ``function`` accepts the keyword ``parameter`` (stores predating it do not)."""
     try:
@@ -930,10 +943,16 @@ def _file_problems(path: str, *, creates_directory: bool = False) -> builtins.li
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
         try:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
+            foreign = version == 0 and _has_tables(conn)
         finally:
             conn.close()
     except sqlite3.Error as exc:
         return [f"{path} cannot be read as a database: {exc}"]
+    if foreign:
+        return [
+            f"{path} is a database of something else (it has tables, and no npu_sync "
+            "schema version)"
+        ]
     if version not in (0, SCHEMA_VERSION):
         return [
             f"{path} has schema version {version}; this npu_sync reads version {SCHEMA_VERSION}"

@@ -598,3 +598,35 @@ def test_a_store_file_truncated_in_place_is_refused_not_written_into(tmp_path, c
         assert "truncated" in str(after.value)
         assert any('"task_id": "after"' in r.getMessage() for r in caplog.records)
         assert pool.stats()["dead_letters"]["pending"] is None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    ["CREATE TABLE users (id INTEGER PRIMARY KEY, email TEXT)", "CREATE TABLE dead_letters (x)"],
+    ids=["other-tables", "same-table-name"],
+)
+def test_another_applications_database_is_neither_adopted_nor_passed_by_check(
+    tmp_path, capsys, schema
+):
+    """dead_letter.path names another application's SQLite file: `npu-sync check` says
+    so (exit 2), and the pool refuses it at start instead of writing task payloads into
+    that database, or failing with a bare 'table already exists'."""
+    import sqlite3
+
+    store = tmp_path / "app.sqlite3"
+    with sqlite3.connect(store) as conn:
+        conn.execute(schema)
+    conn.close()
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+        f"  dead_letter: {{backend: sqlite, path: '{store}'}}\n"
+    )
+    assert main(["check", str(path)]) == 2
+    assert "npu_workers.dead_letter.path:" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="a database of something else"):
+        WorkerPool.from_yaml(path, watch=False)
+    with sqlite3.connect(store) as conn:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+    assert "dead_letter_meta" not in tables
