@@ -191,6 +191,9 @@ class WorkerPool:
         self._applying_remote = False
         self._shared = _shared_state(config, self._apply_remote)
         self._source_digest: str | None = None
+        # The workers the file named when last applied: a reload is refused for
+        # removing most of those, not for dropping workers added in code since.
+        self._file_workers = frozenset(w.id for w in config.workers)
         self._rejected_digest: str | None = None
         self._reload_lock = threading.Lock()
         self._reloads: dict[str, Any] = {
@@ -744,7 +747,10 @@ class WorkerPool:
                     # Unchanged, or the same broken content already counted and logged.
                     return ReloadResult()
                 new = parse_yaml(text, source=source)
-                check_reload(self._config, new)  # no emptying the pool by accident
+                named = self._file_workers
+                from_file = tuple(w for w in self._config.workers if w.id in named)
+                # No emptying the pool by accident.
+                check_reload(dataclasses.replace(self._config, workers=from_file), new)
                 result = self._apply_config(new)
             except ConfigError as exc:
                 self._rejected_digest = digest
@@ -754,6 +760,7 @@ class WorkerPool:
                 failure = exc
             else:
                 self._source_digest = digest
+                self._file_workers = frozenset(w.id for w in new.workers)
                 # Should the file go back to that broken content, it is a new failure.
                 self._rejected_digest = None
                 self._count_reload(result)

@@ -630,3 +630,27 @@ def test_another_applications_database_is_neither_adopted_nor_passed_by_check(
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
     conn.close()
     assert "dead_letter_meta" not in tables
+
+
+def test_workers_added_in_code_do_not_make_an_unchanged_worker_list_a_removal(tmp_path):
+    """Two workers added with add_worker() to a one-worker file: editing another
+    setting of the file still applies (the file removes nothing it named); the
+    workers added in code go, as add_worker() documents."""
+    path = tmp_path / "pool.yaml"
+    with WorkerPool.from_yaml(
+        path_with(path, workers_yaml(["a"])),
+        watch=False,
+        transport_factory=FakeNetwork(echo).factory,
+    ) as pool:
+        pool.add_worker(id="b", url="http://127.0.0.1:9702")
+        pool.add_worker(id="c", url="http://127.0.0.1:9703")
+        path.write_text(workers_yaml(["a"], extra="  retry: {max_retries: 1}\n"))
+        result = pool.reload()
+        assert result.removed == ("b", "c")
+        assert pool.config.retry.max_retries == 1
+        # The guard still holds for what the file itself named.
+        path.write_text(workers_yaml(["a", "d", "e"], port0=9800))
+        pool.reload()
+        path.write_text(workers_yaml(["a"]))
+        with pytest.raises(ConfigError, match="removes or disables 2 of the 3"):
+            pool.reload()

@@ -508,3 +508,60 @@ def test_stats_read_the_redis_spool_without_holding_the_pools_lock(
     assert stats["shared_state"]["dead_letters_held_locally"] == 0
     assert held_during_io, "the spool was not read"
     assert not any(held_during_io), "the spool file was read under the pool's lock"
+
+
+LOCK_HOLDER = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("locked", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_frozen_redis_and_a_spool_locked_by_another_process_bound_task_and_stats(
+    start_worker, redis_server, tmp_path, caplog
+):
+    """Redis frozen (SIGSTOP) and the spool's write lock held by another process: a
+    task with timeout=0.5 still ends (TaskFailed, no dead-letter id, the record logged)
+    long before the 30 s busy timeout, and stats() answers meanwhile."""
+    worker = start_worker(worker_id="w0")
+    spool = tmp_path / "spool.sqlite3"
+    config = PoolConfig(
+        workers=(worker_config("w0", worker.url),),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=0),
+        shared_state=SharedStateConfig(
+            backend="redis", url=redis_server.url, namespace="frozen", sync_interval=3600
+        ),
+        dead_letter=DeadLetterConfig(backend="redis", spool_path=str(spool)),
+    )
+    worker.kill()
+    with WorkerPool(config) as pool:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", LOCK_HOLDER, str(spool)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert holder.stdout.readline().strip() == "locked"
+            failure = pool.submit(Task({"input_text": "x"}, task_id="locked-out", timeout=0.5))
+            with caplog.at_level(logging.ERROR):
+                error = failure.exception(timeout=10)
+            assert isinstance(error, TaskFailed)
+            assert error.dead_letter_id is None
+            assert any('"task_id": "locked-out"' in r.getMessage() for r in caplog.records)
+            answers: list[dict] = []
+            asker = threading.Thread(target=lambda: answers.append(pool.stats()), daemon=True)
+            asker.start()
+            asker.join(5)
+            assert answers, "stats() did not answer while Redis and the spool were stuck"
+            assert answers[0]["shared_state"]["available"] is False
+        finally:
+            redis_server.proc.send_signal(signal.SIGCONT)
+            holder.stdin.write("\n")
+            holder.stdin.close()
+            holder.wait(10)
+            holder.stdout.close()
