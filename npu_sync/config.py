@@ -537,8 +537,17 @@ def parse_yaml(text: str, *, source: str) -> PoolConfig:
         raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
     except ValueError as exc:
         # PyYAML's constructors raise plain ValueError for a date such as 2024-13-01,
-        # a float tag on a non-number, or an integer of more than 4300 digits.
-        raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
+        # a float tag on a non-number, or an integer of more than 4300 digits. What
+        # follows a colon quotes the value (int('...')), which may be a credential.
+        problem = " ".join(str(exc).split()).partition(": ")[0]
+        raise ConfigError(f"YAML error: {problem}", source=source) from None
+    except (KeyError, AttributeError, TypeError):
+        # Others fail outright on a value their explicit tag cannot hold (!!bool maybe,
+        # !!timestamp soon), naming the value if anything.
+        raise ConfigError(
+            "YAML error: a value does not fit its explicit tag (such as !!bool or !!timestamp)",
+            source=source,
+        ) from None
     finally:
         if loader is not None:
             loader.dispose()

@@ -654,3 +654,20 @@ def test_workers_added_in_code_do_not_make_an_unchanged_worker_list_a_removal(tm
         path.write_text(workers_yaml(["a"]))
         with pytest.raises(ConfigError, match="removes or disables 2 of the 3"):
             pool.reload()
+
+
+@pytest.mark.parametrize("tag", ["!!int", "!!float", "!!timestamp", "!!bool", "!!binary"])
+def test_a_value_under_a_wrong_explicit_tag_is_a_config_error_that_hides_it(tmp_path, tag):
+    """A header value tagged !!int (or !!timestamp, !!bool ...) it cannot be: a
+    ConfigError (exit 2 from check, counted by reload), never KeyError/AttributeError,
+    and the value itself is not quoted."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers:\n"
+        f"    - {{id: a, url: 'http://127.0.0.1:9601', headers: {{X-Key: {tag} {SECRET}}}}}\n"
+    )
+    assert main(["check", str(path)]) == 2
+    with pytest.raises(ConfigError) as info:
+        parse_yaml(path.read_text(), source=str(path))
+    assert "YAML" in str(info.value)
+    assert SECRET not in str(info.value)
