@@ -748,7 +748,8 @@ def _dlq_replay(args: argparse.Namespace) -> int:
             ("rejected", report.rejected),
         ):
             for record_id in ids:
-                print(f"{outcome:<9}  {record_id}")
+                # Ids come from the store, which an older version or another tool wrote.
+                print(f"{outcome:<9}  {printable(record_id)}")
     return EXIT_FAILURE if report.failed or report.rejected else EXIT_OK
 
 

@@ -537,8 +537,17 @@ def parse_yaml(text: str, *, source: str) -> PoolConfig:
         raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
     except ValueError as exc:
         # PyYAML's constructors raise plain ValueError for a date such as 2024-13-01,
-        # a float tag on a non-number, or an integer of more than 4300 digits.
-        raise ConfigError(f"YAML error: {' '.join(str(exc).split())}", source=source) from None
+        # a float tag on a non-number, or an integer of more than 4300 digits. What
+        # follows a colon quotes the value (int('...')), which may be a credential.
+        problem = " ".join(str(exc).split()).partition(": ")[0]
+        raise ConfigError(f"YAML error: {problem}", source=source) from None
+    except (KeyError, AttributeError, TypeError):
+        # Others fail outright on a value their explicit tag cannot hold (!!bool maybe,
+        # !!timestamp soon), naming the value if anything.
+        raise ConfigError(
+            "YAML error: a value does not fit its explicit tag (such as !!bool or !!timestamp)",
+            source=source,
+        ) from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -564,7 +573,8 @@ class _StrictLoader(yaml.SafeLoader):
     PyYAML keeps the last of two equal keys without a word: a file with ``workers:``
     twice silently loses the first list. Keys are checked as mappings are composed,
     where the path to each is known; nesting is bounded there too, before PyYAML's
-    recursive composer could exhaust the interpreter's stack.
+    recursive composer could exhaust the interpreter's stack, and so are the pairs
+    merge keys copy, before they are copied.
     """
 
     def __init__(self, text: str) -> None:
@@ -573,6 +583,8 @@ class _StrictLoader(yaml.SafeLoader):
         self._path: list[str] = []
         self._depth = 0
         self._nodes = 0
+        self._merged = 0
+        self._flattened: set[int] = set()  # nodes live as long as the loader: ids stay theirs
 
     # The signatures follow types-PyYAML's stubs; at run time index is a key node or
     # an int, and anchor a string or None.
@@ -598,6 +610,31 @@ class _StrictLoader(yaml.SafeLoader):
         finally:
             self._path.pop()
             self._depth -= 1
+
+    def flatten_mapping(self, node: yaml.MappingNode) -> None:
+        # A merge key (<<) copies the merged mapping's pairs into this one, and a merged
+        # mapping may merge others in turn: 600 bytes of "<<: [*a, *a, ...]" nested a few
+        # levels deep expand to billions of pairs. Count the pairs before PyYAML copies
+        # them; each merged mapping is flattened (and counted) first, once.
+        if id(node) in self._flattened:
+            return  # its merge keys are gone already: nothing left to copy
+        merged = 0
+        for key, value in node.value:
+            if key.tag != _MERGE_TAG:
+                continue
+            sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
+            for source in sources:
+                if isinstance(source, yaml.MappingNode):
+                    self.flatten_mapping(source)
+                    merged += len(source.value)
+        self._merged += merged
+        if self._merged > MAX_NODES:
+            raise _TooLarge(
+                f"merge keys (<<) copy more than {MAX_NODES} YAML nodes; a configuration "
+                "has far fewer"
+            )
+        super().flatten_mapping(node)
+        self._flattened.add(id(node))
 
     def compose_mapping_node(self, anchor: dict[Any, yaml.Node]) -> yaml.MappingNode:
         node = super().compose_mapping_node(anchor)
@@ -1589,7 +1626,9 @@ def _show(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return "a list"
     try:
-        text = repr(value)
+        # Scrubbed before it is cut: a cut before a URL's '@' would leave its password
+        # for ConfigError's own scrub to miss.
+        text = scrub(repr(value))
     except ValueError:  # an int beyond sys.get_int_max_str_digits()
         return "a very large integer"
     return text if len(text) <= 80 else text[:77] + "..."

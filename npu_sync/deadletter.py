@@ -23,7 +23,7 @@ import types
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -215,8 +215,9 @@ class DeadLetterStore(Protocol):
     oldest record is evicted and counted in ``dropped``.
 
     Optional methods the queue uses when present: ``counts()`` → ``(records, dropped)``
-    without waiting (for ``stats()``), and ``claim(id)``/``release_claim(id)`` for
-    replays that exclude each other across processes.
+    without waiting (for ``stats()``), and ``claim(id, run_time=)``/``release_claim(id)``
+    for replays that exclude each other across processes (``run_time``, the seconds the
+    replay may run, is passed only to a ``claim`` that accepts it).
     """
 
     def add(self, record: DeadLetter) -> None: ...
@@ -407,9 +408,9 @@ class SQLiteDeadLetterStore:
     processes replaying the same file never run one record twice; a claim whose
     process died expires after :data:`CLAIM_SECONDS`.
 
-    The file is checked before each use: if it (or its directory) was deleted or
-    replaced while the store was open, every call raises ``NpuSyncError`` rather than
-    write into a file nobody can read again.
+    The file is checked before each use: if it (or its directory) was deleted,
+    replaced or truncated while the store was open, every call raises ``NpuSyncError``
+    rather than write into a file nobody can read again.
 
     Args:
         path: the database file. Its directory must exist; the file is created (mode
@@ -420,7 +421,8 @@ class SQLiteDeadLetterStore:
 
     Raises:
         FileNotFoundError: the file's directory does not exist.
-        NpuSyncError: the file is not a SQLite database, or was written by a newer schema.
+        NpuSyncError: the file is not a SQLite database, is another application's
+            database, or was written by a newer schema.
         ValueError: ``max_records`` is not None or an int >= 1.
     """
 
@@ -496,6 +498,12 @@ class SQLiteDeadLetterStore:
             self._conn.execute("PRAGMA synchronous=FULL")
             with self._write():
                 version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+                if version == 0 and _has_tables(self._conn):
+                    raise NpuSyncError(
+                        f"dead-letter store {self._path} is a database of something else "
+                        "(it has tables, and no npu_sync schema version): name a file of "
+                        "its own"
+                    )
                 if version == 0:
                     for statement in _SCHEMA.split(";"):
                         if statement.strip():
@@ -596,6 +604,10 @@ class SQLiteDeadLetterStore:
             else:
                 if (info.st_dev, info.st_ino) != self._identity:
                     self._lost = "the file was replaced by another one"
+                elif info.st_size < _SQLITE_HEADER_BYTES:
+                    # Truncated in place (": > file", a copytruncate): SQLite would go
+                    # on committing into its WAL, and the file would not open again.
+                    self._lost = "the file was truncated"
             if self._lost is not None:
                 logger.error(
                     "dead-letter store %s can no longer be used: %s while it was open. "
@@ -740,8 +752,14 @@ class SQLiteDeadLetterStore:
         finally:
             self._lock.release()
 
-    def claim(self, record_id: str) -> bool:
+    def claim(self, record_id: str, *, run_time: float = 0.0) -> bool:
         """Claim a record for one replay, across every process using this file.
+
+        Args:
+            record_id: the record.
+            run_time: how long the replay may run, in seconds; the claim lasts that
+                long plus :data:`CLAIM_SECONDS`, so it cannot expire while the replay
+                still runs, only after its process died.
 
         Returns:
             True when this store now holds the claim; False when another store object
@@ -755,7 +773,7 @@ class SQLiteDeadLetterStore:
             )
             cursor = conn.execute(
                 "INSERT OR IGNORE INTO dead_letter_claims (id, owner, expires_at) VALUES (?,?,?)",
-                (record_id, self._owner, now + CLAIM_SECONDS),
+                (record_id, self._owner, now + CLAIM_SECONDS + max(0.0, run_time)),
             )
             return cursor.rowcount == 1
 
@@ -842,11 +860,26 @@ def open_store(config: DeadLetterConfig) -> DeadLetterStore:
     raise ConfigError(f"dead_letter.backend: must be 'memory' or 'sqlite', got {config.backend!r}")
 
 
+def _has_tables(conn: sqlite3.Connection) -> bool:
+    """Whether the database holds anything: a file of version 0 is ours only if empty
+    (every file this module ever wrote has its schema version set)."""
+    return conn.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchone() is not None
+
+
+def _takes(function: Callable[..., Any], parameter: str) -> bool:
+    """Whether ``function`` accepts the keyword ``parameter`` (stores predating it do not)."""
+    try:
+        return parameter in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature
+        return False
+
+
 def _owner_id() -> str:
     return f"{os.getpid()}-{uuid.uuid4().hex}"
 
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+_SQLITE_HEADER_BYTES = 100  # no database file, once written, is smaller
 
 
 def check_store(config: PoolConfig) -> builtins.list[str]:
@@ -866,6 +899,9 @@ def check_store(config: PoolConfig) -> builtins.list[str]:
     if settings.backend == "redis":
         spool = settings.spool_path or default_spool_path(config.shared_state.namespace)
         problems = _file_problems(spool, creates_directory=settings.spool_path is None)
+        if settings.spool_path is None and not problems:
+            shared = _shared_directory_problem(os.path.dirname(os.path.abspath(spool)))
+            problems = [shared] if shared else []
         return [f"{key}.spool_path: {p}" for p in problems]
     return []
 
@@ -907,10 +943,16 @@ def _file_problems(path: str, *, creates_directory: bool = False) -> builtins.li
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
         try:
             (version,) = conn.execute("PRAGMA user_version").fetchone()
+            foreign = version == 0 and _has_tables(conn)
         finally:
             conn.close()
     except sqlite3.Error as exc:
         return [f"{path} cannot be read as a database: {exc}"]
+    if foreign:
+        return [
+            f"{path} is a database of something else (it has tables, and no npu_sync "
+            "schema version)"
+        ]
     if version not in (0, SCHEMA_VERSION):
         return [
             f"{path} has schema version {version}; this npu_sync reads version {SCHEMA_VERSION}"
@@ -937,14 +979,28 @@ def prepare_default_spool(path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        info = os.stat(directory)
     except OSError as exc:
         raise NpuSyncError(f"cannot create {directory}: {exc.strerror or exc}") from exc
+    problem = _shared_directory_problem(directory)
+    if problem:
+        raise NpuSyncError(problem)
+
+
+def _shared_directory_problem(directory: str) -> str | None:
+    """Why the default spool's directory is not private to this user; None when it is,
+    or does not exist yet (it is then created 0700)."""
+    try:
+        info = os.stat(directory)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"cannot use {directory}: {exc.strerror or exc}"
     if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
-        raise NpuSyncError(
+        return (
             f"{directory} belongs to another user or others may write to it: set "
             "dead_letter.spool_path to a file in a directory of your own"
         )
+    return None
 
 
 @dataclass(frozen=True)
@@ -983,20 +1039,32 @@ class DeadLetterQueue:
         run: runs one task on the pool without dead-lettering it again; returns the
             result or raises ``TaskRejected`` or ``TaskFailed``.
         clock: the source of wall-clock time and durations for replay attempts.
+        run_time: the most seconds ``run`` may take for a record (its task's
+            deadline); a store's claim on the record is made to outlast it.
+        hold: entered around each record's replay, from its claim to the release of
+            the claim; the pool counts it as running work there, so that closing the
+            pool waits for the replay's outcome to be stored.
     """
 
     def __init__(
-        self, store: DeadLetterStore, run: Callable[[Task], Any], *, clock: Clock = SYSTEM_CLOCK
+        self,
+        store: DeadLetterStore,
+        run: Callable[[Task], Any],
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        run_time: Callable[[DeadLetter], float] | None = None,
+        hold: Callable[[], AbstractContextManager[object]] = nullcontext,
     ) -> None:
         self._store = store
         self._run = run
         self._clock = clock
+        self._run_time = run_time
+        self._hold = hold
         self._lock = threading.Lock()
         self._replaying: set[str] = set()
-        try:
-            self._add_timeout = "timeout" in inspect.signature(store.add).parameters
-        except (TypeError, ValueError):  # a builtin or C callable: no signature
-            self._add_timeout = False
+        self._add_timeout = _takes(store.add, "timeout")
+        claim = getattr(store, "claim", None)
+        self._claim_run_time = claim is not None and _takes(claim, "run_time")
 
     def after_fork(self) -> None:
         """In a child process: fresh locks, and the store's own ``after_fork`` if any."""
@@ -1095,25 +1163,31 @@ class DeadLetterQueue:
         rejected: builtins.list[str] = []
         results: dict[str, Any] = {}
         if record_id is not None:
-            if not self._claim(record_id):
-                raise NpuSyncError(f"dead letter {record_id} is already being replayed")
-            ids = [record_id]
+            found = self._store.get(record_id)
+            if found is None:
+                raise KeyError(f"no dead letter with id {record_id!r}")
+            listed = [found]
         else:
-            ids = [record.id for record in self._store.list()]
-        for rid in ids:
-            if record_id is None and not self._claim(rid):
-                continue
-            try:
-                # Read again after claiming: another replay may have finished and removed
-                # this record since the listing above, and must not be run twice.
-                record = self._store.get(rid)
-                if record is None:
+            listed = self._store.list()
+        for listed_record in listed:
+            rid = listed_record.id
+            with self._hold():
+                if not self._claim(listed_record):
                     if record_id is not None:
-                        raise KeyError(f"no dead letter with id {rid!r}")
+                        raise NpuSyncError(f"dead letter {rid} is already being replayed")
                     continue
-                outcome, result = self._replay_one(record)
-            finally:
-                self._release(rid)
+                try:
+                    # Read again after claiming: another replay may have finished and
+                    # removed this record since the listing above, and must not run it
+                    # twice.
+                    current = self._store.get(rid)
+                    if current is None:
+                        if record_id is not None:
+                            raise KeyError(f"no dead letter with id {rid!r}")
+                        continue
+                    outcome, result = self._replay_one(current)
+                finally:
+                    self._release(rid)
             if outcome == "succeeded":
                 succeeded.append(rid)
                 results[rid] = result
@@ -1128,31 +1202,41 @@ class DeadLetterQueue:
             results=types.MappingProxyType(results),
         )
 
-    def _claim(self, record_id: str) -> bool:
+    def _claim(self, record: DeadLetter) -> bool:
+        record_id = record.id
         with self._lock:
             if record_id in self._replaying:
                 return False
             self._replaying.add(record_id)
-        # A store shared by processes (Redis) also claims across processes, with a
-        # lease that expires if this process dies mid-replay.
+        # A store shared by processes (SQLite, Redis) also claims across processes, with
+        # a lease that expires if this process dies mid-replay, and not before the
+        # replay's own deadline: a lease shorter than the task let another process run
+        # it a second time while the first run was still waiting for its answer.
         claim = getattr(self._store, "claim", None)
         try:
-            claimed = claim is None or claim(record_id)
+            if claim is None:
+                claimed = True
+            elif self._claim_run_time and self._run_time is not None:
+                claimed = bool(claim(record_id, run_time=self._run_time(record)))
+            else:
+                claimed = bool(claim(record_id))
         except BaseException:
-            claimed = None
+            claimed = False
             raise
         finally:
             if not claimed:
                 with self._lock:
                     self._replaying.discard(record_id)
-        return bool(claimed)
+        return claimed
 
     def _release(self, record_id: str) -> None:
-        release = getattr(self._store, "release_claim", None)
-        if release is not None:
-            release(record_id)
-        with self._lock:
-            self._replaying.discard(record_id)
+        try:
+            release = getattr(self._store, "release_claim", None)
+            if release is not None:
+                release(record_id)
+        finally:
+            with self._lock:
+                self._replaying.discard(record_id)
 
     def _replay_one(self, record: DeadLetter) -> tuple[str, Any]:
         started_wall = self._clock.time()

@@ -18,15 +18,21 @@ if TYPE_CHECKING:
 REDACTED: Final = "***"
 """What :func:`scrub` puts in place of a credential."""
 
+MAX_ERRORS: Final = 100
+"""The most problems a :class:`ConfigError` lists one by one."""
+
 # user:password@ (or anything@ right after a scheme): the userinfo part of a URL. A bare
 # "name@host", without a colon or a scheme, is left alone: e-mail addresses survive.
+# Everything up to the *last* '@' of the word goes: a password typed unencoded may hold
+# '/', '?' or '#', which end a URL's authority for a parser but not for the operator.
 _USERINFO = re.compile(
-    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^\s/?#@'\"]*)@"
-    r"|(?<![\w/:@.-])(?P<bare>[^\s/?#@:'\"]+:[^\s/?#@'\"]*)@"
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*:/+)(?P<info>[^\s'\"]*)@"
+    r"|(?<![\w/:@.-])(?P<bare>[^\s/?#@:'\"]+:[^\s'\"]*)@"
 )
-# Every query value: which parameter names carry secrets (token, sig, key, X-Amz-...)
-# cannot be listed exhaustively, and the values are never needed to fix a config.
-_QUERY_VALUE = re.compile(r"(?P<name>[?&;][^=\s&#'\"]+=)[^&;\s#'\"]*")
+# Every query value, and every name=value of a fragment (OAuth puts access_token there):
+# which names carry secrets (token, sig, key, X-Amz-...) cannot be listed exhaustively,
+# and the values are never needed to fix a config.
+_QUERY_VALUE = re.compile(r"(?P<name>[?&;#][^=\s&#'\"]+=)[^&;\s#'\"]*")
 # Authorization values: "Bearer abc", "Basic dXNlcjpw". Capitalised as HTTP writes them
 # (bearer in any case), so prose such as "basic checks" is left alone.
 _AUTH_VALUE = re.compile(r"\b(?P<scheme>(?i:bearer)|Basic|Digest)(?P<gap>\s+)[^\s'\",;]+")
@@ -75,7 +81,8 @@ class NpuSyncError(Exception):
 class ConfigError(NpuSyncError, ValueError):
     """A configuration is invalid.
 
-    ``errors`` lists every problem found, each naming its key path, e.g.
+    ``errors`` lists every problem found (the first :data:`MAX_ERRORS`, then how many
+    more), each naming its key path, e.g.
     ``npu_workers.workers[2].port: must be 1..65535, got 0``.
 
     Messages are passed through :func:`scrub` and :func:`printable`: a credential in a
@@ -84,6 +91,11 @@ class ConfigError(NpuSyncError, ValueError):
 
     def __init__(self, errors: str | Sequence[str], *, source: str | None = None) -> None:
         found = (errors,) if isinstance(errors, str) else tuple(errors)
+        if len(found) > MAX_ERRORS:
+            # A list of aliases can repeat one mistake 100,000 times in a small file;
+            # the message goes to stats(), logs and HTTP answers, which need only a few.
+            hidden = len(found) - MAX_ERRORS
+            found = (*found[:MAX_ERRORS], f"... and {hidden} more problem(s) not shown")
         self.errors: tuple[str, ...] = tuple(printable(scrub(error)) for error in found)
         self.source = source
         head = f"invalid configuration in {source}" if source else "invalid configuration"

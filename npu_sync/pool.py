@@ -191,6 +191,9 @@ class WorkerPool:
         self._applying_remote = False
         self._shared = _shared_state(config, self._apply_remote)
         self._source_digest: str | None = None
+        # The workers the file named when last applied: a reload is refused for
+        # removing most of those, not for dropping workers added in code since.
+        self._file_workers = frozenset(w.id for w in config.workers)
         self._rejected_digest: str | None = None
         self._reload_lock = threading.Lock()
         self._reloads: dict[str, Any] = {
@@ -209,7 +212,13 @@ class WorkerPool:
             )
         else:
             store = open_store(config.dead_letter)
-        self.dead_letters = DeadLetterQueue(store, self._replay, clock=clock)
+        self.dead_letters = DeadLetterQueue(
+            store,
+            self._replay,
+            clock=clock,
+            run_time=self._replay_budget,
+            hold=self._replaying,
+        )
         for worker_cfg in config.workers:
             self._workers[worker_cfg.id] = self._build_worker(worker_cfg)
         self._dispatcher.set_workers(self._workers.values())
@@ -388,8 +397,10 @@ class WorkerPool:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
         if self._restart_pending:
             self._restart_after_fork()
-        # The store may be a file: read it (without waiting) before taking the lock.
+        # The store may be a file: read it (without waiting) before taking the lock; so
+        # is the shared state's spool file.
         stored, dropped = self.dead_letters.counts()
+        shared = {"backend": "none"} if self._shared is None else self._shared.stats()
         with self._lock:
             now = self._clock.monotonic()
             workers = list(self._workers.values())
@@ -422,9 +433,7 @@ class WorkerPool:
                     "dropped": dropped,
                 },
                 "reloads": dict(self._reloads),
-                "shared_state": (
-                    {"backend": "none"} if self._shared is None else self._shared.stats()
-                ),
+                "shared_state": shared,
                 "health": {
                     "enabled": self._config.health.enabled,
                     "running": self._health.running,
@@ -738,7 +747,10 @@ class WorkerPool:
                     # Unchanged, or the same broken content already counted and logged.
                     return ReloadResult()
                 new = parse_yaml(text, source=source)
-                check_reload(self._config, new)  # no emptying the pool by accident
+                named = self._file_workers
+                from_file = tuple(w for w in self._config.workers if w.id in named)
+                # No emptying the pool by accident.
+                check_reload(dataclasses.replace(self._config, workers=from_file), new)
                 result = self._apply_config(new)
             except ConfigError as exc:
                 self._rejected_digest = digest
@@ -748,6 +760,9 @@ class WorkerPool:
                 failure = exc
             else:
                 self._source_digest = digest
+                self._file_workers = frozenset(w.id for w in new.workers)
+                # Should the file go back to that broken content, it is a new failure.
+                self._rejected_digest = None
                 self._count_reload(result)
         # Hooks run after the lock is released: one may reload or add a worker.
         if failure is not None:
@@ -947,11 +962,32 @@ class WorkerPool:
             self._notify(TaskFallback(self._clock.time(), task.task_id, exhausted.reason))
             return result
 
+    @contextlib.contextmanager
+    def _replaying(self) -> Iterator[None]:
+        """One dead letter's replay, from its claim to storing its outcome: work that
+        close() waits for, so the store is not closed between the task and its record."""
+        if self._restart_pending:
+            self._restart_after_fork()
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
+            self._active += 1  # counted as submitted only if it runs (in _replay)
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _replay_budget(self, record: DeadLetter) -> float:
+        """The longest a replay of ``record`` may run: its task's deadline."""
+        return record.timeout or self._config.timeouts.task
+
     def _replay(self, task: Task) -> Any:
-        """Run a dead-lettered task again without dead-lettering it a second time."""
+        """Run a dead-lettered task again without dead-lettering it a second time.
+        Called inside :meth:`_replaying`."""
         body = task.body()
         deadline = self._deadline(task, None)
-        self._enter()
+        with self._lock:
+            self._stats.submitted += 1
         local = self._local
         local.depth = getattr(local, "depth", 0) + 1
         try:
@@ -965,7 +1001,6 @@ class WorkerPool:
             ) from None
         finally:
             local.depth -= 1
-            self._leave()
 
     def _dead_letter(
         self,

@@ -23,10 +23,10 @@ shared state and resumes. Dead letters written meanwhile are kept in a local SQL
 file (the *spool*, ``dead_letter.spool_path``), which survives the process being
 killed, and are pushed to Redis once it is back, by this or any later process.
 
-Redis refusing the credentials is not an outage but a configuration error, raised
-when the state is built. A new process reads the shared breaker states before its
-first task (:meth:`SharedState.start`), so it does not open with an attempt on a
-worker every other process already knows is down.
+Redis refusing the credentials (or the database number) is not an outage but a
+configuration error, raised when the state is built. A new process reads the shared
+breaker states before its first task (:meth:`SharedState.start`), so it does not
+open with an attempt on a worker every other process already knows is down.
 
 pybreaker's ``CircuitRedisStorage`` keeps ``opened_at`` in whole seconds; npu_sync also
 stores the opening time to the microsecond (``<namespace>:opened_at_precise``) with the
@@ -90,8 +90,9 @@ class SharedState:
         client: a Redis client to use instead of one built from ``config.url`` (tests).
 
     Raises:
-        ConfigError: Redis refused the credentials in ``config.url``. Redis being
-            unreachable is not an error: the state starts unavailable and is probed.
+        ConfigError: Redis refused the credentials or the database number in
+            ``config.url``. Redis being unreachable is not an error: the state starts
+            unavailable and is probed.
     """
 
     def __init__(
@@ -129,22 +130,26 @@ class SharedState:
         self._check_credentials()
 
     def _check_credentials(self) -> None:
-        """One PING at start: a wrong password is the operator's to fix, not an outage
-        to wait out; an unreachable server is an outage like any later one."""
+        """One PING at start: a wrong password, or a database number the server does not
+        have, is the operator's to fix, not an outage to wait out; an unreachable server
+        is an outage like any later one."""
         try:
             self._client.ping()
         except (AuthenticationError, ResponseError) as exc:
             text = str(exc)
-            if not isinstance(exc, AuthenticationError) and not text.startswith(
+            if isinstance(exc, AuthenticationError) or text.startswith(
                 ("NOAUTH", "WRONGPASS", "NOPERM")
             ):
+                refused = "the credentials"
+            elif "DB index" in text:  # SELECT n, sent on connecting, beyond `databases`
+                refused = "the database number"
+            else:
                 self.lost(exc)
                 return
             with contextlib.suppress(RedisError):
                 self._client.close()
             raise ConfigError(
-                f"shared_state.url: Redis refused the credentials ({type(exc).__name__}: "
-                f"{scrub(text)})"
+                f"shared_state.url: Redis refused {refused} ({type(exc).__name__}: {scrub(text)})"
             ) from None
         except RedisError as exc:
             self.lost(exc)
@@ -651,12 +656,13 @@ class RedisDeadLetterStore:
             return None, None
         return int(records) + (spooled or 0), int(dropped or 0) + (spool_dropped or 0)
 
-    def claim(self, record_id: str) -> bool:
+    def claim(self, record_id: str, *, run_time: float = 0.0) -> bool:
+        """Claim a record for one replay across processes, for ``run_time`` seconds (how
+        long the replay may run) plus ``CLAIM_SECONDS``."""
         key = self._claims + record_id
         owner = self._shared._origin
-        ok = self._strict(
-            lambda: self._client.set(key, owner, nx=True, px=int(self.CLAIM_SECONDS * 1000))
-        )
+        lease_ms = int((self.CLAIM_SECONDS + max(0.0, run_time)) * 1000)
+        ok = self._strict(lambda: self._client.set(key, owner, nx=True, px=lease_ms))
         return bool(ok)
 
     def release_claim(self, record_id: str) -> None:
