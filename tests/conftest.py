@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.hostile import Hostile
+
 
 @pytest.fixture(autouse=True)
 def no_leaked_threads() -> Iterator[None]:
@@ -19,3 +21,12 @@ def no_leaked_threads() -> Iterator[None]:
         if thread.is_alive():
             leaked.append(thread.name)
     assert not leaked, f"threads left running: {leaked}"
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Hostile]]:
+    """Hostile servers a test starts (see ``tests.hostile.serve``), closed after it."""
+    started: list[Hostile] = []
+    yield started
+    for server in started:
+        server.close()

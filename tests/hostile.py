@@ -583,3 +583,10 @@ def concurrently(scenarios: dict[str, Callable[[], None]]) -> None:
     for thread in threads:
         thread.join()
     assert not failures, "\n".join(f"{name}: {exc!r}" for name, exc in failures.items())
+
+
+def serve(servers: list[Hostile], behaviour: Behaviour, **kw: Any) -> Hostile:
+    """Start a Hostile server, recorded in ``servers`` (the fixture) to be closed."""
+    server = Hostile(behaviour, **kw)
+    servers.append(server)
+    return server

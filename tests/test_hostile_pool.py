@@ -53,14 +53,6 @@ def client(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def servers() -> Iterator[list[Hostile]]:
-    started: list[Hostile] = []
-    yield started
-    for server in started:
-        server.close()
-
-
-@pytest.fixture
 def runs() -> Iterator[Callable[..., PoolRun]]:
     built: list[PoolRun] = []
 

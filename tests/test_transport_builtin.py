@@ -19,7 +19,7 @@ import trustme
 
 from npu_sync.config import TLSConfig
 from npu_sync.transport import TransportError, _builtin
-from tests.hostile import Clients, Hostile, Peer, Seen, answer, keep_answering
+from tests.hostile import Clients, Peer, Seen, answer, keep_answering, serve
 
 TIMEOUTS = {"timeout": 5.0, "connect_timeout": 2.0}
 
@@ -29,20 +29,6 @@ def client() -> Iterator[Clients]:
     clients = Clients("builtin")
     yield clients
     clients.close()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Hostile]]:
-    started: list[Hostile] = []
-    yield started
-    for server in started:
-        server.close()
-
-
-def serve(servers: list[Hostile], behaviour: Any, **kw: Any) -> Hostile:
-    server = Hostile(behaviour, **kw)
-    servers.append(server)
-    return server
 
 
 def echo(extra: dict[str, str] | None = None) -> Any:

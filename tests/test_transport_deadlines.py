@@ -18,7 +18,7 @@ import pytest
 
 from npu_sync.config import TLSConfig
 from npu_sync.transport import TransportError
-from tests.hostile import CLIENTS, Clients, Hostile, Peer, answer
+from tests.hostile import CLIENTS, Clients, Peer, answer, serve
 
 MARGIN = 1.0  # far above any honest overshoot, far below what an unbounded client takes
 
@@ -28,20 +28,6 @@ def client(request: pytest.FixtureRequest) -> Iterator[Clients]:
     clients = Clients(request.param)
     yield clients
     clients.close()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Hostile]]:
-    started: list[Hostile] = []
-    yield started
-    for server in started:
-        server.close()
-
-
-def serve(servers: list[Hostile], behaviour: Any, **kw: Any) -> Hostile:
-    server = Hostile(behaviour, **kw)
-    servers.append(server)
-    return server
 
 
 def timed_failure(transport: Any, budget: float, **kw: Any) -> tuple[TransportError, float]:

@@ -17,7 +17,16 @@ import pytest
 
 from npu_sync.errors import InvalidTask
 from npu_sync.transport import TransportError
-from tests.hostile import CLIENTS, Clients, Hostile, Peer, Seen, answer, chunked, keep_answering
+from tests.hostile import (
+    CLIENTS,
+    Clients,
+    Peer,
+    Seen,
+    answer,
+    chunked,
+    keep_answering,
+    serve,
+)
 
 TIMEOUTS = {"timeout": 5.0, "connect_timeout": 2.0}
 
@@ -27,20 +36,6 @@ def client(request: pytest.FixtureRequest) -> Iterator[Clients]:
     clients = Clients(request.param)
     yield clients
     clients.close()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Hostile]]:
-    started: list[Hostile] = []
-    yield started
-    for server in started:
-        server.close()
-
-
-def serve(servers: list[Hostile], behaviour: Any, **kw: Any) -> Hostile:
-    server = Hostile(behaviour, **kw)
-    servers.append(server)
-    return server
 
 
 def routes(table: dict[str, Callable[[Seen], bytes]]) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from npu_sync.transport import TransportError
-from tests.hostile import CLIENTS, Clients, Hostile, Peer, answer
+from tests.hostile import CLIENTS, Clients, Peer, answer, serve
 
 TIMEOUTS = {"timeout": 5.0, "connect_timeout": 2.0}
 
@@ -23,20 +23,6 @@ def client(request: pytest.FixtureRequest) -> Iterator[Clients]:
     clients = Clients(request.param)
     yield clients
     clients.close()
-
-
-@pytest.fixture
-def servers() -> Iterator[list[Hostile]]:
-    started: list[Hostile] = []
-    yield started
-    for server in started:
-        server.close()
-
-
-def serve(servers: list[Hostile], behaviour: Any, **kw: Any) -> Hostile:
-    server = Hostile(behaviour, **kw)
-    servers.append(server)
-    return server
 
 
 def one_answer_then_close(delay: float) -> Any:
