@@ -16,6 +16,7 @@ from npu_sync.errors import (
     TaskRejected,
 )
 from npu_sync.pool import ReloadResult, WorkerPool, get_pool
+from npu_sync.stats_types import PoolStatsDict, WorkerRow
 from npu_sync.task import Attempt, Task
 
 try:
@@ -34,6 +35,7 @@ __all__ = [
     "NpuTask",
     "PoolClosed",
     "PoolConfig",
+    "PoolStatsDict",
     "ReloadResult",
     "ReplayReport",
     "Task",
@@ -41,6 +43,7 @@ __all__ = [
     "TaskRejected",
     "WorkerConfig",
     "WorkerPool",
+    "WorkerRow",
     "__version__",
     "get_pool",
     "load_config",

@@ -17,7 +17,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -456,7 +456,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _print_summary(
     out: TextIO,
-    rows: list[dict[str, object]],
+    rows: Sequence[Mapping[str, object]],
     outcomes: dict[str, int],
     total: int,
     elapsed: float,

@@ -23,7 +23,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from npu_sync.admission import Dispatcher, Lease, Refusal
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
@@ -69,6 +69,7 @@ from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.reload import ConfigWatcher
 from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error, classify_response
 from npu_sync.selector import Selector
+from npu_sync.stats_types import PoolStatsDict, ReloadStats, SharedStateStats, WorkerRow
 from npu_sync.task import Attempt, Task, as_task
 from npu_sync.transport import Transport, TransportError, make_transport
 from npu_sync.worker import Worker, render
@@ -393,7 +394,7 @@ class WorkerPool:
     def closed(self) -> bool:
         return self._closed
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> PoolStatsDict:
         """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
         if self._restart_pending:
             self._restart_after_fork()
@@ -432,8 +433,8 @@ class WorkerPool:
                     "pending": stored,
                     "dropped": dropped,
                 },
-                "reloads": dict(self._reloads),
-                "shared_state": shared,
+                "reloads": cast(ReloadStats, dict(self._reloads)),
+                "shared_state": cast(SharedStateStats, shared),
                 "health": {
                     "enabled": self._config.health.enabled,
                     "running": self._health.running,
@@ -445,7 +446,7 @@ class WorkerPool:
                 },
             }
 
-    def workers(self) -> list[dict[str, Any]]:
+    def workers(self) -> list[WorkerRow]:
         """One JSON-serialisable dict per worker, in priority order."""
         with self._lock:
             now = self._clock.monotonic()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
 from npu_sync.health import HealthResult
 from npu_sync.metrics import WorkerStats
+from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
 
 
@@ -153,12 +154,12 @@ class Worker:
             "stats": self.stats.copy(),
         }
 
-    def snapshot(self, now: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> WorkerRow:
         """A JSON-serialisable view. Call under the pool's lock."""
         return render(self.capture(), now)
 
 
-def render(captured: dict[str, Any], now: float) -> dict[str, Any]:
+def render(captured: dict[str, Any], now: float) -> WorkerRow:
     """Turn a :meth:`Worker.capture` into the JSON-serialisable ``workers()`` row."""
     stats: WorkerStats = captured.pop("stats")
     health: HealthResult | None = captured.pop("health")
@@ -188,4 +189,4 @@ def render(captured: dict[str, Any], now: float) -> dict[str, Any]:
             "cooldown_remaining": max(0.0, cooldown_until - now),
         }
     )
-    return row
+    return cast(WorkerRow, row)

@@ -1,0 +1,185 @@
+"""The shapes of ``stats()`` and ``workers()``, for type checkers and IDEs.
+
+These are ``TypedDict``s: at run time the values are the plain dicts described in
+docs/metrics.md, and a type checker catches a misspelt key. A test keeps them, the
+code and the docs in agreement.
+"""
+
+from __future__ import annotations
+
+from typing import NotRequired, TypedDict
+
+__all__ = [
+    "BreakerStats",
+    "DeadLetterStats",
+    "HealthCheckDict",
+    "HealthStats",
+    "LatencyStats",
+    "PoolStatsDict",
+    "PoolTaskStats",
+    "PoolWorkerCounts",
+    "ReloadChangeDict",
+    "ReloadStats",
+    "SelectionStats",
+    "SharedStateStats",
+    "WorkerRow",
+    "WorkerTaskStats",
+]
+
+
+class PoolWorkerCounts(TypedDict):
+    """``stats()["workers"]``."""
+
+    total: int
+    available: int
+    healthy: int
+    open_breakers: int
+
+
+class PoolTaskStats(TypedDict):
+    """``stats()["tasks"]``."""
+
+    submitted: int
+    succeeded: int
+    rejected: int
+    failed: int
+    fallbacks: int
+    retries: int
+    active: int
+    in_flight: int
+    waiting: int
+
+
+class DeadLetterStats(TypedDict):
+    """``stats()["dead_letters"]``."""
+
+    stored_total: int
+    pending: int | None
+    dropped: int | None
+
+
+class ReloadChangeDict(TypedDict):
+    """A :class:`~npu_sync.pool.ReloadResult` as a dict (``stats()["reloads"]["last_change"]``)."""
+
+    added: list[str]
+    removed: list[str]
+    updated: list[str]
+    unchanged: list[str]
+    settings_changed: bool
+    restart_required: list[str]
+
+
+class ReloadStats(TypedDict):
+    """``stats()["reloads"]``."""
+
+    ok: int
+    failed: int
+    last_error: str | None
+    last_at: float | None
+    last_change: ReloadChangeDict | None
+
+
+class SharedStateStats(TypedDict):
+    """``stats()["shared_state"]``: only ``backend`` when it is ``none``."""
+
+    backend: str  # "none" or "redis"
+    available: NotRequired[bool]
+    outages: NotRequired[int]
+    last_error: NotRequired[str | None]
+    published: NotRequired[int]
+    received: NotRequired[int]
+    dead_letters_held_locally: NotRequired[int]
+
+
+class HealthStats(TypedDict):
+    """``stats()["health"]``."""
+
+    enabled: bool
+    running: bool
+    rounds: int
+
+
+class SelectionStats(TypedDict):
+    """``stats()["selection_us"]``: microseconds, ``None`` before the first selection."""
+
+    p50: float | None
+    p99: float | None
+
+
+class PoolStatsDict(TypedDict):
+    """What :meth:`WorkerPool.stats` returns."""
+
+    uptime_s: float
+    closed: bool
+    workers: PoolWorkerCounts
+    tasks: PoolTaskStats
+    dead_letters: DeadLetterStats
+    reloads: ReloadStats
+    shared_state: SharedStateStats
+    health: HealthStats
+    selection_us: SelectionStats
+
+
+class HealthCheckDict(TypedDict):
+    """A worker's last health check (``workers()[i]["health"]``)."""
+
+    worker_id: str
+    ok: bool
+    checked_at: float
+    latency_ms: float | None
+    status: int | None
+    error: str | None
+    draining: bool | None
+    max_concurrent: int | None
+    active_tasks: int | None
+
+
+class BreakerStats(TypedDict):
+    """``workers()[i]["breaker"]``."""
+
+    state: str  # "closed", "open" or "half-open"
+    trips: int
+    failures: int
+    reset_timeout: float
+
+
+class WorkerTaskStats(TypedDict):
+    """``workers()[i]["tasks"]``: attempts by outcome."""
+
+    attempts: int
+    succeeded: int
+    failed: int
+    rejected: int
+    not_here: int
+    abandoned: int
+
+
+class LatencyStats(TypedDict):
+    """``workers()[i]["latency"]``: milliseconds, ``None`` before the first attempt."""
+
+    ewma_ms: float | None
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+
+
+class WorkerRow(TypedDict):
+    """One row of :meth:`WorkerPool.workers`."""
+
+    id: str
+    url: str
+    priority: int
+    enabled: bool
+    draining: bool
+    removed: bool
+    healthy: bool
+    health: HealthCheckDict | None
+    breaker: BreakerStats
+    in_flight: int
+    capacity: int
+    tasks: WorkerTaskStats
+    failure_rate: float | None
+    latency: LatencyStats
+    last_error: str | None
+    last_error_at: float | None
+    cooldown_remaining: float
