@@ -5,9 +5,7 @@ docs/metrics.md, and a type checker catches a misspelt key. A test keeps them, t
 code and the docs in agreement.
 """
 
-from __future__ import annotations
-
-from typing import NotRequired, TypedDict
+from typing import TypedDict
 
 __all__ = [
     "BreakerStats",
@@ -79,16 +77,21 @@ class ReloadStats(TypedDict):
     last_change: ReloadChangeDict | None
 
 
-class SharedStateStats(TypedDict):
+class _SharedStateBackend(TypedDict):
+    backend: str  # "none" or "redis"
+
+
+class SharedStateStats(_SharedStateBackend, total=False):
     """``stats()["shared_state"]``: only ``backend`` when it is ``none``."""
 
-    backend: str  # "none" or "redis"
-    available: NotRequired[bool]
-    outages: NotRequired[int]
-    last_error: NotRequired[str | None]
-    published: NotRequired[int]
-    received: NotRequired[int]
-    dead_letters_held_locally: NotRequired[int]
+    # Present with the redis backend only. Declared through ``total=False`` rather
+    # than ``NotRequired`` so the module imports on Python 3.10.
+    available: bool
+    outages: int
+    last_error: str | None
+    published: int
+    received: int
+    dead_letters_held_locally: int
 
 
 class HealthStats(TypedDict):
