@@ -6,13 +6,15 @@ import concurrent.futures
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast, overload
 
 from npu_sync.pool import WorkerPool, get_pool
 from npu_sync.task import Task
 
 P = ParamSpec("P")
+Q = ParamSpec("Q")
 R = TypeVar("R")
+S = TypeVar("S")
 
 
 class NpuTask(Generic[P]):
@@ -71,26 +73,35 @@ class NpuTask(Generic[P]):
         task, local = self._prepare(args, kwargs)
         return self.pool.submit(task, fallback=local)
 
+    @overload
+    def __get__(self, instance: None, owner: type | None = None) -> NpuTask[P]: ...
+
+    @overload
+    def __get__(
+        self: NpuTask[Concatenate[S, Q]], instance: S, owner: type | None = None
+    ) -> _BoundNpuTask[Q]: ...
+
     def __get__(self, instance: object, owner: type | None = None) -> Any:
         # Behave like a function when used on a method: bound to the instance, with
         # submit() bound too.
         if instance is None:
             return self
-        return _BoundNpuTask(self, instance)
+        # The overload above has checked that the first parameter takes the instance.
+        return _BoundNpuTask(cast("NpuTask[Concatenate[Any, ...]]", self), instance)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         task, local = self._prepare(args, kwargs)
         return self.pool.execute(task, fallback=local)
 
 
-class _BoundNpuTask:
+class _BoundNpuTask(Generic[P]):
     # An NpuTask defined on a class, bound to one instance. Like a bound method it shows
     # the function's name, docstring and signature (without ``self``); __doc__ is a
     # property, so this class has no docstring of its own.
 
     __slots__ = ("__self__", "__wrapped__")
 
-    def __init__(self, task: NpuTask[Any], instance: object) -> None:
+    def __init__(self, task: NpuTask[Concatenate[Any, P]], instance: object) -> None:
         self.__wrapped__ = task
         self.__self__ = instance
 
@@ -107,10 +118,10 @@ class _BoundNpuTask:
         signature = inspect.signature(self.__wrapped__)
         return signature.replace(parameters=list(signature.parameters.values())[1:])
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Any:
         return self.__wrapped__._call(self.__self__, *args, **kwargs)
 
-    def submit(self, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> concurrent.futures.Future[Any]:
         """Run on the pool's threads; the future ends as a direct call would."""
         return self.__wrapped__.submit(self.__self__, *args, **kwargs)
 
