@@ -47,6 +47,8 @@ DEFAULT_CONFIG = "npu_workers.yaml"
 
 _WATCH_INTERVAL = 2.0
 _ERROR_WIDTH = 60
+# An ambiguous id prefix names at most this many of the records it matches.
+_AMBIGUOUS_SHOWN = 10
 # Home the cursor, then erase the screen: each refresh redraws from the top.
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -191,7 +193,13 @@ def _add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "Exits 0 when every enabled worker is healthy, 1 when any is not (or none is "
         "enabled), 2 for a bad configuration.",
     )
-    status.add_argument("config", metavar="CONFIG", help="path to the YAML file")
+    status.add_argument(
+        "config",
+        nargs="?",
+        default=None,
+        metavar="CONFIG",
+        help=f"path to the YAML file (default $NPU_SYNC_CONFIG, else ./{DEFAULT_CONFIG})",
+    )
     status.add_argument(
         "--json", action="store_true", help="print a JSON list of rows (JSON Lines with --watch)"
     )
@@ -253,7 +261,9 @@ def _add_dlq_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="print one record as JSON",
         description="Print the whole record, every attempt included, as JSON.",
     )
-    show.add_argument("id", metavar="ID", help="the record's id (from 'dlq list')")
+    show.add_argument(
+        "id", metavar="ID", help="the record's id from 'dlq list', or a unique prefix of it"
+    )
     show.set_defaults(run=_dlq_show)
 
     replay = actions.add_parser(
@@ -265,7 +275,13 @@ def _add_dlq_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "is removed only once its task succeeds. Exits 0 when every replayed task "
         "succeeded, 1 otherwise.",
     )
-    replay.add_argument("id", nargs="?", default=None, metavar="ID", help="replay only this record")
+    replay.add_argument(
+        "id",
+        nargs="?",
+        default=None,
+        metavar="ID",
+        help="replay only this record (its id or a unique prefix of it)",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON")
     replay.set_defaults(run=_dlq_replay)
 
@@ -485,15 +501,25 @@ def _print_summary(
         f"({total / elapsed:.0f} tasks/s); rejected {outcomes['rejected']}, "
         f"dead-lettered {outcomes['dead-lettered']}, lost {lost}\n"
     )
+    # The failures column counts attempts, not tasks: say so next to the success rate,
+    # or "6 failures" reads as contradicting "100 % succeeded".
+    attempts = sum(_failed_attempts(row) for row in rows)
+    if attempts:
+        fate = "all retried on another worker" if ok == total else "retried on another worker"
+        out.write(f"{attempts} failed attempt(s), {fate}\n")
+
+
+def _failed_attempts(row: dict[str, object]) -> int:
+    tasks = row["tasks"]
+    assert isinstance(tasks, dict)
+    return int(tasks["failed"])
 
 
 # -- status ------------------------------------------------------------------------------
 
 
 def _status(args: argparse.Namespace) -> int:
-    from npu_sync.config import load_config
-
-    config = load_config(args.config)
+    config = _config_from(args.config, "CONFIG")
     pool = _probe_pool(config)
     try:
         out = sys.stdout
@@ -613,13 +639,18 @@ def _table(headers: list[str], rows: list[list[str]], *, right: Collection[int] 
 
 
 def _dlq_config(args: argparse.Namespace) -> PoolConfig:
+    return _config_from(args.config, "--config")
+
+
+def _config_from(given: str | None, option: str) -> PoolConfig:
+    """The configuration named on the command line, else $NPU_SYNC_CONFIG, else the default."""
     from npu_sync.config import load_config
 
-    path = args.config or os.environ.get("NPU_SYNC_CONFIG") or None
+    path = given or os.environ.get("NPU_SYNC_CONFIG") or None
     if path is None:
         if not os.path.exists(DEFAULT_CONFIG):
             raise _CommandError(
-                f"no configuration: --config not given, $NPU_SYNC_CONFIG not set and "
+                f"no configuration: {option} not given, $NPU_SYNC_CONFIG not set and "
                 f"./{DEFAULT_CONFIG} does not exist"
             )
         path = DEFAULT_CONFIG
@@ -697,15 +728,40 @@ def _dlq_show(args: argparse.Namespace) -> int:
     config = _dlq_config(args)
     store = _open_dlq(config)
     try:
-        record = store.get(args.id)
+        record_id = _resolve_id(store, args.id, config)
+        record = store.get(record_id)
     finally:
         store.close()
-    if record is None:
+    if record is None:  # removed since it was resolved, by a replay or a purge
         raise _CommandError(
             f"no dead letter with id {args.id!r} in {_store_name(config)}", EXIT_FAILURE
         )
     print(json.dumps(record.to_dict(), indent=2))
     return EXIT_OK
+
+
+def _resolve_id(store: DeadLetterStore, prefix: str, config: PoolConfig) -> str:
+    """The one stored id that is, or starts with, prefix.
+
+    Raises:
+        _CommandError: exit 1 when no id matches, 2 when several do (naming them).
+    """
+    if store.get(prefix) is not None:
+        return prefix
+    matches = [record.id for record in store.list() if record.id.startswith(prefix)]
+    if not matches:
+        raise _CommandError(
+            f"no dead letter with id {prefix!r} in {_store_name(config)}", EXIT_FAILURE
+        )
+    if len(matches) > 1:
+        shown = ", ".join(printable(match) for match in matches[:_AMBIGUOUS_SHOWN])
+        more = len(matches) - _AMBIGUOUS_SHOWN
+        raise _CommandError(
+            f"id prefix {prefix!r} is ambiguous in {_store_name(config)}: it matches "
+            f"{len(matches)} records ({shown}{f', and {more} more' if more > 0 else ''}); "
+            "give more characters"
+        )
+    return matches[0]
 
 
 def _dlq_replay(args: argparse.Namespace) -> int:
@@ -716,10 +772,8 @@ def _dlq_replay(args: argparse.Namespace) -> int:
         store = _open_dlq(config)
         # Closing twice is harmless: the pool closes the store it was given, too.
         resources.callback(store.close)
-        if args.id is not None and store.get(args.id) is None:
-            raise _CommandError(
-                f"no dead letter with id {args.id!r} in {_store_name(config)}", EXIT_FAILURE
-            )
+        if args.id is not None:
+            args.id = _resolve_id(store, args.id, config)
         if len(store) == 0:
             print(f"no dead letters to replay in {_store_name(config)}")
             return EXIT_OK

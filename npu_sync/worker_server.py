@@ -899,25 +899,64 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     parser.add_argument(
         "--worker-id", default=None, help="id reported in answers (default: worker-<port>)"
     )
-    parser.add_argument("--latency-ms", type=_non_negative, default=0.0, help="latency per task")
-    parser.add_argument("--jitter-ms", type=_non_negative, default=0.0, help="+/- uniform jitter")
     parser.add_argument(
-        "--failure-rate", type=_rate, default=0.0, help="probability of a simulated 500"
-    )
-    parser.add_argument("--health-status", default="healthy", help="status reported by /health")
-    parser.add_argument(
-        "--models", default="default", help='comma-separated model ids; "*" serves any model'
+        "--latency-ms",
+        type=_non_negative,
+        default=0.0,
+        metavar="MS",
+        help="simulated latency per task, in milliseconds (default %(default)g)",
     )
     parser.add_argument(
-        "--max-concurrent", type=_positive_int, default=8, help="load hint reported by /health"
+        "--jitter-ms",
+        type=_non_negative,
+        default=0.0,
+        metavar="MS",
+        help="uniform +/- jitter on the latency, in milliseconds (default %(default)g)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="seed for jitter and failures")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain); serves HTTPS")
-    parser.add_argument("--tls-key", default=None, help="PEM private key if not in --tls-cert")
     parser.add_argument(
-        "--tls-client-ca", default=None, help="PEM CA bundle; require client certificates"
+        "--failure-rate",
+        type=_rate,
+        default=0.0,
+        metavar="P",
+        help="probability, 0 to 1, that a task answers a simulated 500 (default %(default)g)",
     )
-    parser.add_argument("--verbose", action="store_true", help="log every request to stderr")
+    parser.add_argument(
+        "--health-status",
+        default="healthy",
+        help="status reported by /health (default %(default)s)",
+    )
+    parser.add_argument(
+        "--models",
+        default="default",
+        help='comma-separated model ids; "*" serves any model (default %(default)s)',
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=_positive_int,
+        default=8,
+        metavar="N",
+        help="load hint reported by /health, in tasks (default %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for jitter and failures (default: a fresh one each run)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, help="PEM certificate (chain); serves HTTPS (default: HTTP)"
+    )
+    parser.add_argument(
+        "--tls-key", default=None, help="PEM private key (default: read from --tls-cert)"
+    )
+    parser.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA bundle; require client certificates (default: none required)",
+    )
+    parser.add_argument(
+        "--verbose", action="store_true", help="log every request to stderr (default: off)"
+    )
     return parser
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import socket
@@ -568,6 +569,98 @@ def test_dlq_show_of_an_unknown_id_exits_1(tmp_path, capsys):
     _add_records(tmp_path / "dead.sqlite3", 1)
     assert main(["dlq", "show", "feedface", "--config", str(config)]) == 1
     assert "no dead letter with id 'feedface'" in capsys.readouterr().err
+
+
+def test_dlq_show_accepts_a_unique_id_prefix(tmp_path, capsys):
+    """'dlq show' of the first characters of one record's id prints that record."""
+    config = _sqlite_config(tmp_path)
+    first, second = _add_records(tmp_path / "dead.sqlite3", 2)
+    prefix = next(
+        second.id[:n] for n in range(1, len(second.id)) if not first.id.startswith(second.id[:n])
+    )
+    assert main(["dlq", "show", prefix, "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out) == second.to_dict()
+
+
+def test_dlq_show_of_an_ambiguous_prefix_exits_2_naming_the_matches(tmp_path, capsys):
+    """A prefix two ids share is a usage error (exit 2) that lists both ids."""
+    store = tmp_path / "dead.sqlite3"
+    config = _sqlite_config(tmp_path)
+    _add_records(store, 0)
+    kept = SQLiteDeadLetterStore(store)
+    try:
+        for record_id in ("abc123", "abc456", "def789"):
+            task = Task(payload={"model_id": "default"})
+            record = DeadLetter.from_task(
+                task, endpoint="/inference", error="e", attempts=[], now=1_700_000_000.0
+            )
+            kept.add(dataclasses.replace(record, id=record_id))
+    finally:
+        kept.close()
+    assert main(["dlq", "show", "abc", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "'abc' is ambiguous" in err and "abc123" in err and "abc456" in err
+    assert "def789" not in err
+    assert main(["dlq", "replay", "abc", "--config", str(config)]) == 2
+    assert "'abc' is ambiguous" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_dlq_replay_accepts_a_unique_id_prefix(tmp_path, capsys):
+    """'dlq replay PREFIX' replays the one record whose id starts with PREFIX."""
+    store = tmp_path / "dead.sqlite3"
+    first, second = _add_records(store, 2)
+    prefix = next(
+        second.id[:n] for n in range(1, len(second.id)) if not first.id.startswith(second.id[:n])
+    )
+    with LocalWorker(worker_id="a").start() as a:
+        config = _sqlite_config(tmp_path, [("a", a.url)])
+        assert main(["dlq", "replay", prefix, "--config", str(config), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["succeeded"] == [second.id]
+    assert _stored_ids(store) == [first.id]
+
+
+def test_status_reads_the_config_named_by_the_environment(tmp_path, capsys, monkeypatch):
+    """'status' without CONFIG probes the pool $NPU_SYNC_CONFIG names."""
+    config = _write_config(tmp_path / "pool.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NPU_SYNC_CONFIG", str(config))
+    assert main(["status", "--json"]) == 1
+    assert [row["id"] for row in json.loads(capsys.readouterr().out)] == ["a"]
+
+
+def test_status_falls_back_to_npu_workers_yaml(tmp_path, capsys, monkeypatch):
+    """Without CONFIG or $NPU_SYNC_CONFIG, 'status' reads ./npu_workers.yaml."""
+    _write_config(tmp_path / "npu_workers.yaml")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NPU_SYNC_CONFIG", raising=False)
+    assert main(["status", "--json"]) == 1
+    assert [row["id"] for row in json.loads(capsys.readouterr().out)] == ["a"]
+
+
+def test_status_without_any_config_exits_2(tmp_path, capsys, monkeypatch):
+    """Without CONFIG, $NPU_SYNC_CONFIG or ./npu_workers.yaml, 'status' explains and exits 2."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("NPU_SYNC_CONFIG", raising=False)
+    assert main(["status"]) == 2
+    assert "no configuration: CONFIG not given" in capsys.readouterr().err
+
+
+def test_demo_summary_says_failures_were_retried_attempts():
+    """The demo's summary counts failed attempts and says they were retried elsewhere."""
+    out = io.StringIO()
+    rows = [
+        {
+            "id": worker_id,
+            "tasks": {"succeeded": 500, "failed": failed},
+            "breaker": {"trips": 1, "state": "closed"},
+            "latency": {"p50_ms": 1.0, "p99_ms": 2.0},
+        }
+        for worker_id, failed in (("a", 4), ("b", 2))
+    ]
+    outcomes = {"succeeded": 1000, "rejected": 0, "dead-lettered": 0, "unexplained": 0}
+    cli._print_summary(out, rows, outcomes, 1000, 2.0, 0)
+    assert "6 failed attempt(s), all retried on another worker" in out.getvalue()
 
 
 @pytest.mark.integration

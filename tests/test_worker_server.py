@@ -656,3 +656,18 @@ def test_local_worker_reports_startup_failure_with_stderr() -> None:
             worker.start()
     assert "lw4" in str(info.value)
     assert not worker.running
+
+
+def test_help_gives_every_option_a_default() -> None:
+    """'worker --help' states a default for every option, and units for the timings."""
+    from npu_sync.worker_server import build_arg_parser
+
+    parser = build_arg_parser()
+    for action in parser._actions:
+        if action.dest == "help":
+            continue
+        assert "default" in (action.help or ""), action.option_strings
+    text = " ".join(parser.format_help().split())
+    assert "--latency-ms MS simulated latency per task, in milliseconds (default 0)" in text
+    assert "in milliseconds (default 0)" in text.split("--jitter-ms MS", 1)[1]
+    assert "port to bind; 0 picks a free one (default 8081)" in text
