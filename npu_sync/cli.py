@@ -509,9 +509,9 @@ def _print_summary(
         out.write(f"{attempts} failed attempt(s), {fate}\n")
 
 
-def _failed_attempts(row: dict[str, object]) -> int:
+def _failed_attempts(row: Mapping[str, object]) -> int:
     tasks = row["tasks"]
-    assert isinstance(tasks, dict)
+    assert isinstance(tasks, Mapping)
     return int(tasks["failed"])
 
 
