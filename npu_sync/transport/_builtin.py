@@ -714,7 +714,7 @@ class BuiltinTransport:
             # The common answer, framed by one plain Content-Length.
             length = int(length_text)
             if length > raw_limit:
-                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+                raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
             body = reader.exactly(length)
         elif "transfer-encoding" in headers:
             if "content-length" in headers:
@@ -724,7 +724,7 @@ class BuiltinTransport:
         elif "content-length" in headers:
             length = h11.content_length(headers["content-length"])
             if length > raw_limit:
-                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+                raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
             body = reader.exactly(length)
         else:
             keep = False
@@ -861,7 +861,7 @@ class _Reader:
                 break
             total += size
             if total > limit:
-                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+                raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
             parts.append(self.exactly(size))
             if self._line():
                 raise h11.MessageError("protocol", "chunk data longer than its size")
@@ -886,7 +886,7 @@ class _Reader:
                     return b"".join(parts)
                 total += n
                 parts.append(bytes(view[:n]))
-        raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+        raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
 
     def leftover(self) -> bool:
         return self.end > self.start
