@@ -204,6 +204,8 @@ class WorkerPool:
             "last_change": None,
         }
         self._watcher: ConfigWatcher | None = None
+        # Why the pool runs on a stand-in configuration, if it does (see get_pool).
+        self._fallback_reason: str | None = None
         if dead_letter_store is not None:
             store: DeadLetterStore = dead_letter_store
         elif config.dead_letter.backend == "redis" and self._shared is not None:
@@ -409,6 +411,10 @@ class WorkerPool:
             return {
                 "uptime_s": now - self._started,
                 "closed": self._closed,
+                "fallback": {
+                    "active": self._fallback_reason is not None,
+                    "reason": self._fallback_reason,
+                },
                 "workers": {
                     "total": len(workers),
                     "available": sum(1 for w in workers if w.eligible(now)),
@@ -1559,9 +1565,12 @@ def _build_default(env: Mapping[str, str]) -> WorkerPool:
     if os.path.exists("npu_workers.yaml"):
         return WorkerPool.from_yaml("npu_workers.yaml")
     url = env.get("NPU_WORKER_URL", "http://127.0.0.1:8081")
-    log.warning(
-        "no npu_sync configuration ($NPU_SYNC_CONFIG unset, no ./npu_workers.yaml): "
-        "using a single worker at %s",
-        url,
+    source = "$NPU_WORKER_URL" if "NPU_WORKER_URL" in env else "the default"
+    reason = (
+        "no configuration found ($NPU_SYNC_CONFIG unset, no ./npu_workers.yaml): "
+        f"a single worker at {url} ({source})"
     )
-    return WorkerPool(config_for_url(url))
+    log.warning("%s", reason)
+    pool = WorkerPool(config_for_url(url))
+    pool._fallback_reason = reason
+    return pool
