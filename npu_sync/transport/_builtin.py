@@ -327,6 +327,7 @@ class BuiltinTransport:
         self._tls = check_scheme(worker) == "https"
         self._host = worker.host
         self._port = worker.port
+        self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._maxsize = max(1, maxsize)
         self._idle_timeout = idle_timeout
@@ -370,6 +371,7 @@ class BuiltinTransport:
         """Send one request; see :meth:`Transport.request`."""
         start = time.monotonic()
         deadline = start + timeout
+        path = self._base_path + path
         data = self._encode(method, path, body, headers)
         conn = self._checkout(method, path)
         if conn is None:

@@ -656,6 +656,7 @@ class Urllib3Transport:
         resolver: Lookup | None = None,
     ) -> None:
         self.worker = worker
+        self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._resolver = default_resolver if resolver is None else BoundedResolver(resolver)
         self._headers = base_headers(worker)
@@ -700,6 +701,7 @@ class Urllib3Transport:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
+        path = self._base_path + path
         if headers:
             _check_headers(headers, describe(self.worker, method, path))
         if body is None:
@@ -866,9 +868,11 @@ class RequestsTransport:
     ) -> None:
         check_scheme(worker)
         self.worker = worker
+        self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._resolver = default_resolver if resolver is None else BoundedResolver(resolver)
-        self._base_url = worker.url.rstrip("/")
+        # scheme://host:port: the worker's base path is joined to each request's path.
+        self._base_url = worker.url.removesuffix(worker.base_path)
         session = _Session()
         session.trust_env = False
         session.max_redirects = 0
@@ -906,6 +910,7 @@ class RequestsTransport:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
+        path = self._base_path + path
         what = describe(self.worker, method, path, timeout)
         if self._closed:
             raise TransportError("connect", what.on("transport is closed"), sent=False)
