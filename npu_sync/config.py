@@ -191,7 +191,9 @@ class TLSConfig:
 class WorkerConfig:
     """One worker as configured. Immutable, so thread-safe.
 
-    ``url`` is normalised to ``scheme://host:port``. Build one with :func:`worker_config`
+    ``url`` is normalised to ``scheme://host:port``, followed by the worker's base path
+    when it sits behind a path prefix (``http://host:8081/api/v1``, no trailing slash);
+    every request path is joined to it. Build one with :func:`worker_config`
     to have it validated; the constructor itself only freezes ``headers`` and checks
     that ``priority`` and ``max_concurrent`` are within range (raising
     :class:`~npu_sync.errors.ConfigError`). ``headers`` is left out of ``repr()``
@@ -230,6 +232,11 @@ class WorkerConfig:
         if parts.port is not None:
             return parts.port
         return 443 if parts.scheme == "https" else 80
+
+    @property
+    def base_path(self) -> str:
+        """The path prefix every request path is joined to: ``""`` or ``/api/v1``."""
+        return urlsplit(self.url).path.rstrip("/")
 
 
 @dataclass(frozen=True, slots=True)
@@ -1516,7 +1523,7 @@ def _scalar(text: str) -> object:
 
 
 def _normalise_url(text: str) -> tuple[str, str | None]:
-    """``scheme://host:port`` for a worker URL, or ('', problem with a {got} slot)."""
+    """``scheme://host:port[/base/path]`` for a worker URL, or ('', problem with a {got} slot)."""
     if "://" not in text:
         return "", "must be an http(s) URL such as http://host:8081, got {got}"
     try:
@@ -1530,8 +1537,14 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
     if parts.username is not None or parts.password is not None:
         # Not echoed: it holds a credential. Headers are the place for those.
         return "", "must not contain credentials (set an Authorization header instead)"
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        return "", "must be scheme://host:port with no path, query or fragment, got {got}"
+    if parts.query or parts.fragment or "?" in text or "#" in text:
+        return "", "must be scheme://host:port[/base/path] with no query or fragment, got {got}"
+    base = parts.path.rstrip("/")
+    if base and not _BASE_PATH.fullmatch(base):
+        return "", (
+            "has a base path that is not plain /segments (letters, digits, - . _ ~ and "
+            "%XX escapes; no . or .. segments), got {got}"
+        )
     host = parts.hostname
     if not host:
         return "", "has no host, got {got}"
@@ -1542,7 +1555,12 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
         port = 443 if scheme == "https" else 80
     if not 1 <= port <= 65535:
         return "", "port must be 1..65535, got {got}"
-    return f"{scheme}://{normal}:{port}", None
+    return f"{scheme}://{normal}:{port}{base}", None
+
+
+# A base path is sent as it is, ahead of every request path: nothing a worker or a
+# proxy could read two ways (no empty, . or .. segments, nothing to escape).
+_BASE_PATH = re.compile(r"(?:/(?!\.{1,2}(?:/|$))(?:[A-Za-z0-9\-._~]|%[0-9A-Fa-f]{2})+)+")
 
 
 def _redis_url_problem(text: str) -> str | None:

@@ -254,6 +254,11 @@ class HealthChecker:
         """The settings changed: start the next wait over with the new interval."""
         self._wake.set()
 
+    def stop_soon(self) -> None:
+        """Ask the thread to stop after its current round, without waiting for it."""
+        self._stop.set()
+        self._wake.set()
+
     def stop(self) -> None:
         """Stop the thread and wait for probes in flight.
 

@@ -20,6 +20,7 @@ import math
 import os
 import random
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -29,6 +30,7 @@ from npu_sync.admission import Dispatcher, Lease, Refusal
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
+    HealthConfig,
     PoolConfig,
     WorkerConfig,
     check_reload,
@@ -190,7 +192,7 @@ class WorkerPool:
         # Breaker transitions happen under the lock; they are logged after it.
         self._events: list[tuple[str, str, str, bool]] = []
         self._applying_remote = False
-        self._shared = _shared_state(config, self._apply_remote)
+        self._shared = _shared_state(config, _weakly(self, WorkerPool._apply_remote, None))
         self._source_digest: str | None = None
         # The workers the file named when last applied: a reload is refused for
         # removing most of those, not for dropping workers added in code since.
@@ -205,6 +207,8 @@ class WorkerPool:
             "last_change": None,
         }
         self._watcher: ConfigWatcher | None = None
+        # Why the pool runs on a stand-in configuration, if it does (see get_pool).
+        self._fallback_reason: str | None = None
         if dead_letter_store is not None:
             store: DeadLetterStore = dead_letter_store
         elif config.dead_letter.backend == "redis" and self._shared is not None:
@@ -228,7 +232,7 @@ class WorkerPool:
             self._health.start()
         if self._shared is not None:
             self._shared.set_workers(self._workers)
-            self._shared.on_resume = self._announce_open_breakers
+            self._shared.on_resume = _weakly(self, WorkerPool._announce_open_breakers, None)
             self._shared.start()
         _live_pools.add(self)
 
@@ -259,7 +263,9 @@ class WorkerPool:
         pool._source_digest = _digest(text)
         if watch:
             pool._watcher = ConfigWatcher(
-                source, pool._reload_if_changed, poll_interval=poll_interval
+                source,
+                _weakly(pool, WorkerPool._reload_if_changed, None),
+                poll_interval=poll_interval,
             )
             try:
                 pool._watcher.start()
@@ -410,6 +416,10 @@ class WorkerPool:
             return {
                 "uptime_s": now - self._started,
                 "closed": self._closed,
+                "fallback": {
+                    "active": self._fallback_reason is not None,
+                    "reason": self._fallback_reason,
+                },
                 "workers": {
                     "total": len(workers),
                     "available": sum(1 for w in workers if w.eligible(now)),
@@ -607,10 +617,6 @@ class WorkerPool:
         finally:
             local.depth -= 1
 
-    def _mark_pool_thread(self) -> None:
-        """The executor's initializer: a pool thread's future callbacks are pool work."""
-        self._local.depth = 1
-
     def __enter__(self) -> WorkerPool:
         return self
 
@@ -620,13 +626,30 @@ class WorkerPool:
     def __repr__(self) -> str:
         return f"<WorkerPool workers={len(self._workers)} closed={self._closed}>"
 
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # Like an unclosed file: say so, then stop what can be stopped without waiting.
+        # May run on any thread, one of the pool's own included, so nothing here joins.
+        try:
+            if self._closed:
+                return
+            _warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+        except Exception:
+            return
+        with contextlib.suppress(Exception):
+            self._health.stop_soon()
+        with contextlib.suppress(Exception):
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+
     # -- internals ---------------------------------------------------------------------
 
     def _new_health_checker(self) -> HealthChecker:
+        # The threads hold the pool weakly, so a pool dropped unclosed can be collected
+        # (and warn, see __del__) instead of living on with its threads.
         return HealthChecker(
-            self._health_targets,
-            self._apply_health,
-            lambda: self._config.health,
+            _weakly(self, WorkerPool._health_targets, []),
+            _weakly(self, WorkerPool._apply_health, None),
+            _weakly(self, _health_config, HealthConfig()),
             clock=self._clock,
             rng=self._rng,
         )
@@ -664,7 +687,7 @@ class WorkerPool:
         if self._watcher is not None:
             self._watcher = ConfigWatcher(
                 self._watcher.path,
-                self._reload_if_changed,
+                _weakly(self, WorkerPool._reload_if_changed, None),
                 poll_interval=self._watcher.poll_interval,
             )
         if self._shared is not None:
@@ -922,7 +945,8 @@ class WorkerPool:
                     self._executor = concurrent.futures.ThreadPoolExecutor(
                         max_workers=self._config.pool.threads,
                         thread_name_prefix="npu-sync-task",
-                        initializer=self._mark_pool_thread,
+                        initializer=_mark_pool_thread,
+                        initargs=(self._local,),
                     )
                 executor = self._executor
         return executor
@@ -1502,6 +1526,26 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
+def _weakly(pool: WorkerPool, method: Callable[..., Any], dead: Any) -> Callable[..., Any]:
+    """``method`` called on ``pool`` through a weak reference; ``dead`` once it is gone."""
+    ref = weakref.ref(pool)
+
+    def call(*args: Any) -> Any:
+        target = ref()
+        return dead if target is None else method(target, *args)
+
+    return call
+
+
+def _health_config(pool: WorkerPool) -> HealthConfig:
+    return pool._config.health
+
+
+def _mark_pool_thread(local: threading.local) -> None:
+    """The executor's initializer: a pool thread's future callbacks are pool work."""
+    local.depth = 1
+
+
 def _shared_state(config: PoolConfig, on_remote: Any) -> Any:
     """The Redis-backed shared state, when configured (redis is imported only then)."""
     if config.shared_state.backend != "redis":
@@ -1560,9 +1604,12 @@ def _build_default(env: Mapping[str, str]) -> WorkerPool:
     if os.path.exists("npu_workers.yaml"):
         return WorkerPool.from_yaml("npu_workers.yaml")
     url = env.get("NPU_WORKER_URL", "http://127.0.0.1:8081")
-    log.warning(
-        "no npu_sync configuration ($NPU_SYNC_CONFIG unset, no ./npu_workers.yaml): "
-        "using a single worker at %s",
-        url,
+    source = "$NPU_WORKER_URL" if "NPU_WORKER_URL" in env else "the default"
+    reason = (
+        "no configuration found ($NPU_SYNC_CONFIG unset, no ./npu_workers.yaml): "
+        f"a single worker at {url} ({source})"
     )
-    return WorkerPool(config_for_url(url))
+    log.warning("%s", reason)
+    pool = WorkerPool(config_for_url(url))
+    pool._fallback_reason = reason
+    return pool

@@ -351,8 +351,12 @@ def test_bad_url_scheme() -> None:
     ("url", "expected"),
     [
         ("h:8081", "must be an http(s) URL such as http://host:8081, got 'h:8081'"),
-        ("http://h:8081/v1", "with no path, query or fragment, got 'http://h:8081/v1'"),
-        ("http://h:8081?x=1", "with no path, query or fragment"),
+        ("http://h:8081/v1?x=1", "with no query or fragment, got 'http://h:8081/v1?x=***'"),
+        ("http://h:8081?x=1", "with no query or fragment"),
+        ("http://h:8081/v1#top", "with no query or fragment"),
+        ("http://h:8081/a/../b", "base path that is not plain /segments"),
+        ("http://h:8081/a//b", "base path that is not plain /segments"),
+        ("http://h:8081/a b", "base path that is not plain /segments"),
         ("http://h:99999", "has an invalid port, got 'http://h:99999'"),
         ("http://:8081", "has no host, got 'http://:8081'"),
     ],
@@ -362,6 +366,23 @@ def test_bad_urls(url: str, expected: str) -> None:
     (message,) = errors_of(native(workers=[{"id": "a", "url": url}]))
     assert message.startswith("npu_workers.workers[0].url: ")
     assert expected in message
+
+
+@pytest.mark.parametrize(
+    ("url", "normal", "base"),
+    [
+        ("http://h:8081/api/v1", "http://h:8081/api/v1", "/api/v1"),
+        ("http://h:8081/api/v1/", "http://h:8081/api/v1", "/api/v1"),
+        ("https://h/npu", "https://h:443/npu", "/npu"),
+        ("http://h:8081/", "http://h:8081", ""),
+    ],
+)
+def test_a_url_with_a_base_path_is_kept_without_its_trailing_slash(
+    url: str, normal: str, base: str
+) -> None:
+    """A worker behind a path prefix keeps the prefix in url and base_path."""
+    (worker,) = parse_config(native(workers=[{"id": "a", "url": url}])).workers
+    assert (worker.url, worker.base_path) == (normal, base)
 
 
 def test_url_credentials_rejected_without_echo() -> None:

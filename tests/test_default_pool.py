@@ -48,6 +48,23 @@ def test_single_worker_compatibility_mode_is_logged(monkeypatch, caplog):
     assert "single worker at http://127.0.0.1:9003" in caplog.text
 
 
+def test_fallback_mode_shows_in_stats_with_its_reason(monkeypatch):
+    """A pool standing in for a missing config says so in stats(), and why."""
+    monkeypatch.setenv("NPU_WORKER_URL", "http://127.0.0.1:9004")
+    fallback = get_pool().stats()["fallback"]
+    assert fallback["active"] is True
+    assert "no configuration found" in fallback["reason"]
+    assert "http://127.0.0.1:9004 ($NPU_WORKER_URL)" in fallback["reason"]
+
+
+def test_a_configured_pool_is_not_in_fallback_mode(tmp_path):
+    """A pool built from ./npu_workers.yaml reports fallback inactive, with no reason."""
+    (tmp_path / "npu_workers.yaml").write_text(
+        "npu_workers:\n  workers:\n    - {id: local-w, host: 127.0.0.1, port: 9002}\n"
+    )
+    assert get_pool().stats()["fallback"] == {"active": False, "reason": None}
+
+
 def test_default_url_is_the_autobot_port():
     """The fallback worker defaults to http://127.0.0.1:8081."""
     assert [w["url"] for w in get_pool().workers()] == ["http://127.0.0.1:8081"]

@@ -737,7 +737,7 @@ def test_make_transport_applies_the_size_limit(net, server):
     """transport.max_response_bytes reaches the transport."""
     server.routes["/big"] = lambda h: reply(h, 200, b"x" * 101)
     t = net.track(make_transport(worker(server.url()), TransportConfig(max_response_bytes=100)))
-    with pytest.raises(TransportError, match="exceeds 100 bytes"):
+    with pytest.raises(TransportError, match="larger than 100 bytes"):
         t.request("GET", "/big", **TIMEOUTS)
 
 

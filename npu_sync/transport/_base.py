@@ -146,8 +146,74 @@ def with_content_type(headers: dict[str, str]) -> dict[str, str]:
     return {**headers, "Content-Type": "application/json"}
 
 
-def describe(worker: WorkerConfig, method: str, path: str) -> str:
-    return f"{method} {worker.url}{path} (worker {worker.id})"
+class Where:
+    """Names one exchange in an error message, once: ``worker-id: what happened (where)``.
+
+    ``str()`` is the worker id, so ``f"{where}: {problem}"`` reads as one clause.
+    """
+
+    __slots__ = ("address", "request", "timeout", "worker")
+
+    def __init__(
+        self, worker: WorkerConfig, method: str, path: str, timeout: float | None = None
+    ) -> None:
+        self.worker = worker.id
+        self.timeout = timeout
+        host = f"[{worker.host}]" if ":" in worker.host else worker.host
+        self.address = f"{host}:{worker.port}"
+        self.request = f"{method} {path}"
+
+    def __str__(self) -> str:
+        return self.worker
+
+    def at(self, happened: str) -> str:
+        """A failure to reach the worker: names its address."""
+        return f"{self.worker}: {_one_line(happened)} ({self.address})"
+
+    def on(self, happened: str) -> str:
+        """A failure of the exchange itself: names the method and path."""
+        return f"{self.worker}: {_one_line(happened)} ({self.request})"
+
+    def late(self) -> str:
+        """The answer did not come in time."""
+        after = "" if self.timeout is None else f" after {self.timeout:g}s"
+        return self.on(f"timed out{after} waiting for the answer")
+
+
+def _one_line(text: str) -> str:
+    # A worker's own bytes may end up quoted in a message; a status table wants one line.
+    return " ".join(text.split())
+
+
+def describe(worker: WorkerConfig, method: str, path: str, timeout: float | None = None) -> Where:
+    return Where(worker, method, path, timeout)
+
+
+def os_reason(exc: BaseException) -> str:
+    """An OS error in plain words, without the errno and the address it repeats."""
+    while not isinstance(exc, OSError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, ConnectionResetError):
+        return "connection reset by the worker"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror[0].lower() + exc.strerror[1:]
+    return str(exc)
+
+
+def tls_reason(exc: BaseException) -> str:
+    """A TLS failure in plain words, without OpenSSL's source file and line."""
+    import ssl
+
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        detail = f": {exc.verify_message}" if exc.verify_message else ""
+        return f"certificate verify failed{detail}"
+    if isinstance(exc, ssl.SSLError) and exc.reason:
+        return str(exc.reason).lower().replace("_", " ")
+    if isinstance(exc, ssl.CertificateError):
+        return str(exc.args[0]) if exc.args else "certificate error"
+    return str(exc)
 
 
 def check_scheme(worker: WorkerConfig) -> str:

@@ -50,11 +50,14 @@ from npu_sync.transport import _http11 as h11
 from npu_sync.transport._base import (
     Response,
     TransportError,
+    Where,
     base_headers,
     check_scheme,
     describe,
     header_index,
     merge_headers,
+    os_reason,
+    tls_reason,
     with_content_type,
 )
 from npu_sync.transport._resolve import (
@@ -324,6 +327,7 @@ class BuiltinTransport:
         self._tls = check_scheme(worker) == "https"
         self._host = worker.host
         self._port = worker.port
+        self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._maxsize = max(1, maxsize)
         self._idle_timeout = idle_timeout
@@ -367,32 +371,34 @@ class BuiltinTransport:
         """Send one request; see :meth:`Transport.request`."""
         start = time.monotonic()
         deadline = start + timeout
+        path = self._base_path + path
         data = self._encode(method, path, body, headers)
         conn = self._checkout(method, path)
         if conn is None:
             conn = self._connect(start, deadline, connect_timeout, method, path)
         try:
-            return self._exchange(conn, data, method, path, deadline)
+            return self._exchange(conn, data, method, path, deadline, timeout)
         except _Lost as lost:
             # Only a reused connection that failed before any answer byte gets here.
             delivered = lost.delivered
             if delivered and not replayable:
                 raise TransportError(
                     "reset",
-                    f"{describe(self.worker, method, path)}: reused keep-alive connection "
-                    f"closed before any answer ({lost}); the request was not re-sent",
+                    describe(self.worker, method, path).on(
+                        "reused keep-alive connection closed before any answer; not re-sent"
+                    ),
                     sent=True,
                     stale=True,
                 ) from None
         log.debug("worker %s: stale keep-alive connection; re-sending", self.worker.id)
         try:
             conn = self._connect(time.monotonic(), deadline, connect_timeout, method, path)
-            return self._exchange(conn, data, method, path, deadline)
+            return self._exchange(conn, data, method, path, deadline, timeout)
         except TransportError as exc:
             if exc.sent or not delivered:
                 raise
             # This attempt sent nothing, but the first may have reached the worker.
-            raise TransportError(exc.kind, f"{exc} (re-sending)", sent=True) from exc
+            raise TransportError(exc.kind, f"{exc}, on re-sending", sent=True) from exc
 
     def _encode(
         self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None
@@ -420,7 +426,7 @@ class BuiltinTransport:
                     block += "".join(extra)
             head = h11.encode_head(f"{line}{block}{length}\r\n")
         except h11.BadRequest as exc:
-            raise InvalidTask(f"{describe(self.worker, method, path)}: {exc}") from None
+            raise InvalidTask(describe(self.worker, method, path).on(str(exc))) from None
         return head + body if body else head
 
     def _request_line(self, method: str, path: str) -> str:
@@ -435,7 +441,7 @@ class BuiltinTransport:
         return line
 
     def _exchange(
-        self, conn: _Conn, data: bytes, method: str, path: str, deadline: float
+        self, conn: _Conn, data: bytes, method: str, path: str, deadline: float, timeout: float
     ) -> Response:
         """Send, read the whole answer, give the connection back or close it.
 
@@ -457,7 +463,7 @@ class BuiltinTransport:
             if isinstance(exc, _Lost) and conn.reused and not exc.answered:
                 raise
             cause = exc if isinstance(exc, OSError) else exc.__cause__
-            raise self._error(exc, sent, method, path) from cause
+            raise self._error(exc, sent, method, path, timeout) from cause
         except BaseException:
             conn.close()
             raise
@@ -483,18 +489,21 @@ class BuiltinTransport:
             pass  # nothing more to be had from a connection whose write failed
         raise lost
 
-    def _error(self, exc: Exception, sent: bool, method: str, path: str) -> TransportError:
+    def _error(
+        self, exc: Exception, sent: bool, method: str, path: str, timeout: float
+    ) -> TransportError:
         what = describe(self.worker, method, path)
         if isinstance(exc, _Timeout):
             sent = sent or isinstance(exc, _SentTimeout)
-            return TransportError("timeout", f"{what}: no complete answer in time", sent=sent)
+            happened = f"timed out after {timeout:g}s waiting for the answer"
+            return TransportError("timeout", what.on(happened), sent=sent)
         if isinstance(exc, _Lost):
-            return TransportError("reset", f"{what}: {exc}", sent=exc.delivered)
+            return TransportError("reset", what.on(str(exc)), sent=exc.delivered)
         if isinstance(exc, h11.MessageError):
-            return TransportError(exc.kind, f"{what}: {exc}", sent=True)
+            return TransportError(exc.kind, what.on(str(exc)), sent=True)
         if isinstance(exc, ssl.SSLError):
-            return TransportError("tls", f"{what}: TLS error: {exc}", sent=True)
-        return TransportError("reset", f"{what}: connection lost: {exc}", sent=True)
+            return TransportError("tls", what.on(f"TLS error: {tls_reason(exc)}"), sent=True)
+        return TransportError("reset", what.on(f"connection lost: {os_reason(exc)}"), sent=True)
 
     # -- the connection pool ---------------------------------------------------------
 
@@ -506,7 +515,7 @@ class BuiltinTransport:
         if self._closed:
             raise TransportError(
                 "connect",
-                f"{describe(self.worker, method, path)}: transport is closed",
+                describe(self.worker, method, path).on("transport is closed"),
                 sent=False,
             )
         idle = self._idle
@@ -583,12 +592,10 @@ class BuiltinTransport:
         try:
             addresses = self._resolver.resolve(self._host, self._port, limit)
         except ResolveTimeout:
-            raise TransportError(
-                "timeout", f"{what}: name lookup of {self._host!r} timed out", sent=False
-            ) from None
+            raise TransportError("timeout", what.at("name lookup timed out"), sent=False) from None
         except ResolveError as exc:
             raise TransportError(
-                "connect", f"{what}: cannot resolve {self._host!r}: {exc}", sent=False
+                "connect", what.at(f"cannot resolve the host: {exc}"), sent=False
             ) from exc.cause
         sock = None
         error: OSError = TimeoutError("no time left to connect")
@@ -610,15 +617,14 @@ class BuiltinTransport:
             break
         if sock is None:
             if isinstance(error, TimeoutError):
-                raise TransportError("timeout", f"{what}: connect timed out", sent=False) from error
-            raise TransportError(
-                "connect", f"{what}: cannot connect: {error}", sent=False
-            ) from error
+                happened = f"timed out after {limit - start:.3g}s connecting"
+                raise TransportError("timeout", what.at(happened), sent=False) from error
+            raise TransportError("connect", what.at(os_reason(error)), sent=False) from error
         if self._ctx is not None:
             sock = self._handshake(sock, limit, what)
         return _Conn(sock, self._ctx is not None, self._idle_timeout)
 
-    def _handshake(self, sock: socket.socket, limit: float, what: str) -> socket.socket:
+    def _handshake(self, sock: socket.socket, limit: float, what: Where) -> socket.socket:
         assert self._ctx is not None
         try:
             remaining = limit - time.monotonic()
@@ -633,15 +639,16 @@ class BuiltinTransport:
             tls.do_handshake()
         except TimeoutError as exc:
             sock.close()
-            raise TransportError("timeout", f"{what}: TLS handshake timed out", sent=False) from exc
+            happened = what.at("timed out during the TLS handshake")
+            raise TransportError("timeout", happened, sent=False) from exc
         except (ssl.SSLError, ssl.CertificateError) as exc:
             sock.close()
-            raise TransportError("tls", f"{what}: TLS handshake failed: {exc}", sent=False) from exc
+            happened = what.at(f"TLS handshake failed: {tls_reason(exc)}")
+            raise TransportError("tls", happened, sent=False) from exc
         except OSError as exc:
             sock.close()
-            raise TransportError(
-                "connect", f"{what}: connection failed during the TLS handshake: {exc}", sent=False
-            ) from exc
+            happened = what.at(f"connection failed during the TLS handshake: {os_reason(exc)}")
+            raise TransportError("connect", happened, sent=False) from exc
         return tls
 
     # -- writing ------------------------------------------------------------------------
@@ -709,7 +716,7 @@ class BuiltinTransport:
             # The common answer, framed by one plain Content-Length.
             length = int(length_text)
             if length > raw_limit:
-                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+                raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
             body = reader.exactly(length)
         elif "transfer-encoding" in headers:
             if "content-length" in headers:
@@ -719,7 +726,7 @@ class BuiltinTransport:
         elif "content-length" in headers:
             length = h11.content_length(headers["content-length"])
             if length > raw_limit:
-                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+                raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
             body = reader.exactly(length)
         else:
             keep = False
@@ -762,7 +769,7 @@ class _Reader:
         except _Timeout:
             raise _SentTimeout from None
         except _LOST as exc:
-            raise _Lost(f"connection lost: {exc}", answered=self.got) from exc
+            raise _Lost(f"connection lost: {os_reason(exc)}", answered=self.got) from exc
         if n:
             self.got = True
         return n
@@ -856,7 +863,7 @@ class _Reader:
                 break
             total += size
             if total > limit:
-                raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+                raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
             parts.append(self.exactly(size))
             if self._line():
                 raise h11.MessageError("protocol", "chunk data longer than its size")
@@ -881,7 +888,7 @@ class _Reader:
                     return b"".join(parts)
                 total += n
                 parts.append(bytes(view[:n]))
-        raise h11.MessageError("too_large", f"response body exceeds {limit} bytes")
+        raise h11.MessageError("too_large", f"answer larger than {limit} bytes")
 
     def leftover(self) -> bool:
         return self.end > self.start

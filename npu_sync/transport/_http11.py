@@ -277,7 +277,7 @@ def _inflate(data: bytes, wbits: int, limit: int) -> bytes:
             raise MessageError("protocol", f"undecodable body: {exc}") from None
         size += len(piece)
         if size > limit:
-            raise MessageError("too_large", f"decoded body exceeds {limit} bytes")
+            raise MessageError("too_large", f"answer larger than {limit} bytes")
         out.append(piece)
         if not decoder.eof:
             raise MessageError("protocol", "compressed body is truncated")

@@ -91,11 +91,14 @@ from npu_sync.transport import _http11 as h11
 from npu_sync.transport._base import (
     Response,
     TransportError,
+    Where,
     base_headers,
     check_scheme,
     describe,
     header_index,
     merge_headers,
+    os_reason,
+    tls_reason,
     with_content_type,
 )
 from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT
@@ -488,38 +491,43 @@ def _discard(raw: BaseHTTPResponse) -> None:
     raw.release_conn()
 
 
-def _from_urllib3(exc: BaseException, what: str) -> TransportError:
+def _from_urllib3(exc: BaseException, what: Where) -> TransportError:
     """Map an exception raised by urllib3 (or the socket under it) to a TransportError."""
     if isinstance(exc, MaxRetryError) and exc.reason is not None:
         exc = exc.reason
     if isinstance(exc, _HandshakeError):
         cause = exc.cause
         if isinstance(cause, TimeoutError):
-            return TransportError("timeout", f"{what}: TLS handshake timed out", sent=False)
+            return TransportError(
+                "timeout", what.at("timed out during the TLS handshake"), sent=False
+            )
         if isinstance(cause, (ssl.SSLError, CertificateError)):
-            return TransportError("tls", f"{what}: TLS handshake failed: {cause}", sent=False)
-        return TransportError("connect", f"{what}: connection failed: {cause}", sent=False)
+            happened = f"TLS handshake failed: {tls_reason(cause)}"
+            return TransportError("tls", what.at(happened), sent=False)
+        happened = f"connection failed during the TLS handshake: {os_reason(cause)}"
+        return TransportError("connect", what.at(happened), sent=False)
     # NewConnectionError derives from ConnectTimeoutError, so it must be tested first.
     if isinstance(exc, NewConnectionError):
-        return TransportError("connect", f"{what}: cannot connect: {exc}", sent=False)
+        return TransportError("connect", what.at(os_reason(exc)), sent=False)
     if isinstance(exc, ConnectTimeoutError):
-        return TransportError("timeout", f"{what}: connect timed out", sent=False)
+        return TransportError("timeout", what.at("timed out connecting"), sent=False)
     if isinstance(exc, ClosedPoolError):
-        return TransportError("connect", f"{what}: transport is closed", sent=False)
+        return TransportError("connect", what.on("transport is closed"), sent=False)
     if isinstance(exc, ReadTimeoutError):
-        return TransportError("timeout", f"{what}: read timed out", sent=True)
+        return TransportError("timeout", what.late(), sent=True)
     if isinstance(exc, SSLError):
-        return TransportError("tls", f"{what}: TLS error: {exc}", sent=True)
+        return TransportError("tls", what.on(f"TLS error: {tls_reason(exc)}"), sent=True)
     if isinstance(exc, ProtocolError):
         inner = exc.args[1] if len(exc.args) > 1 else exc.__cause__
         if _is_malformed(inner):
-            return TransportError("protocol", f"{what}: malformed response: {exc}", sent=True)
-        return TransportError("reset", f"{what}: connection lost: {exc}", sent=True)
+            return TransportError("protocol", what.on(f"malformed answer: {inner}"), sent=True)
+        lost = os_reason(inner) if isinstance(inner, BaseException) else str(exc)
+        return TransportError("reset", what.on(f"connection lost: {lost}"), sent=True)
     if isinstance(exc, DecodeError):
-        return TransportError("protocol", f"{what}: undecodable body: {exc}", sent=True)
+        return TransportError("protocol", what.on("undecodable body"), sent=True)
     if isinstance(exc, OSError):
-        return TransportError("reset", f"{what}: connection lost: {exc}", sent=True)
-    return TransportError("protocol", f"{what}: {type(exc).__name__}: {exc}", sent=True)
+        return TransportError("reset", what.on(f"connection lost: {os_reason(exc)}"), sent=True)
+    return TransportError("protocol", what.on(f"{type(exc).__name__}: {exc}"), sent=True)
 
 
 def _is_malformed(cause: object) -> bool:
@@ -557,7 +565,7 @@ class _TimeoutCache:
         return timeout
 
 
-def _check_headers(headers: Mapping[str, str], what: str) -> None:
+def _check_headers(headers: Mapping[str, str], what: Where) -> None:
     """Refuse header values that cannot be sent, before anything is sent."""
     try:
         h11.encode_head(h11.header_lines(headers))
@@ -567,7 +575,7 @@ def _check_headers(headers: Mapping[str, str], what: str) -> None:
 
 def _exchange(
     send: Callable[[], BaseHTTPResponse],
-    map_error: Callable[[BaseException, str], TransportError],
+    map_error: Callable[[BaseException, Where], TransportError],
     worker: WorkerConfig,
     resolver: BoundedResolver,
     limit: int,
@@ -585,7 +593,7 @@ def _exchange(
     connect_deadline = (
         deadline if connect_timeout is None else min(deadline, start + connect_timeout)
     )
-    what = describe(worker, method, path)
+    what = describe(worker, method, path, timeout)
     fresh = False
     while True:
         call = _Call(deadline, connect_deadline, resolver, fresh)
@@ -604,20 +612,17 @@ def _exchange(
             # urllib3 reports a timeout while sending as a lost connection, and a
             # timeout inside http.client's header parsing in other ways again.
             cause = error.__cause__
-            error = TransportError(
-                "timeout", f"{what}: no complete answer in time", sent=error.sent
-            )
+            error = TransportError("timeout", what.late(), sent=error.sent)
             error.__cause__ = cause
         if fresh or not (call.reused and call.lost and error.kind == "reset"):
             if fresh and not error.sent:
                 # This attempt sent nothing, but the first may have reached the worker.
-                raise TransportError(error.kind, f"{error} (re-sending)", sent=True) from error
+                raise TransportError(error.kind, f"{error}, on re-sending", sent=True) from error
             raise error
         if not replayable:
             raise TransportError(
                 "reset",
-                f"{what}: reused keep-alive connection closed before any answer; "
-                "the request was not re-sent",
+                what.on("reused keep-alive connection closed before any answer; not re-sent"),
                 sent=True,
                 stale=True,
             ) from error.__cause__
@@ -651,6 +656,7 @@ class Urllib3Transport:
         resolver: Lookup | None = None,
     ) -> None:
         self.worker = worker
+        self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._resolver = default_resolver if resolver is None else BoundedResolver(resolver)
         self._headers = base_headers(worker)
@@ -695,6 +701,7 @@ class Urllib3Transport:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
+        path = self._base_path + path
         if headers:
             _check_headers(headers, describe(self.worker, method, path))
         if body is None:
@@ -759,14 +766,14 @@ def _finish(
         _discard(raw)
         raise TransportError(
             "timeout",
-            f"{describe(worker, method, path)}: no complete answer in time",
+            describe(worker, method, path).late(),
             sent=True,
         ) from None
     if data is None:
         _discard(raw)
         raise TransportError(
             "too_large",
-            f"{describe(worker, method, path)}: response body exceeds {limit} bytes",
+            describe(worker, method, path).on(f"answer larger than {limit} bytes"),
             sent=True,
         )
     # Normally already released when the body ended; this covers the rest.
@@ -861,9 +868,11 @@ class RequestsTransport:
     ) -> None:
         check_scheme(worker)
         self.worker = worker
+        self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._resolver = default_resolver if resolver is None else BoundedResolver(resolver)
-        self._base_url = worker.url.rstrip("/")
+        # scheme://host:port: the worker's base path is joined to each request's path.
+        self._base_url = worker.url.removesuffix(worker.base_path)
         session = _Session()
         session.trust_env = False
         session.max_redirects = 0
@@ -901,9 +910,10 @@ class RequestsTransport:
         """Send one request; see :meth:`Transport.request`."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
-        what = describe(self.worker, method, path)
+        path = self._base_path + path
+        what = describe(self.worker, method, path, timeout)
         if self._closed:
-            raise TransportError("connect", f"{what}: transport is closed", sent=False)
+            raise TransportError("connect", what.on("transport is closed"), sent=False)
         if headers:
             _check_headers(headers, what)
         sent_headers: Mapping[str, str] | None = headers
@@ -948,17 +958,17 @@ class RequestsTransport:
         self._session.close()
 
 
-def _from_requests(exc: requests.exceptions.RequestException, what: str) -> TransportError:
+def _from_requests(exc: requests.exceptions.RequestException, what: Where) -> TransportError:
     """Map a requests exception to a TransportError through the urllib3 error it wraps."""
     inner = exc.args[0] if exc.args else None
     if isinstance(inner, BaseException):
         return _from_urllib3(inner, what)
     if isinstance(exc, requests.exceptions.ConnectTimeout):
-        return TransportError("timeout", f"{what}: connect timed out", sent=False)
+        return TransportError("timeout", what.at("timed out connecting"), sent=False)
     if isinstance(exc, requests.exceptions.Timeout):
-        return TransportError("timeout", f"{what}: read timed out", sent=True)
+        return TransportError("timeout", what.late(), sent=True)
     if isinstance(exc, requests.exceptions.SSLError):
-        return TransportError("tls", f"{what}: TLS error: {exc}", sent=True)
+        return TransportError("tls", what.on(f"TLS error: {tls_reason(exc)}"), sent=True)
     if isinstance(exc, requests.exceptions.ConnectionError):
-        return TransportError("reset", f"{what}: connection error: {exc}", sent=True)
-    return TransportError("protocol", f"{what}: {type(exc).__name__}: {exc}", sent=True)
+        return TransportError("reset", what.on(f"connection lost: {os_reason(exc)}"), sent=True)
+    return TransportError("protocol", what.on(f"{type(exc).__name__}: {exc}"), sent=True)

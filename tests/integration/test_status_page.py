@@ -14,6 +14,7 @@ import pytest
 from flask import Flask
 from werkzeug.serving import make_server
 
+import npu_sync.pool as pool_module
 from npu_sync import TaskFailed, WorkerPool
 from npu_sync.config import BreakerConfig, HealthConfig, PoolConfig, RetryConfig, worker_config
 from npu_sync.flask import NpuSync
@@ -201,3 +202,26 @@ def test_states_colours_and_escaping_on_a_fake_network(tmp_path):
             assert '<b id="injected">boom</b>' in errors
             failed = driver.find_element(By.CSS_SELECTOR, '[data-total="tasks.failed"]')
             assert failed.text == "1" and "bad" in failed.get_attribute("class")
+
+
+def test_fallback_mode_shows_a_banner_with_its_reason(tmp_path, monkeypatch):
+    """A default pool standing in for a missing config says so on the page, and why."""
+    monkeypatch.chdir(tmp_path)  # no ./npu_workers.yaml here
+    fallback = pool_module._build_default({"NPU_WORKER_URL": "http://127.0.0.1:9105"})
+    configured = WorkerPool(
+        PoolConfig(
+            workers=(worker_config("w", "http://127.0.0.1:9106"),),
+            health=HealthConfig(enabled=False),
+        )
+    )
+    with fallback, configured, chromium(tmp_path / "profile") as driver:
+        with serve(fallback, refresh_ms=250) as base:
+            driver.get(base + PAGE)
+            banner = driver.find_element(By.ID, "fallback")
+            wait_for(driver, lambda d: banner.is_displayed(), "the fallback banner")
+            assert banner.text.startswith("Fallback mode: no configuration found")
+            assert "http://127.0.0.1:9105 ($NPU_WORKER_URL)" in banner.text
+        with serve(configured, refresh_ms=250) as base:
+            driver.get(base + PAGE)
+            wait_for(driver, lambda d: rows(d) == {"w": "up"}, "the configured worker")
+            assert not driver.find_element(By.ID, "fallback").is_displayed()
