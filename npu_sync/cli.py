@@ -519,7 +519,17 @@ def _failed_attempts(row: Mapping[str, object]) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    config = _config_from(args.config, "CONFIG")
+    try:
+        config = _config_from(args.config, "CONFIG")
+    except _CommandError:
+        if args.config:
+            raise
+        # What get_pool() would run: one worker at $NPU_WORKER_URL. Say so, since an
+        # operator reading this expects the fleet of a configuration file.
+        from npu_sync.pool import fallback_config
+
+        config, reason = fallback_config(os.environ)
+        sys.stderr.write(f"fallback mode: {reason}\n")
     pool = _probe_pool(config)
     try:
         out = sys.stdout

@@ -1603,13 +1603,24 @@ def _build_default(env: Mapping[str, str]) -> WorkerPool:
         return WorkerPool.from_yaml(path)
     if os.path.exists("npu_workers.yaml"):
         return WorkerPool.from_yaml("npu_workers.yaml")
+    config, reason = fallback_config(env)
+    log.warning("%s", reason)
+    pool = WorkerPool(config)
+    pool._fallback_reason = reason
+    return pool
+
+
+def fallback_config(env: Mapping[str, str]) -> tuple[PoolConfig, str]:
+    """The single-worker configuration used when no configuration file is found.
+
+    Returns:
+        The configuration (one worker at ``$NPU_WORKER_URL``, default
+        ``http://127.0.0.1:8081``) and the reason, as ``stats()["fallback"]`` gives it.
+    """
     url = env.get("NPU_WORKER_URL", "http://127.0.0.1:8081")
     source = "$NPU_WORKER_URL" if "NPU_WORKER_URL" in env else "the default"
     reason = (
         "no configuration found ($NPU_SYNC_CONFIG unset, no ./npu_workers.yaml): "
         f"a single worker at {url} ({source})"
     )
-    log.warning("%s", reason)
-    pool = WorkerPool(config_for_url(url))
-    pool._fallback_reason = reason
-    return pool
+    return config_for_url(url), reason

@@ -109,11 +109,20 @@ class SelectionStats(TypedDict):
     p99: float | None
 
 
+class FallbackStats(TypedDict):
+    """``stats()["fallback"]``: whether the pool is :func:`~npu_sync.get_pool`'s
+    single-worker fallback, and why."""
+
+    active: bool
+    reason: str | None
+
+
 class PoolStatsDict(TypedDict):
     """What :meth:`WorkerPool.stats` returns."""
 
     uptime_s: float
     closed: bool
+    fallback: FallbackStats
     workers: PoolWorkerCounts
     tasks: PoolTaskStats
     dead_letters: DeadLetterStats

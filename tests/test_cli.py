@@ -638,12 +638,21 @@ def test_status_falls_back_to_npu_workers_yaml(tmp_path, capsys, monkeypatch):
     assert [row["id"] for row in json.loads(capsys.readouterr().out)] == ["a"]
 
 
-def test_status_without_any_config_exits_2(tmp_path, capsys, monkeypatch):
-    """Without CONFIG, $NPU_SYNC_CONFIG or ./npu_workers.yaml, 'status' explains and exits 2."""
+def test_status_without_any_config_probes_the_fallback_worker_and_says_so(
+    tmp_path, capsys, monkeypatch
+):
+    """Without CONFIG, $NPU_SYNC_CONFIG or ./npu_workers.yaml, 'status' probes what
+    get_pool() would run, the single worker at $NPU_WORKER_URL, and says it is the
+    fallback mode and why."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("NPU_SYNC_CONFIG", raising=False)
-    assert main(["status"]) == 2
-    assert "no configuration: CONFIG not given" in capsys.readouterr().err
+    with LocalWorker(worker_id="solo").start() as solo:
+        monkeypatch.setenv("NPU_WORKER_URL", solo.url)
+        assert main(["status"]) == 0
+    captured = capsys.readouterr()
+    assert "fallback mode: no configuration found" in captured.err
+    assert solo.url in captured.err and "$NPU_WORKER_URL" in captured.err
+    assert solo.url in captured.out and "1/1 enabled worker(s) healthy" in captured.out
 
 
 def test_demo_summary_says_failures_were_retried_attempts():
