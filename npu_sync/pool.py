@@ -1292,8 +1292,12 @@ class WorkerPool:
                 task.task_id,
                 len(suspects),
             )
-        if attempts and attempts[-1].error:
-            reason = f"{reason}; last error on {attempts[-1].worker_id}: {attempts[-1].error}"
+        last_error = attempts[-1].error if attempts else None
+        if last_error:
+            wid = attempts[-1].worker_id
+            # Transport errors name their worker already ("timeout: a: timed out ...").
+            on = "" if f"{wid}: " in last_error else f" on {wid}"
+            reason = f"{reason}; last error{on}: {last_error}"
         raise _Exhausted(reason, attempts, start + wall)
 
     def _refusal_reason(
