@@ -18,6 +18,7 @@ from npu_sync.cli import main
 from npu_sync.config import parse_yaml
 from npu_sync.errors import scrub
 from npu_sync.testing import FakeNetwork, json_response
+from tests.load import Load
 
 SECRET = "Sup3rS3cretPassw0rd"
 
@@ -267,39 +268,6 @@ def test_a_tab_indented_file_is_refused_with_its_line(tmp_path):
 
 
 # -- the real watcher against real writers ------------------------------------------------
-
-
-class Load:
-    """Threads running tasks on the pool until stopped, keeping every error."""
-
-    def __init__(self, pool: WorkerPool, threads: int = 3) -> None:
-        self.pool = pool
-        self.stop = threading.Event()
-        self.errors: list[BaseException] = []
-        self.ok = 0
-        self.lock = threading.Lock()
-        self.threads = [threading.Thread(target=self._run) for _ in range(threads)]
-
-    def _run(self) -> None:
-        while not self.stop.is_set():
-            try:
-                self.pool.execute({"input_text": "x"})
-            except Exception as exc:
-                with self.lock:
-                    self.errors.append(exc)
-            else:
-                with self.lock:
-                    self.ok += 1
-
-    def __enter__(self) -> Load:
-        for thread in self.threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(30)
 
 
 def slow_answer(req):
