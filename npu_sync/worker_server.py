@@ -1,4 +1,4 @@
-"""The reference NPU worker: a simulated inference server that speaks the worker protocol.
+"""The reference NPU worker: a simulated inference server that speaks the worker protocols.
 
 It runs in three ways:
 
@@ -7,16 +7,31 @@ It runs in three ways:
 * as a child process driven from Python, :class:`LocalWorker` (integration tests,
   benchmarks and the demo), which can kill, freeze, slow or restart it.
 
-Endpoints: ``POST /inference`` and ``POST /echo`` (task endpoints), ``GET /health``,
-``GET /stats`` and ``POST /_control``, which changes a running worker's behaviour (latency,
-failures, a lying or hanging worker, forced status codes). Standard library only.
+It speaks either of AutoBot's worker protocols (see docs/protocol.md):
+
+* ``linux`` (the default): ``POST /inference`` takes ``{"model_id", "input_text", ...}``;
+  ``GET /models``, ``POST /models/load``, ``DELETE /models/{id}`` and ``GET /devices``
+  manage models; a model that is not loaded answers ``500 {"detail": "Model X not
+  loaded"}``.
+* ``windows``: ``POST /inference`` takes ``{"task_type", "model_name", "input_data",
+  ...}`` and answers HTTP 200 with ``"status": "completed"`` or ``"failed"``;
+  ``GET /health`` lists the loaded models; ``POST /model/optimize?model_name=X`` loads one.
+
+Both also serve ``POST /echo`` (a task endpoint), ``GET /health``, ``GET /stats`` and
+``POST /_control``, which changes a running worker's behaviour (latency, failures, a
+lying or hanging worker, forced status codes, loaded models, NPU or CPU). Requests may be
+required to carry an AutoBot HMAC signature or a bearer token; ``/stats`` and
+``/_control`` never are, being test hooks that a real deployment does not have.
+Standard library only.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import hashlib
+import hmac
 import http.client
 import json
 import logging
@@ -34,19 +49,24 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any
+from urllib.parse import parse_qs, unquote
 
+from npu_sync.auth import HmacVerifier
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 
 __all__ = [
     "ANY_MODEL",
+    "CPU_DEVICE",
     "DEVICE",
     "MAX_BODY_BYTES",
+    "PROTOCOLS",
     "LocalWorker",
     "WorkerBehaviour",
     "WorkerServer",
@@ -58,13 +78,29 @@ __all__ = [
 _log = logging.getLogger(__name__)
 
 DEVICE = "NPU (simulated)"
-"""The ``device`` every answer of the reference worker names."""
+"""The ``device`` the reference worker's answers name while its NPU is available."""
+
+CPU_DEVICE = "CPU (simulated)"
+"""The ``device`` named instead once ``npu_available`` is turned off (CPU fallback)."""
+
+PROTOCOLS = ("linux", "windows")
+"""The worker protocols the reference worker speaks: AutoBot's Linux and Windows workers."""
+
+HMAC_SECRET_ENV = "NPU_SYNC_WORKER_HMAC_SECRET"
+"""Where ``npu-sync worker --hmac-service-id`` reads the HMAC secret by default."""
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 """Request bodies larger than this are refused with 413."""
 
 ANY_MODEL = "*"
-"""In ``models``, serves every model id."""
+"""In ``models``, serves every model id, loading it on first use (as AutoBot's Windows
+worker does)."""
+
+_MAX_MODEL_ID = 200
+_WINDOWS_TASK_TYPES = frozenset({"embedding_generation"})
+_EMBEDDING_DIM = 8
+# Paths that never require authentication: test hooks, not part of any real worker.
+_OPEN_PATHS = frozenset({"/_control", "/stats"})
 
 _SEEN_TASK_IDS_LIMIT = 1_000_000
 """Task ids remembered for duplicate detection; the oldest are forgotten first."""
@@ -103,6 +139,10 @@ class WorkerBehaviour:
         status_code: when set (400..599), every inference answers it at once with
             ``{"detail": "forced"}``.
         retry_after: seconds sent as ``Retry-After`` with a forced 429 or 503.
+        npu_available: reported in ``/health`` and ``/models``; when off, the worker
+            has "fallen back to CPU" and names :data:`CPU_DEVICE` as its device.
+        load_delay_ms: time loading a model takes (``/models/load``,
+            ``/model/optimize``, or a first use under ``"*"``).
     """
 
     latency_ms: float = 0.0
@@ -114,16 +154,19 @@ class WorkerBehaviour:
     draining: bool = False
     status_code: int | None = None
     retry_after: float | None = None
+    npu_available: bool = True
+    load_delay_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check_number("latency_ms", self.latency_ms)
+        _check_number("load_delay_ms", self.load_delay_ms)
         _check_number("jitter_ms", self.jitter_ms)
         _check_number("failure_rate", self.failure_rate, upper=1.0)
         if not isinstance(self.health_status, str) or not self.health_status:
             raise ValueError(
                 f"health_status: must be a non-empty string, got {self.health_status!r}"
             )
-        for name in ("fail_all", "hang", "draining"):
+        for name in ("fail_all", "hang", "draining", "npu_available"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
         if self.status_code is not None and (
@@ -135,12 +178,51 @@ class WorkerBehaviour:
         if self.retry_after is not None:
             _check_number("retry_after", self.retry_after)
 
+    @property
+    def device(self) -> str:
+        """The device answers name: the NPU, or the CPU it fell back to."""
+        return DEVICE if self.npu_available else CPU_DEVICE
+
     def to_dict(self) -> dict[str, Any]:
         """The settings as a JSON-serialisable dict."""
         return asdict(self)
 
 
 _BEHAVIOUR_FIELDS = frozenset(f.name for f in fields(WorkerBehaviour))
+# Not a behaviour: which models are loaded is the worker's state, set through the same
+# update() and /_control so that a test can load or unload models at run time.
+_MODELS_SETTING = "models"
+
+
+def _check_models(value: object) -> tuple[str, ...]:
+    """Validated model ids (``"*"`` allowed); raises ValueError naming ``models``."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"models: must be a list of model ids, got {value!r:.100}")
+    for model in value:
+        if not _valid_model_id(model) and model != ANY_MODEL:
+            raise ValueError(
+                f"models: each must be a printable string of 1..{_MAX_MODEL_ID} "
+                f"characters, got {model!r:.100}"
+            )
+    return tuple(dict.fromkeys(value))
+
+
+def _valid_model_id(model: object) -> bool:
+    return (
+        isinstance(model, str)
+        and 0 < len(model) <= _MAX_MODEL_ID
+        and model.isprintable()
+        and model != ANY_MODEL
+    )
+
+
+@dataclass
+class _Model:
+    """One loaded model. Changed only under the worker state's lock."""
+
+    device: str
+    loaded_at: str
+    inference_count: int = 0
 
 
 def _format_seconds(seconds: float) -> str:
@@ -168,16 +250,21 @@ class _WorkerState:
         behaviour: WorkerBehaviour,
         seed: int | None,
         clock: Clock,
+        protocol: str = "linux",
     ) -> None:
         self.worker_id = worker_id
-        self.models = tuple(models)
-        self.any_model = ANY_MODEL in self.models
+        self.protocol = protocol
         self.max_concurrent = max_concurrent
         self.clock = clock
         self.behaviour = behaviour
         self.closing = threading.Event()
         self._cond = threading.Condition(threading.Lock())
         self._rng = random.Random(seed)
+        self.any_model = False
+        self._loaded: dict[str, _Model] = {}
+        self._set_models_locked(_check_models(list(models)))
+        self._loads = 0
+        self._failed_tasks = 0
         self._requests: dict[str, int] = {}
         self._responses: dict[int, int] = {}
         self._seen: dict[str, None] = {}
@@ -189,15 +276,100 @@ class _WorkerState:
         self._connections = 0
 
     def update(self, changes: Mapping[str, Any]) -> WorkerBehaviour:
-        unknown = sorted(set(changes) - _BEHAVIOUR_FIELDS)
+        unknown = sorted(set(changes) - _BEHAVIOUR_FIELDS - {_MODELS_SETTING})
         if unknown:
             raise ValueError(f"unknown setting(s): {', '.join(unknown)}")
+        settings = dict(changes)
+        models = None
+        if _MODELS_SETTING in settings:
+            models = _check_models(settings.pop(_MODELS_SETTING))
         with self._cond:
-            new = replace(self.behaviour, **changes)
+            # Validated in full before anything changes: a bad value changes nothing.
+            new = replace(self.behaviour, **settings)
             self.behaviour = new
+            if models is not None:
+                self._set_models_locked(models)
             self._cond.notify_all()
         _log.info("worker %s behaviour now %s", self.worker_id, new)
+        if models is not None:
+            _log.info("worker %s models now %s", self.worker_id, ", ".join(models) or "none")
         return new
+
+    def _set_models_locked(self, models: Sequence[str]) -> None:
+        """Load exactly ``models`` at once; models kept keep their counters."""
+        device = self.behaviour.device
+        loaded_at = self._now_iso()
+        self.any_model = ANY_MODEL in models
+        self._loaded = {
+            model: self._loaded.get(model) or _Model(device, loaded_at)
+            for model in models
+            if model != ANY_MODEL
+        }
+
+    def _now_iso(self) -> str:
+        return datetime.datetime.fromtimestamp(self.clock.time(), datetime.timezone.utc).isoformat()
+
+    def models(self) -> list[str]:
+        """The loaded model ids, then ``"*"`` when any model is served."""
+        with self._cond:
+            return [*self._loaded, *([ANY_MODEL] if self.any_model else [])]
+
+    def model_status(self) -> dict[str, Any]:
+        """AutoBot's ``GET /models`` answer."""
+        behaviour = self.behaviour
+        with self._cond:
+            loaded = {
+                model: {
+                    "device": info.device,
+                    "inference_count": info.inference_count,
+                    "loaded_at": info.loaded_at,
+                }
+                for model, info in self._loaded.items()
+            }
+        return {
+            "npu_available": behaviour.npu_available,
+            "optimal_device": behaviour.device,
+            "loaded_models": loaded,
+            "available_devices": _available_devices(behaviour),
+        }
+
+    def load(self, model: str) -> bool:
+        """Load ``model``, taking the configured load delay; False when the server
+        closes meanwhile. Loading a loaded model is instant."""
+        with self._cond:
+            if model in self._loaded:
+                return True
+        delay = self.behaviour.load_delay_ms / 1000.0
+        if delay > 0 and self.clock.wait(self.closing, delay):
+            return False
+        if self.closing.is_set():
+            return False
+        with self._cond:
+            if model not in self._loaded:
+                self._loaded[model] = _Model(self.behaviour.device, self._now_iso())
+                self._loads += 1
+            self._cond.notify_all()
+        _log.info("worker %s loaded model %s", self.worker_id, model)
+        return True
+
+    def unload(self, model: str) -> bool:
+        """Unload ``model``; False when it was not loaded."""
+        with self._cond:
+            found = self._loaded.pop(model, None) is not None
+            self._cond.notify_all()
+        return found
+
+    def ensure_loaded(self, model: str) -> bool | None:
+        """Whether ``model`` can serve now, loading it first under ``"*"``; None when
+        the server closed during the load."""
+        if not _valid_model_id(model):
+            return False
+        with self._cond:
+            if model in self._loaded:
+                return True
+            if not self.any_model:
+                return False
+        return True if self.load(model) else None
 
     def release(self) -> None:
         """Wake every hung handler and latency wait for shutdown."""
@@ -232,9 +404,6 @@ class _WorkerState:
         with self._cond:
             return self._rng.random() < rate
 
-    def serves(self, model_id: str) -> bool:
-        return self.any_model or model_id in self.models
-
     def count_connection(self) -> None:
         with self._cond:
             self._connections += 1
@@ -250,11 +419,20 @@ class _WorkerState:
             self._responses[status] = self._responses.get(status, 0) + 1
             self._cond.notify_all()
 
-    def count_inference(self) -> int:
+    def count_inference(self, model: str) -> int:
         with self._cond:
             self._inference_count += 1
+            info = self._loaded.get(model)
+            if info is not None:  # unloaded meanwhile: the task still ran
+                info.inference_count += 1
             self._cond.notify_all()
             return self._inference_count
+
+    def count_failed_task(self) -> None:
+        """A Windows-style ``200 {"status": "failed"}`` answer."""
+        with self._cond:
+            self._failed_tasks += 1
+            self._cond.notify_all()
 
     @contextlib.contextmanager
     def task(self, task_id: str | None) -> Iterator[None]:
@@ -289,6 +467,10 @@ class _WorkerState:
             "in_flight": self._in_flight,
             "max_in_flight": self._max_in_flight,
             "inference_count": self._inference_count,
+            "failed_tasks": self._failed_tasks,
+            "loads": self._loads,
+            "protocol": self.protocol,
+            "models": [*self._loaded, *([ANY_MODEL] if self.any_model else [])],
             "behaviour": self.behaviour.to_dict(),
         }
 
@@ -308,16 +490,32 @@ class _WorkerState:
 
     def health(self) -> dict[str, Any]:
         behaviour = self.behaviour
-        return {
+        models = self.models()
+        loaded = [model for model in models if model != ANY_MODEL]
+        common = {
             "status": behaviour.health_status,
             "worker_id": self.worker_id,
-            "device": DEVICE,
+            "npu_available": behaviour.npu_available,
+            "device": behaviour.device,
             "active_tasks": self._in_flight,
             "max_concurrent": self.max_concurrent,
             "draining": behaviour.draining,
             "inference_count": self._inference_count,
-            "models": list(self.models),
         }
+        if self.protocol == "windows":
+            # AutoBot's Windows worker lists its models here; it has no /models.
+            return {**common, "platform": "windows", "loaded_models": loaded}
+        # AutoBot's Linux worker gives a count here and the list at /models.
+        return {
+            **common,
+            "loaded_models": len(loaded),
+            "optimal_device": behaviour.device,
+            "models": models,
+        }
+
+
+def _available_devices(behaviour: WorkerBehaviour) -> list[str]:
+    return [DEVICE, CPU_DEVICE] if behaviour.npu_available else [CPU_DEVICE]
 
 
 def _parse_json(body: bytes) -> Any:
@@ -348,6 +546,38 @@ def _parse_inference(body: bytes) -> tuple[str, str]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{name}: must be a number")
     return model_id, input_text
+
+
+def _model_id(value: object, name: str) -> str:
+    if not _valid_model_id(value):
+        raise ValueError(f"{name}: a printable string of 1..{_MAX_MODEL_ID} characters is required")
+    assert isinstance(value, str)
+    return value
+
+
+def _parse_windows_task(body: bytes) -> tuple[str, str, dict[str, Any]]:
+    """Validate a Windows-style task; return (task_type, model_name, input_data)."""
+    data = _parse_json(body)
+    if not isinstance(data, dict):
+        raise ValueError("request body must be a JSON object")
+    task_type = data.get("task_type")
+    if not isinstance(task_type, str):
+        raise ValueError("task_type: a string is required")
+    model = _model_id(data.get("model_name"), "model_name")
+    input_data = data.get("input_data")
+    if not isinstance(input_data, dict):
+        raise ValueError("input_data: an object is required")
+    for name in ("priority", "timeout_seconds"):
+        value = data.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name}: must be an integer")
+    return task_type, model, input_data
+
+
+def _embedding(model: str, text: str) -> list[float]:
+    """A small deterministic stand-in for an embedding of ``text`` by ``model``."""
+    digest = hashlib.sha256(f"{model}\0{text}".encode("utf-8", "surrogatepass")).digest()
+    return [round(byte / 127.5 - 1.0, 4) for byte in digest[:_EMBEDDING_DIM]]
 
 
 def _response_text(model_id: str, input_text: str) -> str:
@@ -401,12 +631,22 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
 
     def _dispatch(self) -> None:
+        server = self.server
         path = self.path.partition("?")[0]
-        route = _ROUTES.get(path)
-        self.server.state.count_request(path if route is not None else "<other>")
+        route = server.routes.get(path)
+        counted = path
+        if route is None and server.state.protocol == "linux" and path.startswith("/models/"):
+            route = _MODEL_ROUTE
+            counted = "/models/{model_id}"  # one counter, however many model ids
+        server.state.count_request(counted if route is not None else "<other>")
         body = self._read_body()
         if body is None:
             return
+        if path not in _OPEN_PATHS and server.guarded:
+            refusal = self._refusal(path)
+            if refusal is not None:
+                self._send_json(401, {"detail": refusal[0]}, headers=refusal[1])
+                return
         if route is None:
             self._send_json(404, {"detail": "Not Found"})
             return
@@ -463,9 +703,43 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         self.server.state.count_response(status)
 
+    def _refusal(self, path: str) -> tuple[str, dict[str, str]] | None:
+        """Why the request's credentials are refused, with the headers of the 401;
+        None when they are accepted. Never quotes what was expected."""
+        server = self.server
+        if server.bearer is not None:
+            given = self.headers.get("Authorization") or ""
+            if not hmac.compare_digest(
+                given.encode("utf-8", "surrogateescape"), server.bearer.encode()
+            ):
+                why = "missing bearer token" if not given else "invalid bearer token"
+                return why, {"WWW-Authenticate": "Bearer"}
+        if server.verifier is not None:
+            reason = server.verifier.verify(
+                self.command,
+                self.path,
+                self.headers.get("X-Service-ID"),
+                self.headers.get("X-Service-Signature"),
+                self.headers.get("X-Service-Timestamp"),
+            )
+            if reason is not None:
+                return reason, {}
+        return None
+
     def _drop(self) -> None:
         """Close the connection without an answer (the server is shutting down)."""
         self.close_connection = True
+
+    def _forced(self) -> bool:
+        """Answer a forced status code if one is set; whether it was."""
+        forced = self.server.state.behaviour
+        if forced.status_code is None:
+            return False
+        headers = {}
+        if forced.retry_after is not None and forced.status_code in _RETRY_AFTER_STATUS:
+            headers["Retry-After"] = _format_seconds(forced.retry_after)
+        self._send_json(forced.status_code, {"detail": "forced"}, headers=headers)
+        return True
 
     def _inference(self, body: bytes) -> None:
         state = self.server.state
@@ -473,23 +747,22 @@ class _Handler(BaseHTTPRequestHandler):
             if not state.wait_while_hung():
                 self._drop()
                 return
-            forced = state.behaviour
-            if forced.status_code is not None:
-                headers = {}
-                if forced.retry_after is not None and forced.status_code in _RETRY_AFTER_STATUS:
-                    headers["Retry-After"] = _format_seconds(forced.retry_after)
-                self._send_json(forced.status_code, {"detail": "forced"}, headers=headers)
+            if self._forced():
                 return
             try:
                 model_id, input_text = _parse_inference(body)
             except ValueError as exc:
                 self._send_json(422, {"detail": str(exc)})
                 return
-            if not state.serves(model_id):
+            started = state.clock.monotonic()
+            ready = state.ensure_loaded(model_id)
+            if ready is None:
+                self._drop()
+                return
+            if not ready:
                 # The AutoBot worker's exact wording, which clients recognise.
                 self._send_json(500, {"detail": f"Model {model_id} not loaded"})
                 return
-            started = state.clock.monotonic()
             if not state.simulate_latency():
                 self._drop()
                 return
@@ -498,13 +771,13 @@ class _Handler(BaseHTTPRequestHandler):
             if behaviour.fail_all or state.roll_failure(behaviour.failure_rate):
                 self._send_json(500, {"detail": "simulated failure"})
                 return
-            count = state.count_inference()
+            count = state.count_inference(model_id)
             elapsed_ms = (state.clock.monotonic() - started) * 1000.0
             self._send_json(
                 200,
                 {
                     "model_id": model_id,
-                    "device": DEVICE,
+                    "device": behaviour.device,
                     "response": _response_text(model_id, input_text),
                     "inference_time_ms": round(elapsed_ms, 3),
                     "inference_count": count,
@@ -513,6 +786,130 @@ class _Handler(BaseHTTPRequestHandler):
                     "attempt": _header_int(self.headers.get("X-NPU-Attempt")),
                 },
             )
+
+    def _windows_inference(self, body: bytes) -> None:
+        state = self.server.state
+        header_task_id = self.headers.get("X-NPU-Task-Id")
+        with state.task(header_task_id):
+            if not state.wait_while_hung():
+                self._drop()
+                return
+            if self._forced():
+                return
+            try:
+                task_type, model, input_data = _parse_windows_task(body)
+            except ValueError as exc:
+                self._send_json(422, {"detail": str(exc)})
+                return
+            task_id = header_task_id or uuid.uuid4().hex
+            started = state.clock.monotonic()
+            ready = state.ensure_loaded(model)
+            if ready is None:
+                self._drop()
+                return
+            if not ready:
+                self._task_failed(task_id, f"Model {model} not loaded")
+                return
+            if task_type not in _WINDOWS_TASK_TYPES:
+                self._task_failed(task_id, f"Unsupported task type: {task_type}")
+                return
+            text = input_data.get("text", "")
+            if not isinstance(text, str):
+                self._task_failed(task_id, "input_data.text: must be a string")
+                return
+            if not state.simulate_latency():
+                self._drop()
+                return
+            behaviour = state.behaviour
+            if behaviour.fail_all or state.roll_failure(behaviour.failure_rate):
+                self._task_failed(task_id, "simulated failure")
+                return
+            count = state.count_inference(model)
+            elapsed_ms = round((state.clock.monotonic() - started) * 1000.0, 3)
+            self._send_json(
+                200,
+                {
+                    "task_id": task_id,
+                    "status": "completed",
+                    "result": {
+                        "embedding": _embedding(model, text),
+                        "model_used": model,
+                        "device": behaviour.device,
+                        "processing_time_ms": elapsed_ms,
+                        "cache_hit": False,
+                    },
+                    "processing_time_ms": elapsed_ms,
+                    "inference_count": count,
+                    "worker_id": state.worker_id,
+                    "attempt": _header_int(self.headers.get("X-NPU-Attempt")),
+                },
+            )
+
+    def _task_failed(self, task_id: str, error: str) -> None:
+        """AutoBot's Windows worker reports a failed task with HTTP 200."""
+        self.server.state.count_failed_task()
+        self._send_json(
+            200,
+            {
+                "task_id": task_id,
+                "status": "failed",
+                "error": error,
+                "worker_id": self.server.state.worker_id,
+            },
+        )
+
+    def _models(self, body: bytes) -> None:
+        self._send_json(200, self.server.state.model_status())
+
+    def _devices(self, body: bytes) -> None:
+        status = self.server.state.model_status()
+        del status["loaded_models"]
+        self._send_json(200, status)
+
+    def _load_model(self, body: bytes) -> None:
+        try:
+            data = _parse_json(body)
+            if not isinstance(data, dict):
+                raise ValueError("request body must be a JSON object")
+            model = _model_id(data.get("model_id"), "model_id")
+            if not isinstance(data.get("model_config", {}), dict):
+                raise ValueError("model_config: must be an object")
+        except ValueError as exc:
+            self._send_json(422, {"detail": str(exc)})
+            return
+        if not self.server.state.load(model):
+            self._drop()
+            return
+        self._send_json(200, {"status": "success", "model_id": model})
+
+    def _unload_model(self, body: bytes) -> None:
+        model = unquote(self.path.partition("?")[0].removeprefix("/models/"))
+        if not self.server.state.unload(model):
+            self._send_json(404, {"detail": f"Model {model} not found"})
+            return
+        self._send_json(200, {"status": "success", "model_id": model})
+
+    def _optimize_model(self, body: bytes) -> None:
+        query = parse_qs(self.path.partition("?")[2])
+        try:
+            model = _model_id(query.get("model_name", [None])[0], "model_name")
+        except ValueError as exc:
+            self._send_json(422, {"detail": f"{exc} (a query parameter)"})
+            return
+        level = (query.get("optimization_level") or ["balanced"])[0]
+        state = self.server.state
+        if not state.load(model):
+            self._drop()
+            return
+        self._send_json(
+            200,
+            {
+                "status": "success",
+                "model": model,
+                "optimization_level": level,
+                "optimized_for_npu": state.behaviour.npu_available,
+            },
+        )
 
     def _echo(self, body: bytes) -> None:
         state = self.server.state
@@ -550,17 +947,33 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self._send_json(422, {"detail": str(exc)})
             return
-        self._send_json(200, behaviour.to_dict())
+        self._send_json(200, {**behaviour.to_dict(), "models": self.server.state.models()})
 
 
 _Action = Callable[[_Handler, bytes], None]
-_ROUTES: dict[str, dict[str, _Action]] = {
-    "/inference": {"POST": _Handler._inference},
+_Routes = Mapping[str, Mapping[str, _Action]]
+_COMMON_ROUTES: dict[str, dict[str, _Action]] = {
     "/echo": {"POST": _Handler._echo},
     "/health": {"GET": _Handler._health},
     "/stats": {"GET": _Handler._stats},
     "/_control": {"POST": _Handler._control},
 }
+_ROUTES: dict[str, _Routes] = {
+    "linux": {
+        **_COMMON_ROUTES,
+        "/inference": {"POST": _Handler._inference},
+        "/models": {"GET": _Handler._models},
+        "/models/load": {"POST": _Handler._load_model},
+        "/devices": {"GET": _Handler._devices},
+    },
+    "windows": {
+        **_COMMON_ROUTES,
+        "/inference": {"POST": _Handler._windows_inference},
+        "/model/optimize": {"POST": _Handler._optimize_model},
+    },
+}
+# DELETE /models/{model_id} (linux): the one route with a parameter.
+_MODEL_ROUTE: Mapping[str, _Action] = {"DELETE": _Handler._unload_model}
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -580,10 +993,16 @@ class _HTTPServer(ThreadingHTTPServer):
         ssl_context: ssl.SSLContext | None,
         verbose: bool,
         thread_name: str,
+        verifier: HmacVerifier | None = None,
+        bearer: str | None = None,
     ) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.state = state
+        self.routes: _Routes = _ROUTES[state.protocol]
+        self.verifier = verifier
+        self.bearer = None if bearer is None else f"Bearer {bearer}"
+        self.guarded = verifier is not None or bearer is not None
         self.verbose = verbose
         self.thread_name = thread_name
         self._conn_lock = threading.Lock()
@@ -682,8 +1101,14 @@ class WorkerServer:
         tls_cert: PEM certificate chain (may include the key); serves HTTPS when given.
         tls_key: PEM private key, when not in ``tls_cert``.
         tls_client_ca: PEM CA bundle; when given, clients must present a certificate.
-        clock: the clock latency is waited on; a FakeClock makes latency instant.
+        clock: the clock latency and loads are waited on, and signatures checked
+            against; a FakeClock makes latency instant.
         verbose: log one line per request to stderr.
+        protocol: ``"linux"`` or ``"windows"``: which AutoBot worker to simulate.
+        hmac_auth: ``(service_id, secret)``: every request but ``/stats`` and
+            ``/_control`` must carry a valid AutoBot HMAC signature, or gets 401.
+        bearer_token: every request but ``/stats`` and ``/_control`` must carry
+            ``Authorization: Bearer <token>``, or gets 401.
 
     Raises:
         ValueError: on an invalid argument.
@@ -704,11 +1129,17 @@ class WorkerServer:
         tls_client_ca: str | os.PathLike[str] | None = None,
         clock: Clock | None = None,
         verbose: bool = False,
+        protocol: str = "linux",
+        hmac_auth: tuple[str, str] | None = None,
+        bearer_token: str | None = None,
     ) -> None:
         if isinstance(models, str):
             models = (models,)
-        if not models or not all(isinstance(m, str) and m for m in models):
+        if not all(isinstance(m, str) and m for m in models):
             raise ValueError(f"models: must be non-empty strings, got {models!r}")
+        models = _check_models(list(models))
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol: must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
         if isinstance(max_concurrent, bool) or not isinstance(max_concurrent, int):
             raise ValueError(f"max_concurrent: must be an integer, got {max_concurrent!r}")
         if max_concurrent < 1:
@@ -717,6 +1148,19 @@ class WorkerServer:
             raise ValueError(f"port: must be 0..65535, got {port}")
         if (tls_key is not None or tls_client_ca is not None) and tls_cert is None:
             raise ValueError("tls_key and tls_client_ca need tls_cert")
+        clock = clock or SYSTEM_CLOCK
+        self._verifier = None
+        if hmac_auth is not None:
+            service_id, secret = hmac_auth
+            self._verifier = HmacVerifier(service_id, secret, clock=clock.time)
+        if bearer_token is not None and (
+            not isinstance(bearer_token, str)
+            or not bearer_token
+            or not (bearer_token.isascii() and bearer_token.isprintable())
+        ):
+            # The token itself is never quoted.
+            raise ValueError("bearer_token: must be a non-empty printable ASCII string")
+        self._bearer = bearer_token
         self._host = host
         self._port = port
         self._tls = (tls_cert, tls_key, tls_client_ca)
@@ -727,7 +1171,8 @@ class WorkerServer:
             max_concurrent=max_concurrent,
             behaviour=behaviour or WorkerBehaviour(),
             seed=seed,
-            clock=clock or SYSTEM_CLOCK,
+            clock=clock,
+            protocol=protocol,
         )
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -756,6 +1201,15 @@ class WorkerServer:
     def behaviour(self) -> WorkerBehaviour:
         return self._state.behaviour
 
+    @property
+    def protocol(self) -> str:
+        return self._state.protocol
+
+    @property
+    def models(self) -> list[str]:
+        """The loaded model ids, then ``"*"`` if any model is loaded on first use."""
+        return self._state.models()
+
     def start(self) -> None:
         """Bind and serve in a named daemon thread.
 
@@ -776,6 +1230,8 @@ class WorkerServer:
                 ssl_context=context,
                 verbose=self._verbose,
                 thread_name=name,
+                verifier=self._verifier,
+                bearer=self._bearer,
             )
             self._port = server.server_port
             # A short poll interval so that stop() returns within tens of milliseconds.
@@ -806,6 +1262,9 @@ class WorkerServer:
 
     def update(self, **changes: Any) -> WorkerBehaviour:
         """Change the behaviour of the running worker.
+
+        Besides the :class:`WorkerBehaviour` fields, ``models=[...]`` loads exactly those
+        models at once (``"*"`` included), unloading the others.
 
         Returns:
             The new behaviour.
@@ -928,7 +1387,49 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
     parser.add_argument(
         "--models",
         default="default",
-        help='comma-separated model ids; "*" serves any model (default %(default)s)',
+        help='comma-separated model ids loaded at start; "*" loads any model on first use '
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        default="linux",
+        help="which AutoBot worker to simulate; AutoBot's Windows worker listens on 8082 "
+        "(default %(default)s)",
+    )
+    parser.add_argument(
+        "--load-delay-ms",
+        type=_non_negative,
+        default=0.0,
+        metavar="MS",
+        help="time loading a model takes, in milliseconds (default %(default)g)",
+    )
+    parser.add_argument(
+        "--no-npu",
+        dest="npu_available",
+        action="store_false",
+        help="report npu_available: false, as a worker fallen back to CPU "
+        "(default: the NPU is available)",
+    )
+    parser.add_argument(
+        "--hmac-service-id",
+        default=None,
+        metavar="ID",
+        help="require AutoBot HMAC-signed requests from this service id; the secret is "
+        "read from the environment variable named by --hmac-secret-env (default: no check)",
+    )
+    parser.add_argument(
+        "--hmac-secret-env",
+        default=HMAC_SECRET_ENV,
+        metavar="VAR",
+        help="environment variable holding the HMAC secret (default %(default)s)",
+    )
+    parser.add_argument(
+        "--bearer-token-env",
+        default=None,
+        metavar="VAR",
+        help="require 'Authorization: Bearer <token>' with the token read from this "
+        "environment variable (default: no check)",
     )
     parser.add_argument(
         "--max-concurrent",
@@ -986,11 +1487,27 @@ def serve(args: argparse.Namespace, *, stop: threading.Event | None = None) -> i
     """
     models = tuple(m.strip() for m in str(args.models).split(",") if m.strip())
     try:
+        hmac_auth = bearer = None
+        # Secrets come from the environment: a command line is visible to every user.
+        if args.hmac_service_id is not None:
+            secret = os.environ.get(args.hmac_secret_env)
+            if not secret:
+                raise ValueError(
+                    f"--hmac-service-id needs the secret in ${args.hmac_secret_env}, "
+                    "which is unset or empty"
+                )
+            hmac_auth = (args.hmac_service_id, secret)
+        if args.bearer_token_env is not None:
+            bearer = os.environ.get(args.bearer_token_env)
+            if not bearer:
+                raise ValueError(f"${args.bearer_token_env} (the bearer token) is unset or empty")
         behaviour = WorkerBehaviour(
             latency_ms=args.latency_ms,
             jitter_ms=args.jitter_ms,
             failure_rate=args.failure_rate,
             health_status=args.health_status,
+            npu_available=args.npu_available,
+            load_delay_ms=args.load_delay_ms,
         )
         server = WorkerServer(
             args.host,
@@ -1004,6 +1521,9 @@ def serve(args: argparse.Namespace, *, stop: threading.Event | None = None) -> i
             tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
             verbose=args.verbose,
+            protocol=args.protocol,
+            hmac_auth=hmac_auth,
+            bearer_token=bearer,
         )
     except ValueError as exc:
         print(f"npu-sync worker: {exc}", file=sys.stderr)
@@ -1039,6 +1559,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+# How LocalWorker hands its child the secrets: environment variables, which other users
+# cannot read, unlike a command line.
+_CHILD_HMAC_ENV = "NPU_SYNC_LOCAL_WORKER_HMAC_SECRET"
+_CHILD_BEARER_ENV = "NPU_SYNC_LOCAL_WORKER_BEARER_TOKEN"
 
 
 class LocalWorker:
@@ -1053,6 +1577,11 @@ class LocalWorker:
         latency_ms, jitter_ms, failure_rate: initial behaviour; see WorkerBehaviour.
         models: model ids served; ``"*"`` serves any.
         max_concurrent: the load hint reported by ``/health``.
+        protocol: ``"linux"`` or ``"windows"`` (see :class:`WorkerServer`).
+        load_delay_ms, npu_available: initial behaviour; see WorkerBehaviour.
+        hmac_auth: ``(service_id, secret)`` the worker requires signatures with; the
+            secret reaches the child through its environment, not its command line.
+        bearer_token: the bearer token the worker requires (passed the same way).
         tls_cert, tls_key: serve HTTPS with these PEM files.
         extra_args: more command-line flags (see :func:`build_arg_parser`).
         startup_timeout: seconds to wait for the worker to report it is listening.
@@ -1070,6 +1599,11 @@ class LocalWorker:
         failure_rate: float = 0.0,
         models: Sequence[str] = ("default",),
         max_concurrent: int = 64,
+        protocol: str = "linux",
+        load_delay_ms: float = 0.0,
+        npu_available: bool = True,
+        hmac_auth: tuple[str, str] | None = None,
+        bearer_token: str | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
@@ -1079,6 +1613,7 @@ class LocalWorker:
         if isinstance(models, str):
             models = (models,)
         self.worker_id = worker_id
+        self.protocol = protocol
         self._port = port
         self._scheme = "https" if tls_cert is not None else "http"
         self._args = [
@@ -1089,7 +1624,18 @@ class LocalWorker:
             "--failure-rate", repr(float(failure_rate)),
             "--models", ",".join(models),
             "--max-concurrent", str(max_concurrent),
+            "--protocol", protocol,
+            "--load-delay-ms", repr(float(load_delay_ms)),
         ]  # fmt: skip
+        if not npu_available:
+            self._args.append("--no-npu")
+        self._secrets: dict[str, str] = {}
+        if hmac_auth is not None:
+            self._args += ["--hmac-service-id", hmac_auth[0], "--hmac-secret-env", _CHILD_HMAC_ENV]
+            self._secrets[_CHILD_HMAC_ENV] = hmac_auth[1]
+        if bearer_token is not None:
+            self._args += ["--bearer-token-env", _CHILD_BEARER_ENV]
+            self._secrets[_CHILD_BEARER_ENV] = bearer_token
         if tls_cert is not None:
             self._args += ["--tls-cert", os.fspath(tls_cert)]
         if tls_key is not None:
@@ -1140,6 +1686,7 @@ class LocalWorker:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p
         )
+        env.update(self._secrets)
         # Outlives this call: it holds the child's stderr until the child is reaped.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         self._paused = False

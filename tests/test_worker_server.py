@@ -16,8 +16,13 @@ from typing import Any
 import pytest
 import trustme
 
+from npu_sync.auth import BearerAuth, HmacAuth
+from npu_sync.protocols import LINUX, WINDOWS
+from npu_sync.retry import Kind
 from npu_sync.testing import FakeClock
+from npu_sync.transport import Response
 from npu_sync.worker_server import (
+    CPU_DEVICE,
     DEVICE,
     MAX_BODY_BYTES,
     LocalWorker,
@@ -671,3 +676,435 @@ def test_help_gives_every_option_a_default() -> None:
     assert "--latency-ms MS simulated latency per task, in milliseconds (default 0)" in text
     assert "in milliseconds (default 0)" in text.split("--jitter-ms MS", 1)[1]
     assert "port to bind; 0 picks a free one (default 8081)" in text
+
+
+# --- models (the Linux protocol) --------------------------------------------------------------
+
+
+def test_models_lists_loaded_models_in_autobots_shape(make_server: MakeServer) -> None:
+    """GET /models answers AutoBot's shape: npu_available, optimal_device, loaded_models
+    with device, inference_count and loaded_at per model, available_devices."""
+    clock = FakeClock(wall=1_750_000_000.0)
+    server = make_server(models=("a", "b"), clock=clock)
+    call(server, "POST", "/inference", {"model_id": "a", "input_text": "x"})
+    reply = call(server, "GET", "/models")
+    assert reply.status == 200
+    assert set(reply.json) == {
+        "npu_available",
+        "optimal_device",
+        "loaded_models",
+        "available_devices",
+    }
+    assert reply.json["npu_available"] is True
+    assert reply.json["optimal_device"] == DEVICE
+    assert reply.json["available_devices"] == [DEVICE, CPU_DEVICE]
+    loaded = reply.json["loaded_models"]
+    assert list(loaded) == ["a", "b"]
+    assert loaded["a"] == {
+        "device": DEVICE,
+        "inference_count": 1,
+        "loaded_at": "2025-06-15T15:06:40+00:00",
+    }
+    assert loaded["b"]["inference_count"] == 0
+
+
+def test_linux_health_gives_a_model_count_npu_and_optimal_device(make_server: MakeServer) -> None:
+    """Linux /health carries AutoBot's loaded_models count, npu_available, optimal_device."""
+    server = make_server(models=("a", "b", "*"))
+    health = call(server, "GET", "/health").json
+    assert health["loaded_models"] == 2
+    assert health["npu_available"] is True
+    assert health["optimal_device"] == DEVICE
+    assert health["models"] == ["a", "b", "*"]
+
+
+def test_load_takes_the_load_delay_and_then_serves(make_server: MakeServer) -> None:
+    """POST /models/load waits load_delay_ms on the clock, then the model serves."""
+    clock = FakeClock()
+    server = make_server(models=(), clock=clock, behaviour=WorkerBehaviour(load_delay_ms=1500))
+    assert infer(server).json == {"detail": "Model default not loaded"}
+    before = clock.monotonic()
+    reply = call(server, "POST", "/models/load", {"model_id": "default", "model_config": {}})
+    assert reply.status == 200 and reply.json == {"status": "success", "model_id": "default"}
+    assert clock.monotonic() - before == pytest.approx(1.5)
+    assert infer(server).status == 200
+    again = clock.monotonic()
+    assert call(server, "POST", "/models/load", {"model_id": "default"}).status == 200
+    assert clock.monotonic() == again  # already loaded: instant
+    assert server.stats()["loads"] == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"model_id": ""},
+        {"model_id": 3},
+        {"model_id": "*"},
+        {"model_id": "a", "model_config": 1},
+    ],
+)
+def test_load_rejects_a_bad_request(make_server: MakeServer, body: object) -> None:
+    """A load without a usable model_id, or with a non-object model_config, answers 422."""
+    server = make_server()
+    reply = call(server, "POST", "/models/load", body)
+    assert reply.status == 422 and reply.json["detail"]
+    assert server.models == ["default"]
+
+
+def test_delete_unloads_a_model_and_404s_an_unknown_one(make_server: MakeServer) -> None:
+    """DELETE /models/{id} unloads (the model then answers "not loaded"); unknown is 404."""
+    server = make_server(models=("default", "my model"))
+    assert call(server, "DELETE", "/models/my%20model").json == {
+        "status": "success",
+        "model_id": "my model",
+    }
+    assert call(server, "DELETE", "/models/my%20model").status == 404
+    assert call(server, "DELETE", "/models/default").status == 200
+    assert infer(server).json == {"detail": "Model default not loaded"}
+    assert call(server, "GET", "/models").json["loaded_models"] == {}
+    assert server.stats()["requests"]["/models/{model_id}"] == 3
+
+
+def test_star_loads_a_model_on_first_use(make_server: MakeServer) -> None:
+    """Under "*" a model is loaded on first use, taking the load delay once, and listed."""
+    clock = FakeClock()
+    server = make_server(models=("*",), clock=clock, behaviour=WorkerBehaviour(load_delay_ms=800))
+    first = call(server, "POST", "/inference", {"model_id": "phi", "input_text": "x"})
+    second = call(server, "POST", "/inference", {"model_id": "phi", "input_text": "x"})
+    assert first.json["inference_time_ms"] == pytest.approx(800.0)
+    assert second.json["inference_time_ms"] == pytest.approx(0.0)
+    assert list(call(server, "GET", "/models").json["loaded_models"]) == ["phi"]
+    assert server.models == ["phi", "*"]
+
+
+def test_models_change_at_run_time_through_update_and_control(make_server: MakeServer) -> None:
+    """update(models=...) and /_control {"models": [...]} load and unload at once."""
+    server = make_server(models=("a",))
+    server.update(models=["b", "c"])
+    assert server.models == ["b", "c"]
+    assert call(server, "POST", "/inference", {"model_id": "a", "input_text": "x"}).status == 500
+    reply = call(server, "POST", "/_control", {"models": ["a"], "latency_ms": 1})
+    assert reply.status == 200 and reply.json["models"] == ["a"]
+    assert reply.json["latency_ms"] == 1
+    assert call(server, "POST", "/inference", {"model_id": "a", "input_text": "x"}).status == 200
+
+
+@pytest.mark.parametrize("models", ["a", [""], [3], ["x\n"], None])
+def test_bad_models_setting_changes_nothing(make_server: MakeServer, models: object) -> None:
+    """A models setting that is not a list of printable ids answers 422; nothing changes."""
+    server = make_server(models=("a",))
+    reply = call(server, "POST", "/_control", {"models": models, "latency_ms": 5})
+    assert reply.status == 422 and "models" in reply.json["detail"]
+    assert server.models == ["a"]
+    assert server.behaviour.latency_ms == 0.0
+
+
+def test_npu_fallback_is_reported_everywhere(make_server: MakeServer) -> None:
+    """With npu_available off, health, /models, /devices and answers name the CPU."""
+    server = make_server(models=("a",))
+    server.update(npu_available=False)
+    health = call(server, "GET", "/health").json
+    assert (health["npu_available"], health["optimal_device"]) == (False, CPU_DEVICE)
+    models = call(server, "GET", "/models").json
+    assert models["npu_available"] is False and models["available_devices"] == [CPU_DEVICE]
+    assert call(server, "GET", "/devices").json == {
+        "npu_available": False,
+        "optimal_device": CPU_DEVICE,
+        "available_devices": [CPU_DEVICE],
+    }
+    answer = call(server, "POST", "/inference", {"model_id": "a", "input_text": "x"}).json
+    assert answer["device"] == CPU_DEVICE
+    server.update(models=["a", "b"])
+    assert call(server, "GET", "/models").json["loaded_models"]["b"]["device"] == CPU_DEVICE
+
+
+# --- the Windows protocol ---------------------------------------------------------------------
+
+
+def win_task(model: str = "default", text: str = "hello", **extra: Any) -> dict[str, Any]:
+    return {
+        "task_type": "embedding_generation",
+        "model_name": model,
+        "input_data": {"text": text},
+        **extra,
+    }
+
+
+def test_windows_inference_answers_completed_with_a_result(make_server: MakeServer) -> None:
+    """A Windows task answers 200 {task_id, status: completed, result, processing_time_ms}."""
+    server = make_server(protocol="windows", worker_id="win")
+    reply = call(server, "POST", "/inference", win_task(priority=1, timeout_seconds=30),
+                 headers={"X-NPU-Task-Id": "t-1"})  # fmt: skip
+    assert reply.status == 200
+    assert reply.json["status"] == "completed" and reply.json["task_id"] == "t-1"
+    assert reply.json["worker_id"] == "win"
+    result = reply.json["result"]
+    assert result["model_used"] == "default" and result["device"] == DEVICE
+    assert len(result["embedding"]) == 8 and all(-1 <= x <= 1 for x in result["embedding"])
+    again = call(server, "POST", "/inference", win_task())
+    other = call(server, "POST", "/inference", win_task(text="other"))
+    assert again.json["result"]["embedding"] == result["embedding"]
+    assert other.json["result"]["embedding"] != result["embedding"]
+    assert again.json["task_id"] != "t-1"
+
+
+@pytest.mark.parametrize(
+    ("setup", "task", "error"),
+    [
+        ({"behaviour": WorkerBehaviour(failure_rate=1.0)}, win_task(), "simulated failure"),
+        ({"behaviour": WorkerBehaviour(fail_all=True)}, win_task(), "simulated failure"),
+        ({}, {**win_task(), "task_type": "poetry"}, "Unsupported task type: poetry"),
+        ({}, win_task(model="phi"), "Model phi not loaded"),
+        ({}, {**win_task(), "input_data": {"text": 5}}, "input_data.text: must be a string"),
+    ],
+)
+def test_windows_failures_answer_200_status_failed(
+    make_server: MakeServer, setup: dict[str, Any], task: dict[str, Any], error: str
+) -> None:
+    """Simulated failures, unknown task types and missing models answer HTTP 200
+    {"status": "failed", "error"}, as AutoBot's Windows worker does."""
+    server = make_server(protocol="windows", **setup)
+    reply = call(server, "POST", "/inference", task)
+    assert reply.status == 200
+    assert reply.json["status"] == "failed" and reply.json["error"] == error
+    assert server.stats()["failed_tasks"] == 1
+    assert server.stats()["inference_count"] == 0
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model_name": "default", "input_data": {}},
+        {"task_type": "embedding_generation", "input_data": {}},
+        {"task_type": "embedding_generation", "model_name": "default"},
+        {**win_task(), "priority": "high"},
+        {"model_id": "default", "input_text": "linux-shaped"},
+        [1],
+    ],
+)
+def test_windows_malformed_task_is_422(make_server: MakeServer, body: object) -> None:
+    """A task missing task_type, model_name or input_data (or mistyped) answers 422."""
+    reply = call(make_server(protocol="windows"), "POST", "/inference", body)
+    assert reply.status == 422 and reply.json["detail"]
+
+
+def test_windows_health_lists_models_and_platform(make_server: MakeServer) -> None:
+    """Windows /health lists loaded_models by name and says platform windows."""
+    server = make_server(protocol="windows", models=("nomic", "bge", "*"))
+    health = call(server, "GET", "/health").json
+    assert health["status"] == "healthy" and health["platform"] == "windows"
+    assert health["loaded_models"] == ["nomic", "bge"]
+    assert health["npu_available"] is True
+    assert "models" not in health and "optimal_device" not in health
+
+
+def test_windows_loads_on_demand_under_star(make_server: MakeServer) -> None:
+    """Under "*" the Windows worker loads an unknown model on first use, as AutoBot's does."""
+    server = make_server(protocol="windows", models=("*",))
+    assert call(server, "POST", "/inference", win_task(model="e5")).json["status"] == "completed"
+    assert call(server, "GET", "/health").json["loaded_models"] == ["e5"]
+
+
+def test_windows_model_optimize_loads_a_model(make_server: MakeServer) -> None:
+    """POST /model/optimize?model_name=X loads X (taking the load delay); no name is 422."""
+    clock = FakeClock()
+    server = make_server(
+        protocol="windows", models=(), clock=clock, behaviour=WorkerBehaviour(load_delay_ms=2000)
+    )
+    before = clock.monotonic()
+    reply = call(server, "POST", "/model/optimize?model_name=bge%20small&optimization_level=speed")
+    assert reply.status == 200
+    assert reply.json == {
+        "status": "success",
+        "model": "bge small",
+        "optimization_level": "speed",
+        "optimized_for_npu": True,
+    }
+    assert clock.monotonic() - before == pytest.approx(2.0)
+    assert server.models == ["bge small"]
+    assert call(server, "POST", "/model/optimize").status == 422
+
+
+def test_each_protocol_serves_only_its_own_routes(make_server: MakeServer) -> None:
+    """Linux has no /model/optimize; Windows has no /models, /models/load or DELETE."""
+    linux = make_server()
+    windows = make_server(protocol="windows")
+    assert call(linux, "POST", "/model/optimize?model_name=a").status == 404
+    assert call(windows, "GET", "/models").status == 404
+    assert call(windows, "POST", "/models/load", {"model_id": "a"}).status == 404
+    assert call(windows, "DELETE", "/models/default").status == 404
+    with pytest.raises(ValueError, match="protocol"):
+        WorkerServer(protocol="macos")
+
+
+def test_worker_and_protocol_objects_agree(make_server: MakeServer) -> None:
+    """Tasks mapped by each protocol run on its reference worker and classify as the
+    worker meant: success, failure, "not loaded"; health and models parse."""
+    for protocol, kind in ((LINUX, "linux"), (WINDOWS, "windows")):
+        server = make_server(protocol=kind, models=("a",))
+        task = {"model_id": "a", "input_text": "hi"}
+
+        def send(payload: object, server: WorkerServer = server) -> Response:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                conn.request("POST", "/inference", body=json.dumps(payload).encode())
+                answer = conn.getresponse()
+                return Response(answer.status, {}, answer.read())
+            finally:
+                conn.close()
+
+        ok = protocol.classify(send(protocol.request_body(task)))
+        assert ok.kind is Kind.SUCCESS, (kind, ok)
+        missing = protocol.classify(send(protocol.request_body({**task, "model_id": "zz"})))
+        assert protocol.not_loaded_model(missing) == "zz", kind
+        server.update(fail_all=True)
+        failed = protocol.classify(send(protocol.request_body(task)))
+        assert failed.kind is Kind.FAILURE, kind
+        health = protocol.parse_health(call(server, "GET", "/health").json)
+        assert health.healthy and health.npu_available is True
+        if protocol.models_path is None:
+            assert health.models == frozenset({"a"})
+        else:
+            models = protocol.parse_models(call(server, "GET", protocol.models_path).json)
+            assert models is not None and models.models == frozenset({"a"})
+        method, path, body = protocol.load_request("b c")
+        assert call(server, method, path, body).status == 200
+        assert server.models == ["a", "b c"]
+
+
+# --- authentication ---------------------------------------------------------------------------
+
+SERVICE = ("npu-pool", "hmac-Secret-42")
+
+
+def signed_call(
+    server: WorkerServer | LocalWorker,
+    method: str,
+    path: str,
+    body: object = None,
+    *,
+    auth: HmacAuth | None = None,
+) -> Reply:
+    auth = auth or HmacAuth(*SERVICE)
+    return call(server, method, path, body, headers=dict(auth.headers(method, path)))
+
+
+def test_hmac_signed_requests_verify_on_every_endpoint(make_server: MakeServer) -> None:
+    """Requests signed by HmacAuth with the shared secret are served, query strings too."""
+    linux = make_server(hmac_auth=SERVICE)
+    windows = make_server(hmac_auth=SERVICE, protocol="windows")
+    assert signed_call(linux, "GET", "/health").status == 200
+    assert signed_call(linux, "POST", "/inference", {"input_text": "x"}).status == 200
+    assert signed_call(linux, "GET", "/models").status == 200
+    assert signed_call(linux, "DELETE", "/models/default").status == 200
+    assert signed_call(windows, "POST", "/inference", win_task()).status == 200
+    assert signed_call(windows, "POST", "/model/optimize?model_name=x").status == 200
+
+
+def test_hmac_refuses_wrong_secret_replay_and_missing_headers(make_server: MakeServer) -> None:
+    """A wrong secret, a timestamp older than 300 s, another service id or a missing
+    header answers 401 with a reason, and the task never runs."""
+    clock = FakeClock()
+    server = make_server(hmac_auth=SERVICE, clock=clock)
+    task = {"input_text": "x"}
+    wrong_secret = HmacAuth(SERVICE[0], "nope", clock=clock.time)
+    wrong = signed_call(server, "POST", "/inference", task, auth=wrong_secret)
+    assert (wrong.status, wrong.json) == (401, {"detail": "bad signature"})
+    replayed = HmacAuth(*SERVICE, clock=lambda: clock.time() - 301)
+    old = signed_call(server, "POST", "/inference", task, auth=replayed)
+    assert old.status == 401 and "timestamp" in old.json["detail"]
+    other_id = HmacAuth("x", SERVICE[1], clock=clock.time)
+    stranger = signed_call(server, "POST", "/inference", task, auth=other_id)
+    assert (stranger.status, stranger.json["detail"]) == (401, "unknown service id")
+    good = dict(HmacAuth(*SERVICE, clock=clock.time).headers("POST", "/inference"))
+    for name in list(good):
+        partial = {k: v for k, v in good.items() if k != name}
+        reply = call(server, "POST", "/inference", task, headers=partial)
+        assert (reply.status, reply.json["detail"]) == (401, f"missing {name} header")
+    assert call(server, "POST", "/inference", task, headers=good).status == 200
+    stats = server.stats()
+    assert stats["inference_count"] == 1 and stats["responses"]["401"] == 6
+    assert all(SERVICE[1] not in json.dumps(r) for r in (wrong.json, old.json))
+
+
+def test_hmac_leaves_the_test_hooks_open(make_server: MakeServer) -> None:
+    """/stats and /_control need no signature; /health and unknown paths do."""
+    server = make_server(hmac_auth=SERVICE)
+    assert call(server, "GET", "/stats").status == 200
+    assert call(server, "POST", "/_control", {"latency_ms": 1}).status == 200
+    assert call(server, "GET", "/health").status == 401
+    assert call(server, "GET", "/nope").status == 401
+
+
+def test_bearer_token_is_required_when_set(make_server: MakeServer) -> None:
+    """With a bearer token, requests without it or with another get 401 + WWW-Authenticate."""
+    server = make_server(bearer_token="tok-123")
+    missing = call(server, "GET", "/health")
+    assert missing.status == 401 and missing.headers["WWW-Authenticate"] == "Bearer"
+    assert missing.json == {"detail": "missing bearer token"}
+    wrong = call(server, "GET", "/health", headers={"Authorization": "Bearer tok-124"})
+    assert (wrong.status, wrong.json) == (401, {"detail": "invalid bearer token"})
+    headers = dict(BearerAuth("tok-123").headers("GET", "/health"))
+    assert call(server, "GET", "/health", headers=headers).status == 200
+    with pytest.raises(ValueError, match="bearer_token") as info:
+        WorkerServer(bearer_token="a\nb")
+    assert "a\nb" not in str(info.value)
+
+
+# --- command line: protocols, models, auth ----------------------------------------------------
+
+
+def test_arg_parser_reads_the_protocol_model_and_auth_flags() -> None:
+    """--protocol, --load-delay-ms, --no-npu and the auth flags parse, with defaults."""
+    parser = build_arg_parser()
+    defaults = parser.parse_args([])
+    assert (defaults.protocol, defaults.load_delay_ms, defaults.npu_available) == (
+        "linux",
+        0.0,
+        True,
+    )
+    assert (defaults.hmac_service_id, defaults.bearer_token_env) == (None, None)
+    assert defaults.hmac_secret_env == "NPU_SYNC_WORKER_HMAC_SECRET"
+    args = parser.parse_args(
+        ["--protocol", "windows", "--load-delay-ms", "250", "--no-npu",
+         "--hmac-service-id", "svc", "--hmac-secret-env", "S", "--bearer-token-env", "T"]
+    )  # fmt: skip
+    assert (args.protocol, args.load_delay_ms, args.npu_available) == ("windows", 250.0, False)
+    assert (args.hmac_service_id, args.hmac_secret_env, args.bearer_token_env) == ("svc", "S", "T")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--protocol", "grpc"])
+
+
+def test_serve_refuses_hmac_without_its_secret(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--hmac-service-id with the secret variable unset exits 2 naming the variable."""
+    from npu_sync.worker_server import serve
+
+    monkeypatch.delenv("NO_SUCH_SECRET", raising=False)
+    args = build_arg_parser().parse_args(
+        ["--port", "0", "--hmac-service-id", "svc", "--hmac-secret-env", "NO_SUCH_SECRET"]
+    )
+    assert serve(args) == 2
+    assert "$NO_SUCH_SECRET" in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_local_worker_speaks_windows_with_hmac_and_keeps_the_secret_off_argv() -> None:
+    """A LocalWorker child speaks the Windows protocol, verifies HMAC with the secret from
+    its environment (never its command line), and unloads models on control()."""
+    with LocalWorker(
+        worker_id="lw-win", protocol="windows", models=("a", "b"), hmac_auth=SERVICE
+    ) as worker:
+        assert worker.pid is not None
+        cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes()
+        assert SERVICE[1].encode() not in cmdline
+        assert call(worker, "POST", "/inference", win_task(model="a")).status == 401
+        done = signed_call(worker, "POST", "/inference", win_task(model="a"))
+        assert done.json["status"] == "completed"
+        assert worker.control(models=["b"])["models"] == ["b"]
+        gone = signed_call(worker, "POST", "/inference", win_task(model="a"))
+        assert gone.json == {**gone.json, "status": "failed", "error": "Model a not loaded"}
+        health = signed_call(worker, "GET", "/health").json
+        assert health["loaded_models"] == ["b"] and health["platform"] == "windows"

@@ -1,0 +1,424 @@
+"""Worker protocols: how one kind of worker is asked for work and how its answers read.
+
+A worker protocol is one small immutable object per kind of worker. It maps the task's
+canonical payload (AutoBot's Linux shape, ``{"model_id", "input_text", ...}``) to what
+the worker takes, classifies the worker's answers into a :class:`~npu_sync.retry.Outcome`,
+and reads its health and model-list answers. Two are built in:
+
+* ``autobot-linux`` (the default): AutoBot's Linux NPU worker (port 8081, TLS 8444).
+  Tasks go as they are; a model that is not loaded answers
+  ``500 {"detail": "Model X not loaded"}``; ``GET /models`` lists the loaded models.
+* ``autobot-windows``: AutoBot's Windows NPU worker (port 8082). Tasks go as
+  ``{"task_type", "model_name", "input_data", ...}``; a failed task answers **HTTP 200**
+  ``{"status": "failed", "error": ...}``; ``GET /health`` lists the loaded models; a
+  model is loaded with ``POST /model/optimize?model_name=X``.
+
+Who calls what (see docs/protocol.md): selection reads :meth:`WorkerProtocol.task_model`;
+each attempt sends :meth:`~WorkerProtocol.request_body` and reads the answer with
+:meth:`~WorkerProtocol.classify`; the health round reads :meth:`~WorkerProtocol.parse_health`
+and, when :attr:`~WorkerProtocol.models_path` is set, :meth:`~WorkerProtocol.parse_models`;
+placement sends :meth:`~WorkerProtocol.load_request`.
+
+Nothing here does I/O or raises on a worker's answer: whatever a worker sends, the
+parsers return a value (``None`` or an unhealthy verdict for garbage).
+"""
+
+from __future__ import annotations
+
+import re
+import reprlib
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, NamedTuple
+from urllib.parse import quote
+
+from npu_sync.errors import printable
+from npu_sync.retry import Kind, Outcome, classify_response
+from npu_sync.transport import Response
+
+__all__ = [
+    "DEFAULT_PROTOCOL",
+    "LINUX",
+    "MAX_MODELS",
+    "MAX_MODEL_ID",
+    "WINDOWS",
+    "HealthInfo",
+    "LinuxProtocol",
+    "LoadRequest",
+    "ModelsInfo",
+    "WindowsProtocol",
+    "WorkerProtocol",
+    "for_platform",
+    "get_protocol",
+    "protocol_names",
+    "register_protocol",
+]
+
+MAX_MODELS = 1000
+"""A model list longer than this is not believed: the worker's models count as unknown."""
+
+MAX_MODEL_ID = 256
+"""Model ids longer than this (or not printable) are left out of a worker's model list."""
+
+_MAX_DEVICE = 100
+_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
+_NO_DEVICES: Mapping[str, str] = MappingProxyType({})
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 200
+
+
+@dataclass(frozen=True, slots=True)
+class HealthInfo:
+    """What a worker's health answer says. Immutable.
+
+    Attributes:
+        healthy: the body says ``status: "healthy"``. The HTTP status is the caller's
+            to check as well (only a 200 is healthy).
+        models: the models the answer lists as loaded, or ``None`` when it lists none
+            (AutoBot's Linux worker gives only a count there: ask ``models_path``).
+        npu_available: ``False`` when the worker fell back to CPU; ``None`` if not said.
+        device: the device the worker reports (``optimal_device`` or ``device``),
+            escaped for display.
+        draining, max_concurrent, active_tasks: the load hints, when present and valid.
+    """
+
+    healthy: bool
+    models: frozenset[str] | None = None
+    npu_available: bool | None = None
+    device: str | None = None
+    draining: bool | None = None
+    max_concurrent: int | None = None
+    active_tasks: int | None = None
+
+
+_UNHEALTHY = HealthInfo(False)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsInfo:
+    """A worker's model list (AutoBot's ``GET /models``). Immutable.
+
+    Attributes:
+        models: ids of the loaded models.
+        devices: the device each model runs on, where the answer says (escaped).
+        npu_available: ``False`` when the worker fell back to CPU; ``None`` if not said.
+        optimal_device: the device the worker prefers (escaped), if said.
+    """
+
+    models: frozenset[str]
+    devices: Mapping[str, str] = field(default_factory=lambda: _NO_DEVICES, hash=False)
+    npu_available: bool | None = None
+    optimal_device: str | None = None
+
+
+class LoadRequest(NamedTuple):
+    """The request that asks a worker to load a model: ``body`` is JSON, or no body."""
+
+    method: str
+    path: str
+    body: Any
+
+
+class WorkerProtocol:
+    """How npu_sync talks to one kind of worker. Immutable and stateless: thread-safe.
+
+    This base class is AutoBot's Linux worker protocol; a protocol for another kind of
+    worker subclasses it, overrides what differs, and is registered with
+    :func:`register_protocol`.
+    """
+
+    __slots__ = ()
+
+    name: str = "autobot-linux"
+    """The name a configuration selects it by (``protocol:``)."""
+
+    models_path: str | None = "/models"
+    """Where ``GET`` lists the loaded models (see :meth:`parse_models`); ``None`` when
+    the health answer lists them instead."""
+
+    def task_model(self, payload: Any) -> str | None:
+        """The model a task names, or ``None`` (no model, or not a dict payload)."""
+        if type(payload) is dict:
+            model = payload.get("model_id")
+            if type(model) is str:
+                return model
+        return None
+
+    def request_body(self, payload: Any) -> Any:
+        """The JSON value to send for a task with this canonical payload.
+
+        Returns the payload itself (the same object) when nothing needs mapping, so a
+        caller can reuse an encoding it already has.
+        """
+        return payload
+
+    def classify(self, response: Response, *, now: float | None = None) -> Outcome:
+        """Classify a worker's HTTP answer to a task.
+
+        Args:
+            response: the answer.
+            now: wall-clock seconds, to read a ``Retry-After`` date.
+        """
+        return classify_response(response, now=now)
+
+    def not_loaded_model(self, outcome: Outcome) -> str | None:
+        """The model a "not loaded" answer named: the worker does not hold it."""
+        return outcome.model if outcome.kind is Kind.NOT_HERE else None
+
+    def parse_health(self, body: Any) -> HealthInfo:
+        """Read a decoded health answer. Never raises: garbage is unhealthy."""
+        if type(body) is not dict:
+            return _UNHEALTHY
+        try:
+            return HealthInfo(
+                healthy=body.get("status") == "healthy",
+                models=_model_ids(body.get("loaded_models")),
+                npu_available=_bool(body.get("npu_available")),
+                device=_device(body.get("optimal_device"), body.get("device")),
+                draining=_bool(body.get("draining")),
+                max_concurrent=_int(body.get("max_concurrent"), allow_zero=False),
+                active_tasks=_int(body.get("active_tasks"), allow_zero=True),
+            )
+        except Exception:  # an answer no rule foresaw: unhealthy, nothing worse
+            return _UNHEALTHY
+
+    def parse_models(self, body: Any) -> ModelsInfo | None:
+        """Read a decoded model-list answer; ``None`` when it is not one (never raises).
+
+        ``loaded_models`` may map ids to ``{"device", ...}`` (AutoBot) or list ids. A
+        list longer than :data:`MAX_MODELS` gives ``None``: better to know nothing
+        than to route by a list cut short.
+        """
+        if type(body) is not dict:
+            return None
+        try:
+            loaded = body.get("loaded_models")
+            models = _model_ids(loaded)
+            if models is None:
+                return None
+            devices: Mapping[str, str] = _NO_DEVICES
+            if type(loaded) is dict:
+                found = {}
+                for model in models:
+                    info = loaded[model]
+                    if type(info) is dict:
+                        device = _device(info.get("device"))
+                        if device is not None:
+                            found[model] = device
+                devices = MappingProxyType(found)
+            return ModelsInfo(
+                models,
+                devices,
+                _bool(body.get("npu_available")),
+                _device(body.get("optimal_device")),
+            )
+        except Exception:
+            return None
+
+    def load_request(self, model_id: str) -> LoadRequest:
+        """The request that asks the worker to load ``model_id``."""
+        return LoadRequest("POST", "/models/load", {"model_id": model_id, "model_config": {}})
+
+    def __repr__(self) -> str:
+        return f"<worker protocol {self.name}>"
+
+
+class LinuxProtocol(WorkerProtocol):
+    """AutoBot's Linux NPU worker (FastAPI, port 8081; TLS 8444). Thread-safe."""
+
+    __slots__ = ()
+
+
+# Fields the Windows worker reads at the top level of a task, next to input_data.
+_WINDOWS_TOP = frozenset({"priority", "timeout_seconds", "optimization_level"})
+_WINDOWS_MOVED = frozenset({"model_id", "model_name", "input_text", "task_type"}) | _WINDOWS_TOP
+
+
+class WindowsProtocol(WorkerProtocol):
+    """AutoBot's Windows NPU worker (port 8082). Thread-safe.
+
+    A canonical task ``{"model_id", "input_text", ...rest}`` is sent as
+    ``{"task_type", "model_name", "input_data": {"text": input_text, ...rest}}`` with
+    ``priority``, ``timeout_seconds`` and ``optimization_level`` kept at the top level;
+    ``task_type`` defaults to ``"embedding_generation"``. A payload that already has
+    ``input_data`` is sent unchanged.
+    """
+
+    __slots__ = ()
+
+    name = "autobot-windows"
+    models_path = None
+
+    def task_model(self, payload: Any) -> str | None:
+        if type(payload) is dict:
+            model = payload.get("model_name")
+            if type(model) is str:
+                return model
+            model = payload.get("model_id")
+            if type(model) is str:
+                return model
+        return None
+
+    def request_body(self, payload: Any) -> Any:
+        if type(payload) is not dict or "input_data" in payload:
+            return payload
+        get = payload.get
+        body: dict[str, Any] = {"task_type": get("task_type", "embedding_generation")}
+        model = get("model_name", get("model_id"))
+        if model is not None:
+            body["model_name"] = model
+        input_data: dict[str, Any] = {}
+        if "input_text" in payload:
+            input_data["text"] = payload["input_text"]
+        for key, value in payload.items():
+            if key in _WINDOWS_MOVED:
+                if key in _WINDOWS_TOP:
+                    body[key] = value
+            else:
+                input_data[key] = value
+        body["input_data"] = input_data
+        return body
+
+    def classify(self, response: Response, *, now: float | None = None) -> Outcome:
+        outcome = classify_response(response, now=now)
+        if outcome.kind is not Kind.SUCCESS:
+            return outcome
+        body = outcome.value
+        if type(body) is not dict or body.get("status") != "failed":
+            return outcome
+        error = body.get("error")
+        if isinstance(error, str):
+            match = _NOT_LOADED.match(error)
+            if match is not None:
+                return Outcome(
+                    Kind.NOT_HERE,
+                    body,
+                    response.status,
+                    printable(error[:300]),
+                    model=match["model"],
+                    processed=False,
+                )
+        # The worker's own words, escaped where they enter npu_sync. A failed task is
+        # most often the task's doing (an unknown task_type, bad input): suspect.
+        described = _describe_error(error)
+        return Outcome(
+            Kind.FAILURE,
+            body,
+            response.status,
+            f"HTTP {response.status}, status failed" + (f": {described}" if described else ""),
+            suspect=True,
+        )
+
+    def load_request(self, model_id: str) -> LoadRequest:
+        return LoadRequest("POST", "/model/optimize?model_name=" + quote(model_id, safe=""), None)
+
+
+LINUX: WorkerProtocol = LinuxProtocol()
+WINDOWS: WorkerProtocol = WindowsProtocol()
+
+DEFAULT_PROTOCOL = LINUX.name
+"""The protocol of a worker whose configuration names none."""
+
+_PLATFORMS: Mapping[str, str] = MappingProxyType({"linux": LINUX.name, "windows": WINDOWS.name})
+_registry_lock = threading.Lock()
+# Replaced whole on registration, so lookups read it without the lock.
+_registry: Mapping[str, WorkerProtocol] = MappingProxyType(
+    {LINUX.name: LINUX, WINDOWS.name: WINDOWS}
+)
+
+
+def get_protocol(name: str) -> WorkerProtocol:
+    """The protocol registered as ``name``.
+
+    Raises:
+        ValueError: no protocol has that name; the message lists the known ones.
+    """
+    protocol = _registry.get(name)
+    if protocol is None:
+        known = ", ".join(sorted(_registry))
+        raise ValueError(f"unknown worker protocol {printable(repr(name)[:80])}; known: {known}")
+    return protocol
+
+
+def for_platform(platform: str | None) -> WorkerProtocol:
+    """The protocol for an AutoBot ``platform`` (``linux``/``windows``, any case);
+    ``None`` gives the default.
+
+    Raises:
+        ValueError: an unknown platform; the message lists the known ones.
+    """
+    if platform is None:
+        return _registry[DEFAULT_PROTOCOL]
+    name = _PLATFORMS.get(platform.lower()) if isinstance(platform, str) else None
+    if name is None:
+        known = ", ".join(_PLATFORMS)
+        raise ValueError(
+            f"unknown worker platform {printable(repr(platform)[:80])}; known: {known}"
+        )
+    return _registry[name]
+
+
+def protocol_names() -> tuple[str, ...]:
+    """The names of every registered protocol, sorted."""
+    return tuple(sorted(_registry))
+
+
+def register_protocol(protocol: WorkerProtocol, *, replace: bool = False) -> None:
+    """Make ``protocol`` selectable by its ``name``. Thread-safe.
+
+    Raises:
+        ValueError: the name is taken and ``replace`` is false, or it is not a
+            non-empty string.
+    """
+    global _registry
+    name = protocol.name
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a worker protocol needs a non-empty name, got {name!r}")
+    with _registry_lock:
+        if name in _registry and not replace:
+            raise ValueError(f"worker protocol {name!r} is already registered")
+        _registry = MappingProxyType({**_registry, name: protocol})
+
+
+def _model_ids(value: object) -> frozenset[str] | None:
+    """The model ids a ``loaded_models`` list or map names; None when it is neither
+    (a count, say) or too long to believe."""
+    if not isinstance(value, (dict, list)) or len(value) > MAX_MODELS:
+        return None
+    return frozenset(
+        model
+        for model in value
+        if type(model) is str and 0 < len(model) <= MAX_MODEL_ID and model.isprintable()
+    )
+
+
+def _device(*values: object) -> str | None:
+    for value in values:
+        if type(value) is str and value:
+            return printable(value[:_MAX_DEVICE])
+    return None
+
+
+def _bool(value: object) -> bool | None:
+    return value if type(value) is bool else None
+
+
+def _int(value: object, *, allow_zero: bool) -> int | None:
+    if type(value) is not int:
+        return None
+    return value if value > 0 or (allow_zero and value == 0) else None
+
+
+def _describe_error(error: object) -> str:
+    if error is None:
+        return ""
+    if isinstance(error, str):
+        return printable(error[:300])
+    try:
+        # Bounded however large or deep the worker's value is.
+        text = _REPR.repr(error)
+    except Exception:  # an int beyond the digit limit, say
+        text = type(error).__name__
+    return printable(text[:300])
