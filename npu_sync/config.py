@@ -9,21 +9,37 @@ describes every key.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import ipaddress
 import logging
-import math
 import os
 import re
 import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
+from npu_sync._schema import (
+    SPEC,
+    Range,
+    Spec,
+    boolean,
+    check_fields,
+    choice,
+    custom,
+    default_of,
+    endpoint,
+    integer,
+    number,
+    section,
+    show,
+    specs,
+)
 from npu_sync.errors import ConfigError, scrub
 
 __all__ = [
@@ -68,110 +84,22 @@ MAX_NODES: Final = 100_000
 """The most YAML nodes (keys, values, list items) a configuration file may have."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Range:
-    """The values a numeric key allows: ``lo..hi``, ``lo`` itself excluded when ``above``."""
-
-    lo: float
-    hi: float
-    above: bool = False
-    integer: bool = False
-
-    def describe(self) -> str:
-        if self.integer:
-            return f"{_bound(self.lo)}..{_bound(self.hi)}"
-        low = f"> {_bound(self.lo)}" if self.above else f">= {_bound(self.lo)}"
-        return f"{low} and <= {_bound(self.hi)}"
-
-    def check(self, value: object) -> int | float | str:
-        """``value`` if allowed (a float for a number key), else what is wrong with it.
-
-        A problem reads as the start of a message, to be followed by ``, got <value>``.
-        """
-        if self.integer:
-            if isinstance(value, bool) or not isinstance(value, int):
-                return "must be an integer"
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            return "must be a number"
-        elif isinstance(value, float) and not math.isfinite(value):
-            return "must be a finite number"
-        # Compared before any float(): an int too large for a float must not overflow.
-        low_ok = value > self.lo if self.above else value >= self.lo
-        if not (low_ok and value <= self.hi):
-            return f"must be {self.describe()}"
-        return value if self.integer else float(value)
-
-
+_CLIENTS: Final = ("builtin", "urllib3", "requests")
 _DAY: Final = 86400
-# Every numeric key's allowed range. The upper bounds keep a valid file from sizing
-# connection pools to millions, or handing a wait longer than the platform's
-# threading.TIMEOUT_MAX (about 292 years) to a lock or an event, which raises
-# OverflowError in whichever thread uses it. docs/configuration.md has the same table.
-_LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
-    {
-        "health.interval": _Range(0, _DAY, above=True),
-        "health.timeout": _Range(0, 3600, above=True),
-        "health.unhealthy_threshold": _Range(1, 1000, integer=True),
-        "health.healthy_threshold": _Range(1, 1000, integer=True),
-        "circuit_breaker.fail_max": _Range(1, 10_000, integer=True),
-        "circuit_breaker.reset_timeout": _Range(0, _DAY, above=True),
-        "circuit_breaker.max_reset_timeout": _Range(0, 7 * _DAY, above=True),
-        "retry.max_retries": _Range(0, 100, integer=True),
-        "retry.backoff_initial": _Range(0, 3600),
-        "retry.backoff_max": _Range(0, 3600),
-        "timeouts.connect": _Range(0, 3600, above=True),
-        "timeouts.read": _Range(0, _DAY, above=True),
-        "timeouts.task": _Range(0, _DAY, above=True),
-        "dead_letter.max_records": _Range(1, 10_000_000, integer=True),
-        "transport.max_response_bytes": _Range(1, 1 << 30, integer=True),
-        "transport.idle_timeout": _Range(0, 3600, above=True),
-        "pool.threads": _Range(1, 4096, integer=True),
-        "pool.max_queue_wait": _Range(0, _DAY, above=True),
-        "shared_state.timeout": _Range(0, 60, above=True),
-        "shared_state.sync_interval": _Range(0, 3600, above=True),
-        "reload.max_removed_share": _Range(0, 1),
-        "worker.port": _Range(1, 65535, integer=True),
-        "worker.priority": _Range(0, 1_000_000, integer=True),
-        "worker.max_concurrent": _Range(1, 10_000, integer=True),
-    }
-)
+# The upper bounds keep a valid file from sizing connection pools to millions, or
+# handing a wait longer than the platform's threading.TIMEOUT_MAX (about 292 years) to a
+# lock or an event, which raises OverflowError in whichever thread uses it.
+
 # AutoBot priorities may be negative; they become tiers 1, 2, ... once read.
-_AUTOBOT_PRIORITY: Final = _Range(-1_000_000, 1_000_000, integer=True)
-# A WorkerConfig may hold either layout's priority, so its constructor allows both.
-_WORKER_FIELD_LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
-    {"priority": _AUTOBOT_PRIORITY, "max_concurrent": _LIMITS["worker.max_concurrent"]}
-)
-
-
-def _check_limits(config: object, section: str, fields: Mapping[str, _Range]) -> None:
-    """Refuse a config built in code with a number the YAML reader would refuse.
-
-    Raises:
-        ConfigError: naming each bad field as ``<section>.<field>``.
-    """
-    problems = []
-    for name, limit in fields.items():
-        value = getattr(config, name)
-        checked = limit.check(value)
-        if isinstance(checked, str):
-            problems.append(f"{section}.{name}: {checked}, got {_show(value)}")
-    if problems:
-        raise ConfigError(problems)
-
-
-def _section_limits() -> dict[str, Mapping[str, _Range]]:
-    sections: dict[str, dict[str, _Range]] = {}
-    for key, limit in _LIMITS.items():
-        section, _, name = key.partition(".")
-        sections.setdefault(section, {})[name] = limit
-    return {section: MappingProxyType(fields) for section, fields in sections.items()}
-
-
-_SECTION_LIMITS: Final = _section_limits()
+_AUTOBOT_PRIORITY: Final = Range(-1_000_000, 1_000_000, integer=True)
+_PORT: Final = Range(1, 65535, integer=True)
 
 
 def _no_headers() -> Mapping[str, str]:
     return MappingProxyType({})
+
+
+_FILE = "str (file)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +110,23 @@ class TLSConfig:
     certificate and its key (``key`` requires ``cert``). Paths are stored absolute.
     """
 
-    verify: bool | str = True
-    cert: str | None = None
-    key: str | None = None
+    verify: bool | str = custom(
+        True,
+        "verify server certificates (`true`), don't (`false`), or verify against this CA bundle",
+        hot=False,
+        type_text=f"bool or {_FILE}",
+        default_text="`true`",
+    )
+    cert: str | None = custom(
+        None, "client certificate, for mutual TLS", hot=False, type_text=_FILE
+    )
+    key: str | None = custom(
+        None,
+        "the client certificate's private key (when not inside `cert`)",
+        hot=False,
+        type_text=_FILE,
+        allowed_text="requires `cert`",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,20 +142,103 @@ class WorkerConfig:
     because it usually carries credentials.
     """
 
-    id: str
-    url: str
-    priority: int = 1
-    max_concurrent: int = DEFAULT_MAX_CONCURRENT
-    enabled: bool = True
+    id: str = custom(
+        "",
+        "the worker's name in logs, stats, `remove_worker()`",
+        type_text="str",
+        default_text="required",
+        allowed_text="1..200 printable characters, no spaces; unique",
+        autobot="id",
+    )
+    url: str = custom(
+        "",
+        "where the worker is (give `url` or `host`, not both); with a base path, every "
+        "request path (the task endpoints and `health.endpoint`) is joined to it: "
+        "`/api/v1` + `/inference`",
+        default_text="",
+        allowed_text="`http://` or `https://`, host, optional port, optional base path "
+        "(`http://host:8081/api/v1`: plain `/segments`, a trailing `/` is dropped); no "
+        "query, fragment or credentials",
+        autobot="url",
+        inputs=(
+            (
+                "host",
+                Spec(
+                    "custom",
+                    "where the worker is, with `port` and `scheme`",
+                    default_text="",
+                    allowed_text="host name, IPv4, or IPv6 (brackets optional)",
+                ),
+                "",
+            ),
+            (
+                "port",
+                Spec(
+                    "int",
+                    "the worker's port",
+                    limit=_PORT,
+                    default_text="`8081`",
+                    allowed_text="only with `host`",
+                ),
+                None,
+            ),
+            (
+                "scheme",
+                Spec("choice", "", choices=("http", "https"), allowed_text="only with `host`"),
+                "http",
+            ),
+        ),
+    )
+    priority: int = integer(
+        1,
+        0,
+        1_000_000,
+        "tier: workers in the lowest-numbered tier with room are used first; others only "
+        "when it has none",
+        allowed_text="(AutoBot layout: `-1000000..1000000`)",
+        code_limit=_AUTOBOT_PRIORITY,
+        autobot="priority",
+    )
+    max_concurrent: int = integer(
+        DEFAULT_MAX_CONCURRENT,
+        1,
+        10_000,
+        "tasks in flight on this worker at once; also its connection pool size",
+        autobot="max_concurrent_tasks",
+    )
+    enabled: bool = boolean(
+        True, "a disabled worker stays configured but gets no tasks", autobot="enabled"
+    )
     # Unhashable, so it takes no part in hash(); equality still compares it.
-    headers: Mapping[str, str] = field(default_factory=_no_headers, hash=False, repr=False)
-    tls: TLSConfig | None = None
+    headers: Mapping[str, str] = field(
+        default_factory=_no_headers,
+        hash=False,
+        repr=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "extra headers on every request to this worker, e.g. `Authorization`",
+                type_text="map str → str",
+                default_text="`{}`",
+                allowed_text="valid header names; values without line breaks; no "
+                "`X-NPU-Task-Id`, `X-NPU-Attempt`, `Content-Length`, `Transfer-Encoding` "
+                "(npu_sync sets those)",
+            )
+        },
+    )
+    tls: TLSConfig | None = custom(
+        None,
+        "TLS settings for this worker",
+        type_text="map",
+        default_text="none (use `transport.tls`)",
+        allowed_text="keys `verify`, `cert`, `key` as in `transport.tls`",
+    )
 
     def __post_init__(self) -> None:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
             object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
-        _check_limits(self, "worker", _WORKER_FIELD_LIMITS)
+        check_fields(self, "worker")
 
     @property
     def scheme(self) -> str:
@@ -243,39 +268,89 @@ class WorkerConfig:
 class HealthConfig:
     """The health checker's settings. Immutable, so thread-safe."""
 
-    enabled: bool = True
-    interval: float = 30.0
-    timeout: float = 2.0
-    unhealthy_threshold: int = 2
-    healthy_threshold: int = 1
-    endpoint: str = "/health"
+    enabled: bool = boolean(
+        True, "run the background health checker (a reload can turn it on or off)"
+    )
+    interval: float = number(
+        30.0,
+        0,
+        _DAY,
+        "time between checks of each worker (jittered)",
+        above=True,
+        unit="s",
+        autobot="load_balancing.health_check_interval",
+    )
+    timeout: float = number(
+        2.0,
+        0,
+        3600,
+        "time allowed for one whole check, connecting included",
+        above=True,
+        unit="s",
+        autobot="load_balancing.timeout_seconds",
+    )
+    unhealthy_threshold: int = integer(
+        2, 1, 1000, "consecutive failed checks that mark a worker unhealthy"
+    )
+    healthy_threshold: int = integer(
+        1, 1, 1000, "consecutive passed checks that mark it healthy again"
+    )
+    endpoint: str = endpoint("/health", "path of the health check (`GET`)")
 
     def __post_init__(self) -> None:
-        _check_limits(self, "health", _SECTION_LIMITS["health"])
+        check_fields(self, "health")
 
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
     """Per-worker circuit breaker settings. Immutable, so thread-safe."""
 
-    fail_max: int = 5
-    reset_timeout: float = 60.0
-    max_reset_timeout: float = 600.0
+    fail_max: int = integer(
+        5, 1, 10_000, "consecutive worker failures that open a worker's breaker"
+    )
+    reset_timeout: float = number(
+        60.0,
+        0,
+        _DAY,
+        "how long a breaker stays open before one trial call",
+        above=True,
+        unit="s",
+        autobot="load_balancing.retry_cooldown_seconds",
+    )
+    max_reset_timeout: float = number(
+        600.0,
+        0,
+        7 * _DAY,
+        "ceiling for the open time, which grows exponentially on repeated trips",
+        above=True,
+        unit="s",
+        at_least="reset_timeout",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "circuit_breaker", _SECTION_LIMITS["circuit_breaker"])
+        check_fields(self, "circuit_breaker")
 
 
 @dataclass(frozen=True, slots=True)
 class RetryConfig:
     """Retry settings; ``max_retries`` counts attempts after the first. Immutable."""
 
-    max_retries: int = 3
-    backoff_initial: float = 0.05
-    backoff_max: float = 2.0
+    max_retries: int = integer(
+        3, 0, 100, "attempts after the first, each on a worker not yet tried"
+    )
+    backoff_initial: float = number(
+        0.05,
+        0,
+        3600,
+        "first wait between attempts (jittered, grows exponentially)",
+        unit="s",
+    )
+    backoff_max: float = number(
+        2.0, 0, 3600, "longest wait between attempts", unit="s", at_least="backoff_initial"
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "retry", _SECTION_LIMITS["retry"])
+        check_fields(self, "retry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,12 +363,38 @@ class TimeoutConfig:
     The defaults keep a task inside gunicorn's default 30 s worker timeout.
     """
 
-    connect: float = 2.0
-    read: float = 20.0
-    task: float = 25.0
+    connect: float = number(
+        2.0,
+        0,
+        3600,
+        "the most of an attempt's budget (`timeouts.read`) that establishing a new "
+        "connection, TCP and TLS, may take",
+        above=True,
+        unit="s",
+    )
+    read: float = number(
+        20.0,
+        0,
+        _DAY,
+        "the budget of one whole attempt, from its start to the last byte of the answer: "
+        "name resolution, connecting, TLS, sending, waiting and reading all come out of "
+        "it. Cut to the time left before the task's deadline, so it may be larger than "
+        "`timeouts.task`",
+        above=True,
+        unit="s",
+    )
+    task: float = number(
+        25.0,
+        0,
+        _DAY,
+        "a task's whole default deadline: all attempts, backoff and waiting for capacity; "
+        "`Task.timeout` overrides it. See [aligning with gunicorn](#aligning-with-gunicorn)",
+        above=True,
+        unit="s",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "timeouts", _SECTION_LIMITS["timeouts"])
+        check_fields(self, "timeouts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,15 +404,36 @@ class DeadLetterConfig:
     ``path`` (sqlite only) is stored absolute, or as ``:memory:``.
     """
 
-    backend: str = "memory"
-    path: str | None = None
-    max_records: int = 10000
+    backend: str = choice(
+        "memory",
+        ("memory", "sqlite", "redis"),
+        "where failed tasks are recorded; `redis` needs `shared_state.backend: redis` and "
+        "uses its connection",
+        hot=False,
+    )
+    path: str | None = custom(
+        None,
+        "the SQLite file; `:memory:` is allowed; see [paths](#file-paths)",
+        hot=False,
+        type_text=_FILE,
+        allowed_text="required for `sqlite`, rejected for `memory`",
+    )
+    max_records: int = integer(10000, 1, 10_000_000, "most records kept", hot=False)
     # redis only: the local SQLite file holding records while Redis is unreachable;
     # None puts it under the system's temporary directory (see docs/deployment.md).
-    spool_path: str | None = None
+    spool_path: str | None = custom(
+        None,
+        "the local SQLite file where records wait, durably, while Redis is unreachable; "
+        "shared by the processes of one host; see "
+        "[deployment.md](deployment.md#when-redis-fails)",
+        hot=False,
+        type_text=_FILE,
+        default_text="`<tmp>/npu_sync-<uid>/<namespace>.spool.sqlite3`",
+        allowed_text="`redis` only",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "dead_letter", _SECTION_LIMITS["dead_letter"])
+        check_fields(self, "dead_letter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,14 +444,48 @@ class SharedStateConfig:
     may come from the environment (``url: ${NPU_SYNC_REDIS_URL}``).
     """
 
-    backend: str = "none"
-    url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "npu_sync"
-    timeout: float = 0.05  # seconds: connect and socket timeout of every Redis call
-    sync_interval: float = 1.0  # seconds between full re-reads of the shared state
+    backend: str = choice(
+        "none",
+        ("none", "redis"),
+        "share breakers (and, with `dead_letter.backend: redis`, dead letters) between "
+        "processes; see [deployment.md](deployment.md)",
+        hot=False,
+    )
+    url: str = custom(
+        "redis://127.0.0.1:6379/0",
+        "the Redis server; typically `${NPU_SYNC_REDIS_URL}`. Never quoted in messages, "
+        "and shown with its password as `***` in `repr()`",
+        hot=False,
+        allowed_text="`redis://`, `rediss://`, `unix://`; port `1..65535`, database a number",
+    )
+    namespace: str = custom(
+        "npu_sync",
+        "key prefix: pools with the same namespace share state, others are apart",
+        hot=False,
+        allowed_text="no spaces",
+    )
+    timeout: float = number(
+        0.05,
+        0,
+        60,
+        "connect and socket timeout of every Redis call",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+    sync_interval: float = number(
+        1.0,
+        0,
+        3600,
+        "how often the full shared state is re-read (changes also arrive at once by "
+        "pub/sub), and how often an unavailable Redis is probed",
+        above=True,
+        unit="s",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "shared_state", _SECTION_LIMITS["shared_state"])
+        check_fields(self, "shared_state")
 
     def __repr__(self) -> str:
         # The URL usually carries the Redis password.
@@ -351,54 +507,107 @@ class ReloadConfig:
     from the *new* file, so the file itself must say a drastic change is meant.
     """
 
-    allow_empty: bool = False
-    max_removed_share: float = 0.5
+    allow_empty: bool = boolean(
+        False,
+        "let a reload of the file leave the pool with no enabled worker; without it such a "
+        "reload is refused (see [operations.md](operations.md#what-a-reload-refuses))",
+    )
+    max_removed_share: float = number(
+        0.5,
+        0,
+        1,
+        "the largest share of the running pool's enabled workers (those the file named) "
+        "one reload of the file may remove or disable; more is refused. `0` refuses any "
+        "removal, `1` allows any",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "reload", _SECTION_LIMITS["reload"])
+        check_fields(self, "reload")
 
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
     """The HTTP client and its limits. Immutable, so thread-safe."""
 
-    client: str = "builtin"
-    max_response_bytes: int = 16 * 1024 * 1024
-    tls: TLSConfig = field(default_factory=TLSConfig)
+    client: str = choice(
+        "builtin",
+        _CLIENTS,
+        "HTTP client used for every worker (see [transport.md](transport.md))",
+        hot=False,
+    )
+    max_response_bytes: int = integer(
+        16 * 1024 * 1024,
+        1,
+        1 << 30,
+        "largest response body accepted from a worker",
+        hot=False,
+        default_text="`16777216` (16 MiB)",
+        allowed_text="(1 GiB)",
+    )
+    tls: TLSConfig = section(TLSConfig, "TLS settings of every https worker", hot=False)
     # Below the 5 s keep-alive of uvicorn, which the AutoBot worker runs: a connection
     # idle for longer may be closed by the worker just as a request is sent on it.
-    idle_timeout: float = 4.0
+    idle_timeout: float = number(
+        4.0,
+        0,
+        3600,
+        "how long an idle keep-alive connection may be reused; keep it below the worker's "
+        "own keep-alive timeout (uvicorn's, which the AutoBot worker runs, is 5 s)",
+        above=True,
+        unit="s",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "transport", _SECTION_LIMITS["transport"])
+        check_fields(self, "transport")
 
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     """The pool's own settings. Immutable, so thread-safe."""
 
-    threads: int = 32
-    default_endpoint: str = "/inference"
-    max_queue_wait: float = 10.0  # seconds a task may wait for a worker with room
+    threads: int = integer(
+        32, 1, 4096, "size of the pool's own thread pool for `submit()` / `map()`", hot=False
+    )
+    default_endpoint: str = endpoint(
+        "/inference", "path a task is POSTed to unless it names its own", hot=False
+    )
+    max_queue_wait: float = number(
+        10.0,
+        0,
+        _DAY,
+        "how long a task may wait for a worker with room, within its deadline, before it "
+        "fails into the dead-letter queue",
+        above=True,
+        unit="s",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "pool", _SECTION_LIMITS["pool"])
+        check_fields(self, "pool")
 
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A whole, validated pool configuration. Immutable, so thread-safe."""
 
-    workers: tuple[WorkerConfig, ...] = ()
-    health: HealthConfig = field(default_factory=HealthConfig)
-    circuit_breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    retry: RetryConfig = field(default_factory=RetryConfig)
-    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    dead_letter: DeadLetterConfig = field(default_factory=DeadLetterConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    pool: PoolSettings = field(default_factory=PoolSettings)
-    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
-    reload: ReloadConfig = field(default_factory=ReloadConfig)
+    workers: tuple[WorkerConfig, ...] = custom(
+        (),
+        "the workers; see [per-worker keys](#per-worker-keys)",
+        type_text="list of workers",
+        default_text="`[]`",
+        allowed_text="may be empty, but `npu-sync check` and reloads then need "
+        "`reload.allow_empty`",
+    )
+    health: HealthConfig = section(HealthConfig, "the health checker")
+    circuit_breaker: BreakerConfig = section(BreakerConfig, "per-worker circuit breakers")
+    retry: RetryConfig = section(RetryConfig, "retries and backoff")
+    timeouts: TimeoutConfig = section(TimeoutConfig, "timeouts")
+    dead_letter: DeadLetterConfig = section(DeadLetterConfig, "the dead-letter store")
+    transport: TransportConfig = section(TransportConfig, "the HTTP client")
+    pool: PoolSettings = section(PoolSettings, "the pool's own settings")
+    shared_state: SharedStateConfig = section(SharedStateConfig, "state shared by processes")
+    reload: ReloadConfig = section(ReloadConfig, "what a reload may do")
     source: str | None = None
     # The top-level key the file used (npu_workers or npu), for key paths in messages.
     layout: str = field(default="npu_workers", compare=False)
@@ -798,34 +1007,30 @@ def worker_config(
 
 _EXPECTED_TOP = "expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping"
 _LAYOUTS: Final = ("npu_workers", "npu")
-_SECTION_KEYS: Final = frozenset(
-    {
-        "workers",
-        "health",
-        "circuit_breaker",
-        "retry",
-        "timeouts",
-        "dead_letter",
-        "transport",
-        "pool",
-        "shared_state",
-        "reload",
-    }
-)
-_WORKER_KEYS: Final = frozenset(
-    {
-        "id",
-        "url",
-        "host",
-        "port",
-        "scheme",
-        "priority",
-        "max_concurrent",
-        "enabled",
-        "headers",
-        "tls",
-    }
-)
+_C = TypeVar("_C")
+
+
+def _key_names(cls: type) -> frozenset[str]:
+    """The YAML keys a section of ``cls`` allows: its declared fields and their inputs."""
+    names = set()
+    for name, spec, _ in specs(cls):
+        names.add(name)
+        names.update(input_name for input_name, _, _ in spec.inputs)
+    return frozenset(names)
+
+
+def _field_default(cls: type, name: str) -> Any:
+    return default_of(next(item for item in dataclasses.fields(cls) if item.name == name))
+
+
+def _worker_limit(name: str) -> Range:
+    spec = next(spec for key, spec, _ in specs(WorkerConfig) if key == name)
+    assert spec.limit is not None
+    return spec.limit
+
+
+_SECTION_KEYS: Final = _key_names(PoolConfig)
+_WORKER_KEYS: Final = _key_names(WorkerConfig)
 # AutoBot spells capacity max_concurrent_tasks and may name a worker instead of giving an id.
 _AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"name", "max_concurrent_tasks"}
 # Keys AutoBot's own tooling writes that say nothing npu_sync acts on.
@@ -833,8 +1038,7 @@ _AUTOBOT_IGNORED_KEYS: Final = frozenset(
     {"description", "device", "models", "capabilities", "weight", "platform", "assigned_models"}
 )
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
-_CLIENTS: Final = ("builtin", "urllib3", "requests")
-_TLS_KEYS: Final = frozenset({"verify", "cert", "key"})
+_TLS_KEYS: Final = _key_names(TLSConfig)
 # Set by the transport per request; a configured value would break de-duplication or framing.
 _RESERVED_HEADERS: Final = frozenset(
     {"x-npu-task-id", "x-npu-attempt", "content-length", "transfer-encoding"}
@@ -862,7 +1066,7 @@ class _Reader:
     def document(self, data: object) -> PoolConfig:
         if not isinstance(data, Mapping):
             self.error(
-                "", f"the configuration must be a mapping, got {_show(data)}: {_EXPECTED_TOP}"
+                "", f"the configuration must be a mapping, got {show(data)}: {_EXPECTED_TOP}"
             )
             return PoolConfig()
         for key in data:
@@ -894,121 +1098,91 @@ class _Reader:
             autobot=layout == "npu",
             tls_base=transport.tls,
         )
-        health = self.health(section.get("health"), f"{layout}.health")
-        breaker = self.breaker(section.get("circuit_breaker"), f"{layout}.circuit_breaker")
-        retry = self.retry(section.get("retry"), f"{layout}.retry")
-        timeouts = self.timeouts(section.get("timeouts"), f"{layout}.timeouts")
-        dead_letter = self.dead_letter(section.get("dead_letter"), f"{layout}.dead_letter")
-        self.errors.extend(transport_errors)
-        pool = self.pool(section.get("pool"), f"{layout}.pool")
-        shared = self.shared_state(section.get("shared_state"), f"{layout}.shared_state")
-        reload = self.reload(section.get("reload"), f"{layout}.reload")
+        found: dict[str, Any] = {"workers": workers, "transport": transport}
+        custom_readers = {"dead_letter": self.dead_letter, "shared_state": self.shared_state}
+        for name, spec, _ in specs(PoolConfig):
+            if name in found or spec.section is None:
+                if name == "transport":
+                    self.errors.extend(transport_errors)
+                continue
+            read = custom_readers.get(name)
+            raw, item_path = section.get(name), f"{layout}.{name}"
+            found[name] = (
+                read(raw, item_path) if read else self.section_of(raw, item_path, spec.section)
+            )
+        dead_letter, shared = found["dead_letter"], found["shared_state"]
         if dead_letter.backend == "redis" and shared.backend != "redis":
             self.error(
                 f"{layout}.dead_letter.backend",
                 "'redis' needs shared_state.backend: redis (it uses that connection)",
             )
-        return PoolConfig(
-            shared_state=shared,
-            workers=workers,
-            health=health,
-            circuit_breaker=breaker,
-            retry=retry,
-            timeouts=timeouts,
-            dead_letter=dead_letter,
-            transport=transport,
-            pool=pool,
-            reload=reload,
-            layout=layout,
-        )
+        return PoolConfig(**found, layout=layout)
 
     # -- sections --------------------------------------------------------------------
 
-    def health(self, raw: object, path: str) -> HealthConfig:
-        d = HealthConfig()
-        m = self.section(raw, path, HealthConfig.__dataclass_fields__)
-        if m is None:
-            return d
-        return HealthConfig(
-            enabled=self.boolean(m, "enabled", path, d.enabled),
-            interval=self.number(m, "interval", path, d.interval),
-            timeout=self.number(m, "timeout", path, d.timeout),
-            unhealthy_threshold=self.integer(m, "unhealthy_threshold", path, d.unhealthy_threshold),
-            healthy_threshold=self.integer(m, "healthy_threshold", path, d.healthy_threshold),
-            endpoint=self.endpoint(m, "endpoint", path, d.endpoint),
-        )
+    def fields(self, m: Mapping[Any, Any], path: str, cls: type) -> dict[str, Any]:
+        """Every plain key of ``cls`` given in ``m``, read and checked by its spec.
 
-    def reload(self, raw: object, path: str) -> ReloadConfig:
-        d = ReloadConfig()
-        m = self.section(raw, path, ReloadConfig.__dataclass_fields__)
-        if m is None:
-            return d
-        return ReloadConfig(
-            allow_empty=self.boolean(m, "allow_empty", path, d.allow_empty),
-            max_removed_share=self.number(m, "max_removed_share", path, d.max_removed_share),
-        )
-
-    def breaker(self, raw: object, path: str) -> BreakerConfig:
-        d = BreakerConfig()
-        m = self.section(raw, path, BreakerConfig.__dataclass_fields__)
-        if m is None:
-            return d
+        Keys left out (absent, invalid, or of kind ``custom``) take the field's default
+        when ``cls(**result)`` is built; invalid ones have their error recorded.
+        """
+        found: dict[str, Any] = {}
         mark = len(self.errors)
-        config = BreakerConfig(
-            fail_max=self.integer(m, "fail_max", path, d.fail_max),
-            reset_timeout=self.number(m, "reset_timeout", path, d.reset_timeout),
-            max_reset_timeout=self.number(m, "max_reset_timeout", path, d.max_reset_timeout),
-        )
-        if len(self.errors) == mark and config.max_reset_timeout < config.reset_timeout:
-            self.error(
-                f"{path}.max_reset_timeout",
-                f"must be >= reset_timeout ({config.reset_timeout:g}), "
-                f"got {config.max_reset_timeout:g}",
-            )
-        return config
+        for name, spec, _ in specs(cls):
+            item_path = f"{path}.{name}"
+            if spec.kind == "section" and spec.section is not None:
+                if name in m:
+                    found[name] = self.section_of(m[name], item_path, spec.section)
+                continue
+            if name not in m or spec.kind == "custom":
+                continue
+            if spec.nullable and m[name] is None:
+                found[name] = None
+                continue
+            value: object = _INVALID
+            if spec.kind == "bool":
+                value = self.boolean(m, name, path, _INVALID)
+            elif spec.kind in ("int", "number"):
+                checked = self.bounded(m, name, path, spec.limit)
+                value = _INVALID if checked is None else checked
+            elif spec.kind == "choice":
+                text = self.string(m[name], item_path)
+                if text is not None:
+                    value = self.choice(text, m[name], item_path, spec.choices, _INVALID)
+            elif spec.kind == "endpoint":
+                value = self.endpoint(m, name, path, _INVALID)
+            if value is not _INVALID:
+                found[name] = value
+        if len(self.errors) == mark:
+            # Cross-field rules only between valid values: a broken field says enough.
+            for name, spec, item in specs(cls):
+                if not spec.at_least:
+                    continue
+                value = found.get(name, default_of(item))
+                other = found.get(spec.at_least, _field_default(cls, spec.at_least))
+                if value < other:
+                    self.error(
+                        f"{path}.{name}",
+                        f"must be >= {spec.at_least} ({other:g}), got {value:g}",
+                    )
+        return found
 
-    def retry(self, raw: object, path: str) -> RetryConfig:
-        d = RetryConfig()
-        m = self.section(raw, path, RetryConfig.__dataclass_fields__)
+    def section_of(self, raw: object, path: str, cls: type[_C]) -> _C:
+        """A section made only of plain keys, every one read by its spec."""
+        m = self.section(raw, path, _key_names(cls))
         if m is None:
-            return d
-        mark = len(self.errors)
-        config = RetryConfig(
-            max_retries=self.integer(m, "max_retries", path, d.max_retries),
-            backoff_initial=self.number(m, "backoff_initial", path, d.backoff_initial),
-            backoff_max=self.number(m, "backoff_max", path, d.backoff_max),
-        )
-        if len(self.errors) == mark and config.backoff_max < config.backoff_initial:
-            self.error(
-                f"{path}.backoff_max",
-                f"must be >= backoff_initial ({config.backoff_initial:g}), "
-                f"got {config.backoff_max:g}",
-            )
-        return config
-
-    def timeouts(self, raw: object, path: str) -> TimeoutConfig:
-        d = TimeoutConfig()
-        m = self.section(raw, path, TimeoutConfig.__dataclass_fields__)
-        if m is None:
-            return d
-        return TimeoutConfig(
-            connect=self.number(m, "connect", path, d.connect),
-            read=self.number(m, "read", path, d.read),
-            task=self.number(m, "task", path, d.task),
-        )
+            return cls()
+        return cls(**self.fields(m, path, cls))
 
     def dead_letter(self, raw: object, path: str) -> DeadLetterConfig:
-        d = DeadLetterConfig()
-        m = self.section(raw, path, DeadLetterConfig.__dataclass_fields__)
+        m = self.section(raw, path, _key_names(DeadLetterConfig))
         if m is None:
-            return d
-        backend: str | None = d.backend
-        if "backend" in m:
-            backend = self.string(m["backend"], f"{path}.backend")
-            if backend is not None:
-                backend = self.choice(
-                    backend, m["backend"], f"{path}.backend", ("memory", "sqlite", "redis")
-                )
+            return DeadLetterConfig()
+        found = self.fields(m, path, DeadLetterConfig)
+        # None when the key is given but invalid: no follow-on errors about it.
+        backend = (
+            found.get("backend") if "backend" in m else _field_default(DeadLetterConfig, "backend")
+        )
         file_path = self.file_path(m, "path", path, None)
         if backend == "sqlite" and m.get("path") is None:
             self.error(f"{path}.path", "required when backend is 'sqlite'")
@@ -1020,24 +1194,13 @@ class _Reader:
             spool = None
         if backend != "redis" and m.get("spool_path") is not None:
             self.error(f"{path}.spool_path", "only used with backend 'redis'")
-        return DeadLetterConfig(
-            backend=backend or d.backend,
-            path=file_path,
-            max_records=self.integer(m, "max_records", path, d.max_records),
-            spool_path=spool,
-        )
+        return DeadLetterConfig(**found, path=file_path, spool_path=spool)
 
     def shared_state(self, raw: object, path: str) -> SharedStateConfig:
-        d = SharedStateConfig()
-        m = self.section(raw, path, SharedStateConfig.__dataclass_fields__)
+        m = self.section(raw, path, _key_names(SharedStateConfig))
         if m is None:
-            return d
-        backend: str | None = d.backend
-        if "backend" in m:
-            backend = self.string(m["backend"], f"{path}.backend")
-            if backend is not None:
-                backend = self.choice(backend, m["backend"], f"{path}.backend", ("none", "redis"))
-        url = d.url
+            return SharedStateConfig()
+        found = self.fields(m, path, SharedStateConfig)
         if "url" in m:
             text = self.string(m["url"], f"{path}.url", show_value=False)
             if text is not None:
@@ -1046,51 +1209,26 @@ class _Reader:
                 if problem:
                     self.error(f"{path}.url", problem)
                 else:
-                    url = text
-        namespace = d.namespace
+                    found["url"] = text
         if "namespace" in m:
             text = self.string(m["namespace"], f"{path}.namespace")
             if text is not None:
                 if not text or any(c.isspace() for c in text):
                     self.error(f"{path}.namespace", f"must be a word without spaces, got {text!r}")
                 else:
-                    namespace = text
-        return SharedStateConfig(
-            backend=backend or d.backend,
-            url=url,
-            namespace=namespace,
-            timeout=self.number(m, "timeout", path, d.timeout),
-            sync_interval=self.number(m, "sync_interval", path, d.sync_interval),
-        )
+                    found["namespace"] = text
+        return SharedStateConfig(**found)
 
     def transport(self, raw: object, path: str) -> TransportConfig:
-        d = TransportConfig()
-        m = self.section(raw, path, TransportConfig.__dataclass_fields__)
+        m = self.section(raw, path, _key_names(TransportConfig))
         if m is None:
-            return d
-        client = d.client
-        if "client" in m:
-            value = self.string(m["client"], f"{path}.client")
-            if value is not None:
-                client = self.choice(value, m["client"], f"{path}.client", _CLIENTS)
+            return TransportConfig()
+        # tls is read by self.tls below: it inherits and resolves file paths.
+        found = self.fields({k: v for k, v in m.items() if k != "tls"}, path, TransportConfig)
         tls = self.tls(m["tls"], f"{path}.tls", TLSConfig()) if "tls" in m else None
-        return TransportConfig(
-            client=client,
-            max_response_bytes=self.integer(m, "max_response_bytes", path, d.max_response_bytes),
-            tls=tls or d.tls,
-            idle_timeout=self.number(m, "idle_timeout", path, d.idle_timeout),
-        )
-
-    def pool(self, raw: object, path: str) -> PoolSettings:
-        d = PoolSettings()
-        m = self.section(raw, path, PoolSettings.__dataclass_fields__)
-        if m is None:
-            return d
-        return PoolSettings(
-            threads=self.integer(m, "threads", path, d.threads),
-            default_endpoint=self.endpoint(m, "default_endpoint", path, d.default_endpoint),
-            max_queue_wait=self.number(m, "max_queue_wait", path, d.max_queue_wait),
-        )
+        if tls is not None:
+            found["tls"] = tls
+        return TransportConfig(**found)
 
     def tls(self, raw: object, path: str, base: TLSConfig) -> TLSConfig | None:
         """TLS settings over ``base``: verify inherits alone, cert and key as a pair."""
@@ -1111,7 +1249,7 @@ class _Reader:
             else:
                 self.error(
                     f"{path}.verify",
-                    f"must be true, false or the path of a CA bundle, got {_show(value)}",
+                    f"must be true, false or the path of a CA bundle, got {show(value)}",
                 )
         cert, key = base.cert, base.key
         if "cert" in m or "key" in m:
@@ -1129,7 +1267,7 @@ class _Reader:
         if raw is None:
             return ()
         if not isinstance(raw, list):
-            self.error(path, f"must be a list of workers, got {_show(raw)}")
+            self.error(path, f"must be a list of workers, got {show(raw)}")
             return ()
         built: list[WorkerConfig] = []
         ids: dict[str, int] = {}
@@ -1202,7 +1340,7 @@ class _Reader:
                 "max_concurrent_tasks" if "max_concurrent_tasks" in m else "max_concurrent"
             )
         else:
-            priority = self.integer(m, "priority", path, 1, limit=_LIMITS["worker.priority"])
+            priority = self.integer(m, "priority", path, 1, limit=_worker_limit("priority"))
             capacity_key = "max_concurrent"
         return (
             WorkerConfig(
@@ -1214,7 +1352,7 @@ class _Reader:
                     capacity_key,
                     path,
                     DEFAULT_MAX_CONCURRENT,
-                    limit=_LIMITS["worker.max_concurrent"],
+                    limit=_worker_limit("max_concurrent"),
                 ),
                 enabled=self.boolean(m, "enabled", path, True),
                 headers=self.headers(m.get("headers"), f"{path}.headers"),
@@ -1234,7 +1372,7 @@ class _Reader:
         ):
             self.error(
                 path,
-                f"must be 1..200 printable characters without spaces, got {_show(raw)}",
+                f"must be 1..200 printable characters without spaces, got {show(raw)}",
             )
             return ""
         return value
@@ -1254,13 +1392,13 @@ class _Reader:
                 return "", "url"
             url, problem = _normalise_url(text)
             if problem:
-                self.error(f"{path}.url", problem.replace("{got}", _show(raw)))
+                self.error(f"{path}.url", problem.replace("{got}", show(raw)))
             return url, "url"
         if "host" in m:
             mark = len(self.errors)
             raw = m["host"]
             host = self.string(raw, f"{path}.host")
-            port = self.integer(m, "port", path, DEFAULT_PORT, limit=_LIMITS["worker.port"])
+            port = self.integer(m, "port", path, DEFAULT_PORT, limit=_PORT)
             scheme = "http"
             if "scheme" in m:
                 value = self.string(m["scheme"], f"{path}.scheme")
@@ -1272,7 +1410,7 @@ class _Reader:
                 return "", "host"
             normal, problem = _normalise_host(host)
             if problem:
-                self.error(f"{path}.host", problem.replace("{got}", _show(raw)))
+                self.error(f"{path}.host", problem.replace("{got}", show(raw)))
             # A fallback port or scheme would make a false duplicate-address error.
             if len(self.errors) > mark:
                 return "", "host"
@@ -1330,7 +1468,7 @@ class _Reader:
         if raw is None:
             return {}
         if not isinstance(raw, Mapping):
-            self.error(path, f"must be a mapping, got {_show(raw)}")
+            self.error(path, f"must be a mapping, got {show(raw)}")
             return None
         if allowed:
             for key in raw:
@@ -1348,7 +1486,7 @@ class _Reader:
 
     def string(self, raw: object, path: str, *, show_value: bool = True) -> str | None:
         if not isinstance(raw, str):
-            got = _show(raw) if show_value else _kind(raw)
+            got = show(raw) if show_value else _kind(raw)
             self.error(path, f"must be a string, got {got}")
             return None
         return self.expand_text(raw, path)
@@ -1367,46 +1505,33 @@ class _Reader:
         return _scalar(text)
 
     def integer(
-        self,
-        m: Mapping[Any, Any],
-        key: str,
-        path: str,
-        default: int,
-        *,
-        limit: _Range | None = None,
+        self, m: Mapping[Any, Any], key: str, path: str, default: int, *, limit: Range
     ) -> int:
-        """The integer at ``m[key]`` within ``limit``, by default the key's own range."""
+        """The integer at ``m[key]`` within ``limit``; ``default`` when absent or invalid."""
         checked = self.bounded(m, key, path, limit)
         return default if checked is None else int(checked)
 
-    def number(self, m: Mapping[Any, Any], key: str, path: str, default: float) -> float:
-        """The finite number at ``m[key]`` within the key's range, as a float."""
-        checked = self.bounded(m, key, path, None)
-        return default if checked is None else float(checked)
-
     def bounded(
-        self, m: Mapping[Any, Any], key: str, path: str, limit: _Range | None
+        self, m: Mapping[Any, Any], key: str, path: str, limit: Range | None
     ) -> int | float | None:
-        """``m[key]`` checked against ``limit`` (else ``_LIMITS`` for the key's path);
-        None when it is absent or invalid (the error is recorded).
+        """``m[key]`` checked against ``limit``; None when it is absent or invalid (the
+        error is recorded).
         """
-        if key not in m:
+        if key not in m or limit is None:
             return None
         item_path, raw = f"{path}.{key}", m[key]
-        if limit is None:
-            # The limits are keyed by section and key: npu_workers.health.interval
-            # is health.interval.
-            limit = _LIMITS[item_path.partition(".")[2]]
         value = self.scalar(raw, item_path)
         if value is _INVALID:
             return None
         checked = limit.check(value)
         if isinstance(checked, str):
-            self.error(item_path, f"{checked}, got {_show(raw)}")
+            self.error(item_path, f"{checked}, got {show(raw)}")
             return None
         return checked
 
-    def boolean(self, m: Mapping[Any, Any], key: str, path: str, default: bool) -> bool:
+    # The leaves below return ``default`` for an absent or invalid value; the generic
+    # reader passes _INVALID to tell the two apart, hence ``Any``.
+    def boolean(self, m: Mapping[Any, Any], key: str, path: str, default: Any) -> Any:
         if key not in m:
             return default
         item_path, raw = f"{path}.{key}", m[key]
@@ -1414,17 +1539,19 @@ class _Reader:
         if value is _INVALID:
             return default
         if not isinstance(value, bool):
-            self.error(item_path, f"must be true or false, got {_show(raw)}")
+            self.error(item_path, f"must be true or false, got {show(raw)}")
             return default
         return value
 
-    def choice(self, value: str, raw: object, path: str, options: tuple[str, ...]) -> str:
+    def choice(
+        self, value: str, raw: object, path: str, options: tuple[str, ...], default: Any = None
+    ) -> Any:
         if value in options:
             return value
-        self.error(path, f"must be one of {', '.join(map(repr, options))}, got {_show(raw)}")
-        return options[0]
+        self.error(path, f"must be one of {', '.join(map(repr, options))}, got {show(raw)}")
+        return options[0] if default is None else default
 
-    def endpoint(self, m: Mapping[Any, Any], key: str, path: str, default: str) -> str:
+    def endpoint(self, m: Mapping[Any, Any], key: str, path: str, default: Any) -> Any:
         if key not in m:
             return default
         raw = m[key]
@@ -1432,7 +1559,7 @@ class _Reader:
         if value is None:
             return default
         if not value.startswith("/") or any(ch.isspace() for ch in value):
-            self.error(f"{path}.{key}", f"must be a path starting with '/', got {_show(raw)}")
+            self.error(f"{path}.{key}", f"must be a path starting with '/', got {show(raw)}")
             return default
         return value
 
@@ -1533,7 +1660,7 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
         return "", "has an invalid port, got {got}"
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        return "", f"scheme must be 'http' or 'https', got {_show(parts.scheme)}"
+        return "", f"scheme must be 'http' or 'https', got {show(parts.scheme)}"
     if parts.username is not None or parts.password is not None:
         # Not echoed: it holds a credential. Headers are the place for those.
         return "", "must not contain credentials (set an Authorization header instead)"
@@ -1631,27 +1758,3 @@ def _kind(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return "a list"
     return f"a {type(value).__name__}"
-
-
-def _show(value: object) -> str:
-    """A value as an error message quotes it: YAML words for YAML types, short."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    try:
-        # Scrubbed before it is cut: a cut before a URL's '@' would leave its password
-        # for ConfigError's own scrub to miss.
-        text = scrub(repr(value))
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        return "a very large integer"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _bound(value: float) -> str:
-    """A limit as messages and docs write it: 86400, not 86400.0."""
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"
