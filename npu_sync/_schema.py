@@ -11,7 +11,7 @@ one declaration:
 - the key tables of ``docs/configuration.md`` are written (:func:`render_tables`), and
   a test fails when the file and the schema disagree.
 
-Run ``python -m npu_sync._schema --write-docs`` after changing a key to rewrite the
+Run ``python tools/config_docs.py --write-docs`` after changing a key to rewrite the
 tables, or ``--check`` to see whether they are current.
 """
 
@@ -347,13 +347,12 @@ def _tables() -> dict[str, str]:
     return {
         "pool-keys": pool_table(PoolConfig),
         "worker-keys": worker_table(WorkerConfig),
-        "autobot-keys": autobot_table(PoolConfig, WorkerConfig),
     }
 
 
 def _markers(name: str) -> tuple[str, str]:
     return (
-        f"<!-- generated: {name} (python -m npu_sync._schema --write-docs) -->",
+        f"<!-- generated: {name} (python tools/config_docs.py --write-docs) -->",
         f"<!-- end generated: {name} -->",
     )
 
@@ -374,26 +373,21 @@ def render_tables(text: str) -> str:
     return text
 
 
-DOCS: Final = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-
-
-def main(argv: list[str]) -> int:
-    """``--write-docs`` rewrites the tables in place; ``--check`` says whether they are current."""
+def main(argv: list[str], docs: Path) -> int:
+    """``--write-docs`` rewrites the tables of ``docs`` in place; ``--check`` says whether
+    they are current (exit status 1 when not).
+    """
     if argv not in (["--write-docs"], ["--check"]):
-        print("usage: python -m npu_sync._schema --write-docs | --check", file=sys.stderr)
+        print("usage: python tools/config_docs.py --write-docs | --check", file=sys.stderr)
         return 2
-    current = DOCS.read_text(encoding="utf-8")
+    current = docs.read_text(encoding="utf-8")
     wanted = render_tables(current)
     if argv == ["--check"]:
         if wanted != current:
-            print(f"{DOCS} is out of date: run python -m npu_sync._schema --write-docs")
+            print(f"{docs} is out of date: run python tools/config_docs.py --write-docs")
             return 1
         return 0
     if wanted != current:
-        DOCS.write_text(wanted, encoding="utf-8")
-        print(f"rewrote the key tables of {DOCS}")
+        docs.write_text(wanted, encoding="utf-8")
+        print(f"rewrote the key tables of {docs}")
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover - a command, exercised by hand
-    sys.exit(main(sys.argv[1:]))
