@@ -36,6 +36,7 @@ from npu_sync._schema import (
     endpoint,
     integer,
     number,
+    optional_number,
     section,
     show,
     specs,
@@ -45,12 +46,18 @@ from npu_sync.errors import ConfigError, scrub
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_PORT",
+    "DEFAULT_TLS_PORT",
+    "AuthConfig",
+    "BalancingConfig",
     "BreakerConfig",
     "DeadLetterConfig",
     "HealthConfig",
+    "HedgeConfig",
+    "ModelsConfig",
     "PoolConfig",
     "PoolSettings",
     "ReloadConfig",
+    "RetryBudgetConfig",
     "RetryConfig",
     "SharedStateConfig",
     "TLSConfig",
@@ -59,6 +66,7 @@ __all__ = [
     "WorkerConfig",
     "check_reload",
     "config_for_url",
+    "default_protocol",
     "load_config",
     "parse_config",
     "parse_yaml",
@@ -70,6 +78,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT: Final = 8081
 """The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
+
+DEFAULT_TLS_PORT: Final = 8444
+"""The port of a worker given by ``host`` with ``scheme: https`` and no ``port``:
+AutoBot's worker serves TLS there."""
 
 DEFAULT_MAX_CONCURRENT: Final = 32
 """Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
@@ -129,6 +141,66 @@ class TLSConfig:
     )
 
 
+_PROTOCOLS: Final = ("autobot-linux", "autobot-windows")
+_AUTH_TYPES: Final = ("none", "bearer", "hmac")
+# The headers each kind of auth sets on every request: configuring them too is refused.
+_AUTH_HEADERS: Final[Mapping[str, frozenset[str]]] = MappingProxyType(
+    {
+        "bearer": frozenset({"authorization"}),
+        "hmac": frozenset({"x-service-id", "x-service-signature", "x-service-timestamp"}),
+    }
+)
+
+
+def default_protocol(platform: str) -> str:
+    """The worker protocol a platform speaks unless ``protocol`` says otherwise."""
+    return "autobot-windows" if platform == "windows" else "autobot-linux"
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """How each request to one worker is authenticated. Immutable, so thread-safe.
+
+    ``type`` is ``none``; ``bearer`` (``Authorization: Bearer <token>``); or ``hmac``,
+    AutoBot's service-to-service signature: HMAC-SHA256 keyed with ``secret`` over the
+    method, path and timestamp, sent as ``X-Service-ID`` (``service_id``),
+    ``X-Service-Signature`` and ``X-Service-Timestamp``. In a file, ``token`` and
+    ``secret`` must come from the environment (``${NAME}``). Neither is ever shown:
+    ``repr()`` writes ``***``, and no error message quotes them.
+    """
+
+    type: str = choice("none", _AUTH_TYPES, "how each request proves who sends it")
+    token: str | None = custom(
+        None,
+        "the bearer token, sent as `Authorization: Bearer <token>`",
+        allowed_text="`bearer` only, and required there; written as `${NAME}`; "
+        "printable ASCII without spaces; never shown",
+    )
+    service_id: str | None = custom(
+        None,
+        "who signs: sent as `X-Service-ID`",
+        allowed_text="`hmac` only, and required there; printable ASCII without spaces",
+    )
+    secret: str | None = custom(
+        None,
+        "the HMAC-SHA256 key the signature is made with",
+        allowed_text="`hmac` only, and required there; written as `${NAME}`; never shown",
+    )
+
+    def __repr__(self) -> str:
+        token = None if self.token is None else "***"
+        secret = None if self.secret is None else "***"
+        return (
+            f"AuthConfig(type={self.type!r}, token={token!r}, "
+            f"service_id={self.service_id!r}, secret={secret!r})"
+        )
+
+    @property
+    def headers(self) -> frozenset[str]:
+        """The request headers (lower case) this auth sets."""
+        return _AUTH_HEADERS.get(self.type, frozenset())
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     """One worker as configured. Immutable, so thread-safe.
@@ -136,10 +208,11 @@ class WorkerConfig:
     ``url`` is normalised to ``scheme://host:port``, followed by the worker's base path
     when it sits behind a path prefix (``http://host:8081/api/v1``, no trailing slash);
     every request path is joined to it. Build one with :func:`worker_config`
-    to have it validated; the constructor itself only freezes ``headers`` and checks
-    that ``priority`` and ``max_concurrent`` are within range (raising
+    to have it validated; the constructor itself only freezes ``headers``, fills an
+    empty ``name`` with the id and an empty ``protocol`` from ``platform``, and checks
+    that ``priority``, ``max_concurrent`` and ``weight`` are within range (raising
     :class:`~npu_sync.errors.ConfigError`). ``headers`` is left out of ``repr()``
-    because it usually carries credentials.
+    because it usually carries credentials; ``auth`` shows its secrets as ``***``.
     """
 
     id: str = custom(
@@ -177,7 +250,7 @@ class WorkerConfig:
                     "int",
                     "the worker's port",
                     limit=_PORT,
-                    default_text="`8081`",
+                    default_text="`8081`; `8444` with `scheme: https`",
                     allowed_text="only with `host`",
                 ),
                 None,
@@ -233,11 +306,44 @@ class WorkerConfig:
         default_text="none (use `transport.tls`)",
         allowed_text="keys `verify`, `cert`, `key` as in `transport.tls`",
     )
+    name: str = custom(
+        "",
+        "the display name in `workers()`, `stats()`, the status page and logs",
+        default_text="the `id`",
+        allowed_text="1..200 printable characters; spaces allowed",
+        autobot="name",
+    )
+    weight: int = integer(
+        1,
+        1,
+        100,
+        "the worker's share of load against others in its tier: a worker of weight 2 is "
+        "given twice the tasks in flight of one of weight 1",
+        autobot="weight",
+    )
+    platform: str = choice(
+        "linux",
+        ("linux", "windows", "macos"),
+        "the worker's operating system; it chooses the default `protocol`",
+        autobot="platform",
+    )
+    protocol: str = choice(
+        "",
+        _PROTOCOLS,
+        "how requests and answers are spoken: AutoBot's Linux worker (FastAPI, the "
+        "reference worker's protocol) or its Windows worker",
+        default_text="`autobot-windows` for `platform: windows`, else `autobot-linux`",
+    )
+    auth: AuthConfig = section(AuthConfig, "how each request is authenticated")
 
     def __post_init__(self) -> None:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
             object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if not self.name:
+            object.__setattr__(self, "name", self.id)
+        if not self.protocol:
+            object.__setattr__(self, "protocol", default_protocol(self.platform))
         check_fields(self, "worker")
 
     @property
@@ -587,6 +693,108 @@ class PoolSettings:
         check_fields(self, "pool")
 
 
+_STRATEGIES: Final = ("least-loaded", "round-robin", "weighted", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetConfig:
+    """How many retries the pool allows itself, pool-wide. Immutable, so thread-safe."""
+
+    ratio: float = number(
+        0.2, 0, 1, "retries allowed as a share of the first attempts of the last seconds"
+    )
+    min_per_second: float = number(
+        10.0,
+        0,
+        10_000,
+        "retries allowed per second on top of the share, so a quiet pool can still retry",
+        unit="per s",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing.retry_budget")
+
+
+@dataclass(frozen=True, slots=True)
+class HedgeConfig:
+    """When to send a slow idempotent task to a second worker. Immutable, so thread-safe."""
+
+    enabled: bool = boolean(
+        False,
+        "send an idempotent task to a second worker when the first is slow to answer; the "
+        "first answer wins and the hedge counts against the retry budget",
+    )
+    delay: float | None = optional_number(
+        0,
+        3600,
+        "a fixed wait before hedging; null waits for `percentile` of recent latency",
+        above=True,
+        unit="s",
+    )
+    percentile: float = number(
+        0.95,
+        0.5,
+        0.999,
+        "the latency percentile to wait for before hedging, when `delay` is null",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing.hedge")
+
+
+@dataclass(frozen=True, slots=True)
+class BalancingConfig:
+    """How tasks are spread among the workers of a tier. Immutable, so thread-safe."""
+
+    strategy: str = choice(
+        "least-loaded",
+        _STRATEGIES,
+        "how a worker is chosen within the preferred tier",
+        autobot="load_balancing.strategy",
+    )
+    latency_aware: bool = boolean(
+        True, "weigh each worker's tasks in flight by its recent latency (peak-EWMA)"
+    )
+    latency_decay: float = number(
+        10.0,
+        0,
+        3600,
+        "how fast a latency estimate forgets: its time constant",
+        above=True,
+        unit="s",
+    )
+    slow_start: float = number(
+        10.0,
+        0,
+        3600,
+        "a worker that recovers or joins ramps up to its full share over this window; `0` "
+        "turns it off",
+        unit="s",
+    )
+    retry_budget: RetryBudgetConfig = section(RetryBudgetConfig, "the pool-wide retry budget")
+    adaptive_concurrency: bool = boolean(
+        False,
+        "find each worker's concurrency from its latency; `max_concurrent` becomes a ceiling",
+    )
+    hedge: HedgeConfig = section(HedgeConfig, "hedged requests")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsConfig:
+    """What the pool learns and does about the models each worker holds. Immutable."""
+
+    placement: bool = boolean(
+        False,
+        "when no worker holds the model a task names, ask the least-loaded worker to load it",
+    )
+    refresh_on_health: bool = boolean(
+        True, "re-read each worker's models (`GET /models`) with every health round"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A whole, validated pool configuration. Immutable, so thread-safe."""
@@ -608,6 +816,8 @@ class PoolConfig:
     pool: PoolSettings = section(PoolSettings, "the pool's own settings")
     shared_state: SharedStateConfig = section(SharedStateConfig, "state shared by processes")
     reload: ReloadConfig = section(ReloadConfig, "what a reload may do")
+    balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
+    models: ModelsConfig = section(ModelsConfig, "the models workers hold")
     source: str | None = None
     # The top-level key the file used (npu_workers or npu), for key paths in messages.
     layout: str = field(default="npu_workers", compare=False)
@@ -968,11 +1178,17 @@ def worker_config(
     enabled: bool = True,
     headers: Mapping[str, str] | None = None,
     tls: TLSConfig | Mapping[str, Any] | None = None,
+    name: str | None = None,
+    weight: int = 1,
+    platform: str = "linux",
+    protocol: str | None = None,
+    auth: AuthConfig | Mapping[str, Any] | None = None,
 ) -> WorkerConfig:
     """Build a validated worker, with the same rules as a YAML worker entry.
 
-    Give ``url`` or ``host`` (with ``port``, default 8081, and ``scheme``, default
-    http), not both. Values are taken literally: no ``${ENV}`` expansion.
+    Give ``url`` or ``host`` (with ``port``, default 8081, or 8444 with
+    ``scheme="https"``, and ``scheme``, default http), not both. Values are taken
+    literally: no ``${ENV}`` expansion, so ``auth`` secrets are given as they are.
 
     Returns:
         The worker, its url normalised.
@@ -985,6 +1201,8 @@ def worker_config(
         "priority": priority,
         "max_concurrent": max_concurrent,
         "enabled": enabled,
+        "weight": weight,
+        "platform": platform,
     }
     optional = {
         "url": url,
@@ -993,10 +1211,13 @@ def worker_config(
         "scheme": scheme,
         "headers": headers,
         "tls": _tls_mapping(tls) if isinstance(tls, TLSConfig) else tls,
+        "name": name,
+        "protocol": protocol,
+        "auth": _auth_mapping(auth) if isinstance(auth, AuthConfig) else auth,
     }
     raw.update((key, value) for key, value in optional.items() if value is not None)
     reader = _Reader(expand=False, base_dir=None)
-    worker, _ = reader.worker(raw, "worker", autobot=False, tls_base=TLSConfig())
+    worker, _, _ = reader.worker(raw, "worker", autobot=False, tls_base=TLSConfig())
     if reader.errors or worker is None:
         raise ConfigError(reader.errors or ["worker: invalid"])
     return worker
@@ -1032,10 +1253,14 @@ def _worker_limit(name: str) -> Range:
 _SECTION_KEYS: Final = _key_names(PoolConfig)
 _WORKER_KEYS: Final = _key_names(WorkerConfig)
 # AutoBot spells capacity max_concurrent_tasks and may name a worker instead of giving an id.
-_AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"name", "max_concurrent_tasks"}
+_AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"max_concurrent_tasks"}
+# Worker keys read by their specs alone; the others need code of their own.
+_PLAIN_WORKER_KEYS: Final = ("enabled", "weight", "platform", "protocol")
+# A secret in a file is a reference to the environment, and nothing else.
+_ENV_ONLY = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 # Keys AutoBot's own tooling writes that say nothing npu_sync acts on.
 _AUTOBOT_IGNORED_KEYS: Final = frozenset(
-    {"description", "device", "models", "capabilities", "weight", "platform", "assigned_models"}
+    {"description", "device", "models", "capabilities", "tags", "assigned_models"}
 )
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
 _TLS_KEYS: Final = _key_names(TLSConfig)
@@ -1269,14 +1494,20 @@ class _Reader:
         if not isinstance(raw, list):
             self.error(path, f"must be a list of workers, got {show(raw)}")
             return ()
+        read: list[tuple[int, WorkerConfig, str, bool]] = []
+        for index, item in enumerate(raw):
+            item_path = f"{path}[{index}]"
+            worker, address_key, slugged = self.worker(
+                item, item_path, autobot=autobot, tls_base=tls_base
+            )
+            if worker is not None:
+                read.append((index, worker, address_key, slugged))
+        read = _unique_slugs(read)
         built: list[WorkerConfig] = []
         ids: dict[str, int] = {}
         urls: dict[str, int] = {}
-        for index, item in enumerate(raw):
+        for index, worker, address_key, _ in read:
             item_path = f"{path}[{index}]"
-            worker, address_key = self.worker(item, item_path, autobot=autobot, tls_base=tls_base)
-            if worker is None:
-                continue
             if worker.id:
                 if worker.id in ids:
                     self.error(
@@ -1300,8 +1531,9 @@ class _Reader:
 
     def worker(
         self, raw: object, path: str, *, autobot: bool, tls_base: TLSConfig
-    ) -> tuple[WorkerConfig | None, str]:
-        """One worker entry, and the key its address came from (``url`` or ``host``).
+    ) -> tuple[WorkerConfig | None, str, bool]:
+        """One worker entry, the key its address came from (``url`` or ``host``), and
+        whether its id was made from a display name with spaces (to be de-duplicated).
 
         Invalid fields are recorded as errors and left empty, so the caller can still
         check the rest of the list; such a worker is never returned to users.
@@ -1310,19 +1542,23 @@ class _Reader:
         ignored = _AUTOBOT_IGNORED_KEYS if autobot else frozenset()
         if raw is None:
             self.error(path, "must be a mapping, got null")
-            return None, "url"
+            return None, "url", False
         m = self.section(raw, path, allowed, ignored)
         if m is None:
-            return None, "url"
+            return None, "url", False
         skipped = sorted(str(key) for key in m if key in ignored)
         if skipped:
             logger.debug("%s: ignoring AutoBot key(s) %s", path, ", ".join(skipped))
 
-        worker_id = ""
+        name = self.display_name(m["name"], f"{path}.name") if "name" in m else ""
+        worker_id, slugged = "", False
         if "id" in m:
             worker_id = self.identifier(m["id"], f"{path}.id")
-        elif autobot and "name" in m:
-            worker_id = self.identifier(m["name"], f"{path}.name")
+        elif autobot and name:
+            # AutoBot names a worker for people ("Windows NPU Worker (Main Machine)"):
+            # the id becomes a slug of it, and the name stays for display.
+            slugged = any(ch.isspace() for ch in name)
+            worker_id = _slug(name) if slugged else name
         elif not autobot:
             self.error(f"{path}.id", "required")
 
@@ -1342,24 +1578,90 @@ class _Reader:
         else:
             priority = self.integer(m, "priority", path, 1, limit=_worker_limit("priority"))
             capacity_key = "max_concurrent"
+        max_concurrent = self.integer(
+            m, capacity_key, path, DEFAULT_MAX_CONCURRENT, limit=_worker_limit("max_concurrent")
+        )
+        # The plain keys (enabled, weight, platform, protocol), read by their specs.
+        plain = self.fields(
+            {key: m[key] for key in _PLAIN_WORKER_KEYS if key in m}, path, WorkerConfig
+        )
+        headers = self.headers(m.get("headers"), f"{path}.headers")
+        tls = self.tls(m.get("tls"), f"{path}.tls", tls_base)
+        auth = self.auth(m.get("auth"), f"{path}.auth", headers)
         return (
             WorkerConfig(
                 id=worker_id,
                 url=url,
                 priority=priority,
-                max_concurrent=self.integer(
-                    m,
-                    capacity_key,
-                    path,
-                    DEFAULT_MAX_CONCURRENT,
-                    limit=_worker_limit("max_concurrent"),
-                ),
-                enabled=self.boolean(m, "enabled", path, True),
-                headers=self.headers(m.get("headers"), f"{path}.headers"),
-                tls=self.tls(m.get("tls"), f"{path}.tls", tls_base),
+                max_concurrent=max_concurrent,
+                headers=headers,
+                tls=tls,
+                name=name,
+                auth=auth,
+                **plain,
             ),
             address_key,
+            slugged,
         )
+
+    def display_name(self, raw: object, path: str) -> str:
+        value = self.string(raw, path)
+        if value is None:
+            return ""
+        if not value.strip() or len(value) > 200 or not value.isprintable():
+            self.error(path, f"must be 1..200 printable characters, got {show(raw)}")
+            return ""
+        return value
+
+    def auth(self, raw: object, path: str, headers: Mapping[str, str]) -> AuthConfig:
+        """A worker's request auth. Secrets are never quoted, and in a file must come
+        from the environment, so that the file itself (often rewritten by an admin UI,
+        copied into tickets, committed) never holds them.
+        """
+        m = self.section(raw, path, _key_names(AuthConfig))
+        if not m:
+            return AuthConfig()
+        found = self.fields(m, path, AuthConfig)
+        kind = found.get("type") if "type" in m else "none"
+        needed = {"bearer": ("token",), "hmac": ("service_id", "secret")}.get(str(kind), ())
+        values: dict[str, Any] = {}
+        for key in ("token", "service_id", "secret"):
+            if key not in m:
+                if key in needed:
+                    self.error(f"{path}.{key}", f"required when type is {kind!r}")
+                continue
+            if kind is not None and key not in needed:
+                self.error(f"{path}.{key}", f"not used with type {kind!r}")
+                continue
+            values[key] = self.credential(m[key], f"{path}.{key}", secret=key != "service_id")
+        if kind in _AUTH_HEADERS:
+            for header in headers:
+                if header.lower() in _AUTH_HEADERS[str(kind)]:
+                    self.error(
+                        f"{path}.type",
+                        f"{kind!r} sets the {header} header, which headers sets too: keep one",
+                    )
+        return AuthConfig(**found, **values)
+
+    def credential(self, raw: object, path: str, *, secret: bool) -> str | None:
+        """A token, secret or service id: printable ASCII without spaces. A secret is
+        never quoted, and in a file must be a ``${NAME}`` reference.
+        """
+        if secret and self.expand and not (isinstance(raw, str) and _ENV_ONLY.fullmatch(raw)):
+            self.error(
+                path,
+                "must come from the environment, written as ${NAME} (the value is not "
+                "shown): a secret is not kept in the file",
+            )
+            return None
+        value = self.string(raw, path, show_value=not secret)
+        if value is None:
+            return None
+        if not value or not value.isascii() or not value.isprintable() or " " in value:
+            shown = "the value is not shown" if secret else f"got {show(raw)}"
+            self.error(path, f"must be printable ASCII without spaces ({shown})")
+            return None
+        return value
 
     def identifier(self, raw: object, path: str) -> str:
         value = self.string(raw, path)
@@ -1398,7 +1700,6 @@ class _Reader:
             mark = len(self.errors)
             raw = m["host"]
             host = self.string(raw, f"{path}.host")
-            port = self.integer(m, "port", path, DEFAULT_PORT, limit=_PORT)
             scheme = "http"
             if "scheme" in m:
                 value = self.string(m["scheme"], f"{path}.scheme")
@@ -1406,6 +1707,9 @@ class _Reader:
                     scheme = self.choice(
                         value.lower(), m["scheme"], f"{path}.scheme", ("http", "https")
                     )
+            # AutoBot's worker serves plain HTTP on 8081 and TLS on 8444.
+            default_port = DEFAULT_TLS_PORT if scheme == "https" else DEFAULT_PORT
+            port = self.integer(m, "port", path, default_port, limit=_PORT)
             if host is None:
                 return "", "host"
             normal, problem = _normalise_host(host)
@@ -1588,6 +1892,33 @@ class _Reader:
 # Helpers
 
 
+def _slug(name: str) -> str:
+    """A worker id made from a display name: ``Windows NPU Worker (Main)`` becomes
+    ``windows-npu-worker-main``."""
+    slug = re.sub(r"[^a-z0-9._]+", "-", name.lower()).strip("-.")
+    return slug[:200] or "worker"
+
+
+def _unique_slugs(
+    read: list[tuple[int, WorkerConfig, str, bool]],
+) -> list[tuple[int, WorkerConfig, str, bool]]:
+    """Give each id made from a display name a numbered suffix when it is taken.
+
+    Ids written in the file keep precedence: a duplicate among those stays an error.
+    """
+    taken = {worker.id for _, worker, _, slugged in read if not slugged}
+    out = []
+    for index, worker, key, slugged in read:
+        if slugged:
+            wanted, n = worker.id, 2
+            while wanted in taken:
+                wanted, n = f"{worker.id[:195]}-{n}", n + 1
+            taken.add(wanted)
+            worker = replace(worker, id=wanted)
+        out.append((index, worker, key, slugged))
+    return out
+
+
 def _autobot_tiers(workers: list[WorkerConfig]) -> list[WorkerConfig]:
     """Map AutoBot priorities (higher preferred) onto tiers 1, 2, ... (lower preferred)."""
     ranked = sorted({worker.priority for worker in workers}, reverse=True)
@@ -1726,6 +2057,12 @@ def _normalise_host(host: str) -> tuple[str, str | None]:
     ):
         return "", "must be a host name or IP address, got {got}"
     return bare.lower(), None
+
+
+def _auth_mapping(auth: AuthConfig) -> dict[str, Any]:
+    found = {"type": auth.type, "token": auth.token}
+    found.update(service_id=auth.service_id, secret=auth.secret)
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def _tls_mapping(tls: TLSConfig) -> dict[str, Any]:
