@@ -100,8 +100,9 @@ class Spec:
     choices: tuple[str, ...] = ()
     # Whether a reload applies a change to the key (pool-level keys; workers always do).
     hot: bool = True
-    # The AutoBot key it maps from, as docs/configuration.md writes it.
+    # The AutoBot key it maps from, as docs/configuration.md writes it, and how.
     autobot: str = ""
+    autobot_note: str = ""
     # Documentation: the unit of a number, and overrides of the generated cells.
     unit: str = ""
     type_text: str = ""
@@ -332,12 +333,15 @@ def worker_table(worker: type) -> str:
 
 
 def autobot_table(root: type, worker: type) -> str:
-    """AutoBot's admin-UI keys and the npu_sync keys they become."""
-    lines = [_row(["AutoBot key", "becomes", "allowed"]), _row(["---"] * 3)]
+    """The keys of AutoBot's admin-UI file and the npu_sync keys they become."""
+    lines = [_row(["AutoBot key", "becomes", "how"]), _row(["---"] * 3)]
     rows = [(key, f"workers[].{key.path}") for key in keys(worker) if key.spec.autobot]
     rows += [(key, key.path) for key in keys(root) if key.spec.autobot]
     for key, target in rows:
-        lines.append(_row([f"`{key.spec.autobot}`", f"`{target}`", allowed_text(key.spec)]))
+        source = key.spec.autobot
+        source = source if "." in source else f"workers[].{source}"
+        how = key.spec.autobot_note or "as is"
+        lines.append(_row([f"`{source}`", f"`{target}`", how]))
     return "\n".join(lines)
 
 
@@ -347,6 +351,7 @@ def _tables() -> dict[str, str]:
     return {
         "pool-keys": pool_table(PoolConfig),
         "worker-keys": worker_table(WorkerConfig),
+        "autobot-keys": autobot_table(PoolConfig, WorkerConfig),
     }
 
 

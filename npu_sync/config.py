@@ -1,7 +1,8 @@
 """Configuration: a pool's YAML parsed and validated into frozen dataclasses.
 
-Two layouts load: the native one under ``npu_workers:`` and the AutoBot one under
-``npu:``. Every problem found is collected and raised together as one
+Three layouts load: the native one under ``npu_workers:``, AutoBot's under ``npu:``,
+and the one AutoBot's admin UI writes (``workers:`` and ``load_balancing:`` at the top
+level). Every problem found is collected and raised together as one
 :class:`~npu_sync.errors.ConfigError`, each message naming its key path, e.g.
 ``npu_workers.workers[2].port: must be 1..65535, got 0``. ``docs/configuration.md``
 describes every key.
@@ -35,6 +36,7 @@ from npu_sync._schema import (
     default_of,
     endpoint,
     integer,
+    keys,
     number,
     optional_number,
     section,
@@ -222,6 +224,7 @@ class WorkerConfig:
         default_text="required",
         allowed_text="1..200 printable characters, no spaces; unique",
         autobot="id",
+        autobot_note="as is; without an `id`, from `name` (see below)",
     )
     url: str = custom(
         "",
@@ -233,6 +236,7 @@ class WorkerConfig:
         "(`http://host:8081/api/v1`: plain `/segments`, a trailing `/` is dropped); no "
         "query, fragment or credentials",
         autobot="url",
+        autobot_note="as is (`host`, `port`, `scheme` are accepted too)",
         inputs=(
             (
                 "host",
@@ -268,9 +272,10 @@ class WorkerConfig:
         1_000_000,
         "tier: workers in the lowest-numbered tier with room are used first; others only "
         "when it has none",
-        allowed_text="(AutoBot layout: `-1000000..1000000`)",
+        allowed_text="(AutoBot layouts: `-1000000..1000000`, higher preferred)",
         code_limit=_AUTOBOT_PRIORITY,
         autobot="priority",
+        autobot_note="AutoBot 1..10, higher preferred: inverted into tiers (see below); default 5",
     )
     max_concurrent: int = integer(
         DEFAULT_MAX_CONCURRENT,
@@ -278,9 +283,13 @@ class WorkerConfig:
         10_000,
         "tasks in flight on this worker at once; also its connection pool size",
         autobot="max_concurrent_tasks",
+        autobot_note="as is (`max_concurrent` is accepted too, not both)",
     )
     enabled: bool = boolean(
-        True, "a disabled worker stays configured but gets no tasks", autobot="enabled"
+        True,
+        "a disabled worker stays configured but gets no tasks",
+        autobot="enabled",
+        autobot_note="as is",
     )
     # Unhashable, so it takes no part in hash(); equality still compares it.
     headers: Mapping[str, str] = field(
@@ -312,6 +321,7 @@ class WorkerConfig:
         default_text="the `id`",
         allowed_text="1..200 printable characters; spaces allowed",
         autobot="name",
+        autobot_note="kept for display; spaces allowed",
     )
     weight: int = integer(
         1,
@@ -320,12 +330,14 @@ class WorkerConfig:
         "the worker's share of load against others in its tier: a worker of weight 2 is "
         "given twice the tasks in flight of one of weight 1",
         autobot="weight",
+        autobot_note="as is, `1..100`",
     )
     platform: str = choice(
         "linux",
         ("linux", "windows", "macos"),
         "the worker's operating system; it chooses the default `protocol`",
         autobot="platform",
+        autobot_note="as is; chooses `protocol` (`windows` → `autobot-windows`)",
     )
     protocol: str = choice(
         "",
@@ -385,6 +397,7 @@ class HealthConfig:
         above=True,
         unit="s",
         autobot="load_balancing.health_check_interval",
+        autobot_note="as is (seconds)",
     )
     timeout: float = number(
         2.0,
@@ -394,6 +407,7 @@ class HealthConfig:
         above=True,
         unit="s",
         autobot="load_balancing.timeout_seconds",
+        autobot_note="as is: AutoBot uses it as its health-check timeout",
     )
     unhealthy_threshold: int = integer(
         2, 1, 1000, "consecutive failed checks that mark a worker unhealthy"
@@ -422,6 +436,7 @@ class BreakerConfig:
         above=True,
         unit="s",
         autobot="load_balancing.retry_cooldown_seconds",
+        autobot_note="as is: the rest a failed worker gets before one trial task",
     )
     max_reset_timeout: float = number(
         600.0,
@@ -751,6 +766,7 @@ class BalancingConfig:
         _STRATEGIES,
         "how a worker is chosen within the preferred tier",
         autobot="load_balancing.strategy",
+        autobot_note="as is: the same four words",
     )
     latency_aware: bool = boolean(
         True, "weigh each worker's tasks in flight by its recent latency (peak-EWMA)"
@@ -819,8 +835,16 @@ class PoolConfig:
     balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
     models: ModelsConfig = section(ModelsConfig, "the models workers hold")
     source: str | None = None
-    # The top-level key the file used (npu_workers or npu), for key paths in messages.
+    # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
+    # which has none), for key paths in messages: see key_path().
     layout: str = field(default="npu_workers", compare=False)
+
+    def key_path(self, key: str) -> str:
+        """``key`` as this configuration's file writes it, for messages:
+        ``npu_workers.dead_letter.path``, ``npu.workers`` or, in the layout AutoBot's
+        admin UI writes (no top-level key), ``workers``.
+        """
+        return f"{self.layout}.{key}" if self.layout else key
 
     def worker(self, worker_id: str) -> WorkerConfig:
         """The worker with this id.
@@ -1107,7 +1131,7 @@ def check_reload(old: PoolConfig, new: PoolConfig) -> None:
     if not before:
         return  # nothing working to protect
     after = {w.id for w in new.workers if w.enabled}
-    path = f"{new.layout}.workers"
+    path = new.key_path("workers")
     if not after:
         if new.reload.allow_empty:
             return
@@ -1226,7 +1250,10 @@ def worker_config(
 # ---------------------------------------------------------------------------------------
 # Validation
 
-_EXPECTED_TOP = "expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping"
+_EXPECTED_TOP = (
+    "expected a top-level 'npu_workers:' (or AutoBot 'npu:', or the 'workers:' of "
+    "AutoBot's admin UI) mapping"
+)
 _LAYOUTS: Final = ("npu_workers", "npu")
 _C = TypeVar("_C")
 
@@ -1251,6 +1278,23 @@ def _worker_limit(name: str) -> Range:
 
 
 _SECTION_KEYS: Final = _key_names(PoolConfig)
+
+
+def _load_balancing_keys() -> Mapping[str, tuple[str, Spec]]:
+    """AutoBot's ``load_balancing`` keys: the npu_sync key each maps to, and its spec."""
+    found = {}
+    for key in keys(PoolConfig):
+        section_name, _, name = key.spec.autobot.partition(".")
+        if section_name == "load_balancing":
+            found[name] = (key.path, key.spec)
+    return MappingProxyType(found)
+
+
+_LOAD_BALANCING: Final = _load_balancing_keys()
+_NO_EFFECT: Final = "retry_failed_workers"
+# The AutoBot layouts (under npu:, or at the top level as the admin UI writes it) take
+# AutoBot's load_balancing section next to npu_sync's own.
+_ADMIN_KEYS: Final = _SECTION_KEYS | {"load_balancing"}
 _WORKER_KEYS: Final = _key_names(WorkerConfig)
 # AutoBot spells capacity max_concurrent_tasks and may name a worker instead of giving an id.
 _AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"max_concurrent_tasks"}
@@ -1294,34 +1338,41 @@ class _Reader:
                 "", f"the configuration must be a mapping, got {show(data)}: {_EXPECTED_TOP}"
             )
             return PoolConfig()
-        for key in data:
-            if key not in _LAYOUTS:
-                self.error(str(key), _unknown(key, _LAYOUTS))
         present = [key for key in _LAYOUTS if key in data]
-        if not present:
-            if not data:
-                self.error("", f"the configuration is empty: {_EXPECTED_TOP}")
-            return PoolConfig()
-        if len(present) > 1:
-            self.error("npu", "cannot be combined with npu_workers: use one layout")
-            return PoolConfig()
-        layout = present[0]
-        section = self.section(data[layout], layout, _SECTION_KEYS)
+        if not present and any(key in _ADMIN_KEYS for key in data):
+            # AutoBot's admin UI writes workers: and load_balancing: at the top level.
+            layout = ""
+            section = self.section(data, "", _ADMIN_KEYS)
+        else:
+            for key in data:
+                if key not in _LAYOUTS:
+                    self.error(str(key), _unknown(key, _LAYOUTS))
+            if not present:
+                if not data:
+                    self.error("", f"the configuration is empty: {_EXPECTED_TOP}")
+                return PoolConfig()
+            if len(present) > 1:
+                self.error("npu", "cannot be combined with npu_workers: use one layout")
+                return PoolConfig()
+            layout = present[0]
+            allowed = _ADMIN_KEYS if layout == "npu" else _SECTION_KEYS
+            section = self.section(data[layout], layout, allowed)
         if section is None:
             return PoolConfig()
+        prefix = f"{layout}." if layout else ""
+        autobot = layout != "npu_workers"
+        if autobot:
+            section = self.load_balancing(section, prefix)
 
         # Workers inherit verify from transport.tls, so it is read first; its errors are
         # moved after the sections before it so messages follow the usual key order.
         mark = len(self.errors)
-        transport = self.transport(section.get("transport"), f"{layout}.transport")
+        transport = self.transport(section.get("transport"), f"{prefix}transport")
         transport_errors = self.errors[mark:]
         del self.errors[mark:]
 
         workers = self.workers(
-            section.get("workers"),
-            f"{layout}.workers",
-            autobot=layout == "npu",
-            tls_base=transport.tls,
+            section.get("workers"), f"{prefix}workers", autobot=autobot, tls_base=transport.tls
         )
         found: dict[str, Any] = {"workers": workers, "transport": transport}
         custom_readers = {"dead_letter": self.dead_letter, "shared_state": self.shared_state}
@@ -1331,17 +1382,50 @@ class _Reader:
                     self.errors.extend(transport_errors)
                 continue
             read = custom_readers.get(name)
-            raw, item_path = section.get(name), f"{layout}.{name}"
+            raw, item_path = section.get(name), f"{prefix}{name}"
             found[name] = (
                 read(raw, item_path) if read else self.section_of(raw, item_path, spec.section)
             )
         dead_letter, shared = found["dead_letter"], found["shared_state"]
         if dead_letter.backend == "redis" and shared.backend != "redis":
             self.error(
-                f"{layout}.dead_letter.backend",
+                f"{prefix}dead_letter.backend",
                 "'redis' needs shared_state.backend: redis (it uses that connection)",
             )
         return PoolConfig(**found, layout=layout)
+
+    def load_balancing(self, section: Mapping[Any, Any], prefix: str) -> Mapping[Any, Any]:
+        """``section`` with AutoBot's ``load_balancing:`` keys moved to the npu_sync keys
+        they map to (each npu_sync key names its AutoBot key in the schema).
+
+        Each value is checked here, under its AutoBot key path, by the npu_sync key's
+        spec; a valid one is handed on as if the file had given the npu_sync key.
+        """
+        path = f"{prefix}load_balancing"
+        m = self.section(section.get("load_balancing"), path, [*_LOAD_BALANCING, _NO_EFFECT])
+        if not m:
+            return section
+        # AutoBot declares it but acts on it nowhere; npu_sync always retries a failed
+        # worker after the cool-down (circuit_breaker.reset_timeout).
+        self.boolean(m, _NO_EFFECT, path, True)
+        out = {key: value for key, value in section.items() if key != "load_balancing"}
+        for key, (target, spec) in _LOAD_BALANCING.items():
+            if key not in m:
+                continue
+            name, _, field_name = target.partition(".")
+            own = out.get(name)
+            if own is not None and not isinstance(own, Mapping):
+                continue  # that section's own error says enough
+            if own and field_name in own:
+                self.error(
+                    f"{path}.{key}",
+                    f"sets {target}, which the file gives too: keep one",
+                )
+                continue
+            value = self.value_of(m, key, path, spec)
+            if value is not _INVALID:
+                out[name] = {**(own or {}), field_name: value}
+        return out
 
     # -- sections --------------------------------------------------------------------
 
@@ -1361,21 +1445,7 @@ class _Reader:
                 continue
             if name not in m or spec.kind == "custom":
                 continue
-            if spec.nullable and m[name] is None:
-                found[name] = None
-                continue
-            value: object = _INVALID
-            if spec.kind == "bool":
-                value = self.boolean(m, name, path, _INVALID)
-            elif spec.kind in ("int", "number"):
-                checked = self.bounded(m, name, path, spec.limit)
-                value = _INVALID if checked is None else checked
-            elif spec.kind == "choice":
-                text = self.string(m[name], item_path)
-                if text is not None:
-                    value = self.choice(text, m[name], item_path, spec.choices, _INVALID)
-            elif spec.kind == "endpoint":
-                value = self.endpoint(m, name, path, _INVALID)
+            value = self.value_of(m, name, path, spec)
             if value is not _INVALID:
                 found[name] = value
         if len(self.errors) == mark:
@@ -1391,6 +1461,27 @@ class _Reader:
                         f"must be >= {spec.at_least} ({other:g}), got {value:g}",
                     )
         return found
+
+    def value_of(self, m: Mapping[Any, Any], name: str, path: str, spec: Spec) -> object:
+        """The value of the plain key ``m[name]`` read by ``spec``; _INVALID when it is
+        invalid (the error is recorded).
+        """
+        item_path = f"{path}.{name}"
+        if spec.nullable and m[name] is None:
+            return None
+        if spec.kind == "bool":
+            return self.boolean(m, name, path, _INVALID)
+        if spec.kind in ("int", "number"):
+            checked = self.bounded(m, name, path, spec.limit)
+            return _INVALID if checked is None else checked
+        if spec.kind == "choice":
+            text = self.string(m[name], item_path)
+            if text is None:
+                return _INVALID
+            return self.choice(text, m[name], item_path, spec.choices, _INVALID)
+        if spec.kind == "endpoint":
+            return self.endpoint(m, name, path, _INVALID)
+        return _INVALID
 
     def section_of(self, raw: object, path: str, cls: type[_C]) -> _C:
         """A section made only of plain keys, every one read by its spec."""

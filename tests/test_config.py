@@ -947,7 +947,8 @@ def test_load_empty_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.errors == (
-        f"{path} is empty: expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping",
+        f"{path} is empty: expected a top-level 'npu_workers:' (or AutoBot 'npu:', or the "
+        "'workers:' of AutoBot's admin UI) mapping",
     )
 
 
