@@ -1296,7 +1296,7 @@ _NO_EFFECT: Final = "retry_failed_workers"
 # AutoBot's load_balancing section next to npu_sync's own.
 _ADMIN_KEYS: Final = _SECTION_KEYS | {"load_balancing"}
 _WORKER_KEYS: Final = _key_names(WorkerConfig)
-# AutoBot spells capacity max_concurrent_tasks and may name a worker instead of giving an id.
+# AutoBot spells capacity max_concurrent_tasks.
 _AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"max_concurrent_tasks"}
 # Worker keys read by their specs alone; the others need code of their own.
 _PLAIN_WORKER_KEYS: Final = ("enabled", "weight", "platform", "protocol")
