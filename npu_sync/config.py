@@ -1,7 +1,8 @@
 """Configuration: a pool's YAML parsed and validated into frozen dataclasses.
 
-Two layouts load: the native one under ``npu_workers:`` and the AutoBot one under
-``npu:``. Every problem found is collected and raised together as one
+Three layouts load: the native one under ``npu_workers:``, AutoBot's under ``npu:``,
+and the one AutoBot's admin UI writes (``workers:`` and ``load_balancing:`` at the top
+level). Every problem found is collected and raised together as one
 :class:`~npu_sync.errors.ConfigError`, each message naming its key path, e.g.
 ``npu_workers.workers[2].port: must be 1..65535, got 0``. ``docs/configuration.md``
 describes every key.
@@ -9,32 +10,56 @@ describes every key.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import ipaddress
 import logging
-import math
 import os
 import re
 import stat
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import urlsplit
 
 import yaml
 
+from npu_sync._schema import (
+    SPEC,
+    Range,
+    Spec,
+    boolean,
+    check_fields,
+    choice,
+    custom,
+    default_of,
+    endpoint,
+    integer,
+    keys,
+    number,
+    optional_number,
+    section,
+    show,
+    specs,
+)
 from npu_sync.errors import ConfigError, scrub
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_PORT",
+    "DEFAULT_TLS_PORT",
+    "AuthConfig",
+    "BalancingConfig",
     "BreakerConfig",
     "DeadLetterConfig",
     "HealthConfig",
+    "HedgeConfig",
+    "ModelsConfig",
     "PoolConfig",
     "PoolSettings",
     "ReloadConfig",
+    "RetryBudgetConfig",
     "RetryConfig",
     "SharedStateConfig",
     "TLSConfig",
@@ -43,6 +68,7 @@ __all__ = [
     "WorkerConfig",
     "check_reload",
     "config_for_url",
+    "default_protocol",
     "load_config",
     "parse_config",
     "parse_yaml",
@@ -54,6 +80,10 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PORT: Final = 8081
 """The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
+
+DEFAULT_TLS_PORT: Final = 8444
+"""The port of a worker given by ``host`` with ``scheme: https`` and no ``port``:
+AutoBot's worker serves TLS there."""
 
 DEFAULT_MAX_CONCURRENT: Final = 32
 """Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
@@ -68,110 +98,22 @@ MAX_NODES: Final = 100_000
 """The most YAML nodes (keys, values, list items) a configuration file may have."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Range:
-    """The values a numeric key allows: ``lo..hi``, ``lo`` itself excluded when ``above``."""
-
-    lo: float
-    hi: float
-    above: bool = False
-    integer: bool = False
-
-    def describe(self) -> str:
-        if self.integer:
-            return f"{_bound(self.lo)}..{_bound(self.hi)}"
-        low = f"> {_bound(self.lo)}" if self.above else f">= {_bound(self.lo)}"
-        return f"{low} and <= {_bound(self.hi)}"
-
-    def check(self, value: object) -> int | float | str:
-        """``value`` if allowed (a float for a number key), else what is wrong with it.
-
-        A problem reads as the start of a message, to be followed by ``, got <value>``.
-        """
-        if self.integer:
-            if isinstance(value, bool) or not isinstance(value, int):
-                return "must be an integer"
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
-            return "must be a number"
-        elif isinstance(value, float) and not math.isfinite(value):
-            return "must be a finite number"
-        # Compared before any float(): an int too large for a float must not overflow.
-        low_ok = value > self.lo if self.above else value >= self.lo
-        if not (low_ok and value <= self.hi):
-            return f"must be {self.describe()}"
-        return value if self.integer else float(value)
-
-
+_CLIENTS: Final = ("builtin", "urllib3", "requests")
 _DAY: Final = 86400
-# Every numeric key's allowed range. The upper bounds keep a valid file from sizing
-# connection pools to millions, or handing a wait longer than the platform's
-# threading.TIMEOUT_MAX (about 292 years) to a lock or an event, which raises
-# OverflowError in whichever thread uses it. docs/configuration.md has the same table.
-_LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
-    {
-        "health.interval": _Range(0, _DAY, above=True),
-        "health.timeout": _Range(0, 3600, above=True),
-        "health.unhealthy_threshold": _Range(1, 1000, integer=True),
-        "health.healthy_threshold": _Range(1, 1000, integer=True),
-        "circuit_breaker.fail_max": _Range(1, 10_000, integer=True),
-        "circuit_breaker.reset_timeout": _Range(0, _DAY, above=True),
-        "circuit_breaker.max_reset_timeout": _Range(0, 7 * _DAY, above=True),
-        "retry.max_retries": _Range(0, 100, integer=True),
-        "retry.backoff_initial": _Range(0, 3600),
-        "retry.backoff_max": _Range(0, 3600),
-        "timeouts.connect": _Range(0, 3600, above=True),
-        "timeouts.read": _Range(0, _DAY, above=True),
-        "timeouts.task": _Range(0, _DAY, above=True),
-        "dead_letter.max_records": _Range(1, 10_000_000, integer=True),
-        "transport.max_response_bytes": _Range(1, 1 << 30, integer=True),
-        "transport.idle_timeout": _Range(0, 3600, above=True),
-        "pool.threads": _Range(1, 4096, integer=True),
-        "pool.max_queue_wait": _Range(0, _DAY, above=True),
-        "shared_state.timeout": _Range(0, 60, above=True),
-        "shared_state.sync_interval": _Range(0, 3600, above=True),
-        "reload.max_removed_share": _Range(0, 1),
-        "worker.port": _Range(1, 65535, integer=True),
-        "worker.priority": _Range(0, 1_000_000, integer=True),
-        "worker.max_concurrent": _Range(1, 10_000, integer=True),
-    }
-)
+# The upper bounds keep a valid file from sizing connection pools to millions, or
+# handing a wait longer than the platform's threading.TIMEOUT_MAX (about 292 years) to a
+# lock or an event, which raises OverflowError in whichever thread uses it.
+
 # AutoBot priorities may be negative; they become tiers 1, 2, ... once read.
-_AUTOBOT_PRIORITY: Final = _Range(-1_000_000, 1_000_000, integer=True)
-# A WorkerConfig may hold either layout's priority, so its constructor allows both.
-_WORKER_FIELD_LIMITS: Final[Mapping[str, _Range]] = MappingProxyType(
-    {"priority": _AUTOBOT_PRIORITY, "max_concurrent": _LIMITS["worker.max_concurrent"]}
-)
-
-
-def _check_limits(config: object, section: str, fields: Mapping[str, _Range]) -> None:
-    """Refuse a config built in code with a number the YAML reader would refuse.
-
-    Raises:
-        ConfigError: naming each bad field as ``<section>.<field>``.
-    """
-    problems = []
-    for name, limit in fields.items():
-        value = getattr(config, name)
-        checked = limit.check(value)
-        if isinstance(checked, str):
-            problems.append(f"{section}.{name}: {checked}, got {_show(value)}")
-    if problems:
-        raise ConfigError(problems)
-
-
-def _section_limits() -> dict[str, Mapping[str, _Range]]:
-    sections: dict[str, dict[str, _Range]] = {}
-    for key, limit in _LIMITS.items():
-        section, _, name = key.partition(".")
-        sections.setdefault(section, {})[name] = limit
-    return {section: MappingProxyType(fields) for section, fields in sections.items()}
-
-
-_SECTION_LIMITS: Final = _section_limits()
+_AUTOBOT_PRIORITY: Final = Range(-1_000_000, 1_000_000, integer=True)
+_PORT: Final = Range(1, 65535, integer=True)
 
 
 def _no_headers() -> Mapping[str, str]:
     return MappingProxyType({})
+
+
+_FILE = "str (file)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +124,83 @@ class TLSConfig:
     certificate and its key (``key`` requires ``cert``). Paths are stored absolute.
     """
 
-    verify: bool | str = True
-    cert: str | None = None
-    key: str | None = None
+    verify: bool | str = custom(
+        True,
+        "verify server certificates (`true`), don't (`false`), or verify against this CA bundle",
+        hot=False,
+        type_text=f"bool or {_FILE}",
+        default_text="`true`",
+    )
+    cert: str | None = custom(
+        None, "client certificate, for mutual TLS", hot=False, type_text=_FILE
+    )
+    key: str | None = custom(
+        None,
+        "the client certificate's private key (when not inside `cert`)",
+        hot=False,
+        type_text=_FILE,
+        allowed_text="requires `cert`",
+    )
+
+
+_PROTOCOLS: Final = ("autobot-linux", "autobot-windows")
+_AUTH_TYPES: Final = ("none", "bearer", "hmac")
+# The headers each kind of auth sets on every request: configuring them too is refused.
+_AUTH_HEADERS: Final[Mapping[str, frozenset[str]]] = MappingProxyType(
+    {
+        "bearer": frozenset({"authorization"}),
+        "hmac": frozenset({"x-service-id", "x-service-signature", "x-service-timestamp"}),
+    }
+)
+
+
+def default_protocol(platform: str) -> str:
+    """The worker protocol a platform speaks unless ``protocol`` says otherwise."""
+    return "autobot-windows" if platform == "windows" else "autobot-linux"
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """How each request to one worker is authenticated. Immutable, so thread-safe.
+
+    ``type`` is ``none``; ``bearer`` (``Authorization: Bearer <token>``); or ``hmac``,
+    AutoBot's service-to-service signature: HMAC-SHA256 keyed with ``secret`` over the
+    method, path and timestamp, sent as ``X-Service-ID`` (``service_id``),
+    ``X-Service-Signature`` and ``X-Service-Timestamp``. In a file, ``token`` and
+    ``secret`` must come from the environment (``${NAME}``). Neither is ever shown:
+    ``repr()`` writes ``***``, and no error message quotes them.
+    """
+
+    type: str = choice("none", _AUTH_TYPES, "how each request proves who sends it")
+    token: str | None = custom(
+        None,
+        "the bearer token, sent as `Authorization: Bearer <token>`",
+        allowed_text="`bearer` only, and required there; written as `${NAME}`; "
+        "printable ASCII without spaces; never shown",
+    )
+    service_id: str | None = custom(
+        None,
+        "who signs: sent as `X-Service-ID`",
+        allowed_text="`hmac` only, and required there; printable ASCII without spaces",
+    )
+    secret: str | None = custom(
+        None,
+        "the HMAC-SHA256 key the signature is made with",
+        allowed_text="`hmac` only, and required there; written as `${NAME}`; never shown",
+    )
+
+    def __repr__(self) -> str:
+        token = None if self.token is None else "***"
+        secret = None if self.secret is None else "***"
+        return (
+            f"AuthConfig(type={self.type!r}, token={token!r}, "
+            f"service_id={self.service_id!r}, secret={secret!r})"
+        )
+
+    @property
+    def headers(self) -> frozenset[str]:
+        """The request headers (lower case) this auth sets."""
+        return _AUTH_HEADERS.get(self.type, frozenset())
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,26 +210,153 @@ class WorkerConfig:
     ``url`` is normalised to ``scheme://host:port``, followed by the worker's base path
     when it sits behind a path prefix (``http://host:8081/api/v1``, no trailing slash);
     every request path is joined to it. Build one with :func:`worker_config`
-    to have it validated; the constructor itself only freezes ``headers`` and checks
-    that ``priority`` and ``max_concurrent`` are within range (raising
+    to have it validated; the constructor itself only freezes ``headers``, fills an
+    empty ``name`` with the id and an empty ``protocol`` from ``platform``, and checks
+    that ``priority``, ``max_concurrent`` and ``weight`` are within range (raising
     :class:`~npu_sync.errors.ConfigError`). ``headers`` is left out of ``repr()``
-    because it usually carries credentials.
+    because it usually carries credentials; ``auth`` shows its secrets as ``***``.
     """
 
-    id: str
-    url: str
-    priority: int = 1
-    max_concurrent: int = DEFAULT_MAX_CONCURRENT
-    enabled: bool = True
+    id: str = custom(
+        "",
+        "the worker's name in logs, stats, `remove_worker()`",
+        type_text="str",
+        default_text="required",
+        allowed_text="1..200 printable characters, no spaces; unique",
+        autobot="id",
+        autobot_note="as is; without an `id`, from `name` (see below)",
+    )
+    url: str = custom(
+        "",
+        "where the worker is (give `url` or `host`, not both); with a base path, every "
+        "request path (the task endpoints and `health.endpoint`) is joined to it: "
+        "`/api/v1` + `/inference`",
+        default_text="",
+        allowed_text="`http://` or `https://`, host, optional port, optional base path "
+        "(`http://host:8081/api/v1`: plain `/segments`, a trailing `/` is dropped); no "
+        "query, fragment or credentials",
+        autobot="url",
+        autobot_note="as is (`host`, `port`, `scheme` are accepted too)",
+        inputs=(
+            (
+                "host",
+                Spec(
+                    "custom",
+                    "where the worker is, with `port` and `scheme`",
+                    default_text="",
+                    allowed_text="host name, IPv4, or IPv6 (brackets optional)",
+                ),
+                "",
+            ),
+            (
+                "port",
+                Spec(
+                    "int",
+                    "the worker's port",
+                    limit=_PORT,
+                    default_text="`8081`; `8444` with `scheme: https`",
+                    allowed_text="only with `host`",
+                ),
+                None,
+            ),
+            (
+                "scheme",
+                Spec("choice", "", choices=("http", "https"), allowed_text="only with `host`"),
+                "http",
+            ),
+        ),
+    )
+    priority: int = integer(
+        1,
+        0,
+        1_000_000,
+        "tier: workers in the lowest-numbered tier with room are used first; others only "
+        "when it has none",
+        allowed_text="(AutoBot layouts: `-1000000..1000000`, higher preferred)",
+        code_limit=_AUTOBOT_PRIORITY,
+        autobot="priority",
+        autobot_note="AutoBot 1..10, higher preferred: inverted into tiers (see below); default 5",
+    )
+    max_concurrent: int = integer(
+        DEFAULT_MAX_CONCURRENT,
+        1,
+        10_000,
+        "tasks in flight on this worker at once; also its connection pool size",
+        autobot="max_concurrent_tasks",
+        autobot_note="as is (`max_concurrent` is accepted too, not both)",
+    )
+    enabled: bool = boolean(
+        True,
+        "a disabled worker stays configured but gets no tasks",
+        autobot="enabled",
+        autobot_note="as is",
+    )
     # Unhashable, so it takes no part in hash(); equality still compares it.
-    headers: Mapping[str, str] = field(default_factory=_no_headers, hash=False, repr=False)
-    tls: TLSConfig | None = None
+    headers: Mapping[str, str] = field(
+        default_factory=_no_headers,
+        hash=False,
+        repr=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "extra headers on every request to this worker, e.g. `Authorization`",
+                type_text="map str → str",
+                default_text="`{}`",
+                allowed_text="valid header names; values without line breaks; no "
+                "`X-NPU-Task-Id`, `X-NPU-Attempt`, `Content-Length`, `Transfer-Encoding` "
+                "(npu_sync sets those)",
+            )
+        },
+    )
+    tls: TLSConfig | None = custom(
+        None,
+        "TLS settings for this worker",
+        type_text="map",
+        default_text="none (use `transport.tls`)",
+        allowed_text="keys `verify`, `cert`, `key` as in `transport.tls`",
+    )
+    name: str = custom(
+        "",
+        "the display name in `workers()`, `stats()`, the status page and logs",
+        default_text="the `id`",
+        allowed_text="1..200 printable characters; spaces allowed",
+        autobot="name",
+        autobot_note="kept for display; spaces allowed",
+    )
+    weight: int = integer(
+        1,
+        1,
+        100,
+        "the worker's share of load against others in its tier: a worker of weight 2 is "
+        "given twice the tasks in flight of one of weight 1",
+        autobot="weight",
+        autobot_note="as is, `1..100`",
+    )
+    platform: str = choice(
+        "linux",
+        ("linux", "windows", "macos"),
+        "the worker's operating system; it chooses the default `protocol`",
+        autobot="platform",
+        autobot_note="as is; chooses `protocol` (`windows` → `autobot-windows`)",
+    )
+    protocol: str = choice(
+        "",
+        _PROTOCOLS,
+        "how requests and answers are spoken: AutoBot's Linux worker (FastAPI, the "
+        "reference worker's protocol) or its Windows worker",
+        default_text="`autobot-windows` for `platform: windows`, else `autobot-linux`",
+    )
+    auth: AuthConfig = section(AuthConfig, "how each request is authenticated")
 
     def __post_init__(self) -> None:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
             object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
-        _check_limits(self, "worker", _WORKER_FIELD_LIMITS)
+        if not self.name:
+            object.__setattr__(self, "name", self.id)
+        if not self.protocol:
+            object.__setattr__(self, "protocol", default_protocol(self.platform))
+        check_fields(self, "worker")
 
     @property
     def scheme(self) -> str:
@@ -243,39 +386,92 @@ class WorkerConfig:
 class HealthConfig:
     """The health checker's settings. Immutable, so thread-safe."""
 
-    enabled: bool = True
-    interval: float = 30.0
-    timeout: float = 2.0
-    unhealthy_threshold: int = 2
-    healthy_threshold: int = 1
-    endpoint: str = "/health"
+    enabled: bool = boolean(
+        True, "run the background health checker (a reload can turn it on or off)"
+    )
+    interval: float = number(
+        30.0,
+        0,
+        _DAY,
+        "time between checks of each worker (jittered)",
+        above=True,
+        unit="s",
+        autobot="load_balancing.health_check_interval",
+        autobot_note="as is (seconds)",
+    )
+    timeout: float = number(
+        2.0,
+        0,
+        3600,
+        "time allowed for one whole check, connecting included",
+        above=True,
+        unit="s",
+        autobot="load_balancing.timeout_seconds",
+        autobot_note="as is: AutoBot uses it as its health-check timeout",
+    )
+    unhealthy_threshold: int = integer(
+        2, 1, 1000, "consecutive failed checks that mark a worker unhealthy"
+    )
+    healthy_threshold: int = integer(
+        1, 1, 1000, "consecutive passed checks that mark it healthy again"
+    )
+    endpoint: str = endpoint("/health", "path of the health check (`GET`)")
 
     def __post_init__(self) -> None:
-        _check_limits(self, "health", _SECTION_LIMITS["health"])
+        check_fields(self, "health")
 
 
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
     """Per-worker circuit breaker settings. Immutable, so thread-safe."""
 
-    fail_max: int = 5
-    reset_timeout: float = 60.0
-    max_reset_timeout: float = 600.0
+    fail_max: int = integer(
+        5, 1, 10_000, "consecutive worker failures that open a worker's breaker"
+    )
+    reset_timeout: float = number(
+        60.0,
+        0,
+        _DAY,
+        "how long a breaker stays open before one trial call",
+        above=True,
+        unit="s",
+        autobot="load_balancing.retry_cooldown_seconds",
+        autobot_note="as is: the rest a failed worker gets before one trial task",
+    )
+    max_reset_timeout: float = number(
+        600.0,
+        0,
+        7 * _DAY,
+        "ceiling for the open time, which grows exponentially on repeated trips",
+        above=True,
+        unit="s",
+        at_least="reset_timeout",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "circuit_breaker", _SECTION_LIMITS["circuit_breaker"])
+        check_fields(self, "circuit_breaker")
 
 
 @dataclass(frozen=True, slots=True)
 class RetryConfig:
     """Retry settings; ``max_retries`` counts attempts after the first. Immutable."""
 
-    max_retries: int = 3
-    backoff_initial: float = 0.05
-    backoff_max: float = 2.0
+    max_retries: int = integer(
+        3, 0, 100, "attempts after the first, each on a worker not yet tried"
+    )
+    backoff_initial: float = number(
+        0.05,
+        0,
+        3600,
+        "first wait between attempts (jittered, grows exponentially)",
+        unit="s",
+    )
+    backoff_max: float = number(
+        2.0, 0, 3600, "longest wait between attempts", unit="s", at_least="backoff_initial"
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "retry", _SECTION_LIMITS["retry"])
+        check_fields(self, "retry")
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,12 +484,38 @@ class TimeoutConfig:
     The defaults keep a task inside gunicorn's default 30 s worker timeout.
     """
 
-    connect: float = 2.0
-    read: float = 20.0
-    task: float = 25.0
+    connect: float = number(
+        2.0,
+        0,
+        3600,
+        "the most of an attempt's budget (`timeouts.read`) that establishing a new "
+        "connection, TCP and TLS, may take",
+        above=True,
+        unit="s",
+    )
+    read: float = number(
+        20.0,
+        0,
+        _DAY,
+        "the budget of one whole attempt, from its start to the last byte of the answer: "
+        "name resolution, connecting, TLS, sending, waiting and reading all come out of "
+        "it. Cut to the time left before the task's deadline, so it may be larger than "
+        "`timeouts.task`",
+        above=True,
+        unit="s",
+    )
+    task: float = number(
+        25.0,
+        0,
+        _DAY,
+        "a task's whole default deadline: all attempts, backoff and waiting for capacity; "
+        "`Task.timeout` overrides it. See [aligning with gunicorn](#aligning-with-gunicorn)",
+        above=True,
+        unit="s",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "timeouts", _SECTION_LIMITS["timeouts"])
+        check_fields(self, "timeouts")
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,15 +525,36 @@ class DeadLetterConfig:
     ``path`` (sqlite only) is stored absolute, or as ``:memory:``.
     """
 
-    backend: str = "memory"
-    path: str | None = None
-    max_records: int = 10000
+    backend: str = choice(
+        "memory",
+        ("memory", "sqlite", "redis"),
+        "where failed tasks are recorded; `redis` needs `shared_state.backend: redis` and "
+        "uses its connection",
+        hot=False,
+    )
+    path: str | None = custom(
+        None,
+        "the SQLite file; `:memory:` is allowed; see [paths](#file-paths)",
+        hot=False,
+        type_text=_FILE,
+        allowed_text="required for `sqlite`, rejected for `memory`",
+    )
+    max_records: int = integer(10000, 1, 10_000_000, "most records kept", hot=False)
     # redis only: the local SQLite file holding records while Redis is unreachable;
     # None puts it under the system's temporary directory (see docs/deployment.md).
-    spool_path: str | None = None
+    spool_path: str | None = custom(
+        None,
+        "the local SQLite file where records wait, durably, while Redis is unreachable; "
+        "shared by the processes of one host; see "
+        "[deployment.md](deployment.md#when-redis-fails)",
+        hot=False,
+        type_text=_FILE,
+        default_text="`<tmp>/npu_sync-<uid>/<namespace>.spool.sqlite3`",
+        allowed_text="`redis` only",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "dead_letter", _SECTION_LIMITS["dead_letter"])
+        check_fields(self, "dead_letter")
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,14 +565,48 @@ class SharedStateConfig:
     may come from the environment (``url: ${NPU_SYNC_REDIS_URL}``).
     """
 
-    backend: str = "none"
-    url: str = "redis://127.0.0.1:6379/0"
-    namespace: str = "npu_sync"
-    timeout: float = 0.05  # seconds: connect and socket timeout of every Redis call
-    sync_interval: float = 1.0  # seconds between full re-reads of the shared state
+    backend: str = choice(
+        "none",
+        ("none", "redis"),
+        "share breakers (and, with `dead_letter.backend: redis`, dead letters) between "
+        "processes; see [deployment.md](deployment.md)",
+        hot=False,
+    )
+    url: str = custom(
+        "redis://127.0.0.1:6379/0",
+        "the Redis server; typically `${NPU_SYNC_REDIS_URL}`. Never quoted in messages, "
+        "and shown with its password as `***` in `repr()`",
+        hot=False,
+        allowed_text="`redis://`, `rediss://`, `unix://`; port `1..65535`, database a number",
+    )
+    namespace: str = custom(
+        "npu_sync",
+        "key prefix: pools with the same namespace share state, others are apart",
+        hot=False,
+        allowed_text="no spaces",
+    )
+    timeout: float = number(
+        0.05,
+        0,
+        60,
+        "connect and socket timeout of every Redis call",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+    sync_interval: float = number(
+        1.0,
+        0,
+        3600,
+        "how often the full shared state is re-read (changes also arrive at once by "
+        "pub/sub), and how often an unavailable Redis is probed",
+        above=True,
+        unit="s",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "shared_state", _SECTION_LIMITS["shared_state"])
+        check_fields(self, "shared_state")
 
     def __repr__(self) -> str:
         # The URL usually carries the Redis password.
@@ -351,57 +628,223 @@ class ReloadConfig:
     from the *new* file, so the file itself must say a drastic change is meant.
     """
 
-    allow_empty: bool = False
-    max_removed_share: float = 0.5
+    allow_empty: bool = boolean(
+        False,
+        "let a reload of the file leave the pool with no enabled worker; without it such a "
+        "reload is refused (see [operations.md](operations.md#what-a-reload-refuses))",
+    )
+    max_removed_share: float = number(
+        0.5,
+        0,
+        1,
+        "the largest share of the running pool's enabled workers (those the file named) "
+        "one reload of the file may remove or disable; more is refused. `0` refuses any "
+        "removal, `1` allows any",
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "reload", _SECTION_LIMITS["reload"])
+        check_fields(self, "reload")
 
 
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
     """The HTTP client and its limits. Immutable, so thread-safe."""
 
-    client: str = "builtin"
-    max_response_bytes: int = 16 * 1024 * 1024
-    tls: TLSConfig = field(default_factory=TLSConfig)
+    client: str = choice(
+        "builtin",
+        _CLIENTS,
+        "HTTP client used for every worker (see [transport.md](transport.md))",
+        hot=False,
+    )
+    max_response_bytes: int = integer(
+        16 * 1024 * 1024,
+        1,
+        1 << 30,
+        "largest response body accepted from a worker",
+        hot=False,
+        default_text="`16777216` (16 MiB)",
+        allowed_text="(1 GiB)",
+    )
+    tls: TLSConfig = section(TLSConfig, "TLS settings of every https worker", hot=False)
     # Below the 5 s keep-alive of uvicorn, which the AutoBot worker runs: a connection
     # idle for longer may be closed by the worker just as a request is sent on it.
-    idle_timeout: float = 4.0
+    idle_timeout: float = number(
+        4.0,
+        0,
+        3600,
+        "how long an idle keep-alive connection may be reused; keep it below the worker's "
+        "own keep-alive timeout (uvicorn's, which the AutoBot worker runs, is 5 s)",
+        above=True,
+        unit="s",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "transport", _SECTION_LIMITS["transport"])
+        check_fields(self, "transport")
 
 
 @dataclass(frozen=True, slots=True)
 class PoolSettings:
     """The pool's own settings. Immutable, so thread-safe."""
 
-    threads: int = 32
-    default_endpoint: str = "/inference"
-    max_queue_wait: float = 10.0  # seconds a task may wait for a worker with room
+    threads: int = integer(
+        32, 1, 4096, "size of the pool's own thread pool for `submit()` / `map()`", hot=False
+    )
+    default_endpoint: str = endpoint(
+        "/inference", "path a task is POSTed to unless it names its own", hot=False
+    )
+    max_queue_wait: float = number(
+        10.0,
+        0,
+        _DAY,
+        "how long a task may wait for a worker with room, within its deadline, before it "
+        "fails into the dead-letter queue",
+        above=True,
+        unit="s",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
-        _check_limits(self, "pool", _SECTION_LIMITS["pool"])
+        check_fields(self, "pool")
+
+
+_STRATEGIES: Final = ("least-loaded", "round-robin", "weighted", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetConfig:
+    """How many retries the pool allows itself, pool-wide. Immutable, so thread-safe."""
+
+    ratio: float = number(
+        0.2, 0, 1, "retries allowed as a share of the first attempts of the last seconds"
+    )
+    min_per_second: float = number(
+        10.0,
+        0,
+        10_000,
+        "retries allowed per second on top of the share, so a quiet pool can still retry",
+        unit="per s",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing.retry_budget")
+
+
+@dataclass(frozen=True, slots=True)
+class HedgeConfig:
+    """When to send a slow idempotent task to a second worker. Immutable, so thread-safe."""
+
+    enabled: bool = boolean(
+        False,
+        "send an idempotent task to a second worker when the first is slow to answer; the "
+        "first answer wins and the hedge counts against the retry budget",
+    )
+    delay: float | None = optional_number(
+        0,
+        3600,
+        "a fixed wait before hedging; null waits for `percentile` of recent latency",
+        above=True,
+        unit="s",
+    )
+    percentile: float = number(
+        0.95,
+        0.5,
+        0.999,
+        "the latency percentile to wait for before hedging, when `delay` is null",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing.hedge")
+
+
+@dataclass(frozen=True, slots=True)
+class BalancingConfig:
+    """How tasks are spread among the workers of a tier. Immutable, so thread-safe."""
+
+    strategy: str = choice(
+        "least-loaded",
+        _STRATEGIES,
+        "how a worker is chosen within the preferred tier",
+        autobot="load_balancing.strategy",
+        autobot_note="as is: the same four words",
+    )
+    latency_aware: bool = boolean(
+        True, "weigh each worker's tasks in flight by its recent latency (peak-EWMA)"
+    )
+    latency_decay: float = number(
+        10.0,
+        0,
+        3600,
+        "how fast a latency estimate forgets: its time constant",
+        above=True,
+        unit="s",
+    )
+    slow_start: float = number(
+        10.0,
+        0,
+        3600,
+        "a worker that recovers or joins ramps up to its full share over this window; `0` "
+        "turns it off",
+        unit="s",
+    )
+    retry_budget: RetryBudgetConfig = section(RetryBudgetConfig, "the pool-wide retry budget")
+    adaptive_concurrency: bool = boolean(
+        False,
+        "find each worker's concurrency from its latency; `max_concurrent` becomes a ceiling",
+    )
+    hedge: HedgeConfig = section(HedgeConfig, "hedged requests")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsConfig:
+    """What the pool learns and does about the models each worker holds. Immutable."""
+
+    placement: bool = boolean(
+        False,
+        "when no worker holds the model a task names, ask the least-loaded worker to load it",
+    )
+    refresh_on_health: bool = boolean(
+        True, "re-read each worker's models (`GET /models`) with every health round"
+    )
 
 
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A whole, validated pool configuration. Immutable, so thread-safe."""
 
-    workers: tuple[WorkerConfig, ...] = ()
-    health: HealthConfig = field(default_factory=HealthConfig)
-    circuit_breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    retry: RetryConfig = field(default_factory=RetryConfig)
-    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
-    dead_letter: DeadLetterConfig = field(default_factory=DeadLetterConfig)
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    pool: PoolSettings = field(default_factory=PoolSettings)
-    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
-    reload: ReloadConfig = field(default_factory=ReloadConfig)
+    workers: tuple[WorkerConfig, ...] = custom(
+        (),
+        "the workers; see [per-worker keys](#per-worker-keys)",
+        type_text="list of workers",
+        default_text="`[]`",
+        allowed_text="may be empty, but `npu-sync check` and reloads then need "
+        "`reload.allow_empty`",
+    )
+    health: HealthConfig = section(HealthConfig, "the health checker")
+    circuit_breaker: BreakerConfig = section(BreakerConfig, "per-worker circuit breakers")
+    retry: RetryConfig = section(RetryConfig, "retries and backoff")
+    timeouts: TimeoutConfig = section(TimeoutConfig, "timeouts")
+    dead_letter: DeadLetterConfig = section(DeadLetterConfig, "the dead-letter store")
+    transport: TransportConfig = section(TransportConfig, "the HTTP client")
+    pool: PoolSettings = section(PoolSettings, "the pool's own settings")
+    shared_state: SharedStateConfig = section(SharedStateConfig, "state shared by processes")
+    reload: ReloadConfig = section(ReloadConfig, "what a reload may do")
+    balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
+    models: ModelsConfig = section(ModelsConfig, "the models workers hold")
     source: str | None = None
-    # The top-level key the file used (npu_workers or npu), for key paths in messages.
+    # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
+    # which has none), for key paths in messages: see key_path().
     layout: str = field(default="npu_workers", compare=False)
+
+    def key_path(self, key: str) -> str:
+        """``key`` as this configuration's file writes it, for messages:
+        ``npu_workers.dead_letter.path``, ``npu.workers`` or, in the layout AutoBot's
+        admin UI writes (no top-level key), ``workers``.
+        """
+        return f"{self.layout}.{key}" if self.layout else key
 
     def worker(self, worker_id: str) -> WorkerConfig:
         """The worker with this id.
@@ -688,7 +1131,7 @@ def check_reload(old: PoolConfig, new: PoolConfig) -> None:
     if not before:
         return  # nothing working to protect
     after = {w.id for w in new.workers if w.enabled}
-    path = f"{new.layout}.workers"
+    path = new.key_path("workers")
     if not after:
         if new.reload.allow_empty:
             return
@@ -759,11 +1202,17 @@ def worker_config(
     enabled: bool = True,
     headers: Mapping[str, str] | None = None,
     tls: TLSConfig | Mapping[str, Any] | None = None,
+    name: str | None = None,
+    weight: int = 1,
+    platform: str = "linux",
+    protocol: str | None = None,
+    auth: AuthConfig | Mapping[str, Any] | None = None,
 ) -> WorkerConfig:
     """Build a validated worker, with the same rules as a YAML worker entry.
 
-    Give ``url`` or ``host`` (with ``port``, default 8081, and ``scheme``, default
-    http), not both. Values are taken literally: no ``${ENV}`` expansion.
+    Give ``url`` or ``host`` (with ``port``, default 8081, or 8444 with
+    ``scheme="https"``, and ``scheme``, default http), not both. Values are taken
+    literally: no ``${ENV}`` expansion, so ``auth`` secrets are given as they are.
 
     Returns:
         The worker, its url normalised.
@@ -776,6 +1225,8 @@ def worker_config(
         "priority": priority,
         "max_concurrent": max_concurrent,
         "enabled": enabled,
+        "weight": weight,
+        "platform": platform,
     }
     optional = {
         "url": url,
@@ -784,10 +1235,13 @@ def worker_config(
         "scheme": scheme,
         "headers": headers,
         "tls": _tls_mapping(tls) if isinstance(tls, TLSConfig) else tls,
+        "name": name,
+        "protocol": protocol,
+        "auth": _auth_mapping(auth) if isinstance(auth, AuthConfig) else auth,
     }
     raw.update((key, value) for key, value in optional.items() if value is not None)
     reader = _Reader(expand=False, base_dir=None)
-    worker, _ = reader.worker(raw, "worker", autobot=False, tls_base=TLSConfig())
+    worker, _, _ = reader.worker(raw, "worker", autobot=False, tls_base=TLSConfig())
     if reader.errors or worker is None:
         raise ConfigError(reader.errors or ["worker: invalid"])
     return worker
@@ -796,45 +1250,64 @@ def worker_config(
 # ---------------------------------------------------------------------------------------
 # Validation
 
-_EXPECTED_TOP = "expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping"
+_EXPECTED_TOP = (
+    "expected a top-level 'npu_workers:' (or AutoBot 'npu:', or the 'workers:' of "
+    "AutoBot's admin UI) mapping"
+)
 _LAYOUTS: Final = ("npu_workers", "npu")
-_SECTION_KEYS: Final = frozenset(
-    {
-        "workers",
-        "health",
-        "circuit_breaker",
-        "retry",
-        "timeouts",
-        "dead_letter",
-        "transport",
-        "pool",
-        "shared_state",
-        "reload",
-    }
-)
-_WORKER_KEYS: Final = frozenset(
-    {
-        "id",
-        "url",
-        "host",
-        "port",
-        "scheme",
-        "priority",
-        "max_concurrent",
-        "enabled",
-        "headers",
-        "tls",
-    }
-)
-# AutoBot spells capacity max_concurrent_tasks and may name a worker instead of giving an id.
-_AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"name", "max_concurrent_tasks"}
+_C = TypeVar("_C")
+
+
+def _key_names(cls: type) -> frozenset[str]:
+    """The YAML keys a section of ``cls`` allows: its declared fields and their inputs."""
+    names = set()
+    for name, spec, _ in specs(cls):
+        names.add(name)
+        names.update(input_name for input_name, _, _ in spec.inputs)
+    return frozenset(names)
+
+
+def _field_default(cls: type, name: str) -> Any:
+    return default_of(next(item for item in dataclasses.fields(cls) if item.name == name))
+
+
+def _worker_limit(name: str) -> Range:
+    spec = next(spec for key, spec, _ in specs(WorkerConfig) if key == name)
+    assert spec.limit is not None
+    return spec.limit
+
+
+_SECTION_KEYS: Final = _key_names(PoolConfig)
+
+
+def _load_balancing_keys() -> Mapping[str, tuple[str, Spec]]:
+    """AutoBot's ``load_balancing`` keys: the npu_sync key each maps to, and its spec."""
+    found = {}
+    for key in keys(PoolConfig):
+        section_name, _, name = key.spec.autobot.partition(".")
+        if section_name == "load_balancing":
+            found[name] = (key.path, key.spec)
+    return MappingProxyType(found)
+
+
+_LOAD_BALANCING: Final = _load_balancing_keys()
+_NO_EFFECT: Final = "retry_failed_workers"
+# The AutoBot layouts (under npu:, or at the top level as the admin UI writes it) take
+# AutoBot's load_balancing section next to npu_sync's own.
+_ADMIN_KEYS: Final = _SECTION_KEYS | {"load_balancing"}
+_WORKER_KEYS: Final = _key_names(WorkerConfig)
+# AutoBot spells capacity max_concurrent_tasks.
+_AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"max_concurrent_tasks"}
+# Worker keys read by their specs alone; the others need code of their own.
+_PLAIN_WORKER_KEYS: Final = ("enabled", "weight", "platform", "protocol")
+# A secret in a file is a reference to the environment, and nothing else.
+_ENV_ONLY = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 # Keys AutoBot's own tooling writes that say nothing npu_sync acts on.
 _AUTOBOT_IGNORED_KEYS: Final = frozenset(
-    {"description", "device", "models", "capabilities", "weight", "platform", "assigned_models"}
+    {"description", "device", "models", "capabilities", "tags", "assigned_models"}
 )
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
-_CLIENTS: Final = ("builtin", "urllib3", "requests")
-_TLS_KEYS: Final = frozenset({"verify", "cert", "key"})
+_TLS_KEYS: Final = _key_names(TLSConfig)
 # Set by the transport per request; a configured value would break de-duplication or framing.
 _RESERVED_HEADERS: Final = frozenset(
     {"x-npu-task-id", "x-npu-attempt", "content-length", "transfer-encoding"}
@@ -862,153 +1335,170 @@ class _Reader:
     def document(self, data: object) -> PoolConfig:
         if not isinstance(data, Mapping):
             self.error(
-                "", f"the configuration must be a mapping, got {_show(data)}: {_EXPECTED_TOP}"
+                "", f"the configuration must be a mapping, got {show(data)}: {_EXPECTED_TOP}"
             )
             return PoolConfig()
-        for key in data:
-            if key not in _LAYOUTS:
-                self.error(str(key), _unknown(key, _LAYOUTS))
         present = [key for key in _LAYOUTS if key in data]
-        if not present:
-            if not data:
-                self.error("", f"the configuration is empty: {_EXPECTED_TOP}")
-            return PoolConfig()
-        if len(present) > 1:
-            self.error("npu", "cannot be combined with npu_workers: use one layout")
-            return PoolConfig()
-        layout = present[0]
-        section = self.section(data[layout], layout, _SECTION_KEYS)
+        if not present and any(key in _ADMIN_KEYS for key in data):
+            # AutoBot's admin UI writes workers: and load_balancing: at the top level.
+            layout = ""
+            section = self.section(data, "", _ADMIN_KEYS)
+        else:
+            for key in data:
+                if key not in _LAYOUTS:
+                    self.error(str(key), _unknown(key, _LAYOUTS))
+            if not present:
+                if not data:
+                    self.error("", f"the configuration is empty: {_EXPECTED_TOP}")
+                return PoolConfig()
+            if len(present) > 1:
+                self.error("npu", "cannot be combined with npu_workers: use one layout")
+                return PoolConfig()
+            layout = present[0]
+            allowed = _ADMIN_KEYS if layout == "npu" else _SECTION_KEYS
+            section = self.section(data[layout], layout, allowed)
         if section is None:
             return PoolConfig()
+        prefix = f"{layout}." if layout else ""
+        autobot = layout != "npu_workers"
+        if autobot:
+            section = self.load_balancing(section, prefix)
 
         # Workers inherit verify from transport.tls, so it is read first; its errors are
         # moved after the sections before it so messages follow the usual key order.
         mark = len(self.errors)
-        transport = self.transport(section.get("transport"), f"{layout}.transport")
+        transport = self.transport(section.get("transport"), f"{prefix}transport")
         transport_errors = self.errors[mark:]
         del self.errors[mark:]
 
         workers = self.workers(
-            section.get("workers"),
-            f"{layout}.workers",
-            autobot=layout == "npu",
-            tls_base=transport.tls,
+            section.get("workers"), f"{prefix}workers", autobot=autobot, tls_base=transport.tls
         )
-        health = self.health(section.get("health"), f"{layout}.health")
-        breaker = self.breaker(section.get("circuit_breaker"), f"{layout}.circuit_breaker")
-        retry = self.retry(section.get("retry"), f"{layout}.retry")
-        timeouts = self.timeouts(section.get("timeouts"), f"{layout}.timeouts")
-        dead_letter = self.dead_letter(section.get("dead_letter"), f"{layout}.dead_letter")
-        self.errors.extend(transport_errors)
-        pool = self.pool(section.get("pool"), f"{layout}.pool")
-        shared = self.shared_state(section.get("shared_state"), f"{layout}.shared_state")
-        reload = self.reload(section.get("reload"), f"{layout}.reload")
+        found: dict[str, Any] = {"workers": workers, "transport": transport}
+        custom_readers = {"dead_letter": self.dead_letter, "shared_state": self.shared_state}
+        for name, spec, _ in specs(PoolConfig):
+            if name in found or spec.section is None:
+                if name == "transport":
+                    self.errors.extend(transport_errors)
+                continue
+            read = custom_readers.get(name)
+            raw, item_path = section.get(name), f"{prefix}{name}"
+            found[name] = (
+                read(raw, item_path) if read else self.section_of(raw, item_path, spec.section)
+            )
+        dead_letter, shared = found["dead_letter"], found["shared_state"]
         if dead_letter.backend == "redis" and shared.backend != "redis":
             self.error(
-                f"{layout}.dead_letter.backend",
+                f"{prefix}dead_letter.backend",
                 "'redis' needs shared_state.backend: redis (it uses that connection)",
             )
-        return PoolConfig(
-            shared_state=shared,
-            workers=workers,
-            health=health,
-            circuit_breaker=breaker,
-            retry=retry,
-            timeouts=timeouts,
-            dead_letter=dead_letter,
-            transport=transport,
-            pool=pool,
-            reload=reload,
-            layout=layout,
-        )
+        return PoolConfig(**found, layout=layout)
+
+    def load_balancing(self, section: Mapping[Any, Any], prefix: str) -> Mapping[Any, Any]:
+        """``section`` with AutoBot's ``load_balancing:`` keys moved to the npu_sync keys
+        they map to (each npu_sync key names its AutoBot key in the schema).
+
+        Each value is checked here, under its AutoBot key path, by the npu_sync key's
+        spec; a valid one is handed on as if the file had given the npu_sync key.
+        """
+        path = f"{prefix}load_balancing"
+        m = self.section(section.get("load_balancing"), path, [*_LOAD_BALANCING, _NO_EFFECT])
+        if not m:
+            return section
+        # AutoBot declares it but acts on it nowhere; npu_sync always retries a failed
+        # worker after the cool-down (circuit_breaker.reset_timeout).
+        self.boolean(m, _NO_EFFECT, path, True)
+        out = {key: value for key, value in section.items() if key != "load_balancing"}
+        for key, (target, spec) in _LOAD_BALANCING.items():
+            if key not in m:
+                continue
+            name, _, field_name = target.partition(".")
+            own = out.get(name)
+            if own is not None and not isinstance(own, Mapping):
+                continue  # that section's own error says enough
+            if own and field_name in own:
+                self.error(
+                    f"{path}.{key}",
+                    f"sets {target}, which the file gives too: keep one",
+                )
+                continue
+            value = self.value_of(m, key, path, spec)
+            if value is not _INVALID:
+                out[name] = {**(own or {}), field_name: value}
+        return out
 
     # -- sections --------------------------------------------------------------------
 
-    def health(self, raw: object, path: str) -> HealthConfig:
-        d = HealthConfig()
-        m = self.section(raw, path, HealthConfig.__dataclass_fields__)
-        if m is None:
-            return d
-        return HealthConfig(
-            enabled=self.boolean(m, "enabled", path, d.enabled),
-            interval=self.number(m, "interval", path, d.interval),
-            timeout=self.number(m, "timeout", path, d.timeout),
-            unhealthy_threshold=self.integer(m, "unhealthy_threshold", path, d.unhealthy_threshold),
-            healthy_threshold=self.integer(m, "healthy_threshold", path, d.healthy_threshold),
-            endpoint=self.endpoint(m, "endpoint", path, d.endpoint),
-        )
+    def fields(self, m: Mapping[Any, Any], path: str, cls: type) -> dict[str, Any]:
+        """Every plain key of ``cls`` given in ``m``, read and checked by its spec.
 
-    def reload(self, raw: object, path: str) -> ReloadConfig:
-        d = ReloadConfig()
-        m = self.section(raw, path, ReloadConfig.__dataclass_fields__)
-        if m is None:
-            return d
-        return ReloadConfig(
-            allow_empty=self.boolean(m, "allow_empty", path, d.allow_empty),
-            max_removed_share=self.number(m, "max_removed_share", path, d.max_removed_share),
-        )
-
-    def breaker(self, raw: object, path: str) -> BreakerConfig:
-        d = BreakerConfig()
-        m = self.section(raw, path, BreakerConfig.__dataclass_fields__)
-        if m is None:
-            return d
+        Keys left out (absent, invalid, or of kind ``custom``) take the field's default
+        when ``cls(**result)`` is built; invalid ones have their error recorded.
+        """
+        found: dict[str, Any] = {}
         mark = len(self.errors)
-        config = BreakerConfig(
-            fail_max=self.integer(m, "fail_max", path, d.fail_max),
-            reset_timeout=self.number(m, "reset_timeout", path, d.reset_timeout),
-            max_reset_timeout=self.number(m, "max_reset_timeout", path, d.max_reset_timeout),
-        )
-        if len(self.errors) == mark and config.max_reset_timeout < config.reset_timeout:
-            self.error(
-                f"{path}.max_reset_timeout",
-                f"must be >= reset_timeout ({config.reset_timeout:g}), "
-                f"got {config.max_reset_timeout:g}",
-            )
-        return config
+        for name, spec, _ in specs(cls):
+            item_path = f"{path}.{name}"
+            if spec.kind == "section" and spec.section is not None:
+                if name in m:
+                    found[name] = self.section_of(m[name], item_path, spec.section)
+                continue
+            if name not in m or spec.kind == "custom":
+                continue
+            value = self.value_of(m, name, path, spec)
+            if value is not _INVALID:
+                found[name] = value
+        if len(self.errors) == mark:
+            # Cross-field rules only between valid values: a broken field says enough.
+            for name, spec, item in specs(cls):
+                if not spec.at_least:
+                    continue
+                value = found.get(name, default_of(item))
+                other = found.get(spec.at_least, _field_default(cls, spec.at_least))
+                if value < other:
+                    self.error(
+                        f"{path}.{name}",
+                        f"must be >= {spec.at_least} ({other:g}), got {value:g}",
+                    )
+        return found
 
-    def retry(self, raw: object, path: str) -> RetryConfig:
-        d = RetryConfig()
-        m = self.section(raw, path, RetryConfig.__dataclass_fields__)
-        if m is None:
-            return d
-        mark = len(self.errors)
-        config = RetryConfig(
-            max_retries=self.integer(m, "max_retries", path, d.max_retries),
-            backoff_initial=self.number(m, "backoff_initial", path, d.backoff_initial),
-            backoff_max=self.number(m, "backoff_max", path, d.backoff_max),
-        )
-        if len(self.errors) == mark and config.backoff_max < config.backoff_initial:
-            self.error(
-                f"{path}.backoff_max",
-                f"must be >= backoff_initial ({config.backoff_initial:g}), "
-                f"got {config.backoff_max:g}",
-            )
-        return config
+    def value_of(self, m: Mapping[Any, Any], name: str, path: str, spec: Spec) -> object:
+        """The value of the plain key ``m[name]`` read by ``spec``; _INVALID when it is
+        invalid (the error is recorded).
+        """
+        item_path = f"{path}.{name}"
+        if spec.nullable and m[name] is None:
+            return None
+        if spec.kind == "bool":
+            return self.boolean(m, name, path, _INVALID)
+        if spec.kind in ("int", "number"):
+            checked = self.bounded(m, name, path, spec.limit)
+            return _INVALID if checked is None else checked
+        if spec.kind == "choice":
+            text = self.string(m[name], item_path)
+            if text is None:
+                return _INVALID
+            return self.choice(text, m[name], item_path, spec.choices, _INVALID)
+        if spec.kind == "endpoint":
+            return self.endpoint(m, name, path, _INVALID)
+        return _INVALID
 
-    def timeouts(self, raw: object, path: str) -> TimeoutConfig:
-        d = TimeoutConfig()
-        m = self.section(raw, path, TimeoutConfig.__dataclass_fields__)
+    def section_of(self, raw: object, path: str, cls: type[_C]) -> _C:
+        """A section made only of plain keys, every one read by its spec."""
+        m = self.section(raw, path, _key_names(cls))
         if m is None:
-            return d
-        return TimeoutConfig(
-            connect=self.number(m, "connect", path, d.connect),
-            read=self.number(m, "read", path, d.read),
-            task=self.number(m, "task", path, d.task),
-        )
+            return cls()
+        return cls(**self.fields(m, path, cls))
 
     def dead_letter(self, raw: object, path: str) -> DeadLetterConfig:
-        d = DeadLetterConfig()
-        m = self.section(raw, path, DeadLetterConfig.__dataclass_fields__)
+        m = self.section(raw, path, _key_names(DeadLetterConfig))
         if m is None:
-            return d
-        backend: str | None = d.backend
-        if "backend" in m:
-            backend = self.string(m["backend"], f"{path}.backend")
-            if backend is not None:
-                backend = self.choice(
-                    backend, m["backend"], f"{path}.backend", ("memory", "sqlite", "redis")
-                )
+            return DeadLetterConfig()
+        found = self.fields(m, path, DeadLetterConfig)
+        # None when the key is given but invalid: no follow-on errors about it.
+        backend = (
+            found.get("backend") if "backend" in m else _field_default(DeadLetterConfig, "backend")
+        )
         file_path = self.file_path(m, "path", path, None)
         if backend == "sqlite" and m.get("path") is None:
             self.error(f"{path}.path", "required when backend is 'sqlite'")
@@ -1020,24 +1510,13 @@ class _Reader:
             spool = None
         if backend != "redis" and m.get("spool_path") is not None:
             self.error(f"{path}.spool_path", "only used with backend 'redis'")
-        return DeadLetterConfig(
-            backend=backend or d.backend,
-            path=file_path,
-            max_records=self.integer(m, "max_records", path, d.max_records),
-            spool_path=spool,
-        )
+        return DeadLetterConfig(**found, path=file_path, spool_path=spool)
 
     def shared_state(self, raw: object, path: str) -> SharedStateConfig:
-        d = SharedStateConfig()
-        m = self.section(raw, path, SharedStateConfig.__dataclass_fields__)
+        m = self.section(raw, path, _key_names(SharedStateConfig))
         if m is None:
-            return d
-        backend: str | None = d.backend
-        if "backend" in m:
-            backend = self.string(m["backend"], f"{path}.backend")
-            if backend is not None:
-                backend = self.choice(backend, m["backend"], f"{path}.backend", ("none", "redis"))
-        url = d.url
+            return SharedStateConfig()
+        found = self.fields(m, path, SharedStateConfig)
         if "url" in m:
             text = self.string(m["url"], f"{path}.url", show_value=False)
             if text is not None:
@@ -1046,51 +1525,26 @@ class _Reader:
                 if problem:
                     self.error(f"{path}.url", problem)
                 else:
-                    url = text
-        namespace = d.namespace
+                    found["url"] = text
         if "namespace" in m:
             text = self.string(m["namespace"], f"{path}.namespace")
             if text is not None:
                 if not text or any(c.isspace() for c in text):
                     self.error(f"{path}.namespace", f"must be a word without spaces, got {text!r}")
                 else:
-                    namespace = text
-        return SharedStateConfig(
-            backend=backend or d.backend,
-            url=url,
-            namespace=namespace,
-            timeout=self.number(m, "timeout", path, d.timeout),
-            sync_interval=self.number(m, "sync_interval", path, d.sync_interval),
-        )
+                    found["namespace"] = text
+        return SharedStateConfig(**found)
 
     def transport(self, raw: object, path: str) -> TransportConfig:
-        d = TransportConfig()
-        m = self.section(raw, path, TransportConfig.__dataclass_fields__)
+        m = self.section(raw, path, _key_names(TransportConfig))
         if m is None:
-            return d
-        client = d.client
-        if "client" in m:
-            value = self.string(m["client"], f"{path}.client")
-            if value is not None:
-                client = self.choice(value, m["client"], f"{path}.client", _CLIENTS)
+            return TransportConfig()
+        # tls is read by self.tls below: it inherits and resolves file paths.
+        found = self.fields({k: v for k, v in m.items() if k != "tls"}, path, TransportConfig)
         tls = self.tls(m["tls"], f"{path}.tls", TLSConfig()) if "tls" in m else None
-        return TransportConfig(
-            client=client,
-            max_response_bytes=self.integer(m, "max_response_bytes", path, d.max_response_bytes),
-            tls=tls or d.tls,
-            idle_timeout=self.number(m, "idle_timeout", path, d.idle_timeout),
-        )
-
-    def pool(self, raw: object, path: str) -> PoolSettings:
-        d = PoolSettings()
-        m = self.section(raw, path, PoolSettings.__dataclass_fields__)
-        if m is None:
-            return d
-        return PoolSettings(
-            threads=self.integer(m, "threads", path, d.threads),
-            default_endpoint=self.endpoint(m, "default_endpoint", path, d.default_endpoint),
-            max_queue_wait=self.number(m, "max_queue_wait", path, d.max_queue_wait),
-        )
+        if tls is not None:
+            found["tls"] = tls
+        return TransportConfig(**found)
 
     def tls(self, raw: object, path: str, base: TLSConfig) -> TLSConfig | None:
         """TLS settings over ``base``: verify inherits alone, cert and key as a pair."""
@@ -1111,7 +1565,7 @@ class _Reader:
             else:
                 self.error(
                     f"{path}.verify",
-                    f"must be true, false or the path of a CA bundle, got {_show(value)}",
+                    f"must be true, false or the path of a CA bundle, got {show(value)}",
                 )
         cert, key = base.cert, base.key
         if "cert" in m or "key" in m:
@@ -1129,16 +1583,22 @@ class _Reader:
         if raw is None:
             return ()
         if not isinstance(raw, list):
-            self.error(path, f"must be a list of workers, got {_show(raw)}")
+            self.error(path, f"must be a list of workers, got {show(raw)}")
             return ()
+        read: list[tuple[int, WorkerConfig, str, bool]] = []
+        for index, item in enumerate(raw):
+            item_path = f"{path}[{index}]"
+            worker, address_key, slugged = self.worker(
+                item, item_path, autobot=autobot, tls_base=tls_base
+            )
+            if worker is not None:
+                read.append((index, worker, address_key, slugged))
+        read = _unique_slugs(read)
         built: list[WorkerConfig] = []
         ids: dict[str, int] = {}
         urls: dict[str, int] = {}
-        for index, item in enumerate(raw):
+        for index, worker, address_key, _ in read:
             item_path = f"{path}[{index}]"
-            worker, address_key = self.worker(item, item_path, autobot=autobot, tls_base=tls_base)
-            if worker is None:
-                continue
             if worker.id:
                 if worker.id in ids:
                     self.error(
@@ -1162,8 +1622,9 @@ class _Reader:
 
     def worker(
         self, raw: object, path: str, *, autobot: bool, tls_base: TLSConfig
-    ) -> tuple[WorkerConfig | None, str]:
-        """One worker entry, and the key its address came from (``url`` or ``host``).
+    ) -> tuple[WorkerConfig | None, str, bool]:
+        """One worker entry, the key its address came from (``url`` or ``host``), and
+        whether its id was made from a display name with spaces (to be de-duplicated).
 
         Invalid fields are recorded as errors and left empty, so the caller can still
         check the rest of the list; such a worker is never returned to users.
@@ -1172,19 +1633,23 @@ class _Reader:
         ignored = _AUTOBOT_IGNORED_KEYS if autobot else frozenset()
         if raw is None:
             self.error(path, "must be a mapping, got null")
-            return None, "url"
+            return None, "url", False
         m = self.section(raw, path, allowed, ignored)
         if m is None:
-            return None, "url"
+            return None, "url", False
         skipped = sorted(str(key) for key in m if key in ignored)
         if skipped:
             logger.debug("%s: ignoring AutoBot key(s) %s", path, ", ".join(skipped))
 
-        worker_id = ""
+        name = self.display_name(m["name"], f"{path}.name") if "name" in m else ""
+        worker_id, slugged = "", False
         if "id" in m:
             worker_id = self.identifier(m["id"], f"{path}.id")
-        elif autobot and "name" in m:
-            worker_id = self.identifier(m["name"], f"{path}.name")
+        elif autobot and name:
+            # AutoBot names a worker for people ("Windows NPU Worker (Main Machine)"):
+            # the id becomes a slug of it, and the name stays for display.
+            slugged = any(ch.isspace() for ch in name)
+            worker_id = _slug(name) if slugged else name
         elif not autobot:
             self.error(f"{path}.id", "required")
 
@@ -1202,26 +1667,92 @@ class _Reader:
                 "max_concurrent_tasks" if "max_concurrent_tasks" in m else "max_concurrent"
             )
         else:
-            priority = self.integer(m, "priority", path, 1, limit=_LIMITS["worker.priority"])
+            priority = self.integer(m, "priority", path, 1, limit=_worker_limit("priority"))
             capacity_key = "max_concurrent"
+        max_concurrent = self.integer(
+            m, capacity_key, path, DEFAULT_MAX_CONCURRENT, limit=_worker_limit("max_concurrent")
+        )
+        # The plain keys (enabled, weight, platform, protocol), read by their specs.
+        plain = self.fields(
+            {key: m[key] for key in _PLAIN_WORKER_KEYS if key in m}, path, WorkerConfig
+        )
+        headers = self.headers(m.get("headers"), f"{path}.headers")
+        tls = self.tls(m.get("tls"), f"{path}.tls", tls_base)
+        auth = self.auth(m.get("auth"), f"{path}.auth", headers)
         return (
             WorkerConfig(
                 id=worker_id,
                 url=url,
                 priority=priority,
-                max_concurrent=self.integer(
-                    m,
-                    capacity_key,
-                    path,
-                    DEFAULT_MAX_CONCURRENT,
-                    limit=_LIMITS["worker.max_concurrent"],
-                ),
-                enabled=self.boolean(m, "enabled", path, True),
-                headers=self.headers(m.get("headers"), f"{path}.headers"),
-                tls=self.tls(m.get("tls"), f"{path}.tls", tls_base),
+                max_concurrent=max_concurrent,
+                headers=headers,
+                tls=tls,
+                name=name,
+                auth=auth,
+                **plain,
             ),
             address_key,
+            slugged,
         )
+
+    def display_name(self, raw: object, path: str) -> str:
+        value = self.string(raw, path)
+        if value is None:
+            return ""
+        if not value.strip() or len(value) > 200 or not value.isprintable():
+            self.error(path, f"must be 1..200 printable characters, got {show(raw)}")
+            return ""
+        return value
+
+    def auth(self, raw: object, path: str, headers: Mapping[str, str]) -> AuthConfig:
+        """A worker's request auth. Secrets are never quoted, and in a file must come
+        from the environment, so that the file itself (often rewritten by an admin UI,
+        copied into tickets, committed) never holds them.
+        """
+        m = self.section(raw, path, _key_names(AuthConfig))
+        if not m:
+            return AuthConfig()
+        found = self.fields(m, path, AuthConfig)
+        kind = found.get("type") if "type" in m else "none"
+        needed = {"bearer": ("token",), "hmac": ("service_id", "secret")}.get(str(kind), ())
+        values: dict[str, Any] = {}
+        for key in ("token", "service_id", "secret"):
+            if key not in m:
+                if key in needed:
+                    self.error(f"{path}.{key}", f"required when type is {kind!r}")
+                continue
+            if kind is not None and key not in needed:
+                self.error(f"{path}.{key}", f"not used with type {kind!r}")
+                continue
+            values[key] = self.credential(m[key], f"{path}.{key}", secret=key != "service_id")
+        if kind in _AUTH_HEADERS:
+            for header in headers:
+                if header.lower() in _AUTH_HEADERS[str(kind)]:
+                    self.error(
+                        f"{path}.type",
+                        f"{kind!r} sets the {header} header, which headers sets too: keep one",
+                    )
+        return AuthConfig(**found, **values)
+
+    def credential(self, raw: object, path: str, *, secret: bool) -> str | None:
+        """A token, secret or service id: printable ASCII without spaces. A secret is
+        never quoted, and in a file must be a ``${NAME}`` reference.
+        """
+        if secret and self.expand and not (isinstance(raw, str) and _ENV_ONLY.fullmatch(raw)):
+            self.error(
+                path,
+                "must come from the environment, written as ${NAME} (the value is not "
+                "shown): a secret is not kept in the file",
+            )
+            return None
+        value = self.string(raw, path, show_value=not secret)
+        if value is None:
+            return None
+        if not value or not value.isascii() or not value.isprintable() or " " in value:
+            shown = "the value is not shown" if secret else f"got {show(raw)}"
+            self.error(path, f"must be printable ASCII without spaces ({shown})")
+            return None
+        return value
 
     def identifier(self, raw: object, path: str) -> str:
         value = self.string(raw, path)
@@ -1234,7 +1765,7 @@ class _Reader:
         ):
             self.error(
                 path,
-                f"must be 1..200 printable characters without spaces, got {_show(raw)}",
+                f"must be 1..200 printable characters without spaces, got {show(raw)}",
             )
             return ""
         return value
@@ -1254,13 +1785,12 @@ class _Reader:
                 return "", "url"
             url, problem = _normalise_url(text)
             if problem:
-                self.error(f"{path}.url", problem.replace("{got}", _show(raw)))
+                self.error(f"{path}.url", problem.replace("{got}", show(raw)))
             return url, "url"
         if "host" in m:
             mark = len(self.errors)
             raw = m["host"]
             host = self.string(raw, f"{path}.host")
-            port = self.integer(m, "port", path, DEFAULT_PORT, limit=_LIMITS["worker.port"])
             scheme = "http"
             if "scheme" in m:
                 value = self.string(m["scheme"], f"{path}.scheme")
@@ -1268,11 +1798,14 @@ class _Reader:
                     scheme = self.choice(
                         value.lower(), m["scheme"], f"{path}.scheme", ("http", "https")
                     )
+            # AutoBot's worker serves plain HTTP on 8081 and TLS on 8444.
+            default_port = DEFAULT_TLS_PORT if scheme == "https" else DEFAULT_PORT
+            port = self.integer(m, "port", path, default_port, limit=_PORT)
             if host is None:
                 return "", "host"
             normal, problem = _normalise_host(host)
             if problem:
-                self.error(f"{path}.host", problem.replace("{got}", _show(raw)))
+                self.error(f"{path}.host", problem.replace("{got}", show(raw)))
             # A fallback port or scheme would make a false duplicate-address error.
             if len(self.errors) > mark:
                 return "", "host"
@@ -1330,7 +1863,7 @@ class _Reader:
         if raw is None:
             return {}
         if not isinstance(raw, Mapping):
-            self.error(path, f"must be a mapping, got {_show(raw)}")
+            self.error(path, f"must be a mapping, got {show(raw)}")
             return None
         if allowed:
             for key in raw:
@@ -1348,7 +1881,7 @@ class _Reader:
 
     def string(self, raw: object, path: str, *, show_value: bool = True) -> str | None:
         if not isinstance(raw, str):
-            got = _show(raw) if show_value else _kind(raw)
+            got = show(raw) if show_value else _kind(raw)
             self.error(path, f"must be a string, got {got}")
             return None
         return self.expand_text(raw, path)
@@ -1367,46 +1900,33 @@ class _Reader:
         return _scalar(text)
 
     def integer(
-        self,
-        m: Mapping[Any, Any],
-        key: str,
-        path: str,
-        default: int,
-        *,
-        limit: _Range | None = None,
+        self, m: Mapping[Any, Any], key: str, path: str, default: int, *, limit: Range
     ) -> int:
-        """The integer at ``m[key]`` within ``limit``, by default the key's own range."""
+        """The integer at ``m[key]`` within ``limit``; ``default`` when absent or invalid."""
         checked = self.bounded(m, key, path, limit)
         return default if checked is None else int(checked)
 
-    def number(self, m: Mapping[Any, Any], key: str, path: str, default: float) -> float:
-        """The finite number at ``m[key]`` within the key's range, as a float."""
-        checked = self.bounded(m, key, path, None)
-        return default if checked is None else float(checked)
-
     def bounded(
-        self, m: Mapping[Any, Any], key: str, path: str, limit: _Range | None
+        self, m: Mapping[Any, Any], key: str, path: str, limit: Range | None
     ) -> int | float | None:
-        """``m[key]`` checked against ``limit`` (else ``_LIMITS`` for the key's path);
-        None when it is absent or invalid (the error is recorded).
+        """``m[key]`` checked against ``limit``; None when it is absent or invalid (the
+        error is recorded).
         """
-        if key not in m:
+        if key not in m or limit is None:
             return None
         item_path, raw = f"{path}.{key}", m[key]
-        if limit is None:
-            # The limits are keyed by section and key: npu_workers.health.interval
-            # is health.interval.
-            limit = _LIMITS[item_path.partition(".")[2]]
         value = self.scalar(raw, item_path)
         if value is _INVALID:
             return None
         checked = limit.check(value)
         if isinstance(checked, str):
-            self.error(item_path, f"{checked}, got {_show(raw)}")
+            self.error(item_path, f"{checked}, got {show(raw)}")
             return None
         return checked
 
-    def boolean(self, m: Mapping[Any, Any], key: str, path: str, default: bool) -> bool:
+    # The leaves below return ``default`` for an absent or invalid value; the generic
+    # reader passes _INVALID to tell the two apart, hence ``Any``.
+    def boolean(self, m: Mapping[Any, Any], key: str, path: str, default: Any) -> Any:
         if key not in m:
             return default
         item_path, raw = f"{path}.{key}", m[key]
@@ -1414,17 +1934,19 @@ class _Reader:
         if value is _INVALID:
             return default
         if not isinstance(value, bool):
-            self.error(item_path, f"must be true or false, got {_show(raw)}")
+            self.error(item_path, f"must be true or false, got {show(raw)}")
             return default
         return value
 
-    def choice(self, value: str, raw: object, path: str, options: tuple[str, ...]) -> str:
+    def choice(
+        self, value: str, raw: object, path: str, options: tuple[str, ...], default: Any = None
+    ) -> Any:
         if value in options:
             return value
-        self.error(path, f"must be one of {', '.join(map(repr, options))}, got {_show(raw)}")
-        return options[0]
+        self.error(path, f"must be one of {', '.join(map(repr, options))}, got {show(raw)}")
+        return options[0] if default is None else default
 
-    def endpoint(self, m: Mapping[Any, Any], key: str, path: str, default: str) -> str:
+    def endpoint(self, m: Mapping[Any, Any], key: str, path: str, default: Any) -> Any:
         if key not in m:
             return default
         raw = m[key]
@@ -1432,7 +1954,7 @@ class _Reader:
         if value is None:
             return default
         if not value.startswith("/") or any(ch.isspace() for ch in value):
-            self.error(f"{path}.{key}", f"must be a path starting with '/', got {_show(raw)}")
+            self.error(f"{path}.{key}", f"must be a path starting with '/', got {show(raw)}")
             return default
         return value
 
@@ -1459,6 +1981,33 @@ class _Reader:
 
 # ---------------------------------------------------------------------------------------
 # Helpers
+
+
+def _slug(name: str) -> str:
+    """A worker id made from a display name: ``Windows NPU Worker (Main)`` becomes
+    ``windows-npu-worker-main``."""
+    slug = re.sub(r"[^a-z0-9._]+", "-", name.lower()).strip("-.")
+    return slug[:200] or "worker"
+
+
+def _unique_slugs(
+    read: list[tuple[int, WorkerConfig, str, bool]],
+) -> list[tuple[int, WorkerConfig, str, bool]]:
+    """Give each id made from a display name a numbered suffix when it is taken.
+
+    Ids written in the file keep precedence: a duplicate among those stays an error.
+    """
+    taken = {worker.id for _, worker, _, slugged in read if not slugged}
+    out = []
+    for index, worker, key, slugged in read:
+        if slugged:
+            wanted, n = worker.id, 2
+            while wanted in taken:
+                wanted, n = f"{worker.id[:195]}-{n}", n + 1
+            taken.add(wanted)
+            worker = replace(worker, id=wanted)
+        out.append((index, worker, key, slugged))
+    return out
 
 
 def _autobot_tiers(workers: list[WorkerConfig]) -> list[WorkerConfig]:
@@ -1533,7 +2082,7 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
         return "", "has an invalid port, got {got}"
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        return "", f"scheme must be 'http' or 'https', got {_show(parts.scheme)}"
+        return "", f"scheme must be 'http' or 'https', got {show(parts.scheme)}"
     if parts.username is not None or parts.password is not None:
         # Not echoed: it holds a credential. Headers are the place for those.
         return "", "must not contain credentials (set an Authorization header instead)"
@@ -1601,6 +2150,12 @@ def _normalise_host(host: str) -> tuple[str, str | None]:
     return bare.lower(), None
 
 
+def _auth_mapping(auth: AuthConfig) -> dict[str, Any]:
+    found = {"type": auth.type, "token": auth.token}
+    found.update(service_id=auth.service_id, secret=auth.secret)
+    return {key: value for key, value in found.items() if value is not None}
+
+
 def _tls_mapping(tls: TLSConfig) -> dict[str, Any]:
     return {"verify": tls.verify, "cert": tls.cert, "key": tls.key}
 
@@ -1631,27 +2186,3 @@ def _kind(value: object) -> str:
     if isinstance(value, (list, tuple)):
         return "a list"
     return f"a {type(value).__name__}"
-
-
-def _show(value: object) -> str:
-    """A value as an error message quotes it: YAML words for YAML types, short."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, (list, tuple)):
-        return "a list"
-    try:
-        # Scrubbed before it is cut: a cut before a URL's '@' would leave its password
-        # for ConfigError's own scrub to miss.
-        text = scrub(repr(value))
-    except ValueError:  # an int beyond sys.get_int_max_str_digits()
-        return "a very large integer"
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _bound(value: float) -> str:
-    """A limit as messages and docs write it: 86400, not 86400.0."""
-    return str(int(value)) if float(value).is_integer() else f"{value:g}"

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from npu_sync.config import (
+    BalancingConfig,
     BreakerConfig,
     DeadLetterConfig,
     HealthConfig,
@@ -106,6 +107,7 @@ def test_design_example_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 def test_docs_yaml_examples_parse(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every YAML example in docs/configuration.md is a valid configuration."""
     monkeypatch.setenv("NPU_TOKEN", "t")
+    monkeypatch.setenv("NPU_SERVICE_SECRET", "s")
     blocks = re.findall(r"```yaml\n(.*?)```", DOCS.read_text(encoding="utf-8"), re.S)
     assert len(blocks) >= 2
     for block in blocks:
@@ -168,8 +170,8 @@ def test_unknown_sub_section() -> None:
 
 def test_unknown_worker_key() -> None:
     """An unknown key in a worker entry names the entry's index."""
-    (message,) = errors_of(one_worker(weight=3))
-    assert message == "npu_workers.workers[0].weight: unknown key"
+    (message,) = errors_of(one_worker(colour=3))
+    assert message == "npu_workers.workers[0].colour: unknown key"
 
 
 def test_wrong_type_names_path_and_value() -> None:
@@ -570,12 +572,23 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("shared_state.timeout", "> 0 and <= 60", 60, {}),
     ("shared_state.sync_interval", "> 0 and <= 3600", 3600, {}),
     ("reload.max_removed_share", ">= 0 and <= 1", 1, {}),
+    ("balancing.latency_decay", "> 0 and <= 3600", 3600, {}),
+    ("balancing.slow_start", ">= 0 and <= 3600", 3600, {}),
 ]
 WORKER_BOUNDS: list[tuple[str, str, int]] = [
     ("port", "1..65535", 65535),
     ("priority", "0..1000000", 1_000_000),
     ("max_concurrent", "1..10000", 10_000),
+    ("weight", "1..100", 100),
 ]
+# Keys of sections nested one level further (balancing.retry_budget.ratio), with their
+# ranges; tests/test_config_fields.py checks them.
+NESTED_BOUNDS: dict[str, str] = {
+    "balancing.retry_budget.ratio": ">= 0 and <= 1",
+    "balancing.retry_budget.min_per_second": ">= 0 and <= 10000",
+    "balancing.hedge.delay": "> 0 and <= 3600",
+    "balancing.hedge.percentile": ">= 0.5 and <= 0.999",
+}
 SECTION_CLASSES: dict[str, Any] = {
     "health": HealthConfig,
     "circuit_breaker": BreakerConfig,
@@ -586,6 +599,7 @@ SECTION_CLASSES: dict[str, Any] = {
     "pool": PoolSettings,
     "shared_state": SharedStateConfig,
     "reload": ReloadConfig,
+    "balancing": BalancingConfig,
 }
 
 
@@ -740,6 +754,7 @@ def test_docs_give_every_range() -> None:
     """docs/configuration.md lists each numeric key with the range the code enforces."""
     expected = {key: allowed for key, allowed, *_ in POOL_BOUNDS}
     expected.update({key: allowed for key, allowed, _ in WORKER_BOUNDS})
+    expected.update(NESTED_BOUNDS)
     assert _docs_ranges() == expected
 
 
@@ -888,10 +903,10 @@ def test_autobot_both_capacity_keys_is_error() -> None:
 
 
 def test_autobot_only_keys_rejected_in_native_layout() -> None:
-    """name and max_concurrent_tasks are AutoBot spellings, unknown under npu_workers."""
-    errors = errors_of(one_worker(name="x", max_concurrent_tasks=2))
+    """max_concurrent_tasks and description are AutoBot's, unknown under npu_workers."""
+    errors = errors_of(one_worker(description="x", max_concurrent_tasks=2))
     assert errors == (
-        "npu_workers.workers[0].name: unknown key",
+        "npu_workers.workers[0].description: unknown key",
         "npu_workers.workers[0].max_concurrent_tasks: unknown key (did you mean 'max_concurrent'?)",
     )
 
@@ -932,7 +947,8 @@ def test_load_empty_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.errors == (
-        f"{path} is empty: expected a top-level 'npu_workers:' (or AutoBot 'npu:') mapping",
+        f"{path} is empty: expected a top-level 'npu_workers:' (or AutoBot 'npu:', or the "
+        "'workers:' of AutoBot's admin UI) mapping",
     )
 
 

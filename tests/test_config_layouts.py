@@ -1,0 +1,254 @@
+"""AutoBot's two YAML layouts: the npu: one and the one its admin UI reads and writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from npu_sync import WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    check_reload,
+    load_config,
+    parse_config,
+)
+from npu_sync.errors import ConfigError
+from npu_sync.testing import FakeNetwork, json_response
+
+# The shape of config/npu_workers.yaml as AutoBot's admin UI saves it (yaml.dump of its
+# models: keys sorted, block style, workers first written by id). Values are made up.
+ADMIN_UI = """\
+load_balancing:
+  health_check_interval: 45
+  retry_cooldown_seconds: 90
+  retry_failed_workers: true
+  strategy: priority
+  timeout_seconds: 8
+workers:
+- enabled: true
+  id: npu-worker-linux-a
+  max_concurrent_tasks: 6
+  name: NPU Worker A (Linux VM)
+  platform: linux
+  priority: 7
+  url: http://10.1.2.3:8081
+  weight: 2
+- enabled: false
+  id: npu-worker-windows-b
+  max_concurrent_tasks: 3
+  name: Windows NPU Worker (Desk Machine)
+  platform: windows
+  priority: 2
+  url: http://10.1.2.4:8082
+  weight: 40
+"""
+
+
+def errors_of(data: Any) -> tuple[str, ...]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return info.value.errors
+
+
+def test_the_admin_ui_file_loads_and_maps_every_key(tmp_path: Path) -> None:
+    """Each key of the admin UI's file lands on its npu_sync field."""
+    path = tmp_path / "npu_workers.yaml"
+    path.write_text(ADMIN_UI, encoding="utf-8")
+    cfg = load_config(path)
+    a, b = cfg.workers
+    assert (a.id, a.name, a.url, a.platform, a.protocol) == (
+        "npu-worker-linux-a",
+        "NPU Worker A (Linux VM)",
+        "http://10.1.2.3:8081",
+        "linux",
+        "autobot-linux",
+    )
+    assert (a.enabled, a.max_concurrent, a.weight, a.priority) == (True, 6, 2, 1)
+    assert (b.id, b.name, b.platform, b.protocol) == (
+        "npu-worker-windows-b",
+        "Windows NPU Worker (Desk Machine)",
+        "windows",
+        "autobot-windows",
+    )
+    # Priority 7 beats 2 in AutoBot (higher preferred): tiers 1 and 2 here.
+    assert (b.enabled, b.max_concurrent, b.weight, b.priority) == (False, 3, 40, 2)
+    assert cfg.balancing.strategy == "priority"
+    assert (cfg.health.interval, cfg.health.timeout) == (45.0, 8.0)
+    assert cfg.circuit_breaker.reset_timeout == 90.0
+    assert cfg.layout == "" and cfg.key_path("workers") == "workers"
+    # Everything the file does not say keeps npu_sync's defaults.
+    defaults = PoolConfig()
+    assert (cfg.retry, cfg.timeouts, cfg.transport) == (
+        defaults.retry,
+        defaults.timeouts,
+        defaults.transport,
+    )
+
+
+def test_admin_ui_errors_name_autobots_own_keys() -> None:
+    """A bad value in the admin-UI layout is reported under the key the file used."""
+    data = yaml.safe_load(ADMIN_UI)
+    data["load_balancing"].update(strategy="weighted-random", timeout_seconds=0)
+    data["load_balancing"]["retry_failed_workers"] = "sometimes"
+    data["workers"][1]["weight"] = 101
+    data["workers"][0]["colour"] = "red"
+    data["tags"] = 1
+    assert errors_of(data) == (
+        "tags: unknown key",
+        "load_balancing.retry_failed_workers: must be true or false, got 'sometimes'",
+        "load_balancing.timeout_seconds: must be > 0 and <= 3600, got 0",
+        "load_balancing.strategy: must be one of 'least-loaded', 'round-robin', 'weighted', "
+        "'priority', got 'weighted-random'",
+        "workers[0].colour: unknown key",
+        "workers[1].weight: must be 1..100, got 101",
+    )
+
+
+def test_a_load_balancing_key_and_its_npu_sync_key_together_are_refused() -> None:
+    """health_check_interval and health.interval in one file: one must go."""
+    data = yaml.safe_load(ADMIN_UI)
+    data["health"] = {"interval": 10}
+    assert errors_of(data) == (
+        "load_balancing.health_check_interval: sets health.interval, which the file gives "
+        "too: keep one",
+    )
+
+
+def test_npu_sync_sections_sit_beside_the_admin_ui_keys() -> None:
+    """npu_sync's own sections may be added at the top level of the admin-UI layout."""
+    data = yaml.safe_load(ADMIN_UI)
+    data["retry"] = {"max_retries": 1}
+    data["balancing"] = {"slow_start": 0}
+    cfg = parse_config(data)
+    assert cfg.retry.max_retries == 1
+    assert (cfg.balancing.slow_start, cfg.balancing.strategy) == (0.0, "priority")
+
+
+def test_the_npu_layout_takes_load_balancing_too() -> None:
+    """Under npu:, load_balancing maps the same way, with npu. in its key paths."""
+    data = {
+        "npu": {
+            "workers": [{"id": "a", "host": "h"}],
+            "load_balancing": {"strategy": "round-robin", "health_check_interval": 5},
+        }
+    }
+    cfg = parse_config(data)
+    assert (cfg.balancing.strategy, cfg.health.interval) == ("round-robin", 5.0)
+    data["npu"]["load_balancing"] = {"stratgy": "round-robin"}
+    assert errors_of(data) == (
+        "npu.load_balancing.stratgy: unknown key (did you mean 'strategy'?)",
+    )
+
+
+def test_load_balancing_is_not_a_native_key() -> None:
+    """npu_workers: keeps its own names: load_balancing there is an unknown key."""
+    (message,) = errors_of({"npu_workers": {"load_balancing": {"strategy": "priority"}}})
+    assert message == "npu_workers.load_balancing: unknown key (did you mean 'balancing'?)"
+
+
+def test_names_with_spaces_become_unique_slugs_in_the_npu_layout() -> None:
+    """A worker named for people gets a safe, de-duplicated id; the name stays for display."""
+    data = {
+        "npu": {
+            "workers": [
+                {"name": "Windows NPU Worker (Main Machine)", "host": "h1"},
+                {"name": "Windows NPU Worker (Main Machine)", "host": "h2"},
+                {"id": "vm2-npu", "name": "VM2 NPU", "host": "h3"},
+                {"name": "VM2  NPU", "host": "h4"},
+                {"name": "plain-name", "host": "h5"},
+            ]
+        }
+    }
+    workers = parse_config(data).workers
+    assert [(w.id, w.name) for w in workers] == [
+        ("windows-npu-worker-main-machine", "Windows NPU Worker (Main Machine)"),
+        ("windows-npu-worker-main-machine-2", "Windows NPU Worker (Main Machine)"),
+        ("vm2-npu", "VM2 NPU"),
+        ("vm2-npu-2", "VM2  NPU"),  # the id written in the file keeps its own
+        ("plain-name", "plain-name"),
+    ]
+
+
+def test_a_name_without_spaces_is_still_the_id_and_duplicates_stay_errors() -> None:
+    """Two workers with the same space-free name are a duplicate id, as before."""
+    data = {"npu": {"workers": [{"name": "w", "host": "h1"}, {"name": "w", "host": "h2"}]}}
+    assert errors_of(data) == ("npu.workers[1].id: duplicate id 'w' (also workers[0])",)
+
+
+def test_a_reload_refusal_names_the_admin_ui_key() -> None:
+    """check_reload's message uses the admin-UI key path, without a layout prefix."""
+    old = parse_config(yaml.safe_load(ADMIN_UI))
+    data = yaml.safe_load(ADMIN_UI)
+    data["workers"] = []
+    with pytest.raises(ConfigError) as info:
+        check_reload(old, parse_config(data))
+    assert info.value.errors[0].startswith("workers: the new configuration has no enabled worker")
+
+
+def echo(req: Any) -> Any:
+    return json_response(200, {"worker_id": req.worker_id})
+
+
+def test_an_admin_ui_file_rewritten_with_a_changed_worker_reloads(tmp_path: Path) -> None:
+    """After the UI rewrites the file, pool.reload() applies the changed and added workers."""
+    path = tmp_path / "npu_workers.yaml"
+    path.write_text(ADMIN_UI, encoding="utf-8")
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        data = yaml.safe_load(ADMIN_UI)
+        data["workers"][0].update(max_concurrent_tasks=9, weight=5)
+        data["workers"][1]["enabled"] = True
+        data["workers"].append(
+            {
+                "enabled": True,
+                "id": "npu-worker-linux-c",
+                "max_concurrent_tasks": 2,
+                "name": "NPU Worker C",
+                "platform": "linux",
+                "priority": 7,
+                "url": "http://10.1.2.5:8081",
+                "weight": 1,
+            }
+        )
+        data["load_balancing"]["health_check_interval"] = 60
+        # As the UI writes it: yaml.dump, keys sorted, block style.
+        path.write_text(yaml.dump(data, default_flow_style=False), encoding="utf-8")
+        result = pool.reload()
+        assert result.added == ("npu-worker-linux-c",)
+        assert set(result.updated) == {"npu-worker-linux-a", "npu-worker-windows-b"}
+        rows = {row["id"]: row for row in pool.workers()}
+        assert set(rows) == {"npu-worker-linux-a", "npu-worker-windows-b", "npu-worker-linux-c"}
+        assert rows["npu-worker-windows-b"]["enabled"] is True
+        result = pool.execute({"x": 1})
+        assert result["worker_id"] in {"npu-worker-linux-a", "npu-worker-linux-c"}
+
+
+def test_the_admin_ui_shape_is_what_autobot_writes() -> None:
+    """The test file has the admin UI's keys exactly: workers and load_balancing."""
+    data = yaml.safe_load(ADMIN_UI)
+    assert set(data) == {"workers", "load_balancing"}
+    assert set(data["load_balancing"]) == {
+        "strategy",
+        "health_check_interval",
+        "timeout_seconds",
+        "retry_failed_workers",
+        "retry_cooldown_seconds",
+    }
+    for worker in data["workers"]:
+        assert set(worker) == {
+            "id",
+            "name",
+            "url",
+            "platform",
+            "enabled",
+            "priority",
+            "weight",
+            "max_concurrent_tasks",
+        }
+    # The mapping test would prove nothing if these were npu_sync's defaults anyway.
+    assert HealthConfig().interval != 45 and BreakerConfig().reset_timeout != 90
