@@ -19,6 +19,7 @@ from npu_sync import WorkerPool
 from npu_sync.admission import Lease
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
 from npu_sync.retry import Kind, Outcome
+from npu_sync.taskrun import record
 from npu_sync.testing import FakeNetwork
 
 SUCCESS = Outcome(Kind.SUCCESS, {})
@@ -55,12 +56,12 @@ def _fill(pool: WorkerPool, leases: int) -> list[Lease]:
 
 def _give_back(pool: WorkerPool, held: list[Lease]) -> None:
     for lease in held:
-        pool._runner.record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(pool._state, lease, SUCCESS, 0.0, 0.0, retry=False)
 
 
 def _measure(pool: WorkerPool, calls: int, out: list[float], spill: bool = False) -> None:
     dispatcher = pool._state.dispatcher
-    record = pool._runner.record
+    state = pool._state
     clock = time.perf_counter
     for _ in range(calls):
         t0 = clock()
@@ -68,7 +69,7 @@ def _measure(pool: WorkerPool, calls: int, out: list[float], spill: bool = False
         out.append(clock() - t0)
         assert lease is not None
         assert not spill or lease.worker.priority == 2
-        record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(state, lease, SUCCESS, 0.0, 0.0, retry=False)
 
 
 def _run(pool: WorkerPool, threads: int, calls: int, spill: bool = False) -> tuple[float, float]:
@@ -127,7 +128,7 @@ def _cycle(
     pool: WorkerPool, calls: int, records: list[float], queued: list[int], start: threading.Barrier
 ) -> None:
     dispatcher = pool._state.dispatcher
-    record = pool._runner.record
+    state = pool._state
     clock = time.perf_counter
     start.wait()
     deadline = time.monotonic() + 3600  # finite: a queued task waits on a timed condition
@@ -139,7 +140,7 @@ def _cycle(
         time.sleep(0)
         queued.append(dispatcher.waiting)
         t0 = clock()
-        record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(state, lease, SUCCESS, 0.0, 0.0, retry=False)
         records.append(clock() - t0)
 
 

@@ -842,16 +842,18 @@ class WorkerPool:
     def _enter(self) -> None:
         if self._restart_pending:
             self._restart_after_fork()
-        with self._state.lock:
-            if self._state.closed:
+        state = self._state
+        with state.lock:
+            if state.closed:
                 raise PoolClosed("the pool is closed")
             self._active += 1
-            self._state.stats.submitted += 1
+            state.stats.submitted += 1
 
     def _leave(self) -> None:
-        with self._state.lock:
+        state = self._state
+        with state.lock:
             self._active -= 1
-            if self._active or not self._state.closed:
+            if self._active or not state.closed:
                 return
             self._idle.notify_all()
             finish = self._finish_when_idle
