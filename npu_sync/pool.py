@@ -12,8 +12,6 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
-import dataclasses
-import hashlib
 import logging
 import os
 import random
@@ -30,7 +28,6 @@ from npu_sync.config import (
     HealthConfig,
     PoolConfig,
     WorkerConfig,
-    check_reload,
     config_for_url,
     parse_yaml,
     read_config_text,
@@ -38,57 +35,20 @@ from npu_sync.config import (
 )
 from npu_sync.deadletter import DeadLetterStore, open_store
 from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
-from npu_sync.events import ConfigReloaded, ConfigReloadFailed, Hook, WorkerHealthChanged
+from npu_sync.events import Hook, WorkerHealthChanged
 from npu_sync.health import HealthChecker, HealthResult
+from npu_sync.reconfigure import Reconfigurer
+from npu_sync.reconfigure import ReloadResult as ReloadResult
 from npu_sync.reload import ConfigWatcher
-from npu_sync.retry import RetryPolicy
 from npu_sync.state import PoolState
 from npu_sync.state import TransportFactory as TransportFactory
 from npu_sync.stats_types import PoolStatsDict, ReloadStats, SharedStateStats, WorkerRow
 from npu_sync.task import Task, as_task
 from npu_sync.taskrun import Runner
-from npu_sync.transport import Transport, make_transport
+from npu_sync.transport import make_transport
 from npu_sync.worker import Worker, render
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReloadResult:
-    """What a reload changed, by worker id.
-
-    ``restart_required`` names pool sections that differ in the new configuration
-    but only take effect on a new pool (``transport``, ``dead_letter``, ``pool``);
-    the running values are kept.
-    """
-
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    updated: tuple[str, ...] = ()
-    unchanged: tuple[str, ...] = ()
-    settings_changed: bool = False
-    restart_required: tuple[str, ...] = ()
-
-    @property
-    def changed(self) -> bool:
-        return bool(self.added or self.removed or self.updated or self.settings_changed)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "added": list(self.added),
-            "removed": list(self.removed),
-            "updated": list(self.updated),
-            "unchanged": list(self.unchanged),
-            "settings_changed": self.settings_changed,
-            "restart_required": list(self.restart_required),
-        }
-
-
-_NOT_HOT = ("transport", "dead_letter", "pool", "shared_state")
-"""Sections a reload cannot change in a running pool."""
-
-_ADDRESS_FIELDS = ("url", "tls", "headers")
-"""A worker whose address changes gets new connections and a fresh breaker."""
 
 
 class WorkerPool:
@@ -145,19 +105,7 @@ class WorkerPool:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = clock.monotonic()
         self._rng = rng or random.Random()
-        self._source_digest: str | None = None
-        # The workers the file named when last applied: a reload is refused for
-        # removing most of those, not for dropping workers added in code since.
-        self._file_workers = frozenset(w.id for w in config.workers)
-        self._rejected_digest: str | None = None
-        self._reload_lock = threading.Lock()
-        self._reloads: dict[str, Any] = {
-            "ok": 0,
-            "failed": 0,
-            "last_error": None,
-            "last_at": None,
-            "last_change": None,
-        }
+        self._reconfigurer = Reconfigurer(state, on_health=self._health_settings_changed)
         self._watcher: ConfigWatcher | None = None
         # Why the pool runs on a stand-in configuration, if it does (see get_pool).
         self._fallback_reason: str | None = None
@@ -207,7 +155,7 @@ class WorkerPool:
         source = os.path.abspath(os.fspath(path))
         text = read_config_text(source)
         pool = cls(parse_yaml(text, source=source), **kwargs)
-        pool._source_digest = _digest(text)
+        pool._reconfigurer.loaded(text)
         if watch:
             pool._watcher = ConfigWatcher(
                 source,
@@ -390,7 +338,7 @@ class WorkerPool:
                     "pending": stored,
                     "dropped": dropped,
                 },
-                "reloads": cast(ReloadStats, dict(self._reloads)),
+                "reloads": cast(ReloadStats, self._reconfigurer.counts()),
                 "shared_state": cast(SharedStateStats, shared),
                 "health": {
                     "enabled": self._state.config.health.enabled,
@@ -428,12 +376,7 @@ class WorkerPool:
             ConfigError: the fields are invalid.
             ValueError: a worker with that id is already in the pool.
         """
-        cfg = worker if worker is not None else worker_config(**fields)
-        with self._reload_lock:
-            if cfg.id in self._state.workers:
-                raise ValueError(f"worker {cfg.id!r} is already in the pool")
-            workers = (*self._state.config.workers, cfg)
-            self._apply_config(dataclasses.replace(self._state.config, workers=workers))
+        self._reconfigurer.add_worker(worker if worker is not None else worker_config(**fields))
 
     def remove_worker(self, worker_id: str, *, drain: bool = True) -> None:
         """Stop sending tasks to a worker and drop it.
@@ -445,13 +388,7 @@ class WorkerPool:
         Raises:
             KeyError: no worker has that id.
         """
-        with self._reload_lock:
-            if worker_id not in self._state.workers:
-                raise KeyError(f"no worker {worker_id!r} in the pool")
-            workers = tuple(w for w in self._state.config.workers if w.id != worker_id)
-            self._apply_config(
-                dataclasses.replace(self._state.config, workers=workers), drain=drain
-            )
+        self._reconfigurer.remove_worker(worker_id, drain=drain)
 
     def reload(self, config: PoolConfig | None = None) -> ReloadResult:
         """Apply a new configuration, or re-read the pool's YAML file.
@@ -470,15 +407,10 @@ class WorkerPool:
             NpuSyncError: no configuration given and the pool has no file.
         """
         if config is not None:
-            with self._reload_lock:
-                result = self._apply_config(config)
-                self._count_reload(result)
-            # Hooks run after the lock is released: one may reload or add a worker.
-            self._announce_reload(result)
-            return result
+            return self._reconfigurer.reload(config)
         if self._state.config.source is None:
             raise NpuSyncError("this pool was not built from a file: pass reload(config)")
-        return self._reload_file(force=True)
+        return self._reconfigurer.reload_file(force=True)
 
     def check_health(self) -> dict[str, dict[str, Any]]:
         """Check every worker now (one round, in parallel) and apply the results.
@@ -617,7 +549,7 @@ class WorkerPool:
         self._local = threading.local()
         self._state.after_fork()
         self._idle = threading.Condition(self._state.lock)
-        self._reload_lock = threading.Lock()
+        self._reconfigurer.after_fork()
         self._release_done = threading.Event()
         if self._released:  # the parent's release is the child's: nothing left to close
             self._release_done.set()
@@ -676,168 +608,17 @@ class WorkerPool:
 
     def _reload_if_changed(self, text: str | None = None) -> None:
         """The watcher's callback: reload when the file's (settled) content changed."""
-        # A bad file is logged and counted by _reload_file; the running config stays.
+        # A bad file is logged and counted by reload_file; the running config stays.
         with contextlib.suppress(ConfigError), self._own_work():
-            self._reload_file(force=False, text=text)
+            self._reconfigurer.reload_file(force=False, text=text)
 
-    def _reload_file(self, *, force: bool, text: str | None = None) -> ReloadResult:
-        source = self._state.config.source
-        assert source is not None
-        failure: ConfigError | None = None
-        with self._reload_lock:
-            if self._state.closed:
-                return ReloadResult()
-            digest = None
-            try:
-                text = read_config_text(source) if text is None else text
-                digest = _digest(text)
-                if not force and digest in (self._source_digest, self._rejected_digest):
-                    # Unchanged, or the same broken content already counted and logged.
-                    return ReloadResult()
-                new = parse_yaml(text, source=source)
-                named = self._file_workers
-                from_file = tuple(w for w in self._state.config.workers if w.id in named)
-                # No emptying the pool by accident.
-                check_reload(dataclasses.replace(self._state.config, workers=from_file), new)
-                result = self._apply_config(new)
-            except ConfigError as exc:
-                self._rejected_digest = digest
-                self._reloads["failed"] += 1
-                self._reloads["last_error"] = str(exc)
-                self._reloads["last_at"] = self._clock.time()
-                failure = exc
-            else:
-                self._source_digest = digest
-                self._file_workers = frozenset(w.id for w in new.workers)
-                # Should the file go back to that broken content, it is a new failure.
-                self._rejected_digest = None
-                self._count_reload(result)
-        # Hooks run after the lock is released: one may reload or add a worker.
-        if failure is not None:
-            self._state.notify(ConfigReloadFailed(self._clock.time(), source, str(failure)))
-            raise failure
-        self._announce_reload(result)
-        return result
-
-    def _count_reload(self, result: ReloadResult) -> None:
-        """Record a reload that was applied. Call with ``_reload_lock`` held."""
-        self._reloads["ok"] += 1
-        self._reloads["last_error"] = None
-        self._reloads["last_at"] = self._clock.time()
-        self._reloads["last_change"] = result.to_dict()
-
-    def _announce_reload(self, result: ReloadResult) -> None:
-        self._state.notify(
-            ConfigReloaded(self._clock.time(), self._state.config.source, result.to_dict())
-        )
-        for section in result.restart_required:
-            log.warning("configuration section %r changed; it takes effect on restart", section)
-
-    def _apply_config(self, new: PoolConfig, *, drain: bool = True) -> ReloadResult:
-        """Make the running pool match ``new``. Call with ``_reload_lock`` held."""
-        old = self._state.config
-        if self._state.closed:
-            raise PoolClosed("the pool is closed")
-        restart = tuple(name for name in _NOT_HOT if getattr(new, name) != getattr(old, name))
-        new = dataclasses.replace(
-            new,
-            transport=old.transport,
-            dead_letter=old.dead_letter,
-            pool=old.pool,
-            shared_state=old.shared_state,
-            # A configuration built in code keeps the pool's file, and its watcher.
-            source=new.source or old.source,
-        )
-        wanted = {w.id: w for w in new.workers}
-        with self._state.lock:
-            current = dict(self._state.workers)
-        added = [wid for wid in wanted if wid not in current]
-        removed = [wid for wid in current if wid not in wanted]
-        updated = [wid for wid in wanted if wid in current and current[wid].config != wanted[wid]]
-        unchanged = [wid for wid in wanted if wid in current and wid not in updated]
-        # Connections are built before taking the lock (no I/O happens, but nothing
-        # that could block belongs under it).
-        built = {wid: self._state.build_worker(wanted[wid]) for wid in added}
-        rewired = {
-            wid: self._state.build_transports(wanted[wid])
-            for wid in updated
-            if any(
-                getattr(current[wid].config, f) != getattr(wanted[wid], f) for f in _ADDRESS_FIELDS
-            )
-        }
-        resized = {
-            wid: self._state.transport_factory(
-                wanted[wid], self._state.config.transport, maxsize=wanted[wid].max_concurrent
-            )
-            for wid in updated
-            if wid not in rewired
-            and current[wid].config.max_concurrent != wanted[wid].max_concurrent
-        }
-        to_close: list[Transport] = []
-        settings_changed = any(
-            getattr(new, name) != getattr(old, name)
-            for name in ("health", "circuit_breaker", "retry", "timeouts")
-        )
-        with self._state.lock:
-            closed_meanwhile = self._state.closed
-        if closed_meanwhile:
-            for worker in built.values():
-                worker.transport.close()
-                worker.health_transport.close()
-            for pair in rewired.values():
-                for transport in pair:
-                    transport.close()
-            for transport in resized.values():
-                transport.close()
-            raise PoolClosed("the pool is closed")
-        with self._state.lock:
-            for wid, worker in built.items():
-                self._state.workers[wid] = worker
-            for wid in removed:
-                worker = self._state.workers.pop(wid)
-                worker.draining = True
-                worker.removed = True
-                if not drain or not worker.in_flight:
-                    to_close += [worker.transport, worker.health_transport]
-                else:
-                    to_close.append(worker.health_transport)
-                    # Still shown by workers() and stats() until its tasks finish.
-                    self._state.draining[wid] = worker
-            for wid in updated:
-                worker = self._state.workers[wid]
-                worker.configure(wanted[wid])
-                if wid in rewired:
-                    to_close += [worker.transport, worker.health_transport]
-                    worker.moved(*rewired[wid])
-                elif wid in resized:
-                    # More (or fewer) connections: swap the task transport; requests in
-                    # flight finish on the old one, which is closed after.
-                    to_close.append(worker.transport)
-                    worker.transport = resized[wid]
-            if new.circuit_breaker != old.circuit_breaker:
-                for worker in self._state.workers.values():
-                    worker.breaker.configure(new.circuit_breaker)
-            self._state.config = new
-            if new.retry != old.retry:
-                self._state.retry = RetryPolicy(new.retry)
-            self._state.dispatcher.set_workers_locked(self._state.workers.values())
-            worker_ids = list(self._state.workers)
-        if self._shared is not None:
-            self._shared.set_workers(worker_ids)
-        for transport in to_close:
-            transport.close()
-        if new.health.enabled and not self._health.running:
+    def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
+        """A change was applied: start health checks it turned on, or have the health
+        thread read its new settings."""
+        if new.enabled and not self._health.running:
             self._health.start()
-        elif new.health != old.health:
+        elif new != old:
             self._health.wake()
-        return ReloadResult(
-            tuple(added),
-            tuple(removed),
-            tuple(updated),
-            tuple(unchanged),
-            settings_changed,
-            restart,
-        )
 
     def _enter(self) -> None:
         if self._restart_pending:
@@ -984,10 +765,6 @@ def _shared_state(config: PoolConfig, on_remote: Any) -> Any:
     from npu_sync.shared import SharedState
 
     return SharedState(config.shared_state, on_remote)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # -- the process-wide default pool -------------------------------------------------------
