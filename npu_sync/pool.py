@@ -1,10 +1,19 @@
-"""WorkerPool: composes selection, admission, breakers, retries and dead letters.
+"""WorkerPool: what a user calls, and the pool's own life (its threads, close, fork).
 
-The life of one task (see docs/architecture.md): acquire a worker lease (waiting FIFO
-for capacity up to the task's deadline), POST outside any lock, classify the answer,
-record it under the lock (which also hands the freed slot to the next waiter), then
-return, raise ``TaskRejected``, or back off and try a worker not yet tried. When no
-attempt is left, the dead-letter record is stored *before* ``TaskFailed`` is raised.
+The public methods are here: ``execute``/``submit``/``map``, ``stats``/``workers``,
+``add_worker``/``remove_worker``/``reload``, ``check_health``, hooks, ``close`` and
+``get_pool()``. The pool composes the rest and wires it together:
+
+* the life of one task (deadline, waiting for a worker, attempts, who is charged,
+  backoff, recording, dead letter, replay) is :mod:`npu_sync.taskrun`;
+* applying a new configuration is :mod:`npu_sync.reconfigure`; watching the file,
+  :mod:`npu_sync.reload`;
+* what all of them share (workers, lock, counters, settings, hooks) is a
+  :class:`~npu_sync.state.PoolState`.
+
+What stays here is the pool's own life: counting the tasks in progress so that
+``close()`` can wait for them, the health, reload and shared-state threads, and
+starting afresh in a child process after ``fork()``.
 """
 
 from __future__ import annotations
@@ -81,16 +90,15 @@ class WorkerPool:
         hooks: Iterable[Hook] = (),
         result_check: Callable[[Any], object] | None = None,
     ) -> None:
-        self._shared = _shared_state(config, _weakly(self, WorkerPool._apply_remote, None))
+        shared = _shared_state(config, _weakly(self, WorkerPool._apply_remote, None))
         state = self._state = PoolState(
             config,
             clock=clock,
             transport_factory=transport_factory,
             rng=rng,
             hooks=hooks,
-            shared=self._shared,
+            shared=shared,
         )
-        self._clock = clock
         self._idle = threading.Condition(state.lock)
         self._active = 0
         self._released = False
@@ -111,8 +119,8 @@ class WorkerPool:
         self._fallback_reason: str | None = None
         if dead_letter_store is not None:
             store: DeadLetterStore = dead_letter_store
-        elif config.dead_letter.backend == "redis" and self._shared is not None:
-            store = self._shared.dead_letter_store(
+        elif config.dead_letter.backend == "redis" and shared is not None:
+            store = shared.dead_letter_store(
                 config.dead_letter.max_records, spool_path=config.dead_letter.spool_path
             )
         else:
@@ -125,10 +133,10 @@ class WorkerPool:
         self._health = self._new_health_checker()
         if config.health.enabled:
             self._health.start()
-        if self._shared is not None:
-            self._shared.set_workers(state.workers)
-            self._shared.on_resume = _weakly(self, WorkerPool._announce_open_breakers, None)
-            self._shared.start()
+        if shared is not None:
+            shared.set_workers(state.workers)
+            shared.on_resume = _weakly(self, WorkerPool._announce_open_breakers, None)
+            shared.start()
         _live_pools.add(self)
 
     @classmethod
@@ -302,9 +310,9 @@ class WorkerPool:
         # The store may be a file: read it (without waiting) before taking the lock; so
         # is the shared state's spool file.
         stored, dropped = self.dead_letters.counts()
-        shared = {"backend": "none"} if self._shared is None else self._shared.stats()
+        shared = {"backend": "none"} if self._state.shared is None else self._state.shared.stats()
         with self._state.lock:
-            now = self._clock.monotonic()
+            now = self._state.clock.monotonic()
             workers = list(self._state.workers.values())
             s = self._state.stats
             sel50, sel99 = self._state.dispatcher.selection_time.percentiles(50, 99)
@@ -354,7 +362,7 @@ class WorkerPool:
     def workers(self) -> list[WorkerRow]:
         """One JSON-serialisable dict per worker, in priority order."""
         with self._state.lock:
-            now = self._clock.monotonic()
+            now = self._state.clock.monotonic()
             # A draining worker re-added under its id shows once: the live row.
             draining = [w for w in self._state.draining.values() if w.id not in self._state.workers]
             ordered = sorted(
@@ -445,8 +453,8 @@ class WorkerPool:
         fallback, or a callback of a future the pool runs), it returns at once and the
         pool finishes closing when its last task ends.
         """
-        # Not under _reload_lock: a reload in progress sees _closed when it installs
-        # its changes, and hooks never run under that lock anyway.
+        # Not under the reconfigurer's lock: a reload in progress sees the pool closed
+        # when it installs its changes, and hooks never run under that lock anyway.
         with self._state.lock:
             first = not self._state.closed
             self._state.closed = True
@@ -481,8 +489,8 @@ class WorkerPool:
             workers = [*self._state.workers.values(), *self._state.draining.values()]
         try:
             self._health.stop()
-            if self._shared is not None:
-                self._shared.stop()
+            if self._state.shared is not None:
+                self._state.shared.stop()
             for worker in workers:
                 worker.transport.close()
                 worker.health_transport.close()
@@ -524,101 +532,7 @@ class WorkerPool:
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
 
-    # -- internals ---------------------------------------------------------------------
-
-    def _new_health_checker(self) -> HealthChecker:
-        # The threads hold the pool weakly, so a pool dropped unclosed can be collected
-        # (and warn, see __del__) instead of living on with its threads.
-        return HealthChecker(
-            _weakly(self, WorkerPool._health_targets, []),
-            _weakly(self, WorkerPool._apply_health, None),
-            _weakly(self, _health_config, HealthConfig()),
-            clock=self._clock,
-            rng=self._rng,
-        )
-
-    def _after_fork(self) -> None:
-        """Make this pool usable in a child process, right after ``fork()``.
-
-        Only the forking thread exists in the child: every lock may be held by a
-        thread that is gone, tasks in flight and their slots belong to the parent, and
-        the connections are the parent's. So the locks, slots and connections start
-        afresh, the numbers count the child's own work, and the threads (health,
-        reload watcher, shared state) start again on the child's first use.
-        """
-        self._local = threading.local()
-        self._state.after_fork()
-        self._idle = threading.Condition(self._state.lock)
-        self._reconfigurer.after_fork()
-        self._release_done = threading.Event()
-        if self._released:  # the parent's release is the child's: nothing left to close
-            self._release_done.set()
-        self._active = 0
-        self._executor = None
-        self._health = self._new_health_checker()
-        if self._watcher is not None:
-            self._watcher = ConfigWatcher(
-                self._watcher.path,
-                _weakly(self, WorkerPool._reload_if_changed, None),
-                poll_interval=self._watcher.poll_interval,
-            )
-        if self._shared is not None:
-            self._shared.after_fork()
-        self.dead_letters.after_fork()
-        self._restart_pending = not self._state.closed
-
-    def _restart_after_fork(self) -> None:
-        with self._state.lock:
-            if not self._restart_pending or self._state.closed:
-                return
-            self._restart_pending = False
-        if self._state.config.health.enabled:
-            self._health.start()
-        if self._watcher is not None:
-            self._watcher.start()
-        if self._shared is not None:
-            self._shared.start()
-
-    def _health_targets(self) -> list[Worker]:
-        with self._state.lock:
-            return list(self._state.workers.values())
-
-    def _apply_health(self, results: dict[str, HealthResult] | Any) -> None:
-        health = self._state.config.health
-        changes: list[tuple[str, bool, str | None]] = []
-        with self._state.lock:
-            for worker_id, result in results.items():
-                worker = self._state.workers.get(worker_id)
-                if worker is None or result.generation != worker.generation:
-                    continue  # removed, or moved to a new address, while the round ran
-                if worker.apply_health(
-                    result, health.unhealthy_threshold, health.healthy_threshold
-                ):
-                    changes.append((worker_id, worker.healthy, result.error))
-                if result.ok and worker.breaker.state == OPEN:
-                    # The worker answers again: let a real task try it now rather than
-                    # wait out the reset timeout. Only that task's success closes it.
-                    worker.breaker.allow_trial()
-            self._state.dispatcher.release_locked(self._clock.monotonic())
-        with self._own_work():
-            for worker_id, healthy, error in changes:
-                self._state.notify(
-                    WorkerHealthChanged(self._clock.time(), worker_id, healthy, error)
-                )
-
-    def _reload_if_changed(self, text: str | None = None) -> None:
-        """The watcher's callback: reload when the file's (settled) content changed."""
-        # A bad file is logged and counted by reload_file; the running config stays.
-        with contextlib.suppress(ConfigError), self._own_work():
-            self._reconfigurer.reload_file(force=False, text=text)
-
-    def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
-        """A change was applied: start health checks it turned on, or have the health
-        thread read its new settings."""
-        if new.enabled and not self._health.running:
-            self._health.start()
-        elif new != old:
-            self._health.wake()
+    # -- work in progress: what close() waits for --------------------------------------
 
     def _enter(self) -> None:
         if self._restart_pending:
@@ -686,21 +600,75 @@ class WorkerPool:
         finally:
             self._leave()
 
+    # -- the pool's threads: health checks, the file watcher, shared state -------------
+
+    def _new_health_checker(self) -> HealthChecker:
+        # The threads hold the pool weakly, so a pool dropped unclosed can be collected
+        # (and warn, see __del__) instead of living on with its threads.
+        return HealthChecker(
+            _weakly(self, WorkerPool._health_targets, []),
+            _weakly(self, WorkerPool._apply_health, None),
+            _weakly(self, _health_config, HealthConfig()),
+            clock=self._state.clock,
+            rng=self._rng,
+        )
+
+    def _health_targets(self) -> list[Worker]:
+        with self._state.lock:
+            return list(self._state.workers.values())
+
+    def _apply_health(self, results: dict[str, HealthResult] | Any) -> None:
+        health = self._state.config.health
+        changes: list[tuple[str, bool, str | None]] = []
+        with self._state.lock:
+            for worker_id, result in results.items():
+                worker = self._state.workers.get(worker_id)
+                if worker is None or result.generation != worker.generation:
+                    continue  # removed, or moved to a new address, while the round ran
+                if worker.apply_health(
+                    result, health.unhealthy_threshold, health.healthy_threshold
+                ):
+                    changes.append((worker_id, worker.healthy, result.error))
+                if result.ok and worker.breaker.state == OPEN:
+                    # The worker answers again: let a real task try it now rather than
+                    # wait out the reset timeout. Only that task's success closes it.
+                    worker.breaker.allow_trial()
+            self._state.dispatcher.release_locked(self._state.clock.monotonic())
+        with self._own_work():
+            for worker_id, healthy, error in changes:
+                self._state.notify(
+                    WorkerHealthChanged(self._state.clock.time(), worker_id, healthy, error)
+                )
+
+    def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
+        """A change was applied: start health checks it turned on, or have the health
+        thread read its new settings."""
+        if new.enabled and not self._health.running:
+            self._health.start()
+        elif new != old:
+            self._health.wake()
+
+    def _reload_if_changed(self, text: str | None = None) -> None:
+        """The watcher's callback: reload when the file's (settled) content changed."""
+        # A bad file is logged and counted by reload_file; the running config stays.
+        with contextlib.suppress(ConfigError), self._own_work():
+            self._reconfigurer.reload_file(force=False, text=text)
+
     def _announce_open_breakers(self) -> None:
         """After a Redis outage: write the breakers opened here meanwhile."""
         with self._state.lock:
-            now = self._clock.monotonic()
+            now = self._state.clock.monotonic()
             opened = [
                 (w.id, w.breaker.reset_timeout, w.breaker.open_for(now))
                 for w in self._state.workers.values()
                 if w.breaker.state == OPEN
             ]
         for worker_id, reset_timeout, age in opened:
-            if self._shared is not None:
-                self._shared.announce(worker_id, OPEN, reset_timeout, age)
+            if self._state.shared is not None:
+                self._state.shared.announce(worker_id, OPEN, reset_timeout, age)
 
     def _apply_remote(
-        self, worker_id: str, state: str, age: float, reset_timeout: float | None
+        self, worker_id: str, breaker_state: str, age: float, reset_timeout: float | None
     ) -> None:
         """Another process opened or closed a worker's breaker (shared state)."""
         with self._state.lock:
@@ -709,7 +677,7 @@ class WorkerPool:
                 return
             self._state.applying_remote = True
             try:
-                if state == OPEN:
+                if breaker_state == OPEN:
                     changed = worker.breaker.force_open(age, reset_timeout)
                 else:
                     changed = worker.breaker.force_close()
@@ -717,10 +685,54 @@ class WorkerPool:
                 self._state.applying_remote = False
             if changed:
                 self._state.dispatcher.wake_all_locked()
-                self._state.dispatcher.release_locked(self._clock.monotonic())
+                self._state.dispatcher.release_locked(self._state.clock.monotonic())
         if self._state.transitions:
             with self._own_work():
                 self._state.flush_transitions()
+
+    # -- a child process after fork() --------------------------------------------------
+
+    def _after_fork(self) -> None:
+        """Make this pool usable in a child process, right after ``fork()``.
+
+        Only the forking thread exists in the child: every lock may be held by a
+        thread that is gone, tasks in flight and their slots belong to the parent, and
+        the connections are the parent's. So the locks, slots and connections start
+        afresh, the numbers count the child's own work, and the threads (health,
+        reload watcher, shared state) start again on the child's first use.
+        """
+        self._local = threading.local()
+        self._state.after_fork()
+        self._idle = threading.Condition(self._state.lock)
+        self._reconfigurer.after_fork()
+        self._release_done = threading.Event()
+        if self._released:  # the parent's release is the child's: nothing left to close
+            self._release_done.set()
+        self._active = 0
+        self._executor = None
+        self._health = self._new_health_checker()
+        if self._watcher is not None:
+            self._watcher = ConfigWatcher(
+                self._watcher.path,
+                _weakly(self, WorkerPool._reload_if_changed, None),
+                poll_interval=self._watcher.poll_interval,
+            )
+        if self._state.shared is not None:
+            self._state.shared.after_fork()
+        self.dead_letters.after_fork()
+        self._restart_pending = not self._state.closed
+
+    def _restart_after_fork(self) -> None:
+        with self._state.lock:
+            if not self._restart_pending or self._state.closed:
+                return
+            self._restart_pending = False
+        if self._state.config.health.enabled:
+            self._health.start()
+        if self._watcher is not None:
+            self._watcher.start()
+        if self._state.shared is not None:
+            self._state.shared.start()
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
@@ -767,7 +779,7 @@ def _shared_state(config: PoolConfig, on_remote: Any) -> Any:
     return SharedState(config.shared_state, on_remote)
 
 
-# -- the process-wide default pool -------------------------------------------------------
+# -- the process-wide default pool -----------------------------------------------------
 
 _default_lock = threading.Lock()
 _default_pool: WorkerPool | None = None

@@ -592,7 +592,7 @@ class TaskRun:
         return _Exhausted(reason, attempts, self.start + self.wall)
 
 
-# -- recording an attempt's outcome, under the pool's lock ------------------------------
+# -- recording an attempt's outcome, under the pool's lock -----------------------------
 
 
 def record(
