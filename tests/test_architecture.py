@@ -1,15 +1,22 @@
-"""The package's import graph: no cycles, and every import points the way the layers do."""
+"""docs/architecture.md matches the package: imports point the way its layers say, no
+module imports one that imports it, and the life of one task names functions that exist."""
 
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 import npu_sync
 
 PACKAGE = pathlib.Path(npu_sync.__file__).parent
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 
 
 def modules() -> dict[str, pathlib.Path]:
@@ -113,3 +120,97 @@ def test_every_module_imports_in_a_fresh_interpreter():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+
+
+def section(title: str) -> str:
+    """The text of one ``## title`` section of docs/architecture.md."""
+    text = ARCHITECTURE.read_text()
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def layers() -> tuple[dict[str, int], set[int]]:
+    """From the docs' table: each module's layer, and the layers whose modules may
+    import each other."""
+    placed: dict[str, int] = {}
+    mutual: set[int] = set()
+    for line in section("Who may import whom").splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 3 or not cells[0][:1].isdigit():
+            continue
+        layer = int(cells[0].split()[0])
+        for name in re.findall(r"`([\w.]+)`", cells[1]):
+            assert name not in placed, f"{name} is in two layers"
+            placed[name] = layer
+        if cells[2] == "may import each other":
+            mutual.add(layer)
+    return placed, mutual
+
+
+def unit(module: str) -> str:
+    """The architecture's name for a module: a subpackage counts as one
+    (``npu_sync.transport._base`` is ``transport``), the package itself as ``npu_sync``."""
+    if module == "npu_sync":
+        return module
+    return module.split(".")[1]
+
+
+def test_every_module_has_a_layer_in_the_docs():
+    """Each module of the package appears in the layer table, and the table names no
+    module that does not exist."""
+    placed, _ = layers()
+    units = {unit(name) for name in modules()}
+    assert units - set(placed) == set(), "give these modules a row in docs/architecture.md"
+    assert set(placed) - units == set()
+
+
+def test_imports_point_down_the_layers():
+    """No module imports one of a higher layer, nor of its own where the docs say the
+    layer's modules are independent."""
+    placed, mutual = layers()
+    wrong = []
+    for importer, imported in sorted(import_graph().items()):
+        for target in sorted(imported):
+            a, b = unit(importer), unit(target)
+            if a == b:
+                continue  # inside the transport subpackage
+            if placed[b] > placed[a] or (placed[b] == placed[a] and placed[a] not in mutual):
+                wrong.append(f"{importer} imports {target}")
+    assert wrong == []
+
+
+def test_the_layer_check_catches_an_upward_import(monkeypatch):
+    """An import from the task's life up into the pool would be reported."""
+    graph = import_graph()
+    graph["npu_sync.taskrun"] = {*graph["npu_sync.taskrun"], "npu_sync.pool"}
+    monkeypatch.setattr(sys.modules[__name__], "import_graph", lambda: graph)
+    with pytest.raises(AssertionError, match=re.escape("npu_sync.taskrun imports npu_sync.pool")):
+        test_imports_point_down_the_layers()
+
+
+def test_the_life_of_one_task_names_functions_that_exist():
+    """Every ``name()`` the docs' life of one task cites is a function of the package:
+    ``Class.method()`` or ``module.function()``."""
+    classes = {
+        name: obj
+        for module in modules()
+        if not module.endswith("__main__")
+        for name, obj in vars(importlib.import_module(module)).items()
+        if inspect.isclass(obj) and obj.__module__.startswith("npu_sync")
+    }
+    cited = re.findall(r"`([A-Za-z_][\w.]*)\(\)`", section("The life of one task"))
+    assert len(cited) > 20  # the section does name its steps
+    missing = []
+    for name in cited:
+        owner, _, attribute = name.rpartition(".")
+        if owner in classes:
+            found = hasattr(classes[owner], attribute)
+        else:
+            try:
+                found = hasattr(importlib.import_module(f"npu_sync.{owner}"), attribute)
+            except ImportError:
+                found = False
+        if not found:
+            missing.append(name)
+    assert missing == []
