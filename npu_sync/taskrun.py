@@ -240,8 +240,9 @@ class Runner:
 class TaskRun:
     """One task's way through the workers: what it tried, and why each try failed.
 
-    Used by the one thread that runs the task. The configuration and retry policy are
-    read once, when the task starts: a reload applies to tasks that start after it.
+    Not thread-safe: used by the one thread that runs the task. The configuration and
+    retry policy are read once, when the task starts: a reload applies to tasks that
+    start after it.
     """
 
     __slots__ = (
