@@ -19,6 +19,7 @@ from npu_sync import WorkerPool
 from npu_sync.admission import Lease
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
 from npu_sync.retry import Kind, Outcome
+from npu_sync.taskrun import record
 from npu_sync.testing import FakeNetwork
 
 SUCCESS = Outcome(Kind.SUCCESS, {})
@@ -47,7 +48,7 @@ def _fill(pool: WorkerPool, leases: int) -> list[Lease]:
     """Take ``leases`` leases and keep them: the tier fills the way real traffic fills it."""
     held = []
     for _ in range(leases):
-        lease = pool._dispatcher.acquire((), float("inf"))
+        lease = pool._state.dispatcher.acquire((), float("inf"))
         assert lease is not None
         held.append(lease)
     return held
@@ -55,12 +56,12 @@ def _fill(pool: WorkerPool, leases: int) -> list[Lease]:
 
 def _give_back(pool: WorkerPool, held: list[Lease]) -> None:
     for lease in held:
-        pool._record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(pool._state, lease, SUCCESS, 0.0, 0.0, retry=False)
 
 
 def _measure(pool: WorkerPool, calls: int, out: list[float], spill: bool = False) -> None:
-    dispatcher = pool._dispatcher
-    record = pool._record
+    dispatcher = pool._state.dispatcher
+    state = pool._state
     clock = time.perf_counter
     for _ in range(calls):
         t0 = clock()
@@ -68,7 +69,7 @@ def _measure(pool: WorkerPool, calls: int, out: list[float], spill: bool = False
         out.append(clock() - t0)
         assert lease is not None
         assert not spill or lease.worker.priority == 2
-        record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(state, lease, SUCCESS, 0.0, 0.0, retry=False)
 
 
 def _run(pool: WorkerPool, threads: int, calls: int, spill: bool = False) -> tuple[float, float]:
@@ -126,8 +127,8 @@ def test_selection_with_one_free_slot(benchmark, workers):
 def _cycle(
     pool: WorkerPool, calls: int, records: list[float], queued: list[int], start: threading.Barrier
 ) -> None:
-    dispatcher = pool._dispatcher
-    record = pool._record
+    dispatcher = pool._state.dispatcher
+    state = pool._state
     clock = time.perf_counter
     start.wait()
     deadline = time.monotonic() + 3600  # finite: a queued task waits on a timed condition
@@ -139,7 +140,7 @@ def _cycle(
         time.sleep(0)
         queued.append(dispatcher.waiting)
         t0 = clock()
-        record(lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(state, lease, SUCCESS, 0.0, 0.0, retry=False)
         records.append(clock() - t0)
 
 
@@ -188,7 +189,7 @@ def test_hand_off_rate_with_32_threads_queued(benchmark, workers):
 def test_plain_min_over_all_workers_baseline(benchmark):
     """What exact least-connections costs at 1,000 workers: a min() over every worker."""
     with _pool(1000) as pool:
-        workers = pool._dispatcher.selector.workers
+        workers = pool._state.dispatcher.selector.workers
         now = time.monotonic()
 
         def plain_min() -> object:

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-if TYPE_CHECKING:
-    from npu_sync.task import Attempt
-
+from npu_sync.attempt import Attempt
 
 REDACTED: Final = "***"
 """What :func:`scrub` puts in place of a credential."""

@@ -1,4 +1,4 @@
-"""Tasks and the record of one attempt at running one."""
+"""Tasks: one unit of work for a worker, validated when built."""
 
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# Attempt lives in its own module (errors.py names it too); still importable from here.
+from npu_sync.attempt import Attempt
 from npu_sync.errors import InvalidTask
+
+__all__ = ["Attempt", "Task", "as_task", "new_task_id"]
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
@@ -86,33 +90,3 @@ class Task:
 def as_task(task: Task | Any) -> Task:
     """Accept a Task or a bare payload."""
     return task if isinstance(task, Task) else Task(payload=task)
-
-
-@dataclass(frozen=True, slots=True)
-class Attempt:
-    """What happened on one attempt: which worker, the outcome, how long it took."""
-
-    worker_id: str | None
-    error: str | None
-    duration: float
-    status: int | None = None
-    started_at: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "worker_id": self.worker_id,
-            "error": self.error,
-            "duration": self.duration,
-            "status": self.status,
-            "started_at": self.started_at,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Attempt:
-        return cls(
-            worker_id=data.get("worker_id"),
-            error=data.get("error"),
-            duration=float(data.get("duration", 0.0)),
-            status=data.get("status"),
-            started_at=float(data.get("started_at", 0.0)),
-        )

@@ -516,5 +516,5 @@ def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_on
         joiner.join(5)
         assert first["a"]["ok"] is True and second["a"]["ok"] is True
         assert len(probes) == 1
-        worker = pool._workers["a"]
+        worker = pool._state.workers["a"]
         assert worker.health_passes == 1 and worker.healthy

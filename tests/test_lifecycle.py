@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import npu_sync.admission
-import npu_sync.pool
+import npu_sync.taskrun
 from npu_sync import TaskFailed, TaskRejected, WorkerPool
 from npu_sync.config import (
     BreakerConfig,
@@ -486,7 +486,7 @@ def interrupt_classify(rig: Rig) -> None:
     def raising(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt("injected into classify_response")
 
-    rig.monkeypatch.setattr(npu_sync.pool, "classify_response", raising)
+    rig.monkeypatch.setattr(npu_sync.taskrun, "classify_response", raising)
 
 
 def interrupt_result_check(rig: Rig) -> None:

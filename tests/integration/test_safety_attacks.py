@@ -500,7 +500,7 @@ def test_stats_read_the_redis_spool_without_holding_the_pools_lock(
         original = type(spool).counts
 
         def counts(self):
-            held_during_io.append(pool._lock.locked())
+            held_during_io.append(pool._state.lock.locked())
             return original(self)
 
         monkeypatch.setattr(spool, "counts", counts.__get__(spool))

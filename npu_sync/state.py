@@ -1,0 +1,134 @@
+"""What a running pool knows, shared by its tasks, its own life and reload.
+
+:class:`WorkerPool` (``pool.py``) builds one :class:`PoolState`. The life of each task
+(``taskrun.py``) and applying a new configuration (``reconfigure.py``) work on it, so
+neither reaches back into the pool, and the pool's façade reads it for ``stats()`` and
+``workers()``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from npu_sync.admission import Dispatcher
+from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
+from npu_sync.clock import Clock
+from npu_sync.config import PoolConfig, WorkerConfig
+from npu_sync.events import BreakerStateChanged, Event, Hook, emit, log_event
+from npu_sync.metrics import PoolStats, WorkerStats
+from npu_sync.retry import RetryPolicy
+from npu_sync.selector import Selector
+from npu_sync.transport import Transport
+from npu_sync.worker import Worker
+
+TransportFactory = Callable[..., Transport]
+"""Builds one worker's transport: ``factory(worker_config, transport_config, maxsize=n)``."""
+
+
+class PoolState:
+    """The mutable state of one running pool.
+
+    Thread-safe as used: ``lock`` (the dispatcher's) guards every worker's mutable
+    state, ``workers``, ``draining``, ``stats``, ``closed`` and the queue of breaker
+    transitions. ``config``, ``retry`` and ``hooks`` are immutable values replaced
+    whole, so a task reads them without the lock and keeps what it read.
+
+    Args:
+        config: the configuration in force.
+        clock: time source.
+        transport_factory: builds each worker's transports.
+        rng: randomness for selection sampling.
+        hooks: callables receiving every event.
+        shared: the Redis-backed shared state, or None.
+    """
+
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        clock: Clock,
+        transport_factory: TransportFactory,
+        rng: random.Random | None,
+        hooks: Iterable[Hook],
+        shared: Any,
+    ) -> None:
+        self.config = config
+        self.retry = RetryPolicy(config.retry)
+        self.clock = clock
+        self.transport_factory = transport_factory
+        self.dispatcher = Dispatcher(
+            clock, Selector(rng=rng, shared_breakers=config.shared_state.backend == "redis")
+        )
+        self.lock = self.dispatcher.lock
+        self.stats = PoolStats()
+        self.workers: dict[str, Worker] = {}
+        self.draining: dict[str, Worker] = {}  # removed, with tasks still in flight
+        self.hooks: tuple[Hook, ...] = tuple(hooks)
+        self.shared = shared
+        self.closed = False
+        # Breaker transitions happen under the lock; they are announced after it.
+        self.transitions: list[tuple[str, str, str, bool]] = []
+        self.applying_remote = False  # a transition now comes from another process
+
+    def build_worker(self, cfg: WorkerConfig) -> Worker:
+        """A new worker: its transports and a closed breaker reporting to this state."""
+        transport, health_transport = self.build_transports(cfg)
+        breaker = WorkerBreaker(
+            cfg.id, self.config.circuit_breaker, clock=self.clock, listener=self.on_transition
+        )
+        return Worker(cfg, transport, breaker, health_transport)
+
+    def build_transports(self, cfg: WorkerConfig) -> tuple[Transport, Transport]:
+        """A worker's task transport and its health-check transport."""
+        # Health checks get a connection of their own, so a check never waits behind
+        # tasks for a pooled connection, nor tasks behind a hung check.
+        settings = self.config.transport
+        return (
+            self.transport_factory(cfg, settings, maxsize=cfg.max_concurrent),
+            self.transport_factory(cfg, settings, maxsize=1),
+        )
+
+    def on_transition(self, name: str, old: str, new: str) -> None:
+        """The breakers' listener. Called by pybreaker under the lock: only queues."""
+        self.transitions.append((name, old, new, self.applying_remote))
+
+    def flush_transitions(self) -> None:
+        """Announce the queued breaker transitions: to hooks, the log, other processes.
+
+        Call without the lock: hooks run here, and the shared state does I/O.
+        """
+        with self.lock:
+            transitions, self.transitions = self.transitions, []
+            timeouts = {w.id: w.breaker.reset_timeout for w in self.workers.values()}
+        now = self.clock.time()
+        shared = self.shared
+        for name, old, new, remote in transitions:
+            self.notify(BreakerStateChanged(now, name, old, new))
+            if shared is not None and not remote and new in (OPEN, CLOSED):
+                shared.announce(name, new, timeouts.get(name))
+
+    def notify(self, event: Event) -> None:
+        """Log a notable event and pass it to the hooks. Call without the lock."""
+        log_event(event)
+        hooks = self.hooks
+        if hooks:
+            emit(hooks, event)
+
+    def after_fork(self) -> None:
+        """In a child process: a fresh lock and slots, the child's own numbers and
+        connections. Tasks in flight, their slots and draining workers are the parent's.
+        """
+        self.dispatcher = Dispatcher(self.clock, self.dispatcher.selector)
+        self.lock = self.dispatcher.lock
+        self.transitions = []
+        self.stats = PoolStats()
+        self.draining.clear()
+        for worker in self.workers.values():
+            worker.in_flight = 0
+            worker.reporting = 0
+            worker.breaker.release(True)  # a trial in flight is the parent's
+            worker.stats = WorkerStats()
+            worker.transport, worker.health_transport = self.build_transports(worker.config)
+        self.dispatcher.set_workers(self.workers.values())

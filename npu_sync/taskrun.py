@@ -1,0 +1,774 @@
+"""The life of one task, from its deadline to its result, its rejection or its dead letter.
+
+Read top to bottom, it is the order things happen in (docs/architecture.md tells the
+same story):
+
+``Runner.deadline``
+    When the task must be over: the caller's ``timeout``, else the task's, else
+    ``timeouts.task``. Every wait and every attempt fits before it.
+``Runner.run``
+    The whole life: ``TaskStarted``, then :class:`TaskRun` tries workers until one
+    attempt ends the task; if none did, the fallback runs, or ``dead_letter`` stores the
+    record *before* ``TaskFailed`` is raised.
+``TaskRun.run``, one attempt after another:
+    ``wait_for_worker`` (a lease on the best worker not yet tried, waiting FIFO for
+    capacity); ``attempt`` (``send`` outside any lock, the answer classified, then
+    :func:`record` under the lock); then ``succeeded``, or ``failed``: reject the task,
+    decide who is charged, back off, and try a worker not yet tried; ``give_up`` says
+    why nothing is left.
+``Runner.replay``
+    A dead letter's task run again, never dead-lettered a second time.
+
+Nothing here holds the pool's lock across I/O or while user code (hooks, the result
+check, the fallback) runs. The pool's lifecycle (threads, ``close()``, ``fork()``) is
+``pool.py``'s; this module only reads and changes the :class:`PoolState`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Collection
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, NoReturn
+
+from npu_sync.admission import Lease, Refusal
+from npu_sync.attempt import Attempt
+from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
+from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected
+from npu_sync.events import (
+    AttemptFinished,
+    RetryScheduled,
+    TaskDeadLettered,
+    TaskFallback,
+    TaskRejectedEvent,
+    TaskStarted,
+    TaskSucceeded,
+    emit,
+)
+from npu_sync.retry import Kind, Outcome, classify_error, classify_response
+from npu_sync.state import PoolState
+from npu_sync.task import Task
+from npu_sync.transport import TransportError
+from npu_sync.worker import Worker
+
+log = logging.getLogger(__name__)
+
+_MAX_TIMEOUT = 86400
+"""A task's deadline is at most a day, like ``timeouts.task``."""
+
+_MIN_ATTEMPT = 0.001
+"""An attempt with less time than this left before the deadline is not started."""
+
+_EVERY_WORKER_TRIED = "every worker was tried"
+
+_UNUSED = Outcome(Kind.NOT_HERE, error="lease not used")
+"""Records a lease given back without an attempt (deadline reached, interrupted)."""
+
+
+class _Exhausted(Exception):
+    """No attempt is left for a task; carries why and what was tried."""
+
+    def __init__(self, reason: str, attempts: list[Attempt], first_at: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.attempts = attempts
+        self.first_at = first_at
+
+
+class Runner:
+    """Runs the tasks of one pool, each on its caller's thread. Thread-safe.
+
+    Args:
+        state: the pool's running state.
+        store: where dead letters are kept.
+        result_check: called with every 2xx answer's decoded JSON; if it raises, the
+            answer is that worker's failure (see :class:`~npu_sync.pool.WorkerPool`).
+        hold: entered around each dead letter's replay (see :class:`DeadLetterQueue`).
+    """
+
+    def __init__(
+        self,
+        state: PoolState,
+        store: DeadLetterStore,
+        *,
+        result_check: Callable[[Any], object] | None = None,
+        hold: Callable[[], AbstractContextManager[object]] = nullcontext,
+    ) -> None:
+        self.state = state
+        self.result_check = result_check
+        self.dead_letters = DeadLetterQueue(
+            store, self.replay, clock=state.clock, run_time=self.replay_budget, hold=hold
+        )
+
+    def deadline(self, task: Task, timeout: float | None) -> float:
+        """When ``task`` must be over, on the pool's monotonic clock.
+
+        Raises:
+            InvalidTask: ``timeout`` is not a number of seconds in (0, a day].
+        """
+        _check_timeout(timeout)
+        state = self.state
+        return state.clock.monotonic() + (timeout or task.timeout or state.config.timeouts.task)
+
+    def run(
+        self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
+    ) -> Any:
+        """The whole life of one task: its result, or ``TaskRejected``, or the fallback's
+        result, or ``TaskFailed`` once its dead letter is stored."""
+        state = self.state
+        if state.hooks:
+            endpoint = task.endpoint or state.config.pool.default_endpoint
+            emit(state.hooks, TaskStarted(state.clock.time(), task.task_id, endpoint))
+        try:
+            return TaskRun(self, task, body, deadline).run()
+        except _Exhausted as exhausted:
+            if fallback is None:
+                self.dead_letter(task, exhausted, deadline)
+            return self.fall_back(task, exhausted, deadline, fallback)
+
+    def fall_back(
+        self, task: Task, exhausted: _Exhausted, deadline: float, fallback: Callable[[], Any]
+    ) -> Any:
+        """Run the caller's fallback (no lock held); dead-letter the task if it fails too."""
+        try:
+            result = fallback()
+        except Exception as exc:
+            exhausted.reason += f"; fallback failed: {type(exc).__name__}: {exc}"
+            self.dead_letter(task, exhausted, deadline, cause=exc)
+        state = self.state
+        with state.lock:
+            state.stats.fallbacks += 1
+        state.notify(TaskFallback(state.clock.time(), task.task_id, exhausted.reason))
+        return result
+
+    def dead_letter(
+        self,
+        task: Task,
+        exhausted: _Exhausted,
+        deadline: float,
+        cause: BaseException | None = None,
+    ) -> NoReturn:
+        """Store the task's dead letter, then raise ``TaskFailed`` (``NoWorkerAvailable``
+        when no attempt was made) carrying the record's id and every attempt."""
+        state = self.state
+        now = state.clock.time()
+        letter = DeadLetter.from_task(
+            task,
+            endpoint=task.endpoint or state.config.pool.default_endpoint,
+            error=exhausted.reason,
+            attempts=exhausted.attempts,
+            now=now,
+            first_attempt_at=exhausted.first_at,
+        )
+        error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
+        try:
+            # Durable before the caller hears of the failure; a busy store may not hold
+            # the caller much past the task's deadline.
+            self.dead_letters.add(letter, timeout=deadline - state.clock.monotonic())
+        except Exception as exc:
+            self._record_lost(task, exhausted, letter, exc)
+            raise error(
+                f"task {task.task_id} failed: {exhausted.reason}; and its dead letter could "
+                f"not be stored: {type(exc).__name__}: {exc}",
+                task_id=task.task_id,
+                dead_letter_id=None,
+                attempts=exhausted.attempts,
+            ) from exc
+        with state.lock:
+            state.stats.failed += 1
+            state.stats.dead_lettered += 1
+        tried = len(exhausted.attempts)
+        state.notify(TaskDeadLettered(now, task.task_id, letter.id, tried, exhausted.reason))
+        raise error(
+            f"task {task.task_id} failed: {exhausted.reason} (dead letter {letter.id})",
+            task_id=task.task_id,
+            dead_letter_id=letter.id,
+            attempts=exhausted.attempts,
+        ) from cause
+
+    def _record_lost(
+        self, task: Task, exhausted: _Exhausted, letter: DeadLetter, exc: Exception
+    ) -> None:
+        """The one case where the record cannot be kept: say so loudly, with the whole
+        record in the log so that nothing is lost without a trace."""
+        state = self.state
+        with state.lock:
+            state.stats.failed += 1
+        state.notify(
+            TaskDeadLettered(
+                state.clock.time(), task.task_id, None, len(exhausted.attempts), exhausted.reason
+            )
+        )
+        log.error(
+            "task %s failed and its dead letter could not be stored (%s: %s); record: %s",
+            task.task_id,
+            type(exc).__name__,
+            exc,
+            json.dumps(letter.to_dict(), default=repr),
+        )
+
+    def replay_budget(self, record: DeadLetter) -> float:
+        """The longest a replay of ``record`` may run: its task's deadline."""
+        return record.timeout or self.state.config.timeouts.task
+
+    def replay(self, task: Task) -> Any:
+        """Run a dead-lettered task again without dead-lettering it a second time.
+
+        Called inside the pool's hold on the record (see :class:`DeadLetterQueue`).
+
+        Raises:
+            TaskRejected: as for any task.
+            TaskFailed: the task failed again (``dead_letter_id`` is empty).
+        """
+        body = task.body()
+        deadline = self.deadline(task, None)
+        with self.state.lock:
+            self.state.stats.submitted += 1
+        try:
+            return TaskRun(self, task, body, deadline).run()
+        except _Exhausted as exhausted:
+            raise TaskFailed(
+                f"task {task.task_id} failed again: {exhausted.reason}",
+                task_id=task.task_id,
+                dead_letter_id="",
+                attempts=exhausted.attempts,
+            ) from None
+
+
+class TaskRun:
+    """One task's way through the workers: what it tried, and why each try failed.
+
+    Not thread-safe: used by the one thread that runs the task. The configuration and
+    retry policy are read once, when the task starts: a reload applies to tasks that
+    start after it.
+    """
+
+    __slots__ = (
+        "attempts",
+        "body",
+        "charged_suspect",
+        "check",
+        "clock",
+        "config",
+        "deadline",
+        "excluded",
+        "failures",
+        "headers",
+        "missing_model",
+        "not_here",
+        "path",
+        "policy",
+        "reason",
+        "start",
+        "state",
+        "suspects",
+        "task",
+        "too_large",
+        "wall",
+    )
+
+    def __init__(self, runner: Runner, task: Task, body: bytes, deadline: float) -> None:
+        state = runner.state
+        self.state = state
+        self.task = task
+        self.body = body
+        self.deadline = deadline
+        self.config = config = state.config
+        self.policy = state.retry
+        self.check = runner.result_check
+        self.clock = clock = state.clock
+        self.path = task.endpoint or config.pool.default_endpoint
+        self.headers = {"X-NPU-Task-Id": task.task_id, "X-NPU-Attempt": "1"}
+        self.start = start = clock.monotonic()
+        # Wall-clock times (for people reading dead letters) from the monotonic clock,
+        # saving a clock call per attempt.
+        self.wall = clock.time() - start
+        self.attempts: list[Attempt] = []  # every attempt that did not succeed
+        self.excluded: set[str] = set()  # not to be chosen for the next attempt
+        self.not_here: set[str] = set()  # do not serve the task's model: never again
+        self.failures = 0  # the attempts counted against retry.max_retries
+        self.missing_model: str | None = None
+        # Who is charged when the task itself may be at fault: see defer_charge().
+        self.charged_suspect = False
+        self.suspects: list[Worker] = []
+        self.too_large = 0
+        self.reason = ""  # why the task gives up, once it does
+
+    def run(self) -> Any:
+        """Try the task on one worker after another until an attempt ends it.
+
+        Returns:
+            The first successful answer's decoded JSON.
+
+        Raises:
+            TaskRejected: the task is bad (a 4xx, or no worker holds its model).
+            InvalidTask: the request could not be built (nothing was sent).
+            _Exhausted: nothing is left to try; the caller dead-letters the task.
+        """
+        while True:
+            lease = self.wait_for_worker()
+            if lease is None:
+                break
+            done = self.attempt(lease)
+            if done is None:
+                break
+            outcome, deferred, t0, t1 = done
+            worker = lease.worker
+            if self.state.hooks:
+                self.announce_attempt(worker, outcome, t0, t1)
+            if outcome.kind is Kind.SUCCESS:
+                return self.succeeded(worker, outcome, t1)
+            if not self.failed(worker, outcome, deferred, t0, t1):
+                break
+        raise self.give_up()
+
+    def wait_for_worker(self) -> Lease | None:
+        """A lease on the best worker not yet tried (see admission.py), waiting FIFO for
+        one up to ``pool.max_queue_wait`` within the deadline; None, with the reason
+        in ``self.reason``, when none could be had."""
+        deadline = self.deadline
+        wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
+        lease = self.state.dispatcher.acquire_or_reason(
+            self.excluded, wait_until if wait_until < deadline else deadline
+        )
+        if isinstance(lease, Refusal):
+            self.reason = self._refusal_reason(lease, wait_until)
+            return None
+        return lease
+
+    def _refusal_reason(self, refusal: Refusal, wait_until: float) -> str:
+        """Why no worker was had, naming the limit that ran out."""
+        if wait_until >= self.deadline:
+            if refusal is Refusal.DEADLINE_PASSED and self.attempts:
+                return "deadline passed"
+            return str(refusal.value)
+        limit = f"pool.max_queue_wait ({self.config.pool.max_queue_wait:g}s)"
+        if refusal is Refusal.DEADLINE_PASSED:
+            return f"no worker could take the task within {limit}"
+        return str(refusal.value).replace("before the deadline", f"within {limit}")
+
+    def attempt(self, lease: Lease) -> tuple[Outcome, bool, float, float] | None:
+        """One attempt on the lease's worker, its outcome recorded.
+
+        From here until :func:`record` takes it back, the lease holds a slot on the
+        worker (maybe its one half-open trial): whatever is raised, it is given back.
+
+        Returns:
+            The outcome, whether its charge is deferred (see :meth:`defer_charge`), and
+            when the attempt started and ended; None when too little time is left to
+            start one (``self.reason`` says so).
+        """
+        state = self.state
+        clock = self.clock
+        recorded = False
+        try:
+            if state.transitions:
+                state.flush_transitions()
+            t0 = clock.monotonic()
+            remaining = self.deadline - t0
+            if remaining <= _MIN_ATTEMPT:
+                recorded = True
+                record(state, lease, _UNUSED, 0.0, t0, retry=False)
+                self.reason = "deadline passed"
+                return None
+            outcome = self.send(lease.worker, t0, remaining)
+            t1 = clock.monotonic()
+            deferred = outcome.suspect and self.defer_charge()
+            recorded = True
+            record(state, lease, outcome, t1 - t0, t1, retry=self.failures > 0, defer=deferred)
+        finally:
+            if not recorded:
+                record(state, lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
+        return outcome, deferred, t0, t1
+
+    def send(self, worker: Worker, t0: float, remaining: float) -> Outcome:
+        """POST the task to ``worker``, no lock held, and classify what came back.
+
+        One budget covers the whole exchange: ``timeouts.read`` cut to what is left of
+        the deadline, of which connecting may take at most ``timeouts.connect``.
+
+        Raises:
+            InvalidTask: refused before anything was sent (a header that cannot be
+                encoded): the task's fault, so no worker is charged and nothing is
+                retried.
+        """
+        timeouts = self.config.timeouts
+        connect_timeout = timeouts.connect
+        read_timeout = timeouts.read
+        headers = self.headers
+        if self.attempts:
+            headers["X-NPU-Attempt"] = str(len(self.attempts) + 1)
+        try:
+            response = worker.transport.request(
+                "POST",
+                self.path,
+                body=self.body,
+                headers=headers,
+                timeout=read_timeout if read_timeout < remaining else remaining,
+                connect_timeout=connect_timeout,
+                replayable=self.task.idempotent,
+            )
+            outcome = classify_response(response, now=t0 + self.wall)
+            check = self.check
+            if check is not None and outcome.kind is Kind.SUCCESS:
+                outcome = _checked(check, outcome)
+        except TransportError as exc:
+            # A timeout is the worker's only when its own timeout ran out: one cut
+            # short by the task's deadline says nothing about the worker. Connecting
+            # gets at most the smaller of the two timeouts.
+            own = read_timeout if exc.sent else min(connect_timeout, read_timeout)
+            return classify_error(exc, cut_by_caller=remaining < own)
+        except InvalidTask:
+            raise
+        except Exception as exc:  # a bug of ours, or of a custom transport
+            log.exception("unexpected error sending task to worker %s", worker.id)
+            return Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}")
+        return outcome
+
+    def defer_charge(self) -> bool:
+        """Whether a failure the task itself may have caused waits to be charged.
+
+        A task that gets HTTP 500 (or an answer over the size limit) from every worker
+        may be the one at fault (a poison payload). Its first such failure is charged
+        at once, as any worker failure; further ones only if the task then succeeds
+        elsewhere (see :meth:`succeeded`), so one bad task cannot count against every
+        breaker.
+        """
+        deferred, self.charged_suspect = self.charged_suspect, True
+        return deferred
+
+    def announce_attempt(self, worker: Worker, outcome: Outcome, t0: float, t1: float) -> None:
+        """Tell the hooks how the attempt ended (built only when there are hooks)."""
+        emit(
+            self.state.hooks,
+            AttemptFinished(
+                t1 + self.wall,
+                self.task.task_id,
+                worker.id,
+                len(self.attempts) + 1,
+                outcome.kind.value,
+                outcome.status,
+                outcome.error,
+                t1 - t0,
+            ),
+        )
+
+    def succeeded(self, worker: Worker, outcome: Outcome, t1: float) -> Any:
+        """The task's result. The failures deferred as maybe the task's own fault were
+        the workers' after all: they are charged now."""
+        if self.suspects:
+            charge(self.state, self.suspects)
+        hooks = self.state.hooks
+        if hooks:
+            emit(
+                hooks,
+                TaskSucceeded(
+                    t1 + self.wall,
+                    self.task.task_id,
+                    worker.id,
+                    len(self.attempts) + 1,
+                    t1 - self.start,
+                ),
+            )
+        return outcome.value
+
+    def failed(
+        self, worker: Worker, outcome: Outcome, deferred: bool, t0: float, t1: float
+    ) -> bool:
+        """Note a failed attempt and decide what comes next.
+
+        Returns:
+            True to try again (after the backoff, slept here); False to give up, with
+            the reason in ``self.reason``.
+
+        Raises:
+            TaskRejected: the worker said the task itself is bad.
+        """
+        task = self.task
+        self.attempts.append(
+            Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
+        )
+        kind = outcome.kind
+        if kind is Kind.REJECTED:
+            self.reject(worker, outcome, t1)
+        self.excluded.add(worker.id)
+        if kind is Kind.NOT_HERE:
+            self.not_here.add(worker.id)
+            self.missing_model = outcome.model
+            return True
+        if not task.idempotent and outcome.processed:
+            self.reason = f"worker {worker.id} failed a non-idempotent task that may have run"
+            return False
+        if kind is Kind.ABANDONED and untried_left(self.state, self.excluded, self.deadline):
+            return True  # nothing learnt about the worker: no backoff, no retry counted
+        # An abandoned attempt with no other worker left (a stale connection on the
+        # only worker) is retried like a failure: after a backoff, within max_retries.
+        self.failures += 1
+        if deferred:
+            self.suspects.append(worker)
+        if outcome.error is not None and outcome.error.startswith("too_large"):
+            self.too_large += 1
+            if self.too_large >= 2:
+                # Two workers answered beyond the limit: the task asks for too much.
+                self.reason = "two workers answered beyond transport.max_response_bytes"
+                return False
+        wait = self.backoff(t1)
+        if wait is None:
+            return False
+        self.state.notify(
+            RetryScheduled(
+                t1 + self.wall, task.task_id, worker.id, len(self.attempts), wait, outcome.error
+            )
+        )
+        self.clock.sleep(wait)
+        return True
+
+    def reject(self, worker: Worker, outcome: Outcome, t1: float) -> NoReturn:
+        """The worker said the task is bad (4xx): no retry, no worker charged."""
+        task_id = self.task.task_id
+        at = t1 + self.wall
+        event = TaskRejectedEvent(at, task_id, worker.id, outcome.status, outcome.error or "")
+        self.state.notify(event)
+        raise TaskRejected(
+            f"worker {worker.id} rejected task {task_id}: {outcome.error}",
+            task_id=task_id,
+            status=outcome.status,
+            worker_id=worker.id,
+            body=outcome.value,
+        )
+
+    def backoff(self, t1: float) -> float | None:
+        """How long to wait before the next attempt; None, with the reason, when no next
+        attempt can help: retries spent, no worker able to take the task in time, or
+        the deadline before the backoff ends."""
+        wait = self.policy.next_wait(self.failures, t1 - self.start)
+        if wait is None:
+            self.reason = f"all {self.failures} attempt(s) failed"
+            return None
+        # A worker is worth waiting for only if it can take the task before the next
+        # attempt would stop waiting for one (pool.max_queue_wait, or the deadline).
+        horizon = min(self.deadline, t1 + wait + self.config.pool.max_queue_wait)
+        if not untried_left(self.state, self.excluded, horizon):
+            # Every worker was tried. Trying one again is better than failing, once
+            # the backoff has passed: the failure may have been transient.
+            self.excluded = set(self.not_here)
+            if not untried_left(self.state, self.excluded, horizon):
+                self.reason = _EVERY_WORKER_TRIED
+                return None
+        if t1 + wait >= self.deadline:
+            self.reason = "deadline passed"
+            return None
+        return wait
+
+    def give_up(self) -> Exception:
+        """What ends a task no attempt succeeded for: ``TaskRejected`` when the only
+        answers were that no worker holds its model, else ``_Exhausted``, whose reason
+        names the last error."""
+        reason = self.reason
+        task_id = self.task.task_id
+        model = self.missing_model
+        if model is not None and not self.failures and reason == _EVERY_WORKER_TRIED:
+            state = self.state
+            with state.lock:
+                state.stats.rejected += 1
+            message = f"no worker serves model {model!r}"
+            state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, 500, message))
+            return TaskRejected(f"{message} (task {task_id})", task_id=task_id, status=500)
+        if self.suspects:
+            log.info(
+                "task %s failed the same way on %d more worker(s) (HTTP 500 or an answer "
+                "too large) and never succeeded: only its first failure was charged",
+                task_id,
+                len(self.suspects),
+            )
+        attempts = self.attempts
+        last_error = attempts[-1].error if attempts else None
+        if last_error:
+            wid = attempts[-1].worker_id
+            # Transport errors name their worker already ("timeout: a: timed out ...").
+            on = "" if f"{wid}: " in last_error else f" on {wid}"
+            reason = f"{reason}; last error{on}: {last_error}"
+        return _Exhausted(reason, attempts, self.start + self.wall)
+
+
+# -- recording an attempt's outcome, under the pool's lock -----------------------------
+
+
+def record(
+    state: PoolState,
+    lease: Lease,
+    outcome: Outcome,
+    duration: float,
+    now: float,
+    *,
+    retry: bool,
+    defer: bool = False,
+) -> None:
+    """Give ``lease`` back and count what its attempt came to.
+
+    Under the pool's lock, for no I/O and no user code: the worker's slot and breaker,
+    the counters and latency samples, the freed slot handed to the next waiter. Then
+    without it: a failure reported to the shared state (Redis I/O), breaker changes
+    announced (hooks run), a removed worker's connections closed once it is idle.
+
+    Args:
+        retry: the attempt retried the task (counted in ``stats()``).
+        defer: a failure whose charge waits (see :meth:`TaskRun.defer_charge`).
+    """
+    worker = lease.worker
+    kind = outcome.kind
+    reported = False
+    with state.lock:
+        worker.in_flight -= 1
+        if lease.generation != worker.generation and outcome is not _UNUSED:
+            # An attempt on the worker's old address: it says nothing about the new
+            # one (nor about its breaker), so only the slot is given back, and a
+            # result still counts as the task's success.
+            if kind is Kind.SUCCESS:
+                state.stats.succeeded += 1
+            kind = Kind.NOT_HERE
+        elif kind is Kind.SUCCESS:
+            stats = worker.stats
+            stats.attempts += 1
+            worker.breaker.record_success(lease.trial)
+            stats.succeeded += 1
+            stats.observe(now, duration, True)
+            state.stats.succeeded += 1
+        elif kind is Kind.FAILURE:
+            reported = _count_failure_locked(state, lease, outcome, duration, now, defer)
+        else:
+            _count_no_fault_locked(state, lease, outcome)
+        if retry:
+            state.stats.retries += 1
+        state.dispatcher.release_worker_locked(worker, now)
+        drained = worker.removed and not worker.in_flight
+        if drained and state.draining.get(worker.id) is worker:
+            del state.draining[worker.id]
+    if state.shared is not None:
+        _tell_other_processes(state, worker, kind, reported)
+    if state.transitions:
+        state.flush_transitions()
+    if drained:
+        worker.transport.close()
+
+
+def _count_failure_locked(
+    state: PoolState, lease: Lease, outcome: Outcome, duration: float, now: float, defer: bool
+) -> bool:
+    """Charge a failure to the worker (unless deferred); True when other processes must
+    hear of it before this one sends the worker another attempt."""
+    worker = lease.worker
+    stats = worker.stats
+    stats.attempts += 1
+    reported = False
+    if state.shared is not None and not defer:
+        # No new attempt here until every process's count is known: on a dead worker
+        # this keeps the attempts near fail_max in total.
+        worker.reporting += 1
+        reported = True
+    if defer:
+        worker.breaker.release(lease.trial)
+    else:
+        worker.breaker.record_failure(lease.trial)
+    stats.failed += 1
+    stats.last_error = outcome.error
+    stats.last_error_at = state.clock.time()
+    stats.observe(now, duration, False)
+    if outcome.retry_after:
+        cap = state.config.circuit_breaker.max_reset_timeout
+        worker.cooldown_until = now + min(outcome.retry_after, cap)
+    # A trip or a cool-down changes when a waiter should wake.
+    state.dispatcher.wake_all_locked()
+    return reported
+
+
+def _count_no_fault_locked(state: PoolState, lease: Lease, outcome: Outcome) -> None:
+    """An outcome that charges nobody: rejected, not here, abandoned, or a lease given
+    back unused. The breaker's slot (maybe its trial) is released, not counted."""
+    worker = lease.worker
+    worker.breaker.release(lease.trial)
+    if outcome is _UNUSED:
+        return
+    stats = worker.stats
+    stats.attempts += 1
+    kind = outcome.kind
+    if kind is Kind.REJECTED:
+        stats.rejected += 1
+        state.stats.rejected += 1
+    elif kind is Kind.ABANDONED:
+        stats.abandoned += 1
+    else:
+        stats.not_here += 1
+
+
+def _tell_other_processes(state: PoolState, worker: Worker, kind: Kind, reported: bool) -> None:
+    """Redis I/O, without the lock, and only on the failure path (or the first success
+    after failures): a failure counted in every process may trip the breaker here."""
+    shared = state.shared
+    if reported:
+        trip = False
+        try:
+            trip = shared.report_failure(worker.id, state.config.circuit_breaker.fail_max)
+        finally:
+            with state.lock:
+                worker.reporting -= 1
+                if trip and worker.breaker.force_open():
+                    state.dispatcher.wake_all_locked()
+                state.dispatcher.release_worker_locked(worker, state.clock.monotonic())
+    elif kind is Kind.SUCCESS:
+        shared.report_success(worker.id)
+
+
+def charge(state: PoolState, workers: list[Worker]) -> None:
+    """Count deferred failures against workers that failed where another succeeded."""
+    with state.lock:
+        for worker in workers:
+            worker.breaker.record_failure(False)
+        state.dispatcher.wake_all_locked()
+    if state.transitions:
+        state.flush_transitions()
+
+
+def untried_left(state: PoolState, excluded: Collection[str], by: float = math.inf) -> bool:
+    """Whether a worker outside ``excluded`` could take a task before ``by``.
+
+    A worker whose breaker stays open, or whose Retry-After cool-down lasts, past
+    ``by`` cannot. Costs a scan of the workers: called on the failure path only.
+    """
+    with state.lock:
+        for w in state.workers.values():
+            if w.id in excluded or not w.enabled or w.draining:
+                continue
+            retry_at = w.breaker.retry_at()
+            if (retry_at is None or retry_at < by) and w.cooldown_until < by:
+                return True
+        return False
+
+
+def _checked(check: Callable[[Any], object], outcome: Outcome) -> Outcome:
+    """Run the pool's result check on a successful answer; a refusal is a failure."""
+    try:
+        check(outcome.value)
+    except Exception as exc:
+        return Outcome(
+            Kind.FAILURE,
+            outcome.value,
+            outcome.status,
+            f"result check refused the answer: {type(exc).__name__}: {exc}",
+        )
+    return outcome
+
+
+def _check_timeout(timeout: float | None) -> None:
+    if timeout is None:
+        return
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, (int, float))
+        or not (math.isfinite(timeout) and 0 < timeout <= _MAX_TIMEOUT)
+    ):
+        raise InvalidTask(
+            f"timeout must be a number of seconds > 0 and <= {_MAX_TIMEOUT}, got {timeout!r}"
+        )
