@@ -8,8 +8,8 @@ one declaration:
 
 - the YAML reader (``config._Reader``) reads and checks every plain key of a section;
 - the constructors refuse out-of-range numbers (:func:`check_fields`);
-- the key tables of ``docs/configuration.md`` are written (:func:`render_tables`), and
-  a test fails when the file and the schema disagree.
+- the key tables of ``docs/configuration.md`` are written from it
+  (:mod:`npu_sync._config_docs`), and a test fails when the file and the schema disagree.
 
 Run ``python tools/config_docs.py --write-docs`` after changing a key to rewrite the
 tables, or ``--check`` to see whether they are current.
@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Final, TypeVar, cast
 
 from npu_sync.errors import ConfigError, scrub
@@ -39,7 +37,6 @@ __all__ = [
     "keys",
     "number",
     "optional_number",
-    "render_tables",
     "section",
     "show",
     "specs",
@@ -343,56 +340,3 @@ def autobot_table(root: type, worker: type) -> str:
         how = key.spec.autobot_note or "as is"
         lines.append(_row([f"`{source}`", f"`{target}`", how]))
     return "\n".join(lines)
-
-
-def _tables() -> dict[str, str]:
-    from npu_sync.config import PoolConfig, WorkerConfig
-
-    return {
-        "pool-keys": pool_table(PoolConfig),
-        "worker-keys": worker_table(WorkerConfig),
-        "autobot-keys": autobot_table(PoolConfig, WorkerConfig),
-    }
-
-
-def _markers(name: str) -> tuple[str, str]:
-    return (
-        f"<!-- generated: {name} (python tools/config_docs.py --write-docs) -->",
-        f"<!-- end generated: {name} -->",
-    )
-
-
-def render_tables(text: str) -> str:
-    """``text`` (docs/configuration.md) with every generated table rewritten.
-
-    Raises:
-        ValueError: a table's markers are missing.
-    """
-    for name, table in _tables().items():
-        begin, end = _markers(name)
-        start = text.find(begin)
-        stop = text.find(end, start)
-        if start < 0 or stop < 0:
-            raise ValueError(f"markers for {name!r} not found: {begin} ... {end}")
-        text = text[: start + len(begin)] + "\n" + table + "\n" + text[stop:]
-    return text
-
-
-def main(argv: list[str], docs: Path) -> int:
-    """``--write-docs`` rewrites the tables of ``docs`` in place; ``--check`` says whether
-    they are current (exit status 1 when not).
-    """
-    if argv not in (["--write-docs"], ["--check"]):
-        print("usage: python tools/config_docs.py --write-docs | --check", file=sys.stderr)
-        return 2
-    current = docs.read_text(encoding="utf-8")
-    wanted = render_tables(current)
-    if argv == ["--check"]:
-        if wanted != current:
-            print(f"{docs} is out of date: run python tools/config_docs.py --write-docs")
-            return 1
-        return 0
-    if wanted != current:
-        docs.write_text(wanted, encoding="utf-8")
-        print(f"rewrote the key tables of {docs}")
-    return 0

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from npu_sync import _schema
+from npu_sync import _config_docs, _schema
 from npu_sync.config import PoolConfig, WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,7 +19,7 @@ DOCS = ROOT / "docs" / "configuration.md"
 def test_the_docs_tables_are_what_the_schema_generates() -> None:
     """docs/configuration.md holds exactly the tables the schema renders today."""
     text = DOCS.read_text(encoding="utf-8")
-    assert _schema.render_tables(text) == text, (
+    assert _config_docs.render_tables(text) == text, (
         "docs/configuration.md disagrees with the config schema: "
         "run python tools/config_docs.py --write-docs"
     )
@@ -31,7 +31,7 @@ def test_a_changed_default_is_caught_as_drift() -> None:
     row = "| `health.interval` | number (s) | `30.0` |"
     assert row in text
     drifted = text.replace(row, "| `health.interval` | number (s) | `15.0` |")
-    assert _schema.render_tables(drifted) == text
+    assert _config_docs.render_tables(drifted) == text
 
 
 def test_every_declared_key_has_a_row() -> None:
@@ -46,7 +46,7 @@ def test_every_declared_key_has_a_row() -> None:
 def test_missing_markers_are_reported() -> None:
     """A docs file without a table's markers is an error naming the table."""
     with pytest.raises(ValueError, match="pool-keys"):
-        _schema.render_tables("# Configuration\n\nno tables here\n")
+        _config_docs.render_tables("# Configuration\n\nno tables here\n")
 
 
 def test_the_command_checks_and_rewrites(tmp_path: Path) -> None:
@@ -55,10 +55,10 @@ def test_the_command_checks_and_rewrites(tmp_path: Path) -> None:
     text = DOCS.read_text(encoding="utf-8")
     row = "| `health.interval` | number (s) | `30.0` |"
     stale.write_text(text.replace(row, row.replace("30.0", "15.0")), encoding="utf-8")
-    assert _schema.main(["--check"], stale) == 1
-    assert _schema.main(["--write-docs"], stale) == 0
+    assert _config_docs.main(["--check"], stale) == 1
+    assert _config_docs.main(["--write-docs"], stale) == 0
     assert stale.read_text(encoding="utf-8") == text
-    assert _schema.main(["--check"], stale) == 0
+    assert _config_docs.main(["--check"], stale) == 0
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "config_docs.py"), "--check"],
         capture_output=True,

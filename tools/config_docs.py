@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # This tree's package, not whichever npu_sync happens to be installed.
 sys.path.insert(0, str(ROOT))
 
-from npu_sync._schema import main  # noqa: E402
+from npu_sync._config_docs import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], ROOT / "docs" / "configuration.md"))
