@@ -1,9 +1,11 @@
 """Selection latency: one acquire + release of a worker lease, no I/O.
 
 Idle pools of 10, 100 and 1,000 workers, from 1 thread and from 16 at once; then the
-states where a scan would cost the most: a saturated tier of 1,000 workers in front of
-a tier with room, a 1,000-worker tier with one free slot, and the rate at which freed
-slots are handed to queued tasks when 32 threads compete for that one slot.
+states where a scan would cost the most: a tier of 10 or 64 workers that all have tasks
+in flight (no idle worker ends the scan early: every worker is compared), a saturated
+tier of 1,000 workers in front of a tier with room, a 1,000-worker tier with one free
+slot, and the rate at which freed slots are handed to queued tasks when 32 threads
+compete for that one slot.
 """
 
 from __future__ import annotations
@@ -95,6 +97,20 @@ def test_selection_latency(benchmark, workers, threads):
         RESULTS.append((str(workers), str(threads), f"{p50:.1f}", f"{p99:.1f}"))
         report("selection latency, idle pool", [HEADER, *RESULTS])
         benchmark.pedantic(_measure, args=(pool, 1, []), rounds=2000, warmup_rounds=100)
+
+
+@pytest.mark.parametrize("workers", [10, 64])
+def test_selection_with_every_worker_busy(benchmark, workers):
+    """Every worker of the tier has a task in flight: the scan compares all of them
+    (64 is the most a tier scans before sampling two)."""
+    with _pool(workers) as pool:
+        held = _fill(pool, workers)
+        p50, p99 = _run(pool, 1, 10000)
+        benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
+        BUSY.append((f"{workers}, all busy", "1", f"{p50:.1f}", f"{p99:.1f}"))
+        report("selection latency, busy pool", [HEADER, *BUSY])
+        benchmark.pedantic(_measure, args=(pool, 1, []), rounds=500, warmup_rounds=10)
+        _give_back(pool, held)
 
 
 @pytest.mark.parametrize("threads", [1, 16])
