@@ -74,22 +74,25 @@ class PeakEwma:
             now: monotonic seconds.
             ok: whether it succeeded; a failed attempt may only raise the estimate.
         """
-        rtt = max(rtt, MIN_COST)
+        if rtt < MIN_COST:
+            rtt = MIN_COST
         self.observations += 1
+        stamp = self.stamp
+        # One exp() serves both the decay since the last observation and the weight.
+        w = math.exp((stamp - now) / self.decay) if now > stamp else 1.0
+        cost = self.cost * w
         if not self.observed:
-            if ok or rtt > self.value(now):
+            if ok or rtt > cost:
                 self.observed = True
                 self.cost = rtt
                 self.stamp = now
             return
-        cost = self.value(now)
         if rtt > cost:
             cost = rtt  # the peak: slower answers count at once
         elif ok:
-            w = math.exp((self.stamp - now) / self.decay) if now > self.stamp else 1.0
             cost = cost * w + rtt * (1.0 - w)
         self.cost = cost if cost > MIN_COST else MIN_COST
-        if now > self.stamp:
+        if now > stamp:
             self.stamp = now
 
     def raise_to(self, cost: float, now: float) -> None:

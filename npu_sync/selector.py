@@ -299,14 +299,17 @@ class Selector:
         latency.observe(rtt, now, ok)
         worker.busy_since = now
         if self._latency_aware:
-            worker.stall_after = now + latency.value(now)
+            # The estimate as of its stamp, now but for clock reads a hair apart.
+            worker.stall_after = now + latency.cost
             self._rekey(worker, now)
 
     def started(self, worker: Worker, now: float) -> None:
         """``worker`` just got its first task in flight (it was idle)."""
         if self._latency_aware:
             worker.busy_since = now
-            worker.stall_after = now + worker.latency.value(now)
+            # The estimate as last set, not decayed to now: no exp() on every idle
+            # worker's first task, at the price of noticing a stall a little later.
+            worker.stall_after = now + worker.latency.cost
 
     def recovered(self, worker: Worker, now: float) -> None:
         """``worker`` is back in service: its breaker closed after a trip, its health

@@ -123,7 +123,11 @@ def test_stats_report_milliseconds_and_counts():
     """stats() gives the estimate in ms, whether it was observed, and how often."""
     est = PeakEwma(10.0, now=T)
     est.observe(0.25, T)
-    assert est.stats(T) == {"estimate_ms": pytest.approx(250.0), "observed": True, "observations": 1}
+    assert est.stats(T) == {
+        "estimate_ms": pytest.approx(250.0),
+        "observed": True,
+        "observations": 1,
+    }
 
 
 def test_decay_must_be_positive():
