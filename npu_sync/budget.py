@@ -17,10 +17,10 @@ is a constant reserve of ``min_per_second * window`` tokens, and deposits and
 withdrawals count for ``window`` seconds (in ten slices) before they expire. Tokens
 are integers (thousandths) so that the running sum never drifts.
 
-Events the pool emits (phase 2 wiring), edge-triggered through ``on_change``:
-``retry_budget.exhausted`` when a retry is first refused and
-``retry_budget.available`` when one is allowed again; a task failed for want of
-budget says so in its reason ("retry budget exhausted").
+Events for the pool to emit once it uses a budget, edge-triggered through
+``on_change``: ``retry_budget.exhausted`` when a retry is first refused and
+``retry_budget.available`` when one is allowed again; a task failed for want of budget
+says so in its reason ("retry budget exhausted").
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ recent successful attempts' durations, so that about 5 % of tasks are hedged whe
 all is well and every task stuck behind a frozen worker is. Until enough durations
 are known (``min_samples``) a percentile policy does not hedge.
 
-The attempt loop's side, for the pool (phase 2), is sketched here because it fixes
+The attempt loop's side, not built yet, is sketched here because it fixes
 what this policy must answer:
 
 * ``delay = hedge.delay_for(task.idempotent)``, once per task, after its first lease;
@@ -37,7 +37,7 @@ what this policy must answer:
 * ``hedge.observe(duration)`` after every successful attempt that was not a hedge, so
   that the percentile is that of ordinary attempts.
 
-Events the pool emits (phase 2 wiring): ``attempt.hedged`` (task id, the first
+Events for the pool to emit once it hedges: ``attempt.hedged`` (task id, the first
 worker, the hedge's worker, the delay) when a hedge is sent; the abandoned attempt's
 ``attempt.finished`` carries outcome ``abandoned``.
 """

@@ -29,6 +29,10 @@ decays at the same rate, so ``cost * exp(-(now - stamp) / decay)`` compares betw
 workers exactly as ``cost * exp((stamp - epoch) / decay)`` does, for any common
 ``epoch``: :meth:`PeakEwma.key` is that time-free form, computed once per observation.
 The selector moves its epoch forward now and then so that the keys stay finite.
+
+No events: the estimate moves with every answer. :meth:`PeakEwma.stats` is for a
+worker's row in ``workers()`` (``latency.estimate_ms``), where an operator sees why a
+worker gets fewer tasks.
 """
 
 from __future__ import annotations

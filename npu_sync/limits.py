@@ -39,15 +39,16 @@ is not done routinely. A *dropped* attempt (429, 503, a timeout) cuts the limit 
 sent while the worker had fewer tasks than the limit (the pool had no more to give
 it) say nothing about more load and are not counted.
 
-Simulated against one worker of ``C`` parallel slots kept busy by 32 callers (20 ms
-tasks for C = 8, 16 and 64; 100 ms for C = 1 and 2), starting from 4, over 60 s:
-throughput within 0.1 % and p99 latency equal to those of a fixed limit of ``C``, the
-limit settling at ``C`` or ``C + 1`` (at 33 for C = 64: 32 callers never fill more).
-The simulation keeps every task at the limit; a real pool also sends answers below
-it, which are not counted, so rounds take longer there.
+Against a simulated worker of ``C`` parallel slots kept busy by more callers than the
+limit (``tests/test_limits.py``) it settles at ``C`` or ``C + 1``, from above and from
+below, and follows a worker that loses half its slots. In a simulation of 32 callers
+over 60 s (1, 2, 8, 16 and 64 slots, starting from 4) its throughput and p99 matched
+those of a fixed limit of ``C`` within 0.1 %; against real workers it is to be
+measured with ``benchmarks/test_uneven.py`` once the pool uses it. A real pool also
+sends answers below the limit, which are not counted, so rounds take longer there.
 
-Events the pool emits (phase 2 wiring): ``worker.limit_changed`` (worker id, old and
-new capacity) when :meth:`HillClimbingLimit.on_sample` moves :attr:`current`.
+Events for the pool to emit once it uses a limit: ``worker.limit_changed`` (worker id,
+old and new capacity) when :meth:`HillClimbingLimit.on_sample` moves :attr:`current`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ rises fast early, below 1 it stays small longer. The selector divides the worker
 score by ``weight * factor``: with least connections, a worker at factor 0.25 is
 chosen when the others carry four times its load.
 
-Events the pool emits (phase 2 wiring): ``worker.slow_start`` when a ramp begins
-(worker id, until when) and the ramp's end is visible in ``workers()`` as
+Events for the pool to emit once it reports recoveries: ``worker.slow_start`` when a
+ramp begins (worker id, until when) and the ramp's end is visible in ``workers()`` as
 ``slow_start_until``; no event at its end, which is a known time.
 """
 
