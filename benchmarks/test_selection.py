@@ -1,9 +1,15 @@
 """Selection latency: one acquire + release of a worker lease, no I/O.
 
+Each idle and all-busy case runs twice: comparing in-flight counts (least
+connections, as before latency-aware choice) and comparing latency-weighted scores
+(every answer observed as 20 ms, as the pool will once it feeds the selector).
+
 Idle pools of 10, 100 and 1,000 workers, from 1 thread and from 16 at once; then the
-states where a scan would cost the most: a saturated tier of 1,000 workers in front of
-a tier with room, a 1,000-worker tier with one free slot, and the rate at which freed
-slots are handed to queued tasks when 32 threads compete for that one slot.
+states where a scan would cost the most: a tier of 10 or 64 workers that all have tasks
+in flight (no idle worker ends the scan early: every worker is compared), a saturated
+tier of 1,000 workers in front of a tier with room, a 1,000-worker tier with one free
+slot, and the rate at which freed slots are handed to queued tasks when 32 threads
+compete for that one slot.
 """
 
 from __future__ import annotations
@@ -21,16 +27,18 @@ from npu_sync.config import HealthConfig, PoolConfig, worker_config
 from npu_sync.retry import Kind, Outcome
 from npu_sync.taskrun import record
 from npu_sync.testing import FakeNetwork
+from npu_sync.worker import Worker
 
 SUCCESS = Outcome(Kind.SUCCESS, {})
-HEADER = ("workers", "threads", "p50 µs", "p99 µs")
+HEADER = ("workers", "threads", "choice", "p50 µs", "p99 µs")
 RESULTS: list[tuple[str, ...]] = []
 BUSY: list[tuple[str, ...]] = []
 HANDOFF: list[tuple[str, ...]] = []
 
 
-def _pool(n: int, capacity: int = 64, spill: int = 0) -> WorkerPool:
-    """``n`` workers at priority 1, then ``spill`` more at priority 2."""
+def _pool(n: int, capacity: int = 64, spill: int = 0, choice: str = "count") -> WorkerPool:
+    """``n`` workers at priority 1, then ``spill`` more at priority 2; ``choice``
+    ``"latency"`` turns latency-aware selection on."""
     workers = tuple(
         worker_config(
             f"w{i}",
@@ -41,7 +49,24 @@ def _pool(n: int, capacity: int = 64, spill: int = 0) -> WorkerPool:
         for i in range(n + spill)
     )
     config = PoolConfig(workers=workers, health=HealthConfig(enabled=False))
-    return WorkerPool(config, transport_factory=FakeNetwork().factory)
+    pool = WorkerPool(config, transport_factory=FakeNetwork().factory)
+    if choice == "latency":
+        dispatcher = pool._dispatcher
+        selector = dispatcher.selector
+        with dispatcher.lock:
+            selector.configure(
+                latency_aware=True, decay=10.0, slow_start=None, now=time.monotonic()
+            )
+        release = dispatcher.release_worker_locked
+
+        def observed(worker: Worker, now: float) -> None:
+            # What the pool's outcome recording will do, under the same lock, once it
+            # feeds the selector: every answer observed as 20 ms.
+            selector.observe(worker, 0.02, now)
+            release(worker, now)
+
+        dispatcher.release_worker_locked = observed  # type: ignore[method-assign]
+    return pool
 
 
 def _fill(pool: WorkerPool, leases: int) -> list[Lease]:
@@ -69,7 +94,7 @@ def _measure(pool: WorkerPool, calls: int, out: list[float], spill: bool = False
         out.append(clock() - t0)
         assert lease is not None
         assert not spill or lease.worker.priority == 2
-        record(state, lease, SUCCESS, 0.0, 0.0, retry=False)
+        record(state, lease, SUCCESS, 0.0, time.monotonic(), retry=False)
 
 
 def _run(pool: WorkerPool, threads: int, calls: int, spill: bool = False) -> tuple[float, float]:
@@ -86,16 +111,32 @@ def _run(pool: WorkerPool, threads: int, calls: int, spill: bool = False) -> tup
     return statistics.median(samples) * 1e6, cuts[98] * 1e6
 
 
+@pytest.mark.parametrize("choice", ["count", "latency"])
 @pytest.mark.parametrize("threads", [1, 16])
 @pytest.mark.parametrize("workers", [10, 100, 1000])
-def test_selection_latency(benchmark, workers, threads):
+def test_selection_latency(benchmark, workers, threads, choice):
     """p50/p99 of acquiring a lease (select + breaker admit + in-flight count)."""
-    with _pool(workers) as pool:
+    with _pool(workers, choice=choice) as pool:
         p50, p99 = _run(pool, threads, 20000)
         benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
-        RESULTS.append((str(workers), str(threads), f"{p50:.1f}", f"{p99:.1f}"))
+        RESULTS.append((str(workers), str(threads), choice, f"{p50:.1f}", f"{p99:.1f}"))
         report("selection latency, idle pool", [HEADER, *RESULTS])
         benchmark.pedantic(_measure, args=(pool, 1, []), rounds=2000, warmup_rounds=100)
+
+
+@pytest.mark.parametrize("choice", ["count", "latency"])
+@pytest.mark.parametrize("workers", [10, 64])
+def test_selection_with_every_worker_busy(benchmark, workers, choice):
+    """Every worker of the tier has a task in flight: the scan compares all of them
+    (64 is the most a tier scans before sampling two)."""
+    with _pool(workers, choice=choice) as pool:
+        held = _fill(pool, workers)
+        p50, p99 = _run(pool, 1, 10000)
+        benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
+        BUSY.append((f"{workers}, all busy", "1", choice, f"{p50:.1f}", f"{p99:.1f}"))
+        report("selection latency, busy pool", [HEADER, *BUSY])
+        benchmark.pedantic(_measure, args=(pool, 1, []), rounds=500, warmup_rounds=10)
+        _give_back(pool, held)
 
 
 @pytest.mark.parametrize("threads", [1, 16])
@@ -105,7 +146,7 @@ def test_selection_past_a_saturated_tier(benchmark, threads):
         held = _fill(pool, 2000)
         p50, p99 = _run(pool, threads, 10000, spill=True)
         benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
-        BUSY.append(("1000 full + 10", str(threads), f"{p50:.1f}", f"{p99:.1f}"))
+        BUSY.append(("1000 full + 10", str(threads), "count", f"{p50:.1f}", f"{p99:.1f}"))
         report("selection latency, busy pool", [HEADER, *BUSY])
         benchmark.pedantic(_measure, args=(pool, 1, [], True), rounds=500, warmup_rounds=10)
         _give_back(pool, held)
@@ -118,7 +159,7 @@ def test_selection_with_one_free_slot(benchmark, workers):
         held = _fill(pool, workers * 2 - 1)
         p50, p99 = _run(pool, 1, 10000)
         benchmark.extra_info.update({"p50_us": p50, "p99_us": p99})
-        BUSY.append((f"{workers}, 1 slot free", "1", f"{p50:.1f}", f"{p99:.1f}"))
+        BUSY.append((f"{workers}, 1 slot free", "1", "count", f"{p50:.1f}", f"{p99:.1f}"))
         report("selection latency, busy pool", [HEADER, *BUSY])
         benchmark.pedantic(_measure, args=(pool, 1, []), rounds=500, warmup_rounds=10)
         _give_back(pool, held)
@@ -202,6 +243,6 @@ def test_plain_min_over_all_workers_baseline(benchmark):
             samples.append(time.perf_counter() - t0)
         p50 = statistics.median(samples) * 1e6
         benchmark.extra_info["p50_us"] = p50
-        RESULTS.append(("1000 (min)", "1", f"{p50:.1f}", "-"))
+        RESULTS.append(("1000 (min)", "1", "count", f"{p50:.1f}", "-"))
         report("selection latency, idle pool", [HEADER, *RESULTS])
         benchmark.pedantic(plain_min, rounds=200)

@@ -30,14 +30,16 @@ from npu_sync.worker import Worker
 
 
 class Lease:
-    """Permission for one attempt on ``worker``; ``trial`` marks a half-open probe."""
+    """Permission for one attempt on ``worker``; ``trial`` marks a half-open probe;
+    ``in_flight`` is the worker's count of tasks in flight with this one."""
 
-    __slots__ = ("generation", "trial", "worker")
+    __slots__ = ("generation", "in_flight", "trial", "worker")
 
     def __init__(self, worker: Worker, trial: bool) -> None:
         self.worker = worker
         self.trial = trial
         self.generation = worker.generation
+        self.in_flight = worker.in_flight
 
 
 class Refusal(enum.Enum):
@@ -99,8 +101,9 @@ class Dispatcher:
 
     def set_workers_locked(self, workers: Iterable[Worker]) -> None:
         """Replace the candidate set. Call with ``lock`` held."""
-        self.selector.set_workers(workers)
-        self._serve(self.clock.monotonic())
+        now = self.clock.monotonic()
+        self.selector.set_workers(workers, now)
+        self._serve(now)
         # Waiters whose last untried worker went away must re-check.
         self.wake_all_locked()
 
@@ -142,6 +145,17 @@ class Dispatcher:
             if refusal is not None:
                 return refusal
             return self._wait(excluded, deadline, now)
+
+    def try_acquire(self, excluded: Collection[str]) -> Lease | None:
+        """A lease on the best worker not in ``excluded`` if one has room now, else None.
+
+        Never waits, and never takes a slot a queued task is waiting for: for an
+        optional extra attempt (a hedge), which must not delay anybody's first one.
+        """
+        with self.lock:
+            if self._waiters:
+                return None
+            return self._try(excluded, self.clock.monotonic())
 
     def release_locked(self, now: float) -> None:
         """Workers not named may have become available (a health round, a breaker
@@ -222,6 +236,8 @@ class Dispatcher:
             return None
         worker.in_flight += 1
         try:
+            if worker.in_flight == 1:
+                selector.started(worker, now)
             if trial or worker.in_flight >= worker.capacity:
                 selector.taken(worker, now)
             lease = Lease(worker, trial)

@@ -1,4 +1,4 @@
-"""Which worker gets the next attempt: priority tier first, then least connections.
+"""Which worker gets the next attempt: priority tier first, then the cheapest worker.
 
 Selection runs under the pool's lock on every attempt, so its cost must not grow with
 the pool, whatever state the pool is in: idle, busy, saturated or mostly down. The
@@ -22,6 +22,32 @@ load evenly however many tiers were looked at first and however workers come and
 go. When more than :data:`P2C_THRESHOLD` workers of a tier have room, two of them
 are sampled and the lighter one wins (power of two choices): O(1) rather than exact.
 
+Workers are not all alike, and "fewest tasks" is then refined into a *score*, the
+cost of one more task on the worker: ``(in_flight + 1) * score``, lowest wins, where
+the worker's ``score`` is
+
+* with latency-aware choice on, its peak-EWMA latency estimate (see
+  :mod:`npu_sync.latency`) divided by its *share*; a worker that answers in 0.3 s
+  takes a task when the one that answers in 0.1 s already has three times as many;
+* otherwise ``1 / share``: least connections weighted;
+
+and its share is its ``weight`` times its slow start factor (see
+:mod:`npu_sync.slowstart`), which ramps a worker back in service from a tenth of its
+share to all of it. With every weight 1, no ramp under way and latency-aware choice
+off, the plain count of tasks in flight is compared, as above.
+
+A worker that has tasks in flight and has answered none of them for longer than its
+estimate (it froze, or its network did) is taken to be at least as slow as the time
+it has been quiet: its score grows with that time, so new tasks avoid it well before
+the attempts already there time out. Scores are compared without a clock read or an
+``exp()`` per worker: estimates are kept in the time-free form of
+:meth:`PeakEwma.key <npu_sync.latency.PeakEwma.key>`.
+
+The pool tells the selector what it learns: :meth:`Selector.observe` when an attempt
+ends, :meth:`Selector.recovered` when a worker comes back into service (a breaker
+closes after a trip, a health check passes again). A worker added to a running pool
+(by :meth:`Selector.set_workers`) is seeded and ramped in by itself.
+
 The index also answers whether a task could still get a worker before its deadline
 (:meth:`Selector.can_serve_before`), so that a task fails at once rather than wait
 for nothing.
@@ -35,6 +61,8 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Collection, Iterable
 from itertools import groupby
 
+from npu_sync.latency import DEFAULT_DECAY, MIN_COST
+from npu_sync.slowstart import SlowStart
 from npu_sync.worker import Worker
 
 P2C_THRESHOLD = 64
@@ -51,6 +79,15 @@ _BLOCKED = 3  # unavailable until told otherwise
 
 _NEVER = float("inf")
 _NOW = float("-inf")
+
+_REBASE = 50.0
+"""Decay constants after which the keys' epoch moves forward (keys grow by e**50)."""
+
+_RAMP_STEPS = 100
+"""How many times a slow start's factor is refreshed over its window."""
+
+_STALL_RESCANS = 4
+"""Stalled winners one selection may pass over before it takes the cheapest anyway."""
 
 
 class _Tier:
@@ -105,6 +142,11 @@ class Selector:
         shared_breakers: breakers follow other processes (shared state), so an open
             breaker may close at any time and never makes a worker unavailable until
             a known moment.
+        latency_aware: weigh each worker's load by its latency estimate.
+        decay: the latency estimates' time constant, in seconds.
+        slow_start: how a worker back in service ramps up; None for no ramp.
+        now: the time of the first :meth:`set_workers` (workers it adds are not
+            ramped: every worker starts together).
     """
 
     def __init__(
@@ -113,10 +155,24 @@ class Selector:
         *,
         rng: random.Random | None = None,
         shared_breakers: bool = False,
+        latency_aware: bool = False,
+        decay: float = DEFAULT_DECAY,
+        slow_start: SlowStart | None = None,
+        now: float = 0.0,
     ) -> None:
         self._rng = rng or random.Random()
         self._random = self._rng.random
         self._shared_breakers = shared_breakers
+        if not decay > 0:
+            raise ValueError(f"decay must be > 0 seconds, got {decay!r}")
+        self._latency_aware = latency_aware
+        self._decay = decay
+        self._slow_start = slow_start or SlowStart(window=0.0)
+        self._epoch = now
+        self._rebase_at = now + _REBASE * decay
+        self._ramping: list[Worker] = []
+        self._ramp_due = _NEVER
+        self._scored = False  # whether scores, not plain in-flight counts, are compared
         self.on_earlier_wake: Callable[[], None] | None = None
         """Called when a parked worker's wake time becomes the earliest of all."""
         self.tiers: tuple[tuple[Worker, ...], ...] = ()
@@ -138,7 +194,7 @@ class Selector:
         self._hopeful = 0  # slots whose doom is _NOW
         self._ready = 0  # slots in a ready list
         self._stale = False
-        self.set_workers(workers)
+        self.set_workers(workers, now)
 
     # -- configuration -----------------------------------------------------------------
 
@@ -155,8 +211,46 @@ class Selector:
             self._move(slot, _BLOCKED, 0.0)
         self.invalidate()
 
-    def set_workers(self, workers: Iterable[Worker]) -> None:
-        """Replace the candidate set; lower ``priority`` numbers form earlier tiers."""
+    @property
+    def latency_aware(self) -> bool:
+        return self._latency_aware
+
+    @property
+    def slow_start(self) -> SlowStart:
+        return self._slow_start
+
+    def configure(
+        self,
+        *,
+        latency_aware: bool,
+        decay: float,
+        slow_start: SlowStart | None,
+        now: float,
+    ) -> None:
+        """Take new balancing settings (a reload). Ramps under way keep their end."""
+        if not decay > 0:
+            raise ValueError(f"decay must be > 0 seconds, got {decay!r}")
+        self._latency_aware = latency_aware
+        self._decay = decay
+        self._slow_start = slow_start or SlowStart(window=0.0)
+        for worker in self.workers:
+            worker.latency.decay = decay
+            if not latency_aware:
+                worker.stall_after = _NEVER
+        self._epoch = now
+        self._rebase_at = now + _REBASE * decay
+        self._refresh_ramps(now, everyone=True)
+
+    def set_workers(self, workers: Iterable[Worker], now: float | None = None) -> None:
+        """Replace the candidate set; lower ``priority`` numbers form earlier tiers.
+
+        Given ``now``, workers that were not candidates before are ramped in (slow
+        start) and seeded with their tier's median latency, unless there were no
+        candidates before (a pool starting: every worker starts together).
+        """
+        workers = list(workers)
+        previous = self._slots
+        added = [w for w in workers if w not in previous] if previous and now is not None else []
         ordered = sorted(workers, key=lambda w: w.priority)
         self.workers = tuple(ordered)
         self.tiers = tuple(tuple(tier) for _, tier in groupby(ordered, key=lambda w: w.priority))
@@ -182,6 +276,66 @@ class Selector:
         self._hopeful = seq
         self._stale = bool(seq)
         self._sync_due()
+        for worker in self.workers:
+            worker.latency.decay = self._decay
+            if not self._latency_aware:
+                worker.stall_after = _NEVER
+        for worker in added:
+            self._seed(worker, now)  # type: ignore[arg-type]  # added only when now is given
+            self._start_ramp(worker, now)  # type: ignore[arg-type]
+        self._ramping = [w for w in self.workers if w.ramp_until > _NOW]
+        self._refresh_ramps(self._epoch if now is None else now, everyone=True)
+
+    # -- what the pool learns ----------------------------------------------------------
+
+    def observe(self, worker: Worker, rtt: float, now: float, ok: bool = True) -> None:
+        """An attempt on ``worker`` ended at ``now`` after ``rtt`` seconds.
+
+        Call for every attempt the worker answered or failed (``ok`` False unless it
+        succeeded: only a success may lower the estimate), not for leases given back
+        unused. Also marks the worker as making progress (see the stall rule).
+        """
+        latency = worker.latency
+        latency.observe(rtt, now, ok)
+        worker.busy_since = now
+        if self._latency_aware:
+            # The estimate as of its stamp, now but for clock reads a hair apart.
+            worker.stall_after = now + latency.cost
+            self._rekey(worker, now)
+
+    def started(self, worker: Worker, now: float) -> None:
+        """``worker`` just got its first task in flight (it was idle)."""
+        if self._latency_aware:
+            worker.busy_since = now
+            # The estimate as last set, not decayed to now: no exp() on every idle
+            # worker's first task, at the price of noticing a stall a little later.
+            worker.stall_after = now + worker.latency.cost
+
+    def recovered(self, worker: Worker, now: float) -> None:
+        """``worker`` is back in service: its breaker closed after a trip, its health
+        check passes again, or it moved to a new address. Its latency estimate starts
+        again from its tier's median and its share ramps up (slow start)."""
+        if worker in self._slots:
+            self._seed(worker, now)
+            self._start_ramp(worker, now)
+            self._refresh_ramps(now)
+
+    def slow_start_until(self, worker: Worker, now: float) -> float | None:
+        """When ``worker``'s slow start ends, or None if none is under way at ``now``."""
+        return worker.ramp_until if worker.ramp_until > now else None
+
+    def stats(self, now: float) -> dict[str, object]:
+        """The balancing settings and the ramps under way: JSON-serialisable.
+
+        ``{"latency_aware", "latency_decay", "slow_start", "ramping"}``, where
+        ``ramping`` maps each ramping worker's id to the seconds its ramp has left.
+        """
+        return {
+            "latency_aware": self._latency_aware,
+            "latency_decay": self._decay,
+            "slow_start": self._slow_start.window,
+            "ramping": {w.id: w.ramp_until - now for w in self._ramping if w.ramp_until > now},
+        }
 
     # -- what changed ------------------------------------------------------------------
 
@@ -217,11 +371,19 @@ class Selector:
         """
         if now >= self._due:
             self._catch_up(now)
+        if self._scored:
+            if now >= self._ramp_due:
+                self._refresh_ramps(now)
+            if now > self._rebase_at:
+                self._rebase(now)
+            scan = self._scan_scores if self._scored else self._scan
+        else:
+            scan = self._scan
         for tier in self._tiers:
             ready = tier.ready
             if ready:
                 chosen = (
-                    self._scan(tier, excluded, now)
+                    scan(tier, excluded, now)
                     if len(ready) <= P2C_THRESHOLD
                     else self._sample(tier, excluded, now)
                 )
@@ -260,6 +422,53 @@ class Selector:
                 self._classify(slots[worker], now)
         return best
 
+    def _scan_scores(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
+        """:meth:`_scan` comparing ``(in_flight + 1) * score``, with the stall rule.
+
+        Scores differ far more often than counts tie, so a new best is met at many
+        steps of the scan: its eligibility is checked once, at the end (the index
+        keeps ready workers eligible but for changes it was not told of). So is the
+        stall rule: it can only raise a score, so it matters only for the winner.
+        """
+        stalls = 0
+        passed: Worker | None = None  # the last stalled winner, its score raised
+        while True:
+            ready = tier.ready
+            n = len(ready)
+            if not n:
+                return None
+            start = tier.turn % n
+            best: Worker | None = None
+            best_load = 0.0
+            for worker in ready[start:] + ready[:start] if start else ready:
+                load = (worker.in_flight + 1) * worker.score
+                if (best is None or load < best_load) and worker.id not in excluded:
+                    best = worker
+                    best_load = load
+            if best is None:
+                return None
+            if not best.eligible(now):
+                self._classify(self._slots[best], now)  # leaves the ready list
+            elif (
+                now > best.stall_after
+                and best.in_flight
+                and best is not passed
+                and stalls < _STALL_RESCANS
+            ):
+                self._stalled(best, now)
+                passed = best
+                stalls += 1
+            else:
+                tier.turn = ready.index(best) + 1
+                tier.last = best
+                return best
+
+    def _stalled(self, worker: Worker, now: float) -> None:
+        """``worker`` has had tasks in flight and no answer for longer than its estimate:
+        it is at least as slow as that silence, until it answers."""
+        worker.latency.raise_to(now - worker.busy_since, now)
+        self._rekey(worker, now)
+
     def _sample(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
         ready = tier.ready
         rnd = self._random
@@ -268,7 +477,11 @@ class Selector:
         while misses < _P2C_MISSES:
             n = len(ready)
             if n <= P2C_THRESHOLD:
-                return self._scan(tier, excluded, now)
+                return (
+                    self._scan_scores(tier, excluded, now)
+                    if self._scored
+                    else self._scan(tier, excluded, now)
+                )
             worker = ready[int(rnd() * n)]
             if worker is first or worker.id in excluded:
                 misses += 1
@@ -276,13 +489,96 @@ class Selector:
                 self._classify(self._slots[worker], now)  # leaves the ready list
             elif first is None:
                 first = worker
+            elif self._scored:
+                for one in (first, worker):
+                    if now > one.stall_after and one.in_flight:
+                        self._stalled(one, now)
+                return (
+                    first
+                    if (first.in_flight + 1) * first.score <= (worker.in_flight + 1) * worker.score
+                    else worker
+                )
             else:
                 return first if first.in_flight <= worker.in_flight else worker
         if first is not None:
             return first
         # The task has tried much of what is left here: look at every worker with room
         # (few, or the samples would not have kept missing).
-        return self._scan(tier, excluded, now)
+        return (
+            self._scan_scores(tier, excluded, now)
+            if self._scored
+            else self._scan(tier, excluded, now)
+        )
+
+    # -- scores ------------------------------------------------------------------------
+
+    def _rekey(self, worker: Worker, now: float) -> None:
+        """Compute ``worker.score`` from its share and, when latency counts, its estimate."""
+        if self._latency_aware:
+            if worker.latency.stamp > self._rebase_at:
+                self._rebase(max(now, worker.latency.stamp))
+                return  # _rebase rekeyed every worker
+            key = worker.latency.key(self._epoch)
+            # An estimate decayed to nothing still weighs in-flight counts.
+            worker.score = (key if key > MIN_COST else MIN_COST) / worker.share
+        else:
+            worker.score = 1.0 / worker.share
+
+    def _rebase(self, now: float) -> None:
+        """Move the keys' epoch to ``now`` so that they stay finite, and rekey all."""
+        self._epoch = now
+        self._rebase_at = now + _REBASE * self._decay
+        for worker in self.workers:
+            self._rekey(worker, now)
+
+    def _seed(self, worker: Worker, now: float) -> None:
+        """Start ``worker``'s estimate from the median of its tier's observed ones."""
+        peers = sorted(
+            w.latency.value(now)
+            for w in self.workers
+            if w.priority == worker.priority and w is not worker and w.latency.observed
+        )
+        seed = peers[len(peers) // 2] if peers else worker.latency.value(now)
+        worker.latency.seed(seed, now)
+        if self._latency_aware:
+            worker.busy_since = now
+            worker.stall_after = now + seed
+
+    def _start_ramp(self, worker: Worker, now: float) -> None:
+        slow_start = self._slow_start
+        if slow_start.enabled:
+            worker.ramp_from = now
+            worker.ramp_until = slow_start.ends(now)
+            if worker not in self._ramping:
+                self._ramping.append(worker)
+        else:
+            self._rekey(worker, now)
+
+    def _refresh_ramps(self, now: float, everyone: bool = False) -> None:
+        """Give every ramping worker its share at ``now`` and forget finished ramps;
+        with ``everyone``, recompute every worker's share and score (new weights, new
+        settings, a new candidate set)."""
+        slow_start = self._slow_start
+        still: list[Worker] = []
+        for worker in self._ramping:
+            if worker.ramp_until > now and worker in self._slots:
+                worker.share = worker.weight * slow_start.factor(worker.ramp_from, now)
+                still.append(worker)
+            else:
+                worker.share = float(worker.weight)
+                worker.ramp_until = -_NEVER
+            if not everyone:
+                self._rekey(worker, now)
+        self._ramping = still
+        if everyone:
+            for worker in self.workers:
+                if worker.ramp_until <= now:
+                    worker.share = float(worker.weight)
+                self._rekey(worker, now)
+        self._ramp_due = now + max(slow_start.window / _RAMP_STEPS, 1e-3) if still else _NEVER
+        self._scored = (
+            self._latency_aware or bool(still) or any(w.weight != 1 for w in self.workers)
+        )
 
     # -- whether waiting can help ------------------------------------------------------
 

@@ -2,27 +2,41 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
 from npu_sync.health import HealthResult
+from npu_sync.latency import PeakEwma
 from npu_sync.metrics import WorkerStats
 from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
+
+if TYPE_CHECKING:
+    from npu_sync.limits import ConcurrencyLimit
+
+_NEVER = float("inf")
 
 
 class Worker:
     """Runtime state of one worker.
 
     Not thread-safe on its own: every mutable field (``in_flight``, ``capacity``,
-    ``healthy``, ``draining``, ``cooldown_until``, ``stats``, the breaker) is read and
-    written under the pool's selection lock. ``transport`` is thread-safe and used
-    outside that lock.
+    ``healthy``, ``draining``, ``cooldown_until``, ``stats``, the breaker, the
+    balancing state) is read and written under the pool's selection lock.
+    ``transport`` is thread-safe and used outside that lock.
+
+    The balancing state is the selector's (see :mod:`npu_sync.selector`): ``weight``,
+    the latency estimate ``latency``, the slow start ramp (``ramp_from`` to
+    ``ramp_until``), ``share`` (weight times the ramp's factor) and ``score``, the
+    cost of one more task here that the selector multiplies by ``in_flight + 1``;
+    ``busy_since`` and ``stall_after`` tell it when a busy worker has gone quiet for
+    longer than its estimate. ``limit`` is the adaptive concurrency limit, if any.
     """
 
     __slots__ = (
         "breaker",
+        "busy_since",
         "capacity",
         "config",
         "cooldown_until",
@@ -38,11 +52,19 @@ class Worker:
         "hinted_draining",
         "id",
         "in_flight",
+        "latency",
+        "limit",
         "priority",
+        "ramp_from",
+        "ramp_until",
         "removed",
         "reporting",
+        "score",
+        "share",
+        "stall_after",
         "stats",
         "transport",
+        "weight",
     )
 
     def __init__(
@@ -69,6 +91,15 @@ class Worker:
         self.generation = 0  # bumped when the worker moves: older outcomes are stale
         self.cooldown_until = 0.0
         self.stats = WorkerStats()
+        self.latency = PeakEwma()
+        self.limit: ConcurrencyLimit | None = None
+        self.busy_since = 0.0  # the last answer, or when it last became busy
+        self.stall_after = _NEVER  # set by the selector when it compares latency
+        self.ramp_from = 0.0
+        self.ramp_until = -_NEVER  # no slow start under way
+        self.weight = 1
+        self.share = 1.0
+        self.score = 1.0
         self.configure(config)
 
     def configure(self, config: WorkerConfig) -> None:
@@ -76,6 +107,8 @@ class Worker:
         self.config = config
         self.priority = config.priority
         self.enabled = config.enabled
+        # Until the configuration declares it, every worker weighs 1.
+        self.weight = int(getattr(config, "weight", 1))
         self._update_capacity()
 
     def apply_health(self, result: HealthResult, unhealthy_after: int, healthy_after: int) -> bool:
@@ -113,10 +146,55 @@ class Worker:
         self.breaker.reset()
         self._update_capacity()
 
+    def set_limit(self, limit: ConcurrencyLimit | None) -> None:
+        """Let ``limit`` find this worker's concurrency (None: ``max_concurrent`` alone).
+
+        The capacity is then the smallest of ``max_concurrent`` (the limit's ceiling),
+        the worker's own hint and the limit's current value. Tell the dispatcher
+        (``release_worker_locked``) afterwards: the capacity may have grown.
+        """
+        self.limit = limit
+        self._update_capacity()
+
+    def sample_limit(self, rtt: float, in_flight: int, dropped: bool) -> bool:
+        """Feed the adaptive limit one attempt; returns whether the capacity changed.
+
+        Args:
+            rtt: the attempt's duration in seconds.
+            in_flight: tasks in flight here when the attempt started (the lease's).
+            dropped: the worker turned it away for overload (429, 503, a timeout).
+        """
+        if self.limit is None:
+            return False
+        self.limit.on_sample(rtt, in_flight, dropped)
+        before = self.capacity
+        self._update_capacity()
+        return self.capacity != before
+
     def _update_capacity(self) -> None:
         hinted = self.hinted_capacity
         limit = self.config.max_concurrent
-        self.capacity = limit if hinted is None else min(limit, hinted)
+        capacity = limit if hinted is None else min(limit, hinted)
+        if self.limit is not None:
+            capacity = min(capacity, self.limit.current)
+        self.capacity = capacity
+
+    def balancing(self, now: float) -> dict[str, Any]:
+        """What the balancing mechanisms know of this worker: JSON-serialisable.
+
+        ``weight``; ``latency``, the estimate (see :class:`~npu_sync.latency.PeakEwma`);
+        ``slow_start_until``, monotonic seconds when the ramp ends (None when none is
+        under way) and ``share``, the ramp's factor times the weight; ``limit``, the
+        adaptive limit's stats or None.
+        """
+        ramping = self.ramp_until > now
+        return {
+            "weight": self.weight,
+            "share": self.share,
+            "latency": self.latency.stats(now),
+            "slow_start_until": self.ramp_until if ramping else None,
+            "limit": None if self.limit is None else self.limit.stats(),
+        }
 
     def eligible(self, now: float) -> bool:
         """Whether a new attempt may start here now (ignoring per-task exclusions)."""

@@ -444,3 +444,55 @@ def test_an_interrupt_after_the_slot_is_taken_gives_it_back(clock, monkeypatch):
     assert a.in_flight == 0
     again = dispatcher.acquire((), far(clock))
     assert again is not None and again.trial
+
+
+# -- hedges: a lease now or none ---------------------------------------------------------
+
+
+def test_try_acquire_gives_a_lease_now_or_none_without_waiting(clock):
+    """A hedge's lease: the best worker with room, or None at once when none has room."""
+    a, b = make_worker(clock, "a"), make_worker(clock, "b")
+    dispatcher = Dispatcher(clock, Selector([a, b]))
+    first = dispatcher.try_acquire(())
+    assert first is not None and first.in_flight == 1
+    second = dispatcher.try_acquire({first.worker.id})
+    assert second is not None and second.worker is not first.worker
+    assert dispatcher.try_acquire(()) is None
+    assert dispatcher.waiting == 0
+
+
+def test_try_acquire_never_takes_a_slot_a_queued_task_waits_for(clock, started):
+    """While a task waits its turn, a hedge gets nothing, even from a worker the waiter
+    cannot use: hedges are extra work and must not delay anybody's first attempt."""
+    a, b = make_worker(clock, "a"), make_worker(clock, "b")
+    dispatcher = Dispatcher(clock, Selector([a, b]))
+    held = dispatcher.acquire({"b"}, far(clock))
+    assert held is not None and held.worker is a
+    queue(started, dispatcher, far(clock), excluded={"b"})
+    assert dispatcher.try_acquire(()) is None
+    assert b.in_flight == 0
+
+
+def test_a_lease_carries_the_workers_in_flight_count_with_it(clock):
+    """Lease.in_flight is the count an adaptive limit samples: this task included."""
+    a = make_worker(clock, "a", capacity=4)
+    dispatcher = Dispatcher(clock, Selector([a]))
+    counts = [dispatcher.acquire((), far(clock)).in_flight for _ in range(3)]
+    assert counts == [1, 2, 3]
+
+
+def test_a_worker_becoming_busy_starts_its_stall_clock(clock):
+    """Latency-aware: the first task on an idle worker marks when it became busy, and
+    when its silence would exceed its estimate."""
+    a = make_worker(clock, "a", capacity=4)
+    selector = Selector([a], latency_aware=True, now=clock.monotonic())
+    selector.observe(a, 0.05, clock.monotonic())
+    dispatcher = Dispatcher(clock, selector)
+    clock.advance(1.0)
+    now = clock.monotonic()
+    dispatcher.acquire((), far(clock))
+    assert a.busy_since == now
+    assert a.stall_after == pytest.approx(now + 0.05)  # the estimate as last observed
+    clock.advance(0.5)
+    dispatcher.acquire((), far(clock))
+    assert a.busy_since == now  # still busy since then: the second task changes nothing

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import heapq
+import math
 import random
 from collections import Counter
 from typing import Any, ClassVar
 
 import pytest
 
+from npu_sync.admission import Dispatcher
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.selector import P2C_THRESHOLD, Selector
+from npu_sync.slowstart import SlowStart
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
 
@@ -291,3 +295,241 @@ def test_round_robin_follows_identity_as_workers_leave_and_rejoin():
         expected = min((i for i in free if i > last), default=min(free))
         assert chosen is not None and order[chosen.id] == expected
         last = expected
+
+
+# -- latency-aware choice, weights, slow start -----------------------------------------
+
+
+class Fleet:
+    """Tasks on a simulated clock: ``callers`` threads that each send a task as soon as
+    the last one answered, to workers answering after ``latency[worker_id]`` seconds
+    (None: never). Selection, leases and releases go through a real Dispatcher."""
+
+    def __init__(self, selector: Selector, latency: dict[str, float | None], callers: int):
+        self.clock = FakeClock()
+        self.selector = selector
+        self.dispatcher = Dispatcher(self.clock, selector)
+        self.latency = latency
+        self.callers = callers
+        self.sent: list[tuple[float, str]] = []  # (time, worker id) of every task sent
+        self._heap: list[tuple[float, int, Worker]] = []
+        self._seq = 0
+        self._idle = callers  # callers with nothing in flight (their worker froze)
+
+    def run(self, until: float) -> None:
+        """Run until the clock reaches ``until``."""
+        for _ in range(self._idle):
+            self._send()
+        self._idle = 0
+        while self._heap and self._heap[0][0] <= until:
+            at, _, worker = heapq.heappop(self._heap)
+            self.clock.advance(at - self.clock.monotonic())
+            with self.dispatcher.lock:
+                worker.in_flight -= 1
+                self.selector.observe(worker, self.latency[worker.id] or 0.0, at)
+                self.dispatcher.release_worker_locked(worker, at)
+            self._send()
+        self.clock.advance(max(0.0, until - self.clock.monotonic()))
+
+    def _send(self) -> None:
+        now = self.clock.monotonic()
+        lease = self.dispatcher.acquire((), now + 3600)
+        assert lease is not None, "capacity is sized so that nobody waits"
+        worker = lease.worker
+        self.sent.append((now, worker.id))
+        rtt = self.latency[worker.id]
+        if rtt is None:
+            return  # frozen: this caller is stuck for the rest of the run
+        self._seq += 1
+        heapq.heappush(self._heap, (now + rtt, self._seq, worker))
+
+    def freeze(self, worker_id: str) -> None:
+        """The worker stops answering, the tasks it has in flight included."""
+        self.latency[worker_id] = None
+        self._heap = [event for event in self._heap if event[2].id != worker_id]
+        heapq.heapify(self._heap)
+
+    def share(self, worker_id: str, since: float, until: float = float("inf")) -> float:
+        window = [wid for at, wid in self.sent if since <= at < until]
+        return window.count(worker_id) / len(window)
+
+
+def latency_selector(workers: list[Worker], **kw: Any) -> Selector:
+    return Selector(workers, latency_aware=True, now=CLOCK.monotonic(), **kw)
+
+
+@pytest.mark.parametrize("aware", [True, False])
+def test_a_slower_worker_gets_tasks_in_proportion_to_what_it_can_do(aware):
+    """Latency-aware: a worker 10x slower gets a fraction of a percent of the tasks, not
+    the ~5 % least connections gives it (equal in-flight counts)."""
+    ws = [make_worker(n, capacity=64) for n in "abc"]
+    fleet = Fleet(
+        Selector(ws, latency_aware=aware, now=CLOCK.monotonic()),
+        {"a": 0.02, "b": 0.02, "c": 0.2},
+        callers=32,
+    )
+    start = fleet.clock.monotonic()
+    fleet.run(start + 10)
+    share = fleet.share("c", start + 2)
+    if aware:
+        assert share < 0.01
+    else:
+        assert share > 0.03
+
+
+def test_a_slow_worker_is_tried_again_once_its_estimate_has_decayed():
+    """Its last answer took 200 ms; while the others answer in 20 ms, it gets nothing
+    until its estimate decays below theirs (about ln(10) decays), then a task."""
+    ws = [make_worker(n, capacity=64) for n in "abc"]
+    selector = latency_selector(ws)
+    fleet = Fleet(selector, {"a": 0.02, "b": 0.02, "c": 0.2}, callers=1)
+    start = fleet.clock.monotonic()
+    for w in ws:
+        selector.observe(w, fleet.latency[w.id] or 0.0, start)
+    fleet.run(start + 40)
+    to_c = [at - start for at, wid in fleet.sent if wid == "c"]
+    assert to_c, "the slow worker was never tried again"
+    assert 20 < to_c[0] < 26  # 0.2 * exp(-t / 10) < 0.02 from t = 23 s
+    # Tried, found slow again (the peak): it waits about as long for the next try.
+    assert len(to_c) == 1 or to_c[1] - to_c[0] > 15
+
+
+def test_a_frozen_worker_gets_no_more_tasks_while_its_estimate_decays():
+    """A worker that stops answering keeps its stuck tasks (nobody could know) but gets
+    no new one: silent for longer than its estimate, it counts as at least that slow,
+    where decay alone would make it look cheaper by the second."""
+    ws = [make_worker(n, capacity=64) for n in "abc"]
+    fleet = Fleet(latency_selector(ws), {"a": 0.02, "b": 0.02, "c": 0.02}, callers=32)
+    start = fleet.clock.monotonic()
+    fleet.run(start + 1)
+    fleet.freeze("c")
+    frozen_at = fleet.clock.monotonic()
+    stuck = ws[2].in_flight
+    fleet.run(frozen_at + 5)
+    assert ws[2].in_flight == stuck > 0
+    assert not [at for at, wid in fleet.sent if wid == "c" and at >= frozen_at]
+
+
+def test_weights_divide_load_with_latency_off():
+    """Weighted least connections: a worker of weight 3 holds three times the tasks."""
+    a, b = make_worker("a", capacity=64), make_worker("b", capacity=64)
+    b.weight = 3
+    selector = Selector([a, b])
+    held = Counter()
+    for _ in range(40):
+        chosen = selector.select((), NOW)
+        assert chosen is not None
+        chosen.in_flight += 1
+        held[chosen.id] += 1
+    assert held == {"a": 10, "b": 30}
+
+
+def test_weights_divide_load_with_latency_on():
+    """Latency-aware and weighted: equal latencies, weight 2 takes twice the tasks."""
+    a, b = make_worker("a", capacity=64), make_worker("b", capacity=64)
+    b.weight = 2
+    selector = latency_selector([a, b])
+    fleet = Fleet(selector, {"a": 0.02, "b": 0.02}, callers=30)
+    start = fleet.clock.monotonic()
+    fleet.run(start + 5)
+    assert fleet.share("b", start + 1) == pytest.approx(2 / 3, abs=0.05)
+
+
+def test_round_robin_holds_when_scores_are_compared():
+    """Equal scores (weights 2, no answers yet) still go round robin, worker by worker."""
+    ws = [make_worker(n) for n in "abcd"]
+    for w in ws:
+        w.weight = 2
+    selector = latency_selector(ws)
+    assert [selector.select((), NOW).id for _ in range(8)] == list("abcdabcd")
+
+
+def test_a_worker_added_to_a_running_pool_is_seeded_and_ramped_in():
+    """A new worker starts from its tier's median estimate (not 0, not unknown) and a
+    slow start that ends one window later; workers there from the start are not ramped."""
+    ws = [make_worker(n) for n in "abc"]
+    selector = latency_selector(ws, slow_start=SlowStart(window=10.0))
+    now = CLOCK.monotonic()
+    assert all(selector.slow_start_until(w, now) is None for w in ws)
+    for w, rtt in zip(ws, (0.01, 0.03, 0.3), strict=True):
+        selector.observe(w, rtt, now)
+    d = make_worker("d")
+    selector.set_workers([*ws, d], now)
+    assert d.latency.value(now) == pytest.approx(0.03) and not d.latency.observed
+    assert selector.slow_start_until(d, now) == now + 10.0
+    assert selector.stats(now)["ramping"] == {"d": 10.0}
+    assert selector.slow_start_until(d, now + 10.0) is None
+
+
+def test_a_recovered_worker_forgets_its_timeouts_and_ramps_up():
+    """Back from a breaker trip, a worker whose estimate is a 20 s timeout is seeded
+    with its tier's median and gets a growing share over the slow start window."""
+    ws = [make_worker(n, capacity=64) for n in "abc"]
+    selector = latency_selector(ws, slow_start=SlowStart(window=10.0))
+    fleet = Fleet(selector, {"a": 0.02, "b": 0.02, "c": 0.02}, callers=32)
+    start = fleet.clock.monotonic()
+    fleet.run(start + 2)
+    ws[2].latency.observe(20.0, start + 2, ok=False)
+    back = fleet.clock.monotonic()
+    selector.recovered(ws[2], back)
+    assert ws[2].latency.value(back) == pytest.approx(0.02)
+    fleet.run(back + 12)
+    shares = [fleet.share("c", back + t, back + t + 2) for t in (0, 4, 8, 10)]
+    assert shares[0] < 0.1
+    assert shares[0] < shares[1] < shares[2]
+    assert shares[3] == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_slow_start_ramps_the_share_with_latency_off_too():
+    """Least connections with a ramp: the recovered worker's in-flight share grows."""
+    ws = [make_worker(n, capacity=64) for n in "abc"]
+    selector = Selector(ws, slow_start=SlowStart(window=10.0), now=CLOCK.monotonic())
+    fleet = Fleet(selector, {"a": 0.02, "b": 0.02, "c": 0.02}, callers=32)
+    start = fleet.clock.monotonic()
+    fleet.run(start + 1)
+    selector.recovered(ws[2], fleet.clock.monotonic())
+    back = fleet.clock.monotonic()
+    fleet.run(back + 12)
+    first, later = fleet.share("c", back, back + 2), fleet.share("c", back + 10, back + 12)
+    assert first < 0.12 and later == pytest.approx(1 / 3, abs=0.03)
+
+
+def test_scores_stay_finite_however_long_the_pool_runs():
+    """A day of decays later (the keys' epoch moved), choice still follows the estimates."""
+    a, b = make_worker("a", capacity=64), make_worker("b", capacity=64)
+    selector = latency_selector([a, b])
+    now = CLOCK.monotonic()
+    for day in range(1, 4):
+        later = now + day * 86400.0
+        selector.observe(a, 0.5, later)
+        selector.observe(b, 0.05, later)
+        assert selector.select((), later) is b
+        selector.observe(b, 0.05, later + 30)
+        assert selector.select((), later + 30) is a  # idle, 0.5 s decayed past 0.05 s
+        assert math.isfinite(a.score) and math.isfinite(b.score)
+
+
+def test_configure_turns_latency_awareness_off_and_on():
+    """With latency-aware choice off, a slow worker is just another worker again."""
+    a, b = make_worker("a"), make_worker("b")
+    selector = latency_selector([a, b])
+    now = CLOCK.monotonic()
+    selector.observe(a, 0.5, now)
+    selector.observe(b, 0.05, now)
+    assert {selector.select((), now).id for _ in range(4)} == {"b"}
+    selector.configure(latency_aware=False, decay=10.0, slow_start=None, now=now)
+    assert {selector.select((), now).id for _ in range(4)} == {"a", "b"}
+    selector.configure(latency_aware=True, decay=10.0, slow_start=None, now=now)
+    assert {selector.select((), now).id for _ in range(4)} == {"b"}
+
+
+def test_large_tier_sampling_compares_scores():
+    """Power of two choices above 64 workers prefers the faster of the two sampled."""
+    ws = [make_worker(f"w{i}", capacity=100, port=30000 + i) for i in range(P2C_THRESHOLD * 2)]
+    selector = latency_selector(ws, rng=random.Random(3))
+    now = CLOCK.monotonic()
+    for i, w in enumerate(ws):
+        selector.observe(w, 0.2 if i % 2 else 0.02, now)
+    slow = sum(int(selector.select((), now).id[1:]) % 2 for _ in range(2000))
+    # Uniform choice would pick a slow one half the time; the better of two, a quarter.
+    assert slow / 2000 < 0.3

@@ -1,0 +1,156 @@
+"""Hedging: when a task's attempt is slow, send the task to a second worker as well.
+
+A worker that froze, or is stuck behind one long task, holds its attempts until the
+per-try timeout: those tasks take the timeout and more, whatever the rest of the
+fleet could have done. gRPC's hedging policy is the model: after a delay, a second
+attempt of the same task goes to another worker; the first answer wins and the
+other attempt is abandoned. Only for idempotent tasks (``Task.idempotent``): both
+attempts may run, and the worker sees the same ``X-NPU-Task-Id`` on each.
+
+This module decides *when*: :meth:`HedgePolicy.delay_for` answers "hedge after how
+many seconds", from a fixed ``delay`` or from a percentile (0.95 by default) of the
+recent successful attempts' durations, so that about 5 % of tasks are hedged when
+all is well and every task stuck behind a frozen worker is. Until enough durations
+are known (``min_samples``) a percentile policy does not hedge.
+
+The attempt loop's side, not built yet, is sketched here because it fixes
+what this policy must answer:
+
+* ``delay = hedge.delay_for(task.idempotent)``, once per task, after its first lease;
+  None means the task runs as today. Most tasks answer before ``delay``, so the
+  common path must stay on the caller's thread: the caller sends the first attempt
+  itself and arms a timer (one scheduler thread with a heap, shared by the pool) to
+  fire at ``t0 + delay``.
+* When the timer fires and the first attempt has not answered: the hedge needs a
+  retry token (``budget.try_withdraw()``, hedges count against the retry budget) and
+  a lease that waits for nothing (``Dispatcher.try_acquire(excluded)`` with the first
+  worker excluded: a hedge never queues nor takes a slot a queued task waits for).
+  Without either it is skipped (``hedge.count_skipped()``). With both, a pool thread
+  sends the second attempt (``X-NPU-Attempt: 2``).
+* The first answer wins. The winner's thread aborts the other attempt: its transport
+  request needs a way to be closed from another thread (a cancel handle the request
+  registers its connection with; the connection is closed, never returned to the
+  pool). The loser is recorded as abandoned: its slot and breaker trial given back,
+  nothing charged to its worker; its elapsed time is observed with ``ok=False`` (its
+  worker was at least that slow). ``hedge.count_hedge(won=...)`` says whether the
+  hedge's answer was the one returned.
+* ``hedge.observe(duration)`` after every successful attempt that was not a hedge, so
+  that the percentile is that of ordinary attempts.
+
+Events for the pool to emit once it hedges: ``attempt.hedged`` (task id, the first
+worker, the hedge's worker, the delay) when a hedge is sent; the abandoned attempt's
+``attempt.finished`` carries outcome ``abandoned``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from npu_sync.metrics import percentile
+
+
+class HedgePolicy:
+    """When to hedge a task. Thread-safe; :meth:`observe` costs an append.
+
+    Args:
+        enabled: hedging is opt-in.
+        delay: a fixed delay in seconds; None to follow ``percentile``.
+        percentile: the quantile (0..1, exclusive) of recent attempt durations after
+            which to hedge, when no fixed delay is given.
+        window: how many recent durations the percentile is taken over.
+        min_samples: durations needed before a percentile policy hedges.
+        refresh_every: new durations after which the percentile is computed again.
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = False,
+        delay: float | None = None,
+        percentile: float = 0.95,
+        window: int = 512,
+        min_samples: int = 32,
+        refresh_every: int = 32,
+    ) -> None:
+        if delay is not None and not delay >= 0:
+            raise ValueError(f"delay must be >= 0 seconds, got {delay!r}")
+        if not 0 < percentile < 1:
+            raise ValueError(f"percentile must be between 0 and 1, got {percentile!r}")
+        if window < 1 or min_samples < 1 or refresh_every < 1:
+            raise ValueError("window, min_samples and refresh_every must be >= 1")
+        self.enabled = enabled
+        self.delay = delay
+        self.percentile = percentile
+        self._min_samples = min(min_samples, window)
+        self._refresh_every = refresh_every
+        self._lock = threading.Lock()
+        self._ring = [0.0] * window
+        self._next = 0  # where the next duration goes
+        self._count = 0  # durations in the ring
+        self._fresh = 0  # durations since the percentile was computed
+        self._cached: float | None = None
+        self.hedged = 0
+        self.won = 0
+        self.skipped = 0
+
+    def observe(self, duration: float) -> None:
+        """A successful attempt (not a hedge) took ``duration`` seconds."""
+        with self._lock:
+            ring = self._ring
+            ring[self._next] = duration
+            self._next = (self._next + 1) % len(ring)
+            if self._count < len(ring):
+                self._count += 1
+            self._fresh += 1
+
+    def delay_for(self, idempotent: bool) -> float | None:
+        """Seconds after which to send a task a second time, or None not to hedge it."""
+        if not self.enabled or not idempotent:
+            return None
+        if self.delay is not None:
+            return self.delay
+        return self.current()
+
+    def current(self) -> float | None:
+        """The percentile delay now, or None until ``min_samples`` durations are known."""
+        with self._lock:
+            if self._count < self._min_samples:
+                return None
+            if self._cached is not None and self._fresh < self._refresh_every:
+                return self._cached
+            values = self._ring[: self._count]  # a copy: sorted outside the lock
+            self._fresh = 0
+        cached = percentile(sorted(values), self.percentile * 100)
+        with self._lock:
+            self._cached = cached
+        return cached
+
+    def count_hedge(self, won: bool) -> None:
+        """A hedge was sent; ``won``: its answer was the one returned."""
+        with self._lock:
+            self.hedged += 1
+            if won:
+                self.won += 1
+
+    def count_skipped(self) -> None:
+        """A hedge was due but not sent: no retry budget, or no worker free."""
+        with self._lock:
+            self.skipped += 1
+
+    def stats(self) -> dict[str, float | int | bool | str | None]:
+        """JSON-serialisable: ``enabled``, ``mode`` (``"delay"`` or ``"percentile"``),
+        ``delay_ms`` (the delay now, None while unknown), ``percentile``, ``samples``,
+        and the totals ``hedged``, ``won`` and ``skipped``."""
+        fixed = self.delay is not None
+        delay = self.delay if fixed else self.current()
+        with self._lock:
+            return {
+                "enabled": self.enabled,
+                "mode": "delay" if fixed else "percentile",
+                "delay_ms": None if delay is None else delay * 1000.0,
+                "percentile": None if fixed else self.percentile,
+                "samples": self._count,
+                "hedged": self.hedged,
+                "won": self.won,
+                "skipped": self.skipped,
+            }
