@@ -6,7 +6,7 @@ the field its default and attaches a :class:`Spec`: the key's kind, bounds, a on
 description, whether a reload applies it, and the AutoBot key it maps from. From that
 one declaration:
 
-- the YAML reader (``config._Reader``) reads and checks every plain key of a section;
+- the YAML reader (``_config_reader._Reader``) reads and checks every plain key of a section;
 - the constructors refuse out-of-range numbers (:func:`check_fields`);
 - the key tables of ``docs/configuration.md`` are written from it
   (:mod:`npu_sync._config_docs`), and a test fails when the file and the schema disagree.

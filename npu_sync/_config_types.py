@@ -1,0 +1,814 @@
+"""The configuration's frozen dataclasses, each key declared once on its field.
+
+Every field says its type, default, bounds, a one-line description and the AutoBot key
+it maps from (see :mod:`npu_sync._schema`); the YAML reader, the constructors' checks
+and the key tables of ``docs/configuration.md`` all come from these declarations.
+Import the classes from :mod:`npu_sync.config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Final
+from urllib.parse import urlsplit
+
+from npu_sync._schema import (
+    SPEC,
+    Range,
+    Spec,
+    boolean,
+    check_fields,
+    choice,
+    custom,
+    endpoint,
+    integer,
+    number,
+    optional_number,
+    section,
+)
+from npu_sync.errors import scrub
+
+DEFAULT_PORT: Final = 8081
+"""The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
+
+DEFAULT_TLS_PORT: Final = 8444
+"""The port of a worker given by ``host`` with ``scheme: https`` and no ``port``:
+AutoBot's worker serves TLS there."""
+
+DEFAULT_MAX_CONCURRENT: Final = 32
+"""Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
+
+MAX_FILE_BYTES: Final = 1 << 20
+"""The largest configuration file read (1 MiB): a real one is a few kilobytes."""
+
+MAX_DEPTH: Final = 32
+"""The deepest nesting of mappings and lists a configuration file may have."""
+
+MAX_NODES: Final = 100_000
+"""The most YAML nodes (keys, values, list items) a configuration file may have."""
+
+
+_CLIENTS: Final = ("builtin", "urllib3", "requests")
+_DAY: Final = 86400
+# The upper bounds keep a valid file from sizing connection pools to millions, or
+# handing a wait longer than the platform's threading.TIMEOUT_MAX (about 292 years) to a
+# lock or an event, which raises OverflowError in whichever thread uses it.
+
+# AutoBot priorities may be negative; they become tiers 1, 2, ... once read.
+_AUTOBOT_PRIORITY: Final = Range(-1_000_000, 1_000_000, integer=True)
+_PORT: Final = Range(1, 65535, integer=True)
+
+
+def _no_headers() -> Mapping[str, str]:
+    return MappingProxyType({})
+
+
+_FILE = "str (file)"
+
+
+@dataclass(frozen=True, slots=True)
+class TLSConfig:
+    """How to talk TLS to https workers. Immutable, so thread-safe.
+
+    ``verify`` is True/False or the path of a CA bundle; ``cert``/``key`` name a client
+    certificate and its key (``key`` requires ``cert``). Paths are stored absolute.
+    """
+
+    verify: bool | str = custom(
+        True,
+        "verify server certificates (`true`), don't (`false`), or verify against this CA bundle",
+        hot=False,
+        type_text=f"bool or {_FILE}",
+        default_text="`true`",
+    )
+    cert: str | None = custom(
+        None, "client certificate, for mutual TLS", hot=False, type_text=_FILE
+    )
+    key: str | None = custom(
+        None,
+        "the client certificate's private key (when not inside `cert`)",
+        hot=False,
+        type_text=_FILE,
+        allowed_text="requires `cert`",
+    )
+
+
+_PROTOCOLS: Final = ("autobot-linux", "autobot-windows")
+_AUTH_TYPES: Final = ("none", "bearer", "hmac")
+# The headers each kind of auth sets on every request: configuring them too is refused.
+_AUTH_HEADERS: Final[Mapping[str, frozenset[str]]] = MappingProxyType(
+    {
+        "bearer": frozenset({"authorization"}),
+        "hmac": frozenset({"x-service-id", "x-service-signature", "x-service-timestamp"}),
+    }
+)
+
+
+def default_protocol(platform: str) -> str:
+    """The worker protocol a platform speaks unless ``protocol`` says otherwise."""
+    return "autobot-windows" if platform == "windows" else "autobot-linux"
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """How each request to one worker is authenticated. Immutable, so thread-safe.
+
+    ``type`` is ``none``; ``bearer`` (``Authorization: Bearer <token>``); or ``hmac``,
+    AutoBot's service-to-service signature: HMAC-SHA256 keyed with ``secret`` over the
+    method, path and timestamp, sent as ``X-Service-ID`` (``service_id``),
+    ``X-Service-Signature`` and ``X-Service-Timestamp``. In a file, ``token`` and
+    ``secret`` must come from the environment (``${NAME}``). Neither is ever shown:
+    ``repr()`` writes ``***``, and no error message quotes them.
+    """
+
+    type: str = choice("none", _AUTH_TYPES, "how each request proves who sends it")
+    token: str | None = custom(
+        None,
+        "the bearer token, sent as `Authorization: Bearer <token>`",
+        allowed_text="`bearer` only, and required there; written as `${NAME}`; "
+        "printable ASCII without spaces; never shown",
+    )
+    service_id: str | None = custom(
+        None,
+        "who signs: sent as `X-Service-ID`",
+        allowed_text="`hmac` only, and required there; printable ASCII without spaces",
+    )
+    secret: str | None = custom(
+        None,
+        "the HMAC-SHA256 key the signature is made with",
+        allowed_text="`hmac` only, and required there; written as `${NAME}`; never shown",
+    )
+
+    def __repr__(self) -> str:
+        token = None if self.token is None else "***"
+        secret = None if self.secret is None else "***"
+        return (
+            f"AuthConfig(type={self.type!r}, token={token!r}, "
+            f"service_id={self.service_id!r}, secret={secret!r})"
+        )
+
+    @property
+    def headers(self) -> frozenset[str]:
+        """The request headers (lower case) this auth sets."""
+        return _AUTH_HEADERS.get(self.type, frozenset())
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker as configured. Immutable, so thread-safe.
+
+    ``url`` is normalised to ``scheme://host:port``, followed by the worker's base path
+    when it sits behind a path prefix (``http://host:8081/api/v1``, no trailing slash);
+    every request path is joined to it. Build one with :func:`worker_config`
+    to have it validated; the constructor itself only freezes ``headers``, fills an
+    empty ``name`` with the id and an empty ``protocol`` from ``platform``, and checks
+    that ``priority``, ``max_concurrent`` and ``weight`` are within range (raising
+    :class:`~npu_sync.errors.ConfigError`). ``headers`` is left out of ``repr()``
+    because it usually carries credentials; ``auth`` shows its secrets as ``***``.
+    """
+
+    id: str = custom(
+        "",
+        "the worker's name in logs, stats, `remove_worker()`",
+        type_text="str",
+        default_text="required",
+        allowed_text="1..200 printable characters, no spaces; unique",
+        autobot="id",
+        autobot_note="as is; without an `id`, from `name` (see below)",
+    )
+    url: str = custom(
+        "",
+        "where the worker is (give `url` or `host`, not both); with a base path, every "
+        "request path (the task endpoints and `health.endpoint`) is joined to it: "
+        "`/api/v1` + `/inference`",
+        default_text="",
+        allowed_text="`http://` or `https://`, host, optional port, optional base path "
+        "(`http://host:8081/api/v1`: plain `/segments`, a trailing `/` is dropped); no "
+        "query, fragment or credentials",
+        autobot="url",
+        autobot_note="as is (`host`, `port`, `scheme` are accepted too)",
+        inputs=(
+            (
+                "host",
+                Spec(
+                    "custom",
+                    "where the worker is, with `port` and `scheme`",
+                    default_text="",
+                    allowed_text="host name, IPv4, or IPv6 (brackets optional)",
+                ),
+                "",
+            ),
+            (
+                "port",
+                Spec(
+                    "int",
+                    "the worker's port",
+                    limit=_PORT,
+                    default_text="`8081`; `8444` with `scheme: https`",
+                    allowed_text="only with `host`",
+                ),
+                None,
+            ),
+            (
+                "scheme",
+                Spec("choice", "", choices=("http", "https"), allowed_text="only with `host`"),
+                "http",
+            ),
+        ),
+    )
+    priority: int = integer(
+        1,
+        0,
+        1_000_000,
+        "tier: workers in the lowest-numbered tier with room are used first; others only "
+        "when it has none",
+        allowed_text="(AutoBot layouts: `-1000000..1000000`, higher preferred)",
+        code_limit=_AUTOBOT_PRIORITY,
+        autobot="priority",
+        autobot_note="AutoBot 1..10, higher preferred: inverted into tiers (see below); default 5",
+    )
+    max_concurrent: int = integer(
+        DEFAULT_MAX_CONCURRENT,
+        1,
+        10_000,
+        "tasks in flight on this worker at once; also its connection pool size",
+        autobot="max_concurrent_tasks",
+        autobot_note="as is (`max_concurrent` is accepted too, not both)",
+    )
+    enabled: bool = boolean(
+        True,
+        "a disabled worker stays configured but gets no tasks",
+        autobot="enabled",
+        autobot_note="as is",
+    )
+    # Unhashable, so it takes no part in hash(); equality still compares it.
+    headers: Mapping[str, str] = field(
+        default_factory=_no_headers,
+        hash=False,
+        repr=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "extra headers on every request to this worker, e.g. `Authorization`",
+                type_text="map str → str",
+                default_text="`{}`",
+                allowed_text="valid header names; values without line breaks; no "
+                "`X-NPU-Task-Id`, `X-NPU-Attempt`, `Content-Length`, `Transfer-Encoding` "
+                "(npu_sync sets those)",
+            )
+        },
+    )
+    tls: TLSConfig | None = custom(
+        None,
+        "TLS settings for this worker",
+        type_text="map",
+        default_text="none (use `transport.tls`)",
+        allowed_text="keys `verify`, `cert`, `key` as in `transport.tls`",
+    )
+    name: str = custom(
+        "",
+        "the display name in `workers()`, `stats()`, the status page and logs",
+        default_text="the `id`",
+        allowed_text="1..200 printable characters; spaces allowed",
+        autobot="name",
+        autobot_note="kept for display; spaces allowed",
+    )
+    weight: int = integer(
+        1,
+        1,
+        100,
+        "the worker's share of load against others in its tier: a worker of weight 2 is "
+        "given twice the tasks in flight of one of weight 1",
+        autobot="weight",
+        autobot_note="as is, `1..100`",
+    )
+    platform: str = choice(
+        "linux",
+        ("linux", "windows", "macos"),
+        "the worker's operating system; it chooses the default `protocol`",
+        autobot="platform",
+        autobot_note="as is; chooses `protocol` (`windows` → `autobot-windows`)",
+    )
+    protocol: str = choice(
+        "",
+        _PROTOCOLS,
+        "how requests and answers are spoken: AutoBot's Linux worker (FastAPI, the "
+        "reference worker's protocol) or its Windows worker",
+        default_text="`autobot-windows` for `platform: windows`, else `autobot-linux`",
+    )
+    auth: AuthConfig = section(AuthConfig, "how each request is authenticated")
+
+    def __post_init__(self) -> None:
+        # A caller's dict must not be able to change a frozen config behind its back.
+        if not isinstance(self.headers, MappingProxyType):
+            object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        if not self.name:
+            object.__setattr__(self, "name", self.id)
+        if not self.protocol:
+            object.__setattr__(self, "protocol", default_protocol(self.platform))
+        check_fields(self, "worker")
+
+    @property
+    def scheme(self) -> str:
+        """``http`` or ``https``."""
+        return urlsplit(self.url).scheme
+
+    @property
+    def host(self) -> str:
+        """The host name or IP address (IPv6 without brackets)."""
+        return urlsplit(self.url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        """The TCP port."""
+        parts = urlsplit(self.url)
+        if parts.port is not None:
+            return parts.port
+        return 443 if parts.scheme == "https" else 80
+
+    @property
+    def base_path(self) -> str:
+        """The path prefix every request path is joined to: ``""`` or ``/api/v1``."""
+        return urlsplit(self.url).path.rstrip("/")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    """The health checker's settings. Immutable, so thread-safe."""
+
+    enabled: bool = boolean(
+        True, "run the background health checker (a reload can turn it on or off)"
+    )
+    interval: float = number(
+        30.0,
+        0,
+        _DAY,
+        "time between checks of each worker (jittered)",
+        above=True,
+        unit="s",
+        autobot="load_balancing.health_check_interval",
+        autobot_note="as is (seconds)",
+    )
+    timeout: float = number(
+        2.0,
+        0,
+        3600,
+        "time allowed for one whole check, connecting included",
+        above=True,
+        unit="s",
+        autobot="load_balancing.timeout_seconds",
+        autobot_note="as is: AutoBot uses it as its health-check timeout",
+    )
+    unhealthy_threshold: int = integer(
+        2, 1, 1000, "consecutive failed checks that mark a worker unhealthy"
+    )
+    healthy_threshold: int = integer(
+        1, 1, 1000, "consecutive passed checks that mark it healthy again"
+    )
+    endpoint: str = endpoint("/health", "path of the health check (`GET`)")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "health")
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    """Per-worker circuit breaker settings. Immutable, so thread-safe."""
+
+    fail_max: int = integer(
+        5, 1, 10_000, "consecutive worker failures that open a worker's breaker"
+    )
+    reset_timeout: float = number(
+        60.0,
+        0,
+        _DAY,
+        "how long a breaker stays open before one trial call",
+        above=True,
+        unit="s",
+        autobot="load_balancing.retry_cooldown_seconds",
+        autobot_note="as is: the rest a failed worker gets before one trial task",
+    )
+    max_reset_timeout: float = number(
+        600.0,
+        0,
+        7 * _DAY,
+        "ceiling for the open time, which grows exponentially on repeated trips",
+        above=True,
+        unit="s",
+        at_least="reset_timeout",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "circuit_breaker")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    """Retry settings; ``max_retries`` counts attempts after the first. Immutable."""
+
+    max_retries: int = integer(
+        3, 0, 100, "attempts after the first, each on a worker not yet tried"
+    )
+    backoff_initial: float = number(
+        0.05,
+        0,
+        3600,
+        "first wait between attempts (jittered, grows exponentially)",
+        unit="s",
+    )
+    backoff_max: float = number(
+        2.0, 0, 3600, "longest wait between attempts", unit="s", at_least="backoff_initial"
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "retry")
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    """Timeouts in seconds. Immutable, so thread-safe.
+
+    ``task`` is a task's whole default deadline; ``read`` is the budget of one whole
+    attempt, from its start to the last byte of the answer (connecting included);
+    ``connect`` is the most of that budget that establishing a connection may take.
+    The defaults keep a task inside gunicorn's default 30 s worker timeout.
+    """
+
+    connect: float = number(
+        2.0,
+        0,
+        3600,
+        "the most of an attempt's budget (`timeouts.read`) that establishing a new "
+        "connection, TCP and TLS, may take",
+        above=True,
+        unit="s",
+    )
+    read: float = number(
+        20.0,
+        0,
+        _DAY,
+        "the budget of one whole attempt, from its start to the last byte of the answer: "
+        "name resolution, connecting, TLS, sending, waiting and reading all come out of "
+        "it. Cut to the time left before the task's deadline, so it may be larger than "
+        "`timeouts.task`",
+        above=True,
+        unit="s",
+    )
+    task: float = number(
+        25.0,
+        0,
+        _DAY,
+        "a task's whole default deadline: all attempts, backoff and waiting for capacity; "
+        "`Task.timeout` overrides it. See [aligning with gunicorn](#aligning-with-gunicorn)",
+        above=True,
+        unit="s",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "timeouts")
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetterConfig:
+    """Where failed tasks are recorded. Immutable, so thread-safe.
+
+    ``path`` (sqlite only) is stored absolute, or as ``:memory:``.
+    """
+
+    backend: str = choice(
+        "memory",
+        ("memory", "sqlite", "redis"),
+        "where failed tasks are recorded; `redis` needs `shared_state.backend: redis` and "
+        "uses its connection",
+        hot=False,
+    )
+    path: str | None = custom(
+        None,
+        "the SQLite file; `:memory:` is allowed; see [paths](#file-paths)",
+        hot=False,
+        type_text=_FILE,
+        allowed_text="required for `sqlite`, rejected for `memory`",
+    )
+    max_records: int = integer(10000, 1, 10_000_000, "most records kept", hot=False)
+    # redis only: the local SQLite file holding records while Redis is unreachable;
+    # None puts it under the system's temporary directory (see docs/deployment.md).
+    spool_path: str | None = custom(
+        None,
+        "the local SQLite file where records wait, durably, while Redis is unreachable; "
+        "shared by the processes of one host; see "
+        "[deployment.md](deployment.md#when-redis-fails)",
+        hot=False,
+        type_text=_FILE,
+        default_text="`<tmp>/npu_sync-<uid>/<namespace>.spool.sqlite3`",
+        allowed_text="`redis` only",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "dead_letter")
+
+
+@dataclass(frozen=True, slots=True)
+class SharedStateConfig:
+    """State shared by every process using the same workers. Immutable, so thread-safe.
+
+    ``backend`` is ``"none"`` (each process on its own) or ``"redis"``. The Redis URL
+    may come from the environment (``url: ${NPU_SYNC_REDIS_URL}``).
+    """
+
+    backend: str = choice(
+        "none",
+        ("none", "redis"),
+        "share breakers (and, with `dead_letter.backend: redis`, dead letters) between "
+        "processes; see [deployment.md](deployment.md)",
+        hot=False,
+    )
+    url: str = custom(
+        "redis://127.0.0.1:6379/0",
+        "the Redis server; typically `${NPU_SYNC_REDIS_URL}`. Never quoted in messages, "
+        "and shown with its password as `***` in `repr()`",
+        hot=False,
+        allowed_text="`redis://`, `rediss://`, `unix://`; port `1..65535`, database a number",
+    )
+    namespace: str = custom(
+        "npu_sync",
+        "key prefix: pools with the same namespace share state, others are apart",
+        hot=False,
+        allowed_text="no spaces",
+    )
+    timeout: float = number(
+        0.05,
+        0,
+        60,
+        "connect and socket timeout of every Redis call",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+    sync_interval: float = number(
+        1.0,
+        0,
+        3600,
+        "how often the full shared state is re-read (changes also arrive at once by "
+        "pub/sub), and how often an unavailable Redis is probed",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "shared_state")
+
+    def __repr__(self) -> str:
+        # The URL usually carries the Redis password.
+        return (
+            f"SharedStateConfig(backend={self.backend!r}, url={scrub(self.url)!r}, "
+            f"namespace={self.namespace!r}, timeout={self.timeout!r}, "
+            f"sync_interval={self.sync_interval!r})"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadConfig:
+    """What a reload of the file may do to a running pool. Immutable, so thread-safe.
+
+    A file read mid-edit, or with a duplicated or mistyped key, can be valid YAML that
+    names far fewer workers. A reload that would leave no enabled worker is refused
+    unless ``allow_empty``; one that would remove or disable more than
+    ``max_removed_share`` of the enabled workers is refused too. Both rules are read
+    from the *new* file, so the file itself must say a drastic change is meant.
+    """
+
+    allow_empty: bool = boolean(
+        False,
+        "let a reload of the file leave the pool with no enabled worker; without it such a "
+        "reload is refused (see [operations.md](operations.md#what-a-reload-refuses))",
+    )
+    max_removed_share: float = number(
+        0.5,
+        0,
+        1,
+        "the largest share of the running pool's enabled workers (those the file named) "
+        "one reload of the file may remove or disable; more is refused. `0` refuses any "
+        "removal, `1` allows any",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "reload")
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """The HTTP client and its limits. Immutable, so thread-safe."""
+
+    client: str = choice(
+        "builtin",
+        _CLIENTS,
+        "HTTP client used for every worker (see [transport.md](transport.md))",
+        hot=False,
+    )
+    max_response_bytes: int = integer(
+        16 * 1024 * 1024,
+        1,
+        1 << 30,
+        "largest response body accepted from a worker",
+        hot=False,
+        default_text="`16777216` (16 MiB)",
+        allowed_text="(1 GiB)",
+    )
+    tls: TLSConfig = section(TLSConfig, "TLS settings of every https worker", hot=False)
+    # Below the 5 s keep-alive of uvicorn, which the AutoBot worker runs: a connection
+    # idle for longer may be closed by the worker just as a request is sent on it.
+    idle_timeout: float = number(
+        4.0,
+        0,
+        3600,
+        "how long an idle keep-alive connection may be reused; keep it below the worker's "
+        "own keep-alive timeout (uvicorn's, which the AutoBot worker runs, is 5 s)",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "transport")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """The pool's own settings. Immutable, so thread-safe."""
+
+    threads: int = integer(
+        32, 1, 4096, "size of the pool's own thread pool for `submit()` / `map()`", hot=False
+    )
+    default_endpoint: str = endpoint(
+        "/inference", "path a task is POSTed to unless it names its own", hot=False
+    )
+    max_queue_wait: float = number(
+        10.0,
+        0,
+        _DAY,
+        "how long a task may wait for a worker with room, within its deadline, before it "
+        "fails into the dead-letter queue",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "pool")
+
+
+_STRATEGIES: Final = ("least-loaded", "round-robin", "weighted", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetConfig:
+    """How many retries the pool allows itself, pool-wide. Immutable, so thread-safe."""
+
+    ratio: float = number(
+        0.2, 0, 1, "retries allowed as a share of the first attempts of the last seconds"
+    )
+    min_per_second: float = number(
+        10.0,
+        0,
+        10_000,
+        "retries allowed per second on top of the share, so a quiet pool can still retry",
+        unit="per s",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing.retry_budget")
+
+
+@dataclass(frozen=True, slots=True)
+class HedgeConfig:
+    """When to send a slow idempotent task to a second worker. Immutable, so thread-safe."""
+
+    enabled: bool = boolean(
+        False,
+        "send an idempotent task to a second worker when the first is slow to answer; the "
+        "first answer wins and the hedge counts against the retry budget",
+    )
+    delay: float | None = optional_number(
+        0,
+        3600,
+        "a fixed wait before hedging; null waits for `percentile` of recent latency",
+        above=True,
+        unit="s",
+    )
+    percentile: float = number(
+        0.95,
+        0.5,
+        0.999,
+        "the latency percentile to wait for before hedging, when `delay` is null",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing.hedge")
+
+
+@dataclass(frozen=True, slots=True)
+class BalancingConfig:
+    """How tasks are spread among the workers of a tier. Immutable, so thread-safe."""
+
+    strategy: str = choice(
+        "least-loaded",
+        _STRATEGIES,
+        "how a worker is chosen within the preferred tier",
+        autobot="load_balancing.strategy",
+        autobot_note="as is: the same four words",
+    )
+    latency_aware: bool = boolean(
+        True, "weigh each worker's tasks in flight by its recent latency (peak-EWMA)"
+    )
+    latency_decay: float = number(
+        10.0,
+        0,
+        3600,
+        "how fast a latency estimate forgets: its time constant",
+        above=True,
+        unit="s",
+    )
+    slow_start: float = number(
+        10.0,
+        0,
+        3600,
+        "a worker that recovers or joins ramps up to its full share over this window; `0` "
+        "turns it off",
+        unit="s",
+    )
+    retry_budget: RetryBudgetConfig = section(RetryBudgetConfig, "the pool-wide retry budget")
+    adaptive_concurrency: bool = boolean(
+        False,
+        "find each worker's concurrency from its latency; `max_concurrent` becomes a ceiling",
+    )
+    hedge: HedgeConfig = section(HedgeConfig, "hedged requests")
+
+    def __post_init__(self) -> None:
+        check_fields(self, "balancing")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelsConfig:
+    """What the pool learns and does about the models each worker holds. Immutable."""
+
+    placement: bool = boolean(
+        False,
+        "when no worker holds the model a task names, ask the least-loaded worker to load it",
+    )
+    refresh_on_health: bool = boolean(
+        True, "re-read each worker's models (`GET /models`) with every health round"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """A whole, validated pool configuration. Immutable, so thread-safe."""
+
+    workers: tuple[WorkerConfig, ...] = custom(
+        (),
+        "the workers; see [per-worker keys](#per-worker-keys)",
+        type_text="list of workers",
+        default_text="`[]`",
+        allowed_text="may be empty, but `npu-sync check` and reloads then need "
+        "`reload.allow_empty`",
+    )
+    health: HealthConfig = section(HealthConfig, "the health checker")
+    circuit_breaker: BreakerConfig = section(BreakerConfig, "per-worker circuit breakers")
+    retry: RetryConfig = section(RetryConfig, "retries and backoff")
+    timeouts: TimeoutConfig = section(TimeoutConfig, "timeouts")
+    dead_letter: DeadLetterConfig = section(DeadLetterConfig, "the dead-letter store")
+    transport: TransportConfig = section(TransportConfig, "the HTTP client")
+    pool: PoolSettings = section(PoolSettings, "the pool's own settings")
+    shared_state: SharedStateConfig = section(SharedStateConfig, "state shared by processes")
+    reload: ReloadConfig = section(ReloadConfig, "what a reload may do")
+    balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
+    models: ModelsConfig = section(ModelsConfig, "the models workers hold")
+    source: str | None = None
+    # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
+    # which has none), for key paths in messages: see key_path().
+    layout: str = field(default="npu_workers", compare=False)
+
+    def key_path(self, key: str) -> str:
+        """``key`` as this configuration's file writes it, for messages:
+        ``npu_workers.dead_letter.path``, ``npu.workers`` or, in the layout AutoBot's
+        admin UI writes (no top-level key), ``workers``.
+        """
+        return f"{self.layout}.{key}" if self.layout else key
+
+    def worker(self, worker_id: str) -> WorkerConfig:
+        """The worker with this id.
+
+        Raises:
+            KeyError: no worker has that id.
+        """
+        for worker in self.workers:
+            if worker.id == worker_id:
+                return worker
+        raise KeyError(worker_id)
+
+    def tls_for(self, worker: WorkerConfig) -> TLSConfig:
+        """The TLS settings that apply to ``worker``: its own, else the transport's."""
+        return worker.tls if worker.tls is not None else self.transport.tls
