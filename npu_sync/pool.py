@@ -24,7 +24,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from typing import Any, NoReturn, cast
+from typing import Any, Literal, NoReturn, cast, overload
 
 from npu_sync.admission import Dispatcher, Lease, Refusal
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
@@ -66,12 +66,19 @@ from npu_sync.events import (
     emit,
     log_event,
 )
+from npu_sync.fleet import Monitor
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.reload import ConfigWatcher
 from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error, classify_response
 from npu_sync.selector import Selector
-from npu_sync.stats_types import PoolStatsDict, ReloadStats, SharedStateStats, WorkerRow
+from npu_sync.stats_types import (
+    FleetStatsDict,
+    PoolStatsDict,
+    ReloadStats,
+    SharedStateStats,
+    WorkerRow,
+)
 from npu_sync.task import Attempt, Task, as_task
 from npu_sync.transport import Transport, TransportError, make_transport
 from npu_sync.worker import Worker, render
@@ -193,6 +200,9 @@ class WorkerPool:
         self._events: list[tuple[str, str, str, bool]] = []
         self._applying_remote = False
         self._shared = _shared_state(config, _weakly(self, WorkerPool._apply_remote, None))
+        # History and fleet snapshot; sampled from the start when there is other
+        # background work (health checks, shared state), else from the first look.
+        self._monitor = Monitor(self, self._shared, clock=clock, eager=config.health.enabled)
         self._source_digest: str | None = None
         # The workers the file named when last applied: a reload is refused for
         # removing most of those, not for dropping workers added in code since.
@@ -234,6 +244,7 @@ class WorkerPool:
             self._shared.set_workers(self._workers)
             self._shared.on_resume = _weakly(self, WorkerPool._announce_open_breakers, None)
             self._shared.start()
+        self._monitor.start()
         _live_pools.add(self)
 
     @classmethod
@@ -400,8 +411,22 @@ class WorkerPool:
     def closed(self) -> bool:
         return self._closed
 
-    def stats(self) -> PoolStatsDict:
-        """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
+    @overload
+    def stats(self, scope: Literal["local"] = "local") -> PoolStatsDict: ...
+
+    @overload
+    def stats(self, scope: Literal["fleet"]) -> FleetStatsDict: ...
+
+    def stats(self, scope: str = "local") -> PoolStatsDict | FleetStatsDict:
+        """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md).
+
+        ``scope="fleet"``: every process's pool, through the shared state (see
+        :mod:`npu_sync.fleet`), with this process's stats under ``local``.
+        """
+        if scope == "fleet":
+            return self._monitor.fleet()
+        if scope != "local":
+            raise ValueError(f"scope must be 'local' or 'fleet', got {scope!r}")
         if self._restart_pending:
             self._restart_after_fork()
         # The store may be a file: read it (without waiting) before taking the lock; so
@@ -598,6 +623,7 @@ class WorkerPool:
             workers = [*self._workers.values(), *self._draining.values()]
         try:
             self._health.stop()
+            self._monitor.stop()  # before the shared state: it withdraws the snapshot
             if self._shared is not None:
                 self._shared.stop()
             for worker in workers:
@@ -692,6 +718,7 @@ class WorkerPool:
             )
         if self._shared is not None:
             self._shared.after_fork()
+        self._monitor.after_fork()
         self.dead_letters.after_fork()
         self._restart_pending = not self._closed
 
@@ -706,6 +733,7 @@ class WorkerPool:
             self._watcher.start()
         if self._shared is not None:
             self._shared.start()
+        self._monitor.start()
 
     def _build_worker(self, cfg: WorkerConfig) -> Worker:
         transport, health_transport = self._build_transports(cfg)
