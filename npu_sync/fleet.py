@@ -40,6 +40,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -61,6 +62,7 @@ from npu_sync.stats_types import (
 )
 
 if TYPE_CHECKING:
+    from npu_sync.config import SharedStateConfig
     from npu_sync.shared import SharedState
 
 __all__ = [
@@ -71,6 +73,7 @@ __all__ = [
     "merge_histories",
     "monitor_of",
     "parse_snapshot",
+    "read_fleet",
 ]
 
 log = logging.getLogger(__name__)
@@ -600,6 +603,65 @@ def fleet_view(
             "workers": listed,
         },
         history=history,
+    )
+
+
+def read_fleet(
+    config: SharedStateConfig,
+    *,
+    settings: FleetSettings | None = None,
+    now: float | None = None,
+) -> FleetView:
+    """The fleet as another program sees it (``npu-sync status``): every snapshot in Redis
+    under ``config.namespace``, without a pool of its own and without joining the fleet.
+
+    Raises:
+        ConfigError: Redis refused the credentials or the database number.
+    """
+    from npu_sync.shared import SharedState  # imports redis: only when asked for
+
+    settings = settings if settings is not None else FleetSettings.from_env(os.environ)
+    when = time.time() if now is None else now
+    if config.backend != "redis":
+        return fleet_view(
+            [],
+            now=when,
+            settings=settings,
+            shared=False,
+            available=False,
+            note=(
+                "Not shared (shared_state.backend: none): each process reports only itself, "
+                "on its own status endpoints."
+            ),
+        )
+    shared = SharedState(config, lambda *change: None)
+    try:
+        found = None
+        if shared.available:
+            found = shared.read_snapshots(stale_after=max(60.0, 4 * settings.expiry))
+    finally:
+        shared.stop()
+    if found is None:
+        error = scrub(str(shared.last_error or "no answer"))
+        return fleet_view(
+            [],
+            now=when,
+            settings=settings,
+            shared=True,
+            available=False,
+            note=f"Shared state unavailable ({error}).",
+        )
+    snapshots = [p for p in (parse_snapshot(text) for _, text in found) if p is not None]
+    hosts = len({s["process"]["host"] for s in snapshots})
+    count = len(snapshots)
+    note = (
+        f"{count} process{'es' if count != 1 else ''} on {hosts} host{'s' if hosts != 1 else ''} "
+        f"publish to Redis namespace {config.namespace!r}"
+        + ("" if count else ": no pool is running, or none has sampled yet")
+        + "."
+    )
+    return fleet_view(
+        snapshots, now=when, settings=settings, shared=True, available=True, note=note
     )
 
 
