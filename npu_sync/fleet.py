@@ -501,7 +501,7 @@ def _check(value: Any, types: Mapping[str, type]) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class FleetView:
-    """Every process's snapshot, summed up. Immutable."""
+    """Every process's snapshot, summed up. Frozen; the lists in it are the caller's."""
 
     shared: bool
     available: bool
