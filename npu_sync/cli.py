@@ -33,6 +33,7 @@ from npu_sync.errors import (
 if TYPE_CHECKING:
     from npu_sync.config import PoolConfig
     from npu_sync.deadletter import DeadLetterStore
+    from npu_sync.fleet import FleetView
     from npu_sync.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -189,7 +190,9 @@ def _add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "status",
         help="probe every worker once and show its health",
         description="Probe every configured worker's health endpoint once, in parallel, "
-        "and print one row per worker: id, url, priority, latency and health. "
+        "and print one row per worker: id, url, priority, latency and health. With "
+        "shared state in Redis, also show the fleet: every process running a pool, its "
+        "tasks, and the totals per worker. "
         "Exits 0 when every enabled worker is healthy, 1 when any is not (or none is "
         "enabled), 2 for a bad configuration.",
     )
@@ -202,6 +205,12 @@ def _add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     status.add_argument(
         "--json", action="store_true", help="print a JSON list of rows (JSON Lines with --watch)"
+    )
+    status.add_argument(
+        "--fleet",
+        action="store_true",
+        help="show the fleet even without shared state (which then says so); with --json, "
+        'print {"workers": rows, "fleet": ...} instead of the list',
     )
     status.add_argument(
         "--watch",
@@ -530,16 +539,20 @@ def _status(args: argparse.Namespace) -> int:
 
         config, reason = fallback_config(os.environ)
         sys.stderr.write(f"fallback mode: {reason}\n")
+    # With shared state, the fleet is read from Redis too; without, only on request.
+    fleet = args.fleet or config.shared_state.backend == "redis"
     pool = _probe_pool(config)
     try:
         out = sys.stdout
         if args.watch is None:
             rows = _probe(pool, config)
-            _print_status(out, rows, as_json=args.json, compact=False)
+            view = _read_fleet(config) if fleet else None
+            _print_status(out, rows, as_json=args.json, compact=False, fleet=view, keyed=args.fleet)
             return _status_code(rows)
         tty = out.isatty() and not args.json
         while True:
             rows = _probe(pool, config)
+            view = _read_fleet(config) if fleet else None
             if tty:
                 out.write(_CLEAR_SCREEN)
             if not args.json:
@@ -547,7 +560,7 @@ def _status(args: argparse.Namespace) -> int:
                     f"{config.source}: every {args.watch:g}s, "
                     f"{_iso(time.time())} (Ctrl-C to stop)\n\n"
                 )
-            _print_status(out, rows, as_json=args.json, compact=True)
+            _print_status(out, rows, as_json=args.json, compact=True, fleet=view, keyed=args.fleet)
             out.flush()
             _pause(args.watch)
     finally:
@@ -555,15 +568,28 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _probe_pool(config: PoolConfig) -> WorkerPool:
-    """A pool that only probes: no health thread, and no dead-letter file touched."""
+    """A pool that only probes: no health thread, no dead-letter file touched, and no
+    place in the fleet."""
+    from npu_sync.config import SharedStateConfig
     from npu_sync.deadletter import MemoryDeadLetterStore
     from npu_sync.pool import WorkerPool
 
     # The health thread would probe on a schedule of its own; the rounds here are
     # driven by this command. The dead-letter store is never used by a probe, and
-    # opening the configured one could create a file as a side effect.
-    quiet = dataclasses.replace(config, health=dataclasses.replace(config.health, enabled=False))
+    # opening the configured one could create a file as a side effect. Without shared
+    # state the probe does not publish itself as a process of the fleet it reports on.
+    quiet = dataclasses.replace(
+        config,
+        health=dataclasses.replace(config.health, enabled=False),
+        shared_state=SharedStateConfig(),
+    )
     return WorkerPool(quiet, dead_letter_store=MemoryDeadLetterStore(max_records=1))
+
+
+def _read_fleet(config: PoolConfig) -> FleetView:
+    from npu_sync.fleet import read_fleet
+
+    return read_fleet(config.shared_state)
 
 
 def _probe(pool: WorkerPool, config: PoolConfig) -> list[dict[str, Any]]:
@@ -596,9 +622,20 @@ def _status_code(rows: list[dict[str, Any]]) -> int:
     return EXIT_OK if enabled and all(row["ok"] for row in enabled) else EXIT_FAILURE
 
 
-def _print_status(out: TextIO, rows: list[dict[str, Any]], *, as_json: bool, compact: bool) -> None:
+def _print_status(
+    out: TextIO,
+    rows: list[dict[str, Any]],
+    *,
+    as_json: bool,
+    compact: bool,
+    fleet: FleetView | None = None,
+    keyed: bool = False,
+) -> None:
     if as_json:
-        out.write(json.dumps(rows, indent=None if compact else 2) + "\n")
+        data: Any = rows
+        if keyed:
+            data = {"workers": rows, "fleet": None if fleet is None else _fleet_dict(fleet)}
+        out.write(json.dumps(data, indent=None if compact else 2) + "\n")
         return
     table = [
         [
@@ -617,6 +654,97 @@ def _print_status(out: TextIO, rows: list[dict[str, Any]], *, as_json: bool, com
     if len(enabled) < len(rows):
         summary += f", {len(rows) - len(enabled)} disabled"
     out.write(f"\n{summary}\n" if rows else "no workers configured\n")
+    if fleet is not None:
+        _print_fleet(out, fleet)
+
+
+def _fleet_dict(fleet: FleetView) -> dict[str, Any]:
+    return {
+        "shared": fleet.shared,
+        "available": fleet.available,
+        "note": fleet.note,
+        "totals": fleet.totals,
+        "processes": fleet.processes,
+    }
+
+
+def _print_fleet(out: TextIO, fleet: FleetView) -> None:
+    """The processes of the fleet and the totals per worker, under the probe's table."""
+    out.write(f"\nfleet: {fleet.note}\n")
+    if not fleet.processes:
+        return
+    now = time.time()
+    table = [
+        [
+            p["process"]["host"],
+            str(p["process"]["pid"]),
+            _iso(p["process"]["started_at"]),
+            _span(p["uptime_s"]),
+            str(p["tasks"]["submitted"]),
+            str(p["tasks"]["succeeded"]),
+            str(p["tasks"]["failed"]),
+            str(p["tasks"]["in_flight"]),
+            f"{max(0.0, now - p['published_at']):.1f}s",
+        ]
+        for p in fleet.processes
+    ]
+    totals = fleet.totals
+    t = totals["tasks"]
+    table.append(
+        [
+            "total",
+            f"{totals['processes']} proc",
+            "",
+            "",
+            str(t["submitted"]),
+            str(t["succeeded"]),
+            str(t["failed"]),
+            str(t["in_flight"]),
+            "",
+        ]
+    )
+    headers = ["HOST", "PID", "STARTED", "UPTIME", "SUBMITTED", "SUCCEEDED", "FAILED"]
+    headers += ["IN_FLIGHT", "SNAPSHOT_AGE"]
+    out.write("\n" + _table(headers, table, right={1, 4, 5, 6, 7, 8}))
+    workers = [
+        [
+            w["id"],
+            str(w["attempts"]),
+            str(w["succeeded"]),
+            str(w["failed"]),
+            f"{w['in_flight']}/{w['capacity']}",
+            "-" if w["p99_ms"] is None else f"{w['p99_ms']:.1f}",
+            _breakers(w),
+        ]
+        for w in totals["workers"]
+    ]
+    headers = ["WORKER", "ATTEMPTS", "SUCCEEDED", "FAILED", "IN_FLIGHT", "P99_MS", "STATE"]
+    out.write("\n" + _table(headers, workers, right={1, 2, 3, 4, 5}))
+
+
+def _breakers(w: Mapping[str, Any]) -> str:
+    """The worker over the fleet: ``ok``, or in how many processes its breaker is open or
+    half-open, or it is unhealthy."""
+    n = w["processes"]
+    parts = [
+        f"{label} in {count}/{n}"
+        for label, count in (
+            ("open", w["open_in"]),
+            ("half-open", w["half_open_in"]),
+            ("unhealthy", w["unhealthy_in"]),
+        )
+        if count
+    ]
+    return ", ".join(parts) or "ok"
+
+
+def _span(seconds: float) -> str:
+    s = int(max(0.0, seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _health_text(row: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import hmac
 import importlib.resources
 import json
 import logging
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from flask import Blueprint, Flask, Response, current_app, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from npu_sync.errors import ConfigError, NpuSyncError, PoolClosed
+from npu_sync.fleet import monitor_of
 from npu_sync.pool import WorkerPool, get_pool
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,8 @@ _ALL_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 _DIGITS = re.compile(r"[0-9]{1,9}")
 _PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
 _NO_STORE = {"Cache-Control": "no-store"}
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -51,6 +55,7 @@ class _State:
     pool: WorkerPool | None
     url_prefix: str
     refresh_ms: int
+    prometheus: bool = False
 
     def get_pool(self) -> WorkerPool:
         return self.pool if self.pool is not None else get_pool()
@@ -80,12 +85,15 @@ class NpuSync:
         """Register the endpoints on ``app`` and attach its pool.
 
         Reads ``NPU_SYNC_CONFIG``, ``NPU_SYNC_WATCH``, ``NPU_SYNC_URL_PREFIX``,
-        ``NPU_SYNC_REFRESH_MS`` and ``NPU_SYNC_ADMIN_TOKEN`` from ``app.config``.
+        ``NPU_SYNC_REFRESH_MS``, ``NPU_SYNC_ADMIN_TOKEN`` and ``NPU_SYNC_PROMETHEUS``
+        from ``app.config`` (the last also from the environment variable of that name).
+        With ``NPU_SYNC_PROMETHEUS`` on, the pool is instrumented here, at start-up.
 
         Raises:
             RuntimeError: the extension is already registered on ``app``.
             ValueError: a ``NPU_SYNC_*`` setting has an unusable value.
             ConfigError: the YAML file named by ``NPU_SYNC_CONFIG`` is invalid.
+            ImportError: ``NPU_SYNC_PROMETHEUS`` is on and prometheus_client is missing.
         """
         if EXTENSION_KEY in app.extensions:
             raise RuntimeError(
@@ -97,6 +105,18 @@ class NpuSync:
         token = app.config.get("NPU_SYNC_ADMIN_TOKEN")
         if token is not None and not isinstance(token, str):
             raise ValueError("NPU_SYNC_ADMIN_TOKEN must be a string or None")
+        prometheus = _switch(
+            "NPU_SYNC_PROMETHEUS",
+            app.config.get("NPU_SYNC_PROMETHEUS", os.environ.get("NPU_SYNC_PROMETHEUS")),
+        )
+        if prometheus:
+            try:
+                from npu_sync.prometheus import exporter_for
+            except ImportError as exc:
+                raise ImportError(
+                    "NPU_SYNC_PROMETHEUS is on but prometheus_client is not installed: "
+                    "pip install 'npu_sync[prometheus]'"
+                ) from exc
         pool, owned = self._pool, False
         if pool is None:
             path = app.config.get("NPU_SYNC_CONFIG")
@@ -113,7 +133,12 @@ class NpuSync:
         if owned and pool is not None:
             # The pool outlives requests and app contexts; it ends with the process.
             atexit.register(pool.close)
-        app.extensions[EXTENSION_KEY] = _State(pool, prefix, refresh_ms)
+        state = _State(pool, prefix, refresh_ms, prometheus)
+        if prometheus:
+            # Now rather than at the first scrape: in multiprocess mode a process that is
+            # never scraped must still write its metrics, and the histogram counts from here.
+            exporter_for(state.get_pool())
+        app.extensions[EXTENSION_KEY] = state
 
 
 def current_pool() -> WorkerPool:
@@ -144,6 +169,14 @@ def _url_prefix(value: object) -> str:
             f"(segments of letters, digits, '.', '_', '~', '-'), got {value!r}"
         )
     return prefix
+
+
+def _switch(key: str, value: object) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{key} must be true or false (or 1/0, yes/no, on/off), got {value!r}")
 
 
 def _refresh_ms(value: object) -> int:
@@ -296,11 +329,33 @@ def _json_body(allowed: Iterable[str]) -> dict[str, Any]:
 
 
 def _stats() -> Response:
-    return _json(current_pool().stats())
+    pool = current_pool()
+    return _json({**pool.stats(), **_answered_by(pool)})
 
 
 def _workers() -> Response:
-    return _json({"workers": current_pool().workers()})
+    pool = current_pool()
+    return _json({"workers": pool.workers(), **_answered_by(pool)})
+
+
+def _fleet() -> Response:
+    return _json(current_pool().stats(scope="fleet"))
+
+
+def _answered_by(pool: WorkerPool) -> dict[str, Any]:
+    """Which process an answer describes, in data and in words: behind gunicorn each
+    request may reach another one."""
+    monitor = monitor_of(pool)
+    process: dict[str, Any] = dict(monitor.process) if monitor is not None else {}
+    where = f"pid {process.get('pid', os.getpid())} on {process.get('host', '?')}"
+    if pool.config.shared_state.backend == "redis":
+        note = f"One process: {where}, the one that answered. GET fleet for every process."
+    else:
+        note = (
+            f"One process only: {where}. Processes share nothing without Redis "
+            "(shared_state.backend: redis), so each shows only itself."
+        )
+    return {"process": process, "note": note}
 
 
 @_admin_only
@@ -421,6 +476,7 @@ def _blueprint() -> Blueprint:
         ("/", _status_page, ("GET",)),
         ("/stats", _stats, ("GET",)),
         ("/workers", _workers, ("GET",)),
+        ("/fleet", _fleet, ("GET",)),
         ("/reload", _reload, ("POST",)),
         ("/dead-letters", _dead_letters, ("GET",)),
         ("/dead-letters/replay", _replay, ("POST",)),

@@ -29,7 +29,7 @@ import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, cast
+from typing import Any, Literal, cast, overload
 
 from npu_sync.breaker import OPEN
 from npu_sync.clock import SYSTEM_CLOCK, Clock
@@ -45,13 +45,20 @@ from npu_sync.config import (
 from npu_sync.deadletter import DeadLetterStore, open_store
 from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
 from npu_sync.events import Hook, WorkerHealthChanged
+from npu_sync.fleet import Monitor
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
 from npu_sync.reload import ConfigWatcher
 from npu_sync.state import PoolState
 from npu_sync.state import TransportFactory as TransportFactory
-from npu_sync.stats_types import PoolStatsDict, ReloadStats, SharedStateStats, WorkerRow
+from npu_sync.stats_types import (
+    FleetStatsDict,
+    PoolStatsDict,
+    ReloadStats,
+    SharedStateStats,
+    WorkerRow,
+)
 from npu_sync.task import Task, as_task
 from npu_sync.taskrun import Runner
 from npu_sync.transport import make_transport
@@ -114,6 +121,9 @@ class WorkerPool:
         self._started = clock.monotonic()
         self._rng = rng or random.Random()
         self._reconfigurer = Reconfigurer(state, on_health=self._health_settings_changed)
+        # History and fleet snapshot; sampled from the start when there is other
+        # background work (health checks, shared state), else from the first look.
+        self._monitor = Monitor(self, shared, clock=clock, eager=config.health.enabled)
         self._watcher: ConfigWatcher | None = None
         # Why the pool runs on a stand-in configuration, if it does (see get_pool).
         self._fallback_reason: str | None = None
@@ -137,6 +147,7 @@ class WorkerPool:
             shared.set_workers(state.workers)
             shared.on_resume = _weakly(self, WorkerPool._announce_open_breakers, None)
             shared.start()
+        self._monitor.start()
         _live_pools.add(self)
 
     @classmethod
@@ -303,8 +314,22 @@ class WorkerPool:
     def closed(self) -> bool:
         return self._state.closed
 
-    def stats(self) -> PoolStatsDict:
-        """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md)."""
+    @overload
+    def stats(self, scope: Literal["local"] = "local") -> PoolStatsDict: ...
+
+    @overload
+    def stats(self, scope: Literal["fleet"]) -> FleetStatsDict: ...
+
+    def stats(self, scope: str = "local") -> PoolStatsDict | FleetStatsDict:
+        """Pool-wide counters and gauges, JSON-serialisable (see docs/metrics.md).
+
+        ``scope="fleet"``: every process's pool, through the shared state (see
+        :mod:`npu_sync.fleet`), with this process's stats under ``local``.
+        """
+        if scope == "fleet":
+            return self._monitor.fleet()
+        if scope != "local":
+            raise ValueError(f"scope must be 'local' or 'fleet', got {scope!r}")
         if self._restart_pending:
             self._restart_after_fork()
         # The store may be a file: read it (without waiting) before taking the lock; so
@@ -489,6 +514,7 @@ class WorkerPool:
             workers = [*self._state.workers.values(), *self._state.draining.values()]
         try:
             self._health.stop()
+            self._monitor.stop()  # before the shared state: it withdraws the snapshot
             if self._state.shared is not None:
                 self._state.shared.stop()
             for worker in workers:
@@ -719,6 +745,7 @@ class WorkerPool:
             )
         if self._state.shared is not None:
             self._state.shared.after_fork()
+        self._monitor.after_fork()
         self.dead_letters.after_fork()
         self._restart_pending = not self._state.closed
 
@@ -733,6 +760,7 @@ class WorkerPool:
             self._watcher.start()
         if self._state.shared is not None:
             self._state.shared.start()
+        self._monitor.start()
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()

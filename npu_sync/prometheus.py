@@ -1,13 +1,21 @@
 """Prometheus metrics for a pool (``pip install npu_sync[prometheus]``).
 
-Counters and the attempt-latency histogram are kept by a hook, from the pool's events;
-gauges are read from ``pool.stats()``/``pool.workers()`` only when Prometheus scrapes,
-so a task pays a dictionary update and nothing for the gauges. This is the only module
-that imports ``prometheus_client``, and ``import npu_sync`` does not import it.
+Counters count from the pool's start-up: an exporter starts from the totals the pool
+has kept since it was built, then follows its events with a hook, so a task pays a
+dictionary update. Gauges are read from ``pool.stats()``/``pool.workers()`` when
+Prometheus scrapes. This is the only module that imports ``prometheus_client``, and
+``import npu_sync`` does not import it.
 
 Every pool exported on one registry under one namespace shares a single registered
 collector: each metric family appears once, with one series per pool, told apart by the
 ``const_labels`` each exporter was given (see docs/prometheus.md).
+
+Under gunicorn (several processes behind one port) ``prometheus_client``'s multiprocess
+mode is used whenever it is on (``PROMETHEUS_MULTIPROC_DIR`` set before the process
+starts): counters and the histogram are then written to that directory as they move,
+gauges every fleet-monitor interval and before each scrape, and :func:`metrics_text`
+serves the sum of every process, dead ones' counters included, so a counter never goes
+back whichever process answers the scrape.
 """
 
 from __future__ import annotations
@@ -16,22 +24,33 @@ import bisect
 import itertools
 import logging
 import math
+import os
 import re
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 try:
-    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client import (
+        CONTENT_TYPE_LATEST,
+        REGISTRY,
+        CollectorRegistry,
+        Counter,
+        Gauge,
+        Histogram,
+        generate_latest,
+        values,
+    )
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
         HistogramMetricFamily,
     )
     from prometheus_client.metrics_core import Metric
+    from prometheus_client.multiprocess import MultiProcessCollector
     from prometheus_client.utils import floatToGoString
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
@@ -51,13 +70,16 @@ from npu_sync.events import (
     TaskRejectedEvent,
     TaskSucceeded,
 )
+from npu_sync.fleet import monitor_of
 
 __all__ = [
     "DEFAULT_BUCKETS",
     "ExportablePool",
     "PrometheusExporter",
+    "exporter_for",
     "instrument",
     "metrics_text",
+    "multiprocess_mode",
 ]
 
 log = logging.getLogger(__name__)
@@ -80,13 +102,23 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 """Attempt-duration bucket bounds in seconds: a fast model's milliseconds to a long
 generation's minute (``+Inf`` is added)."""
 
-_ATTEMPT_OUTCOMES = ("success", "rejected", "not_here", "failure", "abandoned")
-_TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
-_RELOAD_RESULTS = ("ok", "failed")
-_BREAKER_STATES = ("closed", "open", "half-open")
-_OWN_LABELS = frozenset({"worker", "outcome", "result", "state", "le", "quantile"})
+ATTEMPT_OUTCOMES = ("succeeded", "rejected", "not_here", "failed", "abandoned")
+TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
+RELOAD_RESULTS = ("ok", "failed")
+BREAKER_STATES = ("closed", "open", "half-open")
+# The events say "success" and "failure"; every metric says succeeded and failed.
+_EVENT_OUTCOMES = {"success": "succeeded", "failure": "failed"}
+_OWN_LABELS = frozenset({"worker", "outcome", "result", "state", "le", "quantile", "pid"})
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def multiprocess_mode() -> bool:
+    """Whether ``prometheus_client`` runs in multiprocess mode in this process.
+
+    It decides when it is first imported, from ``PROMETHEUS_MULTIPROC_DIR``.
+    """
+    return bool(getattr(values.ValueClass, "_multiprocess", False))
 
 
 class ExportablePool(Protocol):
@@ -113,24 +145,30 @@ class _Histogram:
 @dataclass(slots=True)
 class _Counts:
     attempts: dict[tuple[str, str], int] = field(default_factory=dict)
-    tasks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_TASK_OUTCOMES, 0))
-    retries: dict[str, int] = field(default_factory=dict)
+    tasks: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TASK_OUTCOMES, 0))
+    retries: int = 0
     trips: dict[str, int] = field(default_factory=dict)
-    reloads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_RELOAD_RESULTS, 0))
+    reloads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RELOAD_RESULTS, 0))
     durations: dict[str, _Histogram] = field(default_factory=dict)
 
 
 class PrometheusExporter:
     """Exports one pool's metrics to a prometheus_client registry. Thread-safe.
 
-    Counters count from the moment the exporter is attached: build it right after the
-    pool. Two pools on one registry need distinct ``const_labels`` (for example
+    Counters start from the totals the pool has kept since it was built, so they count
+    from the pool's start-up whenever the exporter is attached; the attempt-duration
+    histogram counts from the moment it is attached (the pool keeps no durations).
+    Two pools on one registry need distinct ``const_labels`` (for example
     ``{"pool": "chat"}``), or a registry each. The exporter of a pool that has been
     closed is closed when another exporter joins the same registry.
 
+    In ``prometheus_client``'s multiprocess mode the metrics go to
+    ``PROMETHEUS_MULTIPROC_DIR`` instead of a registry; :func:`metrics_text` serves them.
+
     Args:
         pool: the pool to export (a :class:`npu_sync.WorkerPool`).
-        registry: where to register; default ``prometheus_client.REGISTRY``.
+        registry: where to register; default ``prometheus_client.REGISTRY``. Not in
+            multiprocess mode.
         namespace: prefix of every metric name.
         buckets: upper bounds, in seconds, of the attempt-duration histogram.
         const_labels: labels added to every series of this pool.
@@ -138,7 +176,8 @@ class PrometheusExporter:
     Raises:
         ValueError: an invalid namespace, bucket list or label; this pool is already
             exported on the registry; another pool there has the same ``const_labels``;
-            or the registry already has other metrics by these names.
+            the registry already has other metrics by these names; or a registry was
+            given in multiprocess mode.
     """
 
     def __init__(
@@ -152,24 +191,55 @@ class PrometheusExporter:
     ) -> None:
         if not _METRIC_NAME.match(namespace):
             raise ValueError(f"namespace must be a valid metric name prefix, got {namespace!r}")
+        self._multiprocess = multiprocess_mode()
+        if self._multiprocess and registry is not None:
+            raise ValueError(
+                "prometheus_client runs in multiprocess mode: the metrics are written to "
+                "PROMETHEUS_MULTIPROC_DIR, not to a registry (metrics_text() serves them)"
+            )
+        if not self._multiprocess and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            log.warning(
+                "PROMETHEUS_MULTIPROC_DIR is set but prometheus_client was imported before "
+                "it was, so each process reports only itself: set it in the environment "
+                "the server starts with (see docs/prometheus.md)"
+            )
         self._pool = pool
-        self._registry = registry if registry is not None else REGISTRY
+        self._registry = registry if registry is not None else _default_registry()
         self._namespace = namespace
         self._bounds = _check_buckets(buckets)
         # The client's own spelling of bounds ("1.0", "+Inf"), as its Histogram writes them.
         self._le = [*(floatToGoString(b) for b in self._bounds), "+Inf"]  # type: ignore[no-untyped-call]
         self._labels = _check_labels(const_labels or {})
+        self._const = tuple(self._labels.values())
         self._lock = threading.Lock()
         self._counts = _Counts()
         self._closed = False
+        self._gauged: set[str] = set()  # workers whose multiprocess gauges were set
         # remove_hook matches by identity, and each attribute access makes a new bound method.
         self._hook: Hook = self._on_event
+        self._refresh_hook = self._refresh_from_monitor
         self._collector = _join(self)
+        self._files = self._collector.files
+        if self._files is not None and self._files.bounds != self._bounds:
+            _leave(self)
+            raise ValueError(
+                f"buckets {list(self._bounds)} differ from those of the pools already exported "
+                f"in this process ({list(self._files.bounds)}): in multiprocess mode one "
+                "namespace has one set of buckets"
+            )
         try:
+            # The totals so far, then the events from now on. An event between the two (a
+            # task ending while a busy pool is being instrumented) is missed rather than
+            # counted twice; attached at start-up, as the Flask extension does, none is.
+            self._seed()
             pool.add_hook(self._hook)
         except BaseException:
             _leave(self)
             raise
+        monitor = monitor_of(pool)
+        if self._files is not None and monitor is not None:
+            monitor.add_listener(self._refresh_hook)
+        _live_exporters.add(self)
 
     @property
     def pool(self) -> ExportablePool:
@@ -178,7 +248,8 @@ class PrometheusExporter:
 
     @property
     def registry(self) -> CollectorRegistry:
-        """The registry the metrics are registered on."""
+        """The registry the metrics are registered on (in multiprocess mode a private
+        one that only keeps the exporters of this process apart)."""
         return self._registry
 
     @property
@@ -189,16 +260,25 @@ class PrometheusExporter:
     def const_labels(self) -> dict[str, str]:
         return dict(self._labels)
 
+    @property
+    def multiprocess(self) -> bool:
+        """Whether the metrics go to ``PROMETHEUS_MULTIPROC_DIR``."""
+        return self._multiprocess
+
     def close(self) -> None:
         """Stop counting and drop this pool's series from the registry. Idempotent.
 
-        The registry's collector is unregistered with the last pool using it.
+        The registry's collector is unregistered with the last pool using it. In
+        multiprocess mode the counters written stay (a counter never goes back).
         """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._pool.remove_hook(self._hook)
+        monitor = monitor_of(self._pool)
+        if monitor is not None:
+            monitor.remove_listener(self._refresh_hook)
         _leave(self)
 
     def __enter__(self) -> PrometheusExporter:
@@ -212,43 +292,140 @@ class PrometheusExporter:
     ) -> None:
         self.close()
 
+    # -- start-up: the pool's totals so far ---------------------------------------------
+
+    def _seed(self) -> None:
+        try:
+            workers = self._pool.workers()
+            stats = self._pool.stats()
+        except Exception:
+            log.exception("could not read the pool's totals for Prometheus; counting from now")
+            return
+        c = self._counts
+        with self._lock:
+            for w in workers:
+                wid = str(w["id"])
+                counts = w.get("tasks") or {}
+                for outcome in ATTEMPT_OUTCOMES:
+                    n = int(counts.get(outcome) or 0)
+                    c.attempts[(wid, outcome)] = c.attempts.get((wid, outcome), 0) + n
+                trips = int((w.get("breaker") or {}).get("trips") or 0)
+                c.trips[wid] = c.trips.get(wid, 0) + trips
+            tasks = stats.get("tasks") or {}
+            for outcome, key in zip(
+                TASK_OUTCOMES, ("succeeded", "rejected", "failed", "fallbacks"), strict=True
+            ):
+                c.tasks[outcome] += int(tasks.get(key) or 0)
+            c.retries += int(tasks.get("retries") or 0)
+            reloads = stats.get("reloads") or {}
+            for result in RELOAD_RESULTS:
+                c.reloads[result] += int(reloads.get(result) or 0)
+            seeded = _Counts(
+                attempts=dict(c.attempts),
+                tasks=dict(c.tasks),
+                retries=c.retries,
+                trips=dict(c.trips),
+                reloads=dict(c.reloads),
+            )
+        files = self._files
+        if files is not None:
+            const = self._const
+            for (wid, outcome), n in seeded.attempts.items():
+                files.add("attempts", (*const, wid, outcome), n)
+            for outcome, n in seeded.tasks.items():
+                files.add("tasks", (*const, outcome), n)
+            files.add("retries", const, seeded.retries)
+            for wid, n in seeded.trips.items():
+                files.add("trips", (*const, wid), n)
+            for result, n in seeded.reloads.items():
+                files.add("reloads", (*const, result), n)
+            for w in workers:
+                files.declare_worker(const, str(w["id"]))
+
     # -- the hook: runs on task threads, so it only bumps numbers under a short lock ---
 
     def _on_event(self, event: Event) -> None:
         c = self._counts
+        files = self._files
         if isinstance(event, AttemptFinished):
             index = bisect.bisect_left(self._bounds, event.duration)
-            key = (event.worker_id, event.outcome)
+            outcome = _EVENT_OUTCOMES.get(event.outcome, event.outcome)
+            pair = (event.worker_id, outcome)
             with self._lock:
-                c.attempts[key] = c.attempts.get(key, 0) + 1
+                c.attempts[pair] = c.attempts.get(pair, 0) + 1
                 hist = c.durations.get(event.worker_id)
                 if hist is None:
                     hist = c.durations[event.worker_id] = _Histogram([0] * (len(self._bounds) + 1))
                 hist.counts[index] += 1
                 hist.total += event.duration
-        elif isinstance(event, TaskSucceeded):
-            self._bump(c.tasks, "succeeded")
+            if files is not None:
+                files.add("attempts", (*self._const, event.worker_id, outcome), 1)
+                files.observe((*self._const, event.worker_id), event.duration)
+            return
+        if isinstance(event, TaskSucceeded):
+            family, key = "tasks", "succeeded"
         elif isinstance(event, TaskRejectedEvent):
-            self._bump(c.tasks, "rejected")
+            family, key = "tasks", "rejected"
         elif isinstance(event, TaskDeadLettered):
-            self._bump(c.tasks, "failed")
+            family, key = "tasks", "failed"
         elif isinstance(event, TaskFallback):
-            self._bump(c.tasks, "fallback")
+            family, key = "tasks", "fallback"
         elif isinstance(event, RetryScheduled):
-            self._bump(c.retries, event.worker_id)
-        elif isinstance(event, BreakerStateChanged):
-            if event.new == "open":
-                self._bump(c.trips, event.worker_id)
+            with self._lock:
+                c.retries += 1
+            if files is not None:
+                files.add("retries", self._const, 1)
+            return
+        elif isinstance(event, BreakerStateChanged) and event.new == "open":
+            family, key = "trips", event.worker_id
         elif isinstance(event, ConfigReloaded):
-            self._bump(c.reloads, "ok")
+            family, key = "reloads", "ok"
         elif isinstance(event, ConfigReloadFailed):
-            self._bump(c.reloads, "failed")
-
-    def _bump(self, counter: dict[str, int], key: str) -> None:
+            family, key = "reloads", "failed"
+        else:
+            return
+        counter: dict[str, int] = getattr(c, family)
         with self._lock:
             counter[key] = counter.get(key, 0) + 1
+        if files is not None:
+            files.add(family, (*self._const, key), 1)
 
-    # -- scrape time --------------------------------------------------------------------
+    # -- gauges -------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Multiprocess mode: write this process's gauges now (before a scrape)."""
+        if self._files is None or self._closed:
+            return
+        try:
+            workers = self._pool.workers()
+            stats = self._pool.stats()
+        except Exception:
+            log.exception("could not read the pool's state for Prometheus")
+            return
+        self._write_gauges(stats, workers)
+
+    def _refresh_from_monitor(self, stats: Mapping[str, Any], workers: Sequence[Any]) -> None:
+        if not self._closed:
+            self._write_gauges(stats, workers)
+
+    def _write_gauges(self, stats: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> None:
+        files = self._files
+        assert files is not None
+        const = self._const
+        current = set()
+        for w in workers:
+            wid = str(w["id"])
+            current.add(wid)
+            files.declare_worker(const, wid)
+            files.set_worker(const, wid, w)
+        with self._lock:
+            gone, self._gauged = self._gauged - current, current
+        for wid in gone:
+            # The files keep a series once written: a removed worker reads zero.
+            files.clear_worker(const, wid)
+        files.set_pool(const, stats)
+
+    # -- scrape time (one process) ------------------------------------------------------
 
     def _fill(self, families: _Families) -> None:
         """Add this pool's samples to the families being scraped."""
@@ -259,12 +436,12 @@ class PrometheusExporter:
             # A scrape must not fail for every pool because one cannot report.
             log.exception("could not read the pool's state for Prometheus")
             workers, stats = [], None
-        const = tuple(self._labels.values())
+        const = self._const
         with self._lock:
             c = self._counts
             attempts = dict(c.attempts)
             tasks = dict(c.tasks)
-            retries = dict(c.retries)
+            retries = c.retries
             trips = dict(c.trips)
             reloads = dict(c.reloads)
             durations = {wid: (list(h.counts), h.total) for wid, h in c.durations.items()}
@@ -272,9 +449,8 @@ class PrometheusExporter:
         empty = ([0] * (len(self._bounds) + 1), 0.0)
         for w in workers:
             wid = w["id"]
-            for outcome in _ATTEMPT_OUTCOMES:
+            for outcome in ATTEMPT_OUTCOMES:
                 attempts.setdefault((wid, outcome), 0)
-            retries.setdefault(wid, 0)
             trips.setdefault(wid, 0)
             durations.setdefault(wid, empty)
 
@@ -282,8 +458,7 @@ class PrometheusExporter:
             families.attempts.add_metric([*const, wid, outcome], n)
         for outcome, n in tasks.items():
             families.tasks.add_metric([*const, outcome], n)
-        for wid, n in sorted(retries.items()):
-            families.retries.add_metric([*const, wid], n)
+        families.retries.add_metric(list(const), retries)
         for wid, n in sorted(trips.items()):
             families.trips.add_metric([*const, wid], n)
         for result, n in reloads.items():
@@ -301,13 +476,13 @@ class PrometheusExporter:
             families.capacity.add_metric(labels, w["capacity"])
             families.healthy.add_metric(labels, 1.0 if w["healthy"] else 0.0)
             state = w["breaker"]["state"]
-            for s in _BREAKER_STATES:
+            for s in BREAKER_STATES:
                 families.breaker_state.add_metric([*labels, s], 1.0 if state == s else 0.0)
             ewma_ms = w["latency"]["ewma_ms"]
             if ewma_ms is not None:
                 families.latency_ewma.add_metric(labels, ewma_ms / 1000.0)
             if w["failure_rate"] is not None:
-                families.failure_rate.add_metric(labels, w["failure_rate"])
+                families.failure_ratio.add_metric(labels, w["failure_rate"])
         if stats is not None:
             families.waiting.add_metric(list(const), stats["tasks"]["waiting"])
             pending = stats["dead_letters"]["pending"]
@@ -329,13 +504,32 @@ def instrument(
     return PrometheusExporter(pool, registry, **kwargs)
 
 
+def exporter_for(
+    pool: ExportablePool, registry: CollectorRegistry | None = None
+) -> PrometheusExporter:
+    """The exporter of ``pool`` on ``registry``, built with the defaults if it has none.
+
+    Raises:
+        ValueError: the pool had to be instrumented and could not be (as
+            :class:`PrometheusExporter`).
+    """
+    target = registry if registry is not None else _default_registry()
+    with _registry_lock:
+        for member in _members(target):
+            if member.pool is pool:
+                return member
+        return PrometheusExporter(pool, registry)
+
+
 def metrics_text(
     pool: ExportablePool, registry: CollectorRegistry | None = None
 ) -> tuple[bytes, str]:
-    """The registry's metrics in the Prometheus text format, for a ``/metrics`` endpoint.
+    """The metrics in the Prometheus text format, for a ``/metrics`` endpoint.
 
     The first call for a pool and registry instruments the pool (with the defaults)
-    unless an exporter for it is already registered there.
+    unless an exporter for it is already registered there; its counters still count
+    from the pool's start-up. In multiprocess mode the answer is every process's
+    metrics from ``PROMETHEUS_MULTIPROC_DIR``, this process's gauges written first.
 
     Returns:
         The body and its content type.
@@ -344,73 +538,101 @@ def metrics_text(
         ValueError: the pool had to be instrumented and could not be (as
             :class:`PrometheusExporter`).
     """
-    target = registry if registry is not None else REGISTRY
-    with _registry_lock:
-        if not any(m.pool is pool for m in _members(target)):
-            PrometheusExporter(pool, target)
-    return generate_latest(target), CONTENT_TYPE_LATEST
+    exporter = exporter_for(pool, registry)
+    if exporter.multiprocess:
+        exporter.refresh()
+        everyone = CollectorRegistry()
+        MultiProcessCollector(everyone)  # type: ignore[no-untyped-call]
+        return generate_latest(everyone), CONTENT_TYPE_LATEST
+    return generate_latest(exporter.registry), CONTENT_TYPE_LATEST
 
 
-# -- one collector per (registry, namespace), shared by the pools exported there -------
+# -- metric names, help and label names: one place for both modes ----------------------
+
+_WORKER = "w"  # the worker label follows the const labels
+_HELP = {
+    "attempts": ("Attempts sent to a worker, by outcome.", _WORKER, ("outcome",)),
+    "tasks": ("Tasks ended, by outcome.", "", ("outcome",)),
+    "retries": ("Attempts made again after a worker failed one.", "", ()),
+    "trips": ("Times the worker's circuit breaker opened.", _WORKER, ()),
+    "reloads": ("Configuration reloads, by result.", "", ("result",)),
+}
+_NAMES = {
+    "attempts": "attempts",
+    "tasks": "tasks",
+    "retries": "retries",
+    "trips": "breaker_trips",
+    "reloads": "reloads",
+    "duration": "attempt_duration_seconds",
+    "in_flight": "worker_in_flight",
+    "capacity": "worker_capacity",
+    "healthy": "worker_healthy",
+    "breaker_state": "worker_breaker_state",
+    "latency_ewma": "worker_latency_ewma_seconds",
+    "failure_ratio": "worker_failure_ratio",
+    "waiting": "tasks_waiting",
+    "dead_letters": "dead_letters_pending",
+}
+_DURATION_HELP = "Duration of attempts, any outcome."
+_GAUGES: dict[str, tuple[str, str, tuple[str, ...], str]] = {
+    # name: (help, worker label?, extra labels, multiprocess mode)
+    "in_flight": ("Attempts on the wire to the worker now.", _WORKER, (), "livesum"),
+    "capacity": ("Most attempts the worker may have at once.", _WORKER, (), "livesum"),
+    "healthy": ("1 if the worker passes its health checks.", _WORKER, (), "livemin"),
+    "breaker_state": (
+        "1 for the breaker's current state, 0 for the others.",
+        _WORKER,
+        ("state",),
+        "livemax",
+    ),
+    "latency_ewma": ("Moving average of the worker's attempt latency.", _WORKER, (), "livemax"),
+    "failure_ratio": (
+        "Failed share of the worker's attempts over the sliding window.",
+        _WORKER,
+        (),
+        "livemax",
+    ),
+    "waiting": ("Tasks queued for a worker with capacity.", "", (), "livesum"),
+    "dead_letters": ("Dead-letter records in the store.", "", (), "livemax"),
+}
+
+
+def _label_names(const_names: Sequence[str], worker: str, extra: Sequence[str]) -> list[str]:
+    return [*const_names, *(["worker"] if worker else []), *extra]
 
 
 class _Families:
     """Fresh, empty metric families for one scrape."""
 
     def __init__(self, namespace: str, const_names: Sequence[str]) -> None:
-        def name(suffix: str) -> str:
-            return f"{namespace}_{suffix}"
+        def counter(key: str) -> CounterMetricFamily:
+            text, worker, extra = _HELP[key]
+            labels = _label_names(const_names, worker, extra)
+            return CounterMetricFamily(f"{namespace}_{_NAMES[key]}", text, labels=labels)
 
-        c = list(const_names)
-        w = [*c, "worker"]
-        self.attempts = CounterMetricFamily(
-            name("attempts"), "Attempts sent to a worker, by outcome.", labels=[*w, "outcome"]
-        )
-        self.tasks = CounterMetricFamily(
-            name("tasks"), "Tasks ended, by outcome.", labels=[*c, "outcome"]
-        )
-        self.retries = CounterMetricFamily(
-            name("retries"), "Retries scheduled after this worker failed an attempt.", labels=w
-        )
-        self.trips = CounterMetricFamily(
-            name("breaker_trips"), "Times the worker's circuit breaker opened.", labels=w
-        )
-        self.reloads = CounterMetricFamily(
-            name("reloads"), "Configuration reloads, by result.", labels=[*c, "result"]
-        )
+        def gauge(key: str) -> GaugeMetricFamily:
+            text, worker, extra, _ = _GAUGES[key]
+            labels = _label_names(const_names, worker, extra)
+            return GaugeMetricFamily(f"{namespace}_{_NAMES[key]}", text, labels=labels)
+
+        self.attempts = counter("attempts")
+        self.tasks = counter("tasks")
+        self.retries = counter("retries")
+        self.trips = counter("trips")
+        self.reloads = counter("reloads")
         self.duration = HistogramMetricFamily(
-            name("attempt_duration_seconds"), "Duration of attempts, any outcome.", labels=w
+            f"{namespace}_{_NAMES['duration']}",
+            _DURATION_HELP,
+            labels=_label_names(const_names, _WORKER, ()),
         )
-        self.in_flight = GaugeMetricFamily(
-            name("worker_in_flight"), "Attempts on the wire to the worker now.", labels=w
-        )
-        self.capacity = GaugeMetricFamily(
-            name("worker_capacity"), "Most attempts the worker may have at once.", labels=w
-        )
-        self.healthy = GaugeMetricFamily(
-            name("worker_healthy"), "1 if the worker passes its health checks.", labels=w
-        )
-        self.breaker_state = GaugeMetricFamily(
-            name("worker_breaker_state"),
-            "1 for the breaker's current state, 0 for the others.",
-            labels=[*w, "state"],
-        )
-        self.latency_ewma = GaugeMetricFamily(
-            name("worker_latency_ewma_seconds"),
-            "Moving average of the worker's attempt latency.",
-            labels=w,
-        )
-        self.failure_rate = GaugeMetricFamily(
-            name("worker_failure_rate"),
-            "Failed share of the worker's attempts over the sliding window.",
-            labels=w,
-        )
-        self.waiting = GaugeMetricFamily(
-            name("tasks_waiting"), "Tasks queued for a worker with capacity.", labels=c
-        )
-        self.dead_letters = GaugeMetricFamily(
-            name("dead_letters_pending"), "Dead-letter records in the store.", labels=c
-        )
+        self.in_flight = gauge("in_flight")
+        self.capacity = gauge("capacity")
+        self.healthy = gauge("healthy")
+        self.breaker_state = gauge("breaker_state")
+        self.latency_ewma = gauge("latency_ewma")
+        self.failure_ratio = gauge("failure_ratio")
+        self.waiting = gauge("waiting")
+        self.dead_letters = gauge("dead_letters")
 
     def all(self) -> list[Metric]:
         return [
@@ -425,18 +647,104 @@ class _Families:
             self.healthy,
             self.breaker_state,
             self.latency_ewma,
-            self.failure_rate,
+            self.failure_ratio,
             self.waiting,
             self.dead_letters,
         ]
 
 
+class _Files:
+    """The multiprocess-mode metrics of one namespace in this process: prometheus_client
+    metric objects whose values live in ``PROMETHEUS_MULTIPROC_DIR``. Thread-safe (the
+    client's values take their own lock)."""
+
+    def __init__(self, namespace: str, const_names: Sequence[str], bounds: tuple[float, ...]):
+        self.bounds = bounds
+        self.const_names = tuple(const_names)
+        self._metrics: dict[str, Any] = {}
+        for key, (text, worker, extra) in _HELP.items():
+            self._metrics[key] = Counter(
+                f"{namespace}_{_NAMES[key]}",
+                text,
+                _label_names(const_names, worker, extra),
+                registry=None,
+            )
+        self._metrics["duration"] = Histogram(
+            f"{namespace}_{_NAMES['duration']}",
+            _DURATION_HELP,
+            _label_names(const_names, _WORKER, ()),
+            buckets=bounds,
+            registry=None,
+        )
+        for key, (text, worker, extra, mode) in _GAUGES.items():
+            self._metrics[key] = Gauge(
+                f"{namespace}_{_NAMES[key]}",
+                text,
+                _label_names(const_names, worker, extra),
+                registry=None,
+                multiprocess_mode=cast(Any, mode),
+            )
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+
+    def _child(self, key: str, labels: tuple[str, ...]) -> Any:
+        child = self._children.get((key, labels))
+        if child is None:
+            metric = self._metrics[key]
+            child = metric.labels(*labels) if labels else metric
+            self._children[(key, labels)] = child
+        return child
+
+    def add(self, key: str, labels: tuple[str, ...], n: float) -> None:
+        child = self._child(key, labels)
+        if n:
+            child.inc(n)
+
+    def observe(self, labels: tuple[str, ...], seconds: float) -> None:
+        self._child("duration", labels).observe(seconds)
+
+    def declare_worker(self, const: tuple[str, ...], wid: str) -> None:
+        """Zero series for a worker, so rate() works before its first event."""
+        for outcome in ATTEMPT_OUTCOMES:
+            self._child("attempts", (*const, wid, outcome))
+        self._child("trips", (*const, wid))
+        self._child("duration", (*const, wid))
+
+    def set_worker(self, const: tuple[str, ...], wid: str, w: Mapping[str, Any]) -> None:
+        labels = (*const, wid)
+        self._child("in_flight", labels).set(w["in_flight"])
+        self._child("capacity", labels).set(w["capacity"])
+        self._child("healthy", labels).set(1.0 if w["healthy"] else 0.0)
+        state = w["breaker"]["state"]
+        for s in BREAKER_STATES:
+            self._child("breaker_state", (*labels, s)).set(1.0 if state == s else 0.0)
+        ewma_ms = w["latency"]["ewma_ms"]
+        if ewma_ms is not None:
+            self._child("latency_ewma", labels).set(ewma_ms / 1000.0)
+        # A series once in a file cannot be made absent again: no attempt in the window
+        # reads 0, not the last window's ratio.
+        self._child("failure_ratio", labels).set(w["failure_rate"] or 0.0)
+
+    def clear_worker(self, const: tuple[str, ...], wid: str) -> None:
+        labels = (*const, wid)
+        for key in ("in_flight", "capacity", "healthy", "failure_ratio"):
+            self._child(key, labels).set(0.0)
+        for s in BREAKER_STATES:
+            self._child("breaker_state", (*labels, s)).set(0.0)
+
+    def set_pool(self, const: tuple[str, ...], stats: Mapping[str, Any]) -> None:
+        self._child("waiting", const).set(stats["tasks"]["waiting"])
+        pending = stats["dead_letters"]["pending"]
+        if pending is not None:
+            self._child("dead_letters", const).set(pending)
+
+
 class _SharedCollector:
     """The registered collector of every pool exported on one registry and namespace."""
 
-    def __init__(self, namespace: str, const_names: tuple[str, ...]) -> None:
+    def __init__(self, namespace: str, const_names: tuple[str, ...], files: _Files | None) -> None:
         self.namespace = namespace
         self.const_names = const_names
+        self.files = files
         self.members: list[PrometheusExporter] = []
 
     def describe(self) -> Iterable[Metric]:
@@ -453,11 +761,26 @@ class _SharedCollector:
 
 
 # Held while registering, unregistering or listing members; a reentrant lock because
-# metrics_text() builds an exporter while holding it.
+# exporter_for() builds an exporter while holding it.
 _registry_lock = threading.RLock()
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, _SharedCollector]] = (
     weakref.WeakKeyDictionary()
 )
+_live_exporters: weakref.WeakSet[PrometheusExporter] = weakref.WeakSet()
+# In multiprocess mode: never served, it only keeps this process's exporters apart.
+_private_registry: CollectorRegistry | None = None
+# One set of metric objects per namespace and process, whatever the exporters.
+_files_by_namespace: dict[str, _Files] = {}
+
+
+def _default_registry() -> CollectorRegistry:
+    global _private_registry
+    if not multiprocess_mode():
+        return REGISTRY
+    with _registry_lock:
+        if _private_registry is None:
+            _private_registry = CollectorRegistry(auto_describe=True)
+        return _private_registry
 
 
 def _members(registry: CollectorRegistry) -> list[PrometheusExporter]:
@@ -482,7 +805,19 @@ def _join(exporter: PrometheusExporter) -> _SharedCollector:
         by_namespace = _collectors.setdefault(registry, {})
         collector = by_namespace.get(namespace)
         if collector is None:
-            collector = _SharedCollector(namespace, tuple(labels))
+            files = None
+            if exporter.multiprocess:
+                files = _files_by_namespace.get(namespace)
+                if files is None:
+                    files = _Files(namespace, tuple(labels), exporter._bounds)
+                    _files_by_namespace[namespace] = files
+                elif files.const_names != tuple(labels):
+                    raise ValueError(
+                        f"const_labels {labels!r} differ in names from those this process "
+                        f"exported before under {namespace!r} {list(files.const_names)}: in "
+                        "multiprocess mode one namespace has one set of label names"
+                    )
+            collector = _SharedCollector(namespace, tuple(labels), files)
             registry.register(collector)  # raises ValueError on a name clash
             by_namespace[namespace] = collector
         else:
@@ -515,6 +850,21 @@ def _leave(exporter: PrometheusExporter) -> None:
             if by_namespace.get(collector.namespace) is collector:
                 registry.unregister(collector)
                 del by_namespace[collector.namespace]
+
+
+def _after_fork_in_child() -> None:
+    """A forked child counts its own work from zero, like its pool does (in multiprocess
+    mode prometheus_client moves to files of the child's own pid by itself)."""
+    global _registry_lock
+    _registry_lock = threading.RLock()
+    for exporter in list(_live_exporters):
+        exporter._lock = threading.Lock()
+        exporter._counts = _Counts()
+        exporter._gauged = set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _check_buckets(buckets: Sequence[float]) -> tuple[float, ...]:

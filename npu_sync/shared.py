@@ -10,10 +10,13 @@ With ``shared_state: {backend: redis}`` they share:
   open theirs on receipt (pub/sub, with a periodic re-read in case a message is lost).
   A successful trial publishes the closing the same way;
 - **dead letters**: :class:`RedisDeadLetterStore`, listed and replayed from any process,
-  with a claim per record that expires if the replaying process dies.
+  with a claim per record that expires if the replaying process dies;
+- **the fleet view**: each process's pool snapshot under a key that expires (written by
+  :mod:`npu_sync.fleet`'s monitor thread, read by ``stats(scope="fleet")``).
 
-Nothing here runs under the pool's lock, and Redis is only touched on the failure
-path (a failed attempt, a trip, a close), never for a task that simply succeeds.
+Nothing here runs under the pool's lock, and a task thread touches Redis only on the
+failure path (a failed attempt, a trip, a close), never for a task that simply succeeds;
+snapshots are written by the fleet monitor's own thread, on a timer.
 
 Redis fails too. The client has short timeouts and no retry loop (redis-py's defaults
 can stall a call for seconds). The first error marks Redis unavailable: from then on
@@ -422,6 +425,69 @@ class SharedState:
                 self._on_remote(worker, "open", max(0.0, now - current[1]), reset_timeout)
             elif current[0] == CLOSED and previous is not None and previous[0] == OPEN:
                 self._on_remote(worker, "closed", 0.0, None)
+
+    # -- the fleet view -----------------------------------------------------------------
+
+    def publish_snapshot(self, member: str, payload: str, ttl: float) -> bool:
+        """Store this process's pool snapshot for ``ttl`` seconds and list it in the
+        fleet's index; False while Redis is unavailable (nothing is sent then).
+
+        Called by the fleet monitor's thread only, never by a task.
+        """
+        key = self._fleet_key(member)
+
+        def write() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(key, payload, px=max(1, int(ttl * 1000)))
+            pipe.zadd(self._fleet_index, {member: time.time()})
+            return pipe.execute()
+
+        return self._call(write) is not None
+
+    def withdraw_snapshot(self, member: str) -> None:
+        """Remove this process from the fleet at once (its pool is closing)."""
+
+        def drop() -> Any:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.delete(self._fleet_key(member))
+            pipe.zrem(self._fleet_index, member)
+            return pipe.execute()
+
+        self._call(drop)
+
+    def read_snapshots(self, stale_after: float) -> list[tuple[str, str]] | None:
+        """``(member, snapshot)`` of every process whose snapshot has not expired; None
+        while Redis is unavailable.
+
+        Index entries not refreshed for ``stale_after`` seconds are pruned: their
+        snapshots expired long ago (a process killed without closing its pool).
+        """
+        index = self._fleet_index
+
+        def read() -> list[tuple[str, str]]:
+            self._client.zremrangebyscore(index, "-inf", time.time() - stale_after)
+            members: list[bytes] = self._client.zrange(index, 0, -1)  # type: ignore[assignment]
+            if not members:
+                return []
+            names = [m.decode("utf-8", "replace") for m in members]
+            values: list[bytes | None] = self._client.mget(  # type: ignore[assignment]
+                [self._fleet_key(name) for name in names]
+            )
+            return [
+                (name, value.decode("utf-8", "replace"))
+                for name, value in zip(names, values, strict=True)
+                if value is not None  # expired: the process stopped publishing
+            ]
+
+        found: list[tuple[str, str]] | None = self._call(read)
+        return found
+
+    @property
+    def _fleet_index(self) -> str:
+        return f"{self.namespace}:fleet:index"
+
+    def _fleet_key(self, member: str) -> str:
+        return f"{self.namespace}:fleet:process:{member}"
 
     # -- dead letters --------------------------------------------------------------------
 

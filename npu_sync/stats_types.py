@@ -10,16 +10,25 @@ from typing import TypedDict
 __all__ = [
     "BreakerStats",
     "DeadLetterStats",
+    "FleetStatsDict",
+    "FleetTotals",
+    "FleetWorkerTotals",
     "HealthCheckDict",
     "HealthStats",
+    "HistoryDict",
     "LatencyStats",
     "PoolStatsDict",
     "PoolTaskStats",
     "PoolWorkerCounts",
+    "ProcessInfo",
+    "ProcessSnapshot",
+    "ProcessWorkerStats",
     "ReloadChangeDict",
     "ReloadStats",
     "SelectionStats",
     "SharedStateStats",
+    "TaskHistory",
+    "WorkerHistory",
     "WorkerRow",
     "WorkerTaskStats",
 ]
@@ -195,3 +204,118 @@ class WorkerRow(TypedDict):
     last_error: str | None
     last_error_at: float | None
     cooldown_remaining: float
+
+
+# -- pool.stats(scope="fleet") ---------------------------------------------------------
+
+
+class ProcessInfo(TypedDict):
+    """One process's pool: which process it is (``stats(scope="fleet")["this_process"]``)."""
+
+    id: str  # "<host>:<pid>:<random>", unique even when a pid is reused
+    pid: int
+    host: str
+    started_at: float  # epoch seconds: when the pool started in this process
+
+
+class ProcessWorkerStats(TypedDict):
+    """One worker as one process sees it (``processes[i]["workers"][j]``)."""
+
+    id: str
+    breaker: str  # "closed", "open" or "half-open"
+    healthy: bool
+    in_flight: int
+    capacity: int
+    attempts: int
+    succeeded: int
+    failed: int
+    rejected: int
+    not_here: int
+    abandoned: int
+    trips: int
+    p50_ms: float | None
+    p95_ms: float | None
+    p99_ms: float | None
+
+
+class ProcessSnapshot(TypedDict):
+    """One process of the fleet, as it last published itself (``processes[i]``)."""
+
+    process: ProcessInfo
+    this_process: bool
+    published_at: float
+    age_s: float
+    uptime_s: float
+    tasks: PoolTaskStats
+    workers: list[ProcessWorkerStats]
+
+
+class FleetWorkerTotals(TypedDict):
+    """One worker over every process (``totals["workers"][j]``)."""
+
+    id: str
+    processes: int
+    in_flight: int
+    capacity: int
+    attempts: int
+    succeeded: int
+    failed: int
+    rejected: int
+    not_here: int
+    abandoned: int
+    trips: int
+    p99_ms: float | None  # the highest of the processes'
+    open_in: int
+    half_open_in: int
+    unhealthy_in: int
+
+
+class FleetTotals(TypedDict):
+    """Sums over the processes of the fleet (``stats(scope="fleet")["totals"]``)."""
+
+    processes: int
+    hosts: int
+    tasks: PoolTaskStats
+    workers: list[FleetWorkerTotals]
+
+
+class TaskHistory(TypedDict):
+    """Tasks per step (``history["tasks"]``)."""
+
+    succeeded: list[int | None]
+    failed: list[int | None]
+
+
+class WorkerHistory(TypedDict):
+    """One worker's last minutes, one entry per step (``history["workers"][j]``)."""
+
+    id: str
+    succeeded: list[int | None]
+    failed: list[int | None]
+    p99_ms: list[float | None]
+    breaker: str  # one letter per step: c closed, h half-open, o open (or opened), - none
+
+
+class HistoryDict(TypedDict):
+    """The last minutes in steps of ``step_s`` seconds, oldest first; ``None`` (or ``-``)
+    where no process sampled that step."""
+
+    step_s: float
+    points: int
+    end_at: float | None  # epoch seconds of the newest step
+    tasks: TaskHistory
+    workers: list[WorkerHistory]
+
+
+class FleetStatsDict(TypedDict):
+    """What :meth:`WorkerPool.stats` returns with ``scope="fleet"``."""
+
+    scope: str  # "fleet"
+    shared: bool
+    available: bool
+    note: str
+    this_process: ProcessInfo
+    totals: FleetTotals
+    processes: list[ProcessSnapshot]
+    history: HistoryDict
+    local: PoolStatsDict

@@ -167,6 +167,7 @@ def _write_config(
     *,
     dead_letter: str = "{backend: memory}",
     disabled: tuple[str, ...] = (),
+    shared_state: str | None = None,
 ) -> Path:
     """A pool configuration with fast timeouts, so failures show up at once."""
     if workers is None:
@@ -181,6 +182,8 @@ def _write_config(
         "  timeouts: {connect: 1.0, read: 5.0, task: 10.0}",
         f"  dead_letter: {dead_letter}",
     ]
+    if shared_state is not None:
+        lines.append(f"  shared_state: {shared_state}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -438,6 +441,91 @@ def test_status_watch_before_config_is_a_clear_usage_error(capsys):
     """'--watch CONFIG' (a file where seconds belong) exits 2 saying to put CONFIG first."""
     assert main(["status", "--watch", "pool.yaml"]) == 2
     assert "give CONFIG before --watch" in capsys.readouterr().err
+
+
+# -- status: the fleet ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def fleet_redis(monkeypatch):
+    """One fakeredis server behind every Redis client; fleet samples taken by hand."""
+    fakeredis = pytest.importorskip("fakeredis")
+    import redis
+
+    server = fakeredis.FakeServer()
+    monkeypatch.setattr(redis.Redis, "from_url", lambda *a, **k: fakeredis.FakeRedis(server=server))
+    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
+    return server
+
+
+def _fleet_of(count: int, namespace: str) -> list:
+    """Pools on a fake network, each as if in a process of its own, sampled once."""
+    from npu_sync import WorkerPool
+    from npu_sync.config import HealthConfig, PoolConfig, SharedStateConfig, worker_config
+    from npu_sync.fleet import monitor_of
+    from npu_sync.testing import FakeNetwork, json_response
+
+    net = FakeNetwork(lambda req: json_response(200, {"ok": True}))
+    config = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9701"),),
+        health=HealthConfig(enabled=False),
+        shared_state=SharedStateConfig(backend="redis", namespace=namespace),
+    )
+    pools = [WorkerPool(config, transport_factory=net.factory) for _ in range(count)]
+    for n, pool in enumerate(pools):
+        for _ in range(n + 1):
+            pool.execute({})
+        monitor_of(pool).tick()
+    return pools
+
+
+def test_status_with_shared_state_lists_the_fleet_and_its_totals(tmp_path, capsys, fleet_redis):
+    """With Redis configured, 'status' shows every process, a total row and each worker's
+    totals; the probe itself does not join the fleet."""
+    pools = _fleet_of(2, "cli-fleet")
+    try:
+        config = _write_config(
+            tmp_path / "pool.yaml", shared_state="{backend: redis, namespace: cli-fleet}"
+        )
+        assert main(["status", str(config)]) == 1  # the configured worker is refused
+    finally:
+        for pool in pools:
+            pool.close()
+    out = capsys.readouterr().out
+    assert "fleet: 2 processes on 1 host publish to Redis namespace 'cli-fleet'." in out
+    lines = out.splitlines()
+    process_rows = [line for line in lines if line.startswith(socket.gethostname() + " ")]
+    assert len(process_rows) == 2
+    total = next(line for line in lines if line.startswith("total "))
+    assert total.split()[1:5] == ["2", "proc", "3", "3"]  # 1 + 2 tasks submitted, succeeded
+    worker = next(line for line in lines if line.startswith("a ") and "ok" in line.split()[-1])
+    assert worker.split()[1:4] == ["3", "3", "0"]
+
+
+def test_status_fleet_json_and_a_pool_without_shared_state(tmp_path, capsys, fleet_redis):
+    """--fleet --json prints workers and fleet in one object; without Redis the fleet says
+    plainly that nothing is shared."""
+    config = _write_config(tmp_path / "pool.yaml")
+    assert main(["status", str(config), "--fleet", "--json"]) == 1
+    body = json.loads(capsys.readouterr().out)
+    assert [row["id"] for row in body["workers"]] == ["a"]
+    assert body["fleet"]["shared"] is False and body["fleet"]["processes"] == []
+    assert body["fleet"]["note"].startswith("Not shared (shared_state.backend: none)")
+    assert main(["status", str(config), "--fleet"]) == 1
+    assert "fleet: Not shared" in capsys.readouterr().out
+    assert main(["status", str(config)]) == 1
+    assert "fleet:" not in capsys.readouterr().out
+
+
+def test_status_says_when_the_shared_state_does_not_answer(tmp_path, capsys, fleet_redis):
+    """An unreachable Redis is a line about the fleet, not a failure of 'status'."""
+    fleet_redis.connected = False
+    config = _write_config(
+        tmp_path / "pool.yaml", shared_state="{backend: redis, namespace: cli-fleet}"
+    )
+    assert main(["status", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "fleet: Shared state unavailable (" in out
 
 
 # -- dlq -----------------------------------------------------------------------------------

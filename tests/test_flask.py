@@ -146,6 +146,94 @@ def test_workers_returns_one_row_per_worker_with_documented_fields(client, pool)
     assert sum(row["tasks"]["succeeded"] for row in rows) == 1
 
 
+def test_stats_and_workers_say_which_process_answered(client, pool):
+    """Without shared state both answers name the one process (pid, host) they describe."""
+    import os
+    import socket
+
+    for path in ("stats", "workers"):
+        body = client.get(f"{PREFIX}/{path}").get_json()
+        assert body["process"]["pid"] == os.getpid()
+        assert body["process"]["host"] == socket.gethostname()
+        assert body["note"].startswith(f"One process only: pid {os.getpid()} on ")
+
+
+def test_fleet_answers_stats_of_scope_fleet(client, pool):
+    """GET /fleet is pool.stats(scope="fleet"): totals, processes, history and local."""
+    pool.execute({"input_text": "hi"})
+    response = client.get(f"{PREFIX}/fleet")
+    assert response.status_code == 200 and response.headers["Cache-Control"] == "no-store"
+    body = response.get_json()
+    assert body["scope"] == "fleet" and body["shared"] is False
+    assert body["totals"]["tasks"]["succeeded"] == body["local"]["tasks"]["succeeded"] == 1
+    assert [p["this_process"] for p in body["processes"]] == [True]
+    assert set(body["history"]) == {"step_s", "points", "end_at", "tasks", "workers"}
+    assert "One process only" in body["note"]
+
+
+def unexport_everything() -> None:
+    """Close every exporter on the default registry (earlier tests' apps attached some)."""
+    import prometheus_client
+
+    import npu_sync.prometheus as exporter_module
+
+    for exporter in exporter_module._members(prometheus_client.REGISTRY):
+        exporter.close()
+
+
+def test_npu_sync_prometheus_instruments_the_pool_at_start_up(pool, net):
+    """With the setting on, attempts before the first scrape are in the histogram too;
+    without it the first scrape instruments, and the histogram starts there."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def histogram_count(client) -> float:
+        text = client.get(f"{PREFIX}/metrics").get_data(as_text=True)
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "npu_sync_attempt_duration_seconds_count"
+        )
+
+    late = make_app(pool).test_client()
+    pool.execute({"input_text": "before any scrape"})
+    assert histogram_count(late) == 0
+    unexport_everything()
+
+    eager = make_app(pool, NPU_SYNC_PROMETHEUS=True).test_client()
+    pool.execute({"input_text": "before any scrape"})
+    assert histogram_count(eager) == 1
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("off", False), ("", False)])
+def test_npu_sync_prometheus_comes_from_the_environment_too(pool, monkeypatch, value, on):
+    """The environment variable NPU_SYNC_PROMETHEUS is read when app.config lacks the key."""
+    pytest.importorskip("prometheus_client")
+    import prometheus_client
+
+    import npu_sync.prometheus as exporter_module
+
+    monkeypatch.setenv("NPU_SYNC_PROMETHEUS", value)
+    unexport_everything()
+    make_app(pool)
+    exported = [e.pool for e in exporter_module._members(prometheus_client.REGISTRY)]
+    assert (pool in exported) is on
+
+
+def test_an_unusable_npu_sync_prometheus_fails_at_init_app(pool):
+    """A value that is not a yes or a no raises ValueError naming the key."""
+    with pytest.raises(ValueError, match="NPU_SYNC_PROMETHEUS must be true or false"):
+        make_app(pool, NPU_SYNC_PROMETHEUS="sometimes")
+
+
+def test_npu_sync_prometheus_without_the_client_fails_at_init_app(pool, monkeypatch):
+    """Asked for metrics without prometheus_client installed: an ImportError naming the extra."""
+    monkeypatch.setitem(sys.modules, "npu_sync.prometheus", None)
+    with pytest.raises(ImportError, match="npu_sync\\[prometheus\\]"):
+        make_app(pool, NPU_SYNC_PROMETHEUS=True)
+
+
 def test_views_reach_the_pool_through_current_pool(pool, net):
     """current_pool() in a view is the extension's pool; @npu_task(current_pool()) runs on it."""
     app = make_app(pool)
@@ -595,7 +683,7 @@ def test_status_page_is_one_self_contained_html_page(client):
     assert response.status_code == 200 and response.mimetype == "text/html"
     html = response.get_data(as_text=True)
     assert 'data-refresh-ms="2000"' in html
-    assert 'fetchJson("stats")' in html and 'fetchJson("workers")' in html
+    assert 'fetchJson("fleet")' in html and 'fetchJson("workers")' in html
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)
     assert not re.search(r"<(script|link)[^>]+(src|href)=[\"'](?!data:)", html)
     assert "innerHTML" not in html and "insertAdjacentHTML" not in html

@@ -1,4 +1,5 @@
-"""The Prometheus exporter: counters from events, gauges at scrape time, registries."""
+"""The Prometheus exporter: counters from start-up and events, gauges at scrape time,
+registries, and prometheus_client's multiprocess mode."""
 
 from __future__ import annotations
 
@@ -160,14 +161,14 @@ def test_counters_and_histogram_count_attempts_and_tasks_by_worker_and_outcome(
         exporter.close()
 
     expected_attempts = {
-        ("a", "success"): 3,
+        ("a", "succeeded"): 3,
         ("a", "rejected"): 1,
-        ("a", "failure"): 1,
-        ("b", "failure"): 1,
-        ("c", "failure"): 1,
+        ("a", "failed"): 1,
+        ("b", "failed"): 1,
+        ("c", "failed"): 1,
     }
     for wid in "abc":
-        for outcome in ("success", "rejected", "not_here", "failure", "abandoned"):
+        for outcome in ("succeeded", "rejected", "not_here", "failed", "abandoned"):
             assert value(
                 samples, "npu_sync_attempts_total", worker=wid, outcome=outcome
             ) == expected_attempts.get((wid, outcome), 0), (wid, outcome)
@@ -175,7 +176,7 @@ def test_counters_and_histogram_count_attempts_and_tasks_by_worker_and_outcome(
     for outcome, n in tasks.items():
         assert value(samples, "npu_sync_tasks_total", outcome=outcome) == n
     # The failing task was retried after a's and b's failures; c's was its last.
-    assert [value(samples, "npu_sync_retries_total", worker=w) for w in "abc"] == [1, 1, 0]
+    assert value(samples, "npu_sync_retries_total") == 2
     # fail_max=1: each worker's one failure opened its breaker.
     assert [value(samples, "npu_sync_breaker_trips_total", worker=w) for w in "abc"] == [1, 1, 1]
     assert value(samples, "npu_sync_reloads_total", result="ok") == 0
@@ -192,7 +193,7 @@ def test_histogram_buckets_count_and_sum_match_the_attempts(net, clock, registry
     for wid in "abc":
         attempts = sum(
             value(samples, "npu_sync_attempts_total", worker=wid, outcome=o)
-            for o in ("success", "rejected", "not_here", "failure", "abandoned")
+            for o in ("succeeded", "rejected", "not_here", "failed", "abandoned")
         )
         assert value(samples, f"{hist}_count", worker=wid) == attempts
         assert value(samples, f"{hist}_bucket", worker=wid, le="+Inf") == attempts
@@ -250,13 +251,13 @@ def test_gauges_are_read_from_workers_and_stats_at_scrape_time(net, clock, regis
                 samples, "npu_sync_worker_latency_ewma_seconds", worker=wid
             ) == pytest.approx(w["latency"]["ewma_ms"] / 1000)
         if w["failure_rate"] is None:
-            assert ("npu_sync_worker_failure_rate", (("worker", wid),)) not in samples
+            assert ("npu_sync_worker_failure_ratio", (("worker", wid),)) not in samples
         else:
-            assert value(samples, "npu_sync_worker_failure_rate", worker=wid) == pytest.approx(
+            assert value(samples, "npu_sync_worker_failure_ratio", worker=wid) == pytest.approx(
                 w["failure_rate"]
             )
     assert value(samples, "npu_sync_worker_breaker_state", worker="b", state="open") == 1
-    assert value(samples, "npu_sync_worker_failure_rate", worker="c") == 1
+    assert value(samples, "npu_sync_worker_failure_ratio", worker="c") == 1
     assert value(samples, "npu_sync_tasks_waiting") == stats["tasks"]["waiting"] == 0
     assert value(samples, "npu_sync_dead_letters_pending") == stats["dead_letters"]["pending"] == 1
     assert value(samples, "npu_sync_reloads_total", result="ok") == 1
@@ -311,6 +312,7 @@ def test_the_hook_counts_constructed_events_and_ignores_the_rest(registry):
             pool.fire(event)
         assert names(scrape(registry)) == {
             "npu_sync_tasks_total",
+            "npu_sync_retries_total",
             "npu_sync_reloads_total",
             "npu_sync_tasks_waiting",
             "npu_sync_dead_letters_pending",
@@ -334,12 +336,12 @@ def test_the_hook_counts_constructed_events_and_ignores_the_rest(registry):
         samples = scrape(registry)
 
     assert value(samples, "npu_sync_attempts_total", worker="a", outcome="not_here") == 1
-    assert value(samples, "npu_sync_attempts_total", worker="a", outcome="failure") == 1
+    assert value(samples, "npu_sync_attempts_total", worker="a", outcome="failed") == 1
     hist = "npu_sync_attempt_duration_seconds"
     assert value(samples, f"{hist}_bucket", worker="a", le="0.025") == 1
     assert value(samples, f"{hist}_bucket", worker="a", le="60.0") == 1  # 61 s is past the last
     assert value(samples, f"{hist}_bucket", worker="a", le="+Inf") == 2
-    assert value(samples, "npu_sync_retries_total", worker="a") == 1
+    assert value(samples, "npu_sync_retries_total") == 1
     assert value(samples, "npu_sync_breaker_trips_total", worker="a") == 2
     for outcome in ("succeeded", "rejected", "failed", "fallback"):
         assert value(samples, "npu_sync_tasks_total", outcome=outcome) == 1
@@ -367,7 +369,9 @@ def test_counts_stay_exact_under_concurrent_events(registry):
         samples = scrape(registry)
     for wid in ("w0", "w1"):
         expected = threads // 2 * per_thread
-        assert value(samples, "npu_sync_attempts_total", worker=wid, outcome="success") == expected
+        assert (
+            value(samples, "npu_sync_attempts_total", worker=wid, outcome="succeeded") == expected
+        )
         assert value(samples, "npu_sync_attempt_duration_seconds_count", worker=wid) == expected
 
 
@@ -439,7 +443,7 @@ def test_two_pools_share_a_registry_with_distinct_const_labels(registry):
     assert value(samples, "npu_sync_worker_capacity", pool="embed", worker="b") == 1
     # Current workers have zero series before any event, so rate() works from the start.
     assert (
-        value(samples, "npu_sync_attempts_total", pool="embed", worker="b", outcome="failure") == 0
+        value(samples, "npu_sync_attempts_total", pool="embed", worker="b", outcome="failed") == 0
     )
     assert value(samples, "npu_sync_attempt_duration_seconds_count", pool="embed", worker="b") == 0
     assert ("npu_sync_worker_capacity", (("pool", "chat"), ("worker", "b"))) not in samples
@@ -631,3 +635,172 @@ def test_import_npu_sync_does_not_need_or_load_prometheus_client():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+# -- counting from the pool's start-up -----------------------------------------------------
+
+
+def test_counters_count_from_the_pools_start_up_not_from_attaching(net, clock, registry):
+    """An exporter attached after tasks ran reports them: attempts, tasks, retries, trips."""
+    with WorkerPool(make_config("a", "b", "c"), transport_factory=net.factory, clock=clock) as pool:
+        run_mixed_load(pool)
+        pool.reload(pool.config)
+        with instrument(pool, registry):
+            samples = scrape(registry)
+            pool.reload(pool.config)
+            after = scrape(registry)
+    assert value(samples, "npu_sync_attempts_total", worker="a", outcome="succeeded") == 3
+    assert value(samples, "npu_sync_attempts_total", worker="a", outcome="rejected") == 1
+    for wid in "abc":
+        assert value(samples, "npu_sync_attempts_total", worker=wid, outcome="failed") == 1
+        assert value(samples, "npu_sync_breaker_trips_total", worker=wid) == 1
+    tasks = {"succeeded": 3, "rejected": 1, "failed": 1, "fallback": 0}
+    for outcome, n in tasks.items():
+        assert value(samples, "npu_sync_tasks_total", outcome=outcome) == n
+    assert value(samples, "npu_sync_retries_total") == 2
+    assert value(samples, "npu_sync_reloads_total", result="ok") == 1
+    # From there on the events move the counters, once each.
+    assert value(after, "npu_sync_reloads_total", result="ok") == 2
+    assert value(after, "npu_sync_tasks_total", outcome="succeeded") == 3
+    # The histogram needs each attempt's duration, which the pool does not keep.
+    assert value(samples, "npu_sync_attempt_duration_seconds_count", worker="a") == 0
+
+
+def test_the_first_scrape_of_a_busy_pool_reports_everything_since_start_up(net, clock, registry):
+    """metrics_text() instrumenting on first use still starts from the pool's totals."""
+    with WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock) as pool:
+        for _ in range(4):
+            pool.execute({"kind": "ok"})
+        body, _ = metrics_text(pool, registry)
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+    }
+    assert value(samples, "npu_sync_tasks_total", outcome="succeeded") == 4
+    assert value(samples, "npu_sync_attempts_total", worker="a", outcome="succeeded") == 4
+
+
+def test_no_metric_name_or_label_value_uses_the_old_spellings(net, clock, registry):
+    """Attempts say succeeded/failed like tasks; the failure share is a _ratio."""
+    pool = WorkerPool(make_config("a", "b", "c"), transport_factory=net.factory, clock=clock)
+    with pool, instrument(pool, registry):
+        run_mixed_load(pool)
+        text = generate_latest(registry).decode()
+    assert 'outcome="succeeded"' in text and 'outcome="failed"' in text
+    assert "npu_sync_worker_failure_ratio" in text
+    for old in ('"success"', '"failure"', "failure_rate"):
+        assert old not in text, old
+
+
+# -- multiprocess mode ----------------------------------------------------------------------
+
+
+class FakePids:
+    """Stands in for os.getpid in prometheus_client's multiprocess values, so that one
+    test process can write the files of several gunicorn children."""
+
+    def __init__(self) -> None:
+        self.pid = 101
+
+    def __call__(self) -> int:
+        return self.pid
+
+
+@pytest.fixture
+def multiprocess(tmp_path, monkeypatch) -> tuple[FakePids, str]:
+    """prometheus_client in multiprocess mode on a fresh directory, as under gunicorn."""
+    from prometheus_client import values
+
+    import npu_sync.prometheus as exporter_module
+
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
+    pids = FakePids()
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(pids))
+    monkeypatch.setattr(exporter_module, "_files_by_namespace", {})
+    monkeypatch.setattr(exporter_module, "_private_registry", None)
+    yield pids, str(directory)
+    close = getattr(values, "close_all_multiprocess_files", None)
+    if close is not None:
+        close()
+
+
+def parse(body: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+    }
+
+
+def test_multiprocess_mode_sums_every_process_and_keeps_a_dead_ones_counters(
+    net, clock, multiprocess
+):
+    """Two processes' counters add up in every scrape; once one dies (child_exit's
+    mark_process_dead) its counters stay and its gauges go."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    pids, directory = multiprocess
+    first = WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock)
+    with first:
+        exporter = instrument(first)
+        assert exporter.multiprocess
+        for _ in range(3):
+            first.execute({"kind": "ok"})
+        one = parse(metrics_text(first)[0])
+        exporter.close()
+    assert value(one, "npu_sync_tasks_total", outcome="succeeded") == 3
+    assert value(one, "npu_sync_worker_capacity", worker="a") == 4
+
+    pids.pid = 102  # another gunicorn child
+    second = WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock)
+    with second, instrument(second):
+        for _ in range(2):
+            second.execute({"kind": "ok"})
+        both = parse(metrics_text(second)[0])
+        mark_process_dead(101, directory)
+        after = parse(metrics_text(second)[0])
+    assert value(both, "npu_sync_tasks_total", outcome="succeeded") == 5
+    assert value(both, "npu_sync_attempts_total", worker="a", outcome="succeeded") == 5
+    assert value(both, "npu_sync_attempt_duration_seconds_count", worker="a") == 5
+    assert value(both, "npu_sync_worker_capacity", worker="a") == 8  # livesum over both
+    assert value(after, "npu_sync_tasks_total", outcome="succeeded") == 5
+    assert value(after, "npu_sync_worker_capacity", worker="a") == 4
+
+
+def test_multiprocess_gauges_are_written_on_each_fleet_monitor_sample(net, clock, multiprocess):
+    """Another process's gauges are in the files without that process being scraped."""
+    from prometheus_client import CollectorRegistry as Registry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from npu_sync.fleet import monitor_of
+
+    _, directory = multiprocess
+    pool = WorkerPool(make_config("a", "b"), transport_factory=net.factory, clock=clock)
+    with pool, instrument(pool):
+        everyone = Registry()
+        MultiProcessCollector(everyone, directory)
+        assert everyone.get_sample_value("npu_sync_worker_healthy", {"worker": "b"}) is None
+        monitor_of(pool).tick()
+        assert everyone.get_sample_value("npu_sync_worker_healthy", {"worker": "b"}) == 1
+        assert everyone.get_sample_value("npu_sync_worker_capacity", {"worker": "a"}) == 4
+        # Counter series exist from the start, at zero.
+        attempts = everyone.get_sample_value(
+            "npu_sync_attempts_total", {"worker": "b", "outcome": "failed"}
+        )
+        assert attempts == 0
+
+
+def test_multiprocess_mode_refuses_a_registry_and_mismatched_buckets(multiprocess):
+    """The metrics live in files there: a registry argument is a mistake, and so are
+    buckets that differ from those already written under the namespace."""
+    with pytest.raises(ValueError, match="multiprocess"):
+        PrometheusExporter(RecordingPool(), CollectorRegistry())
+    with (
+        PrometheusExporter(RecordingPool(), const_labels={"pool": "x"}),
+        pytest.raises(ValueError, match="buckets"),
+    ):
+        PrometheusExporter(RecordingPool(), const_labels={"pool": "y"}, buckets=[1.0])

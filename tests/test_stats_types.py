@@ -1,8 +1,9 @@
-"""The TypedDicts of stats()/workers(), the dicts a running pool returns and
-docs/metrics.md name the same keys, recursively."""
+"""The TypedDicts of stats()/workers()/stats(scope="fleet"), the dicts a running pool
+returns and docs/metrics.md name the same keys, recursively."""
 
 from __future__ import annotations
 
+import json
 import re
 import types
 import typing
@@ -20,7 +21,12 @@ from npu_sync.config import (
     SharedStateConfig,
     worker_config,
 )
-from npu_sync.stats_types import PoolWorkerCounts, SharedStateStats
+from npu_sync.stats_types import (
+    FleetStatsDict,
+    PoolTaskStats,
+    PoolWorkerCounts,
+    SharedStateStats,
+)
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
@@ -71,8 +77,10 @@ def _conform_one(value: Any, tp: Any, path: str) -> set[str]:
     if origin is list:
         (item_type,) = typing.get_args(tp)
         assert isinstance(value, list), path
+        found = {path.rstrip(".")}
         for item in value:
-            conform(item, item_type, path)
+            found |= conform(item, item_type, path)
+        return found
     elif tp is float:  # a type checker lets an int stand for a float
         assert isinstance(value, (int, float)) and not isinstance(value, bool), path
     elif tp is int:
@@ -206,3 +214,87 @@ def test_the_checker_notices_a_key_the_types_do_not_have():
     del row["healthy"]
     with pytest.raises(AssertionError):
         conform(row, PoolWorkerCounts)
+
+
+# -- stats(scope="fleet") ------------------------------------------------------------------
+
+FLEET = 'pool.stats(scope="fleet")'
+# Shapes documented elsewhere (stats()["tasks"], stats()) are one row in the fleet tables.
+FLEET_STOPS = (PoolTaskStats, PoolStatsDict)
+
+
+def fleet_leaves(td: type, prefix: str = "") -> set[str]:
+    """Dotted paths of a TypedDict's leaves, ``[]`` marking the items of a list."""
+    leaves: set[str] = set()
+    for key, tp in typing.get_type_hints(td).items():
+        path = f"{prefix}{key}"
+        if typing.is_typeddict(tp) and tp not in FLEET_STOPS:
+            leaves |= fleet_leaves(tp, path + ".")
+        elif typing.get_origin(tp) is list and typing.is_typeddict(typing.get_args(tp)[0]):
+            leaves |= fleet_leaves(typing.get_args(tp)[0], path + "[].")
+        else:
+            leaves.add(path)
+    return leaves
+
+
+def documented_fleet() -> set[str]:
+    """The keys the fleet section's tables name, each ``### `prefix` `` table's rows
+    under its prefix (``processes[i]`` becomes ``processes[].``)."""
+    text = DOCS.read_text(encoding="utf-8")
+    body = text.split(f"## `{FLEET}`", 1)[1].split("\n## ", 1)[0]
+    paths: set[str] = set()
+    for n, chunk in enumerate(body.split("\n### ")):
+        prefix = ""
+        if n:
+            heading = re.match(r"`([^`]+)`", chunk)
+            assert heading, chunk[:40]
+            prefix = re.sub(r"\[[a-z]\]", "[]", heading.group(1)) + "."
+        for line in chunk.splitlines():
+            if not line.startswith("| `"):
+                continue
+            names = [
+                re.sub(r"\[[a-z]\]", "[]", n) for n in re.findall(r"`([^`]+)`", line.split("|")[1])
+            ]
+            first = names[0].rpartition(".")[0]
+            for name in names:
+                if name.startswith("."):
+                    name = first + name
+                elif "." not in name and first:
+                    name = f"{first}.{name}"
+                paths.add(prefix + name)
+    return {p for p in paths if not any(q.startswith((p + ".", p + "[].")) for q in paths)}
+
+
+def test_the_fleet_keys_are_the_documented_keys():
+    """Every key of FleetStatsDict, nested lists included, has a row in docs/metrics.md."""
+    assert fleet_leaves(FleetStatsDict) == documented_fleet()
+
+
+def test_a_fleet_view_returns_exactly_the_typed_shape(monkeypatch):
+    """stats(scope="fleet") of pools sharing fakeredis conforms to FleetStatsDict, every
+    typed key shown."""
+    fakeredis = pytest.importorskip("fakeredis")
+    import redis
+
+    from npu_sync.fleet import monitor_of
+
+    server = fakeredis.FakeServer()
+    monkeypatch.setattr(redis.Redis, "from_url", lambda *a, **k: fakeredis.FakeRedis(server=server))
+    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
+    shared = SharedStateConfig(backend="redis", namespace="fleet-types")
+    config = _config(shared_state=shared)
+    with (
+        WorkerPool(config, transport_factory=_network().factory, clock=FakeClock()) as one,
+        WorkerPool(config, transport_factory=_network().factory, clock=FakeClock()) as two,
+    ):
+        _exercise(one)
+        _exercise(two)
+        monitor_of(one).tick()
+        monitor_of(two).tick()
+        fleet = one.stats(scope="fleet")
+    json.dumps(fleet)  # JSON-serialisable
+    seen = conform(fleet, FleetStatsDict)
+    for leaf in fleet_leaves(FleetStatsDict):
+        flat = leaf.replace("[]", "")
+        assert any(s == flat or s.startswith(flat + ".") for s in seen), leaf
+    assert len(fleet["processes"]) == 2 and fleet["history"]["workers"]

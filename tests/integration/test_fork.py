@@ -357,3 +357,54 @@ def test_gunicorn_preload_serves_from_both_children_and_stops_promptly(tmp_path,
     closed = {p.name for p in tmp_path.glob("closed-*")}
     assert {f"closed-{pid}" for pid in answers} <= closed, output
     assert f"closed-{master.pid}" in closed, output
+
+
+def test_a_forked_child_counts_its_own_work_in_prometheus_and_the_fleet(monkeypatch):
+    """After fork the child's exporter and fleet monitor start from zero, as its pool
+    does: they report the child's tasks, not the parent's again, under the child's pid."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from npu_sync.fleet import monitor_of
+    from npu_sync.prometheus import instrument
+
+    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
+    net = FakeNetwork(lambda req: json_response(200, {"pid": os.getpid()}))
+    cfg = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9811"),),
+        health=HealthConfig(enabled=False),
+    )
+    registry = CollectorRegistry()
+    with WorkerPool(cfg, transport_factory=net.factory) as pool, instrument(pool, registry):
+        for _ in range(3):
+            pool.execute({})
+        monitor_of(pool).tick()
+        parent_id = monitor_of(pool).process["id"]
+
+        def child() -> dict[str, Any]:
+            for _ in range(2):
+                pool.execute({})
+            monitor = monitor_of(pool)
+            monitor.tick()
+            text = generate_latest(registry).decode()
+            succeeded = next(
+                s.value
+                for f in text_string_to_metric_families(text)
+                for s in f.samples
+                if s.name == "npu_sync_tasks_total" and s.labels["outcome"] == "succeeded"
+            )
+            fleet = pool.stats(scope="fleet")
+            return {
+                "succeeded": succeeded,
+                "fleet": fleet["totals"]["tasks"]["succeeded"],
+                "history": sum(v or 0 for v in monitor.history()["tasks"]["succeeded"]),
+                "id": monitor.process["id"],
+                "pid": monitor.process["pid"],
+            }
+
+        seen = run_in_child(child)
+        after = generate_latest(registry).decode()
+    assert seen["succeeded"] == 2 and seen["fleet"] == 2 and seen["history"] == 2
+    assert seen["id"] != parent_id and seen["pid"] != os.getpid()
+    assert 'npu_sync_tasks_total{outcome="succeeded"} 3.0' in after  # the parent's own

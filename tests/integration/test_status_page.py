@@ -1,4 +1,5 @@
-"""The status page in a real headless Chromium: rows, colours, a worker killed mid-test."""
+"""The status page in a real headless Chromium at 1280 px: rows, colours, charts, the
+process it shows, a worker killed mid-test."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def chromium(profile: pathlib.Path) -> Iterator[WebDriver]:
         "--disable-component-update",
         "--disable-sync",
         "--no-first-run",
-        "--window-size=1500,640",
+        "--window-size=1280,900",
         f"--user-data-dir={profile}",
     ):
         options.add_argument(flag)
@@ -107,6 +108,27 @@ def state_colour(driver: WebDriver, worker_id: str) -> tuple[int, int, int]:
     raise AssertionError(f"no row for worker {worker_id!r}")
 
 
+def no_sideways_scrolling(driver: WebDriver) -> bool:
+    """The page fits the window's width (1280 px): nothing to scroll sideways to."""
+    width, inner = driver.execute_script(
+        "return [document.documentElement.scrollWidth, window.innerWidth]"
+    )
+    return bool(width <= inner)
+
+
+def chart_points(driver: WebDriver, worker_id: str) -> dict[str, int]:
+    """Kind of chart -> steps with data, for one worker's row."""
+    for row in driver.find_elements(By.CSS_SELECTOR, "tr[data-worker]"):
+        if row.get_attribute("data-worker") == worker_id:
+            return {
+                spark.get_attribute("data-kind"): int(
+                    spark.find_element(By.TAG_NAME, "svg").get_attribute("data-points")
+                )
+                for spark in row.find_elements(By.CSS_SELECTOR, ".spark")
+            }
+    raise AssertionError(f"no row for worker {worker_id!r}")
+
+
 def is_red(rgb: tuple[int, int, int]) -> bool:
     r, g, b = rgb
     return r >= 150 and g <= 100 and b <= 100
@@ -133,8 +155,10 @@ def screenshot(driver: WebDriver, tmp_path: pathlib.Path, name: str) -> pathlib.
     return path
 
 
-def test_a_killed_worker_turns_red_on_the_status_page(start_worker, tmp_path):
-    """The page lists every worker as up; a worker killed mid-test turns down and red."""
+def test_a_killed_worker_turns_red_on_the_status_page(start_worker, tmp_path, monkeypatch):
+    """The page lists every worker as up with its charts, says it shows this process only,
+    fits 1280 px; a worker killed mid-test turns down and red."""
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "0.2")
     workers = [start_worker(worker_id=wid) for wid in ("vm2-npu", "windows-npu", "backup-npu")]
     config = PoolConfig(
         workers=tuple(
@@ -154,6 +178,18 @@ def test_a_killed_worker_turns_red_on_the_status_page(start_worker, tmp_path):
             assert driver.find_element(By.CSS_SELECTOR, '[data-total="tasks.succeeded"]').text == (
                 "12"
             )
+            note = driver.find_element(By.ID, "scope-note")
+            assert note.is_displayed()
+            assert note.text.startswith(f"One process only: pid {os.getpid()} on ")
+            for i in range(12, 40):
+                pool.execute({"model_id": "default", "input_text": f"charted {i}"})
+            wait_for(
+                driver,
+                lambda d: chart_points(d, "vm2-npu")["rate"] >= 3,
+                "a few steps of vm2-npu's tasks/s chart",
+            )
+            assert set(chart_points(driver, "windows-npu")) == {"rate", "p99", "fail"}
+            assert no_sideways_scrolling(driver)
 
             workers[1].kill()
             wait_for(driver, lambda d: rows(d).get("windows-npu") == "down", "windows-npu down")
@@ -169,8 +205,10 @@ def test_a_killed_worker_turns_red_on_the_status_page(start_worker, tmp_path):
             screenshot(driver, tmp_path, "status.png")
 
 
-def test_states_colours_and_escaping_on_a_fake_network(tmp_path):
-    """Up is green, disabled amber, open breaker red; ids and errors render as text only."""
+def test_states_colours_and_escaping_on_a_fake_network(tmp_path, monkeypatch):
+    """Up is green, disabled amber, open breaker red (a red band on its charts too); ids and
+    errors render as text only."""
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "0.2")
     evil = "<img/src=x/onerror=alert(1)>"
     net = FakeNetwork()
     net.route(evil, lambda req: json_response(503, {"detail": '<b id="injected">boom</b>'}))
@@ -196,8 +234,13 @@ def test_states_colours_and_escaping_on_a_fake_network(tmp_path):
             assert is_amber(state_colour(driver, "off")), state_colour(driver, "off")
             assert driver.find_elements(By.TAG_NAME, "img") == []
             assert driver.find_elements(By.ID, "injected") == []
-            ids = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "td.c-id")]
+            ids = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "td.c-id .wid")]
             assert evil in ids
+            wait_for(
+                driver,
+                lambda d: d.find_elements(By.CSS_SELECTOR, "tr[data-state=down] .band-open"),
+                "the open breaker's band on its charts",
+            )
             errors = " ".join(e.text for e in driver.find_elements(By.CSS_SELECTOR, "td.c-error"))
             assert '<b id="injected">boom</b>' in errors
             failed = driver.find_element(By.CSS_SELECTOR, '[data-total="tasks.failed"]')

@@ -1,0 +1,916 @@
+"""A pool's last minutes, and the fleet view: every process's pool at once.
+
+Each pool has a :class:`Monitor`. Its thread (``npu-sync-fleet``) samples the pool every
+``interval`` seconds, on the multiples of the interval on the wall clock, so that the
+samples of every process on every (NTP-synchronised) host fall in the same steps. A
+sample keeps what happened during the step — per worker the attempts that succeeded and
+failed, the p99 latency and the breaker state, and for the pool the tasks that
+succeeded and failed — and the monitor keeps the last ``points`` samples: the charts of
+the status page.
+
+With shared state in Redis the monitor also publishes a compact snapshot of its pool
+(per-worker counts, latency percentiles, breaker state, process id, host, start time,
+and those samples) under a key that expires ``ttl`` seconds later.
+``pool.stats(scope="fleet")`` reads every snapshot still there: a process that dies
+stops publishing and drops out after ``ttl``; one that closes its pool withdraws its
+snapshot at once. Without Redis the fleet view holds this process only, and says so.
+
+A task pays nothing for any of this: the monitor reads ``stats()`` and ``workers()``
+on its own thread once per interval, and only that thread writes to Redis.
+
+The settings come from the environment until the configuration file has keys for
+them (see docs/deployment.md):
+
+- ``NPU_SYNC_FLEET_INTERVAL``: seconds between samples (default 5);
+- ``NPU_SYNC_FLEET_TTL``: seconds a snapshot outlives its process (default three times
+  the interval);
+- ``NPU_SYNC_FLEET_POINTS``: samples kept (default 120: ten minutes at 5 s);
+- ``NPU_SYNC_FLEET``: ``on`` (default), ``manual`` (no thread: call
+  :meth:`Monitor.tick` yourself, as tests do) or ``off`` (no samples, nothing
+  published).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from npu_sync.clock import SYSTEM_CLOCK, Clock
+from npu_sync.errors import ConfigError, scrub
+from npu_sync.stats_types import (
+    FleetStatsDict,
+    FleetTotals,
+    FleetWorkerTotals,
+    HistoryDict,
+    PoolStatsDict,
+    PoolTaskStats,
+    ProcessInfo,
+    ProcessSnapshot,
+    ProcessWorkerStats,
+    WorkerHistory,
+    WorkerRow,
+)
+
+if TYPE_CHECKING:
+    from npu_sync.config import SharedStateConfig
+    from npu_sync.shared import SharedState
+
+__all__ = [
+    "FleetSettings",
+    "FleetView",
+    "Monitor",
+    "fleet_view",
+    "merge_histories",
+    "monitor_of",
+    "parse_snapshot",
+    "read_fleet",
+]
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT_VERSION = 1
+"""Bumped when a snapshot's shape changes; readers skip versions they do not know."""
+
+MODES = ("on", "manual", "off")
+
+Listener = Callable[[PoolStatsDict, list[WorkerRow]], None]
+"""Called on the monitor's thread after each sample with what it read."""
+
+_TASK_KEYS = (
+    "submitted",
+    "succeeded",
+    "rejected",
+    "failed",
+    "fallbacks",
+    "retries",
+    "active",
+    "in_flight",
+    "waiting",
+)
+_ATTEMPT_KEYS = ("attempts", "succeeded", "failed", "rejected", "not_here", "abandoned")
+_LETTERS = {"closed": "c", "half-open": "h", "open": "o"}
+_SEVERITY = {"-": 0, "c": 1, "h": 2, "o": 3}
+
+
+class _Pool(Protocol):
+    def stats(self) -> PoolStatsDict: ...
+
+    def workers(self) -> list[WorkerRow]: ...
+
+
+# -- settings ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FleetSettings:
+    """How often a pool is sampled, how long its snapshot lives, how much is kept.
+    Immutable, so thread-safe.
+
+    Raises:
+        ConfigError: a value out of range, naming it.
+    """
+
+    interval: float = 5.0
+    ttl: float | None = None  # None: three times the interval
+    points: int = 120
+    mode: str = "on"
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.interval, (int, float)) and 0.05 <= self.interval <= 3600):
+            raise ConfigError(
+                f"fleet.interval: must be 0.05 to 3600 seconds, got {self.interval!r}"
+            )
+        if self.ttl is None:
+            object.__setattr__(self, "ttl", 3.0 * self.interval)
+        elif not (isinstance(self.ttl, (int, float)) and self.interval < self.ttl <= 86400):
+            # A snapshot that expires before the next one is written would make a live
+            # process blink in and out of the fleet.
+            raise ConfigError(
+                f"fleet.ttl: must be more than the interval ({self.interval:g} s) and at most "
+                f"86400, got {self.ttl!r}"
+            )
+        if isinstance(self.points, bool) or not (
+            isinstance(self.points, int) and 2 <= self.points <= 10_000
+        ):
+            raise ConfigError(
+                f"fleet.points: must be a whole number 2 to 10000, got {self.points!r}"
+            )
+        if self.mode not in MODES:
+            raise ConfigError(f"fleet.mode: must be one of {', '.join(MODES)}, got {self.mode!r}")
+
+    @property
+    def expiry(self) -> float:
+        """Seconds a snapshot lives (``ttl``, filled in)."""
+        return self.ttl if self.ttl is not None else 3.0 * self.interval
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> FleetSettings:
+        """Settings from ``NPU_SYNC_FLEET_*`` variables; defaults for those unset.
+
+        Raises:
+            ConfigError: a variable's value is unusable, naming the variable.
+        """
+        fields: dict[str, Any] = {}
+        for name, field, parse in (
+            ("NPU_SYNC_FLEET_INTERVAL", "interval", float),
+            ("NPU_SYNC_FLEET_TTL", "ttl", float),
+            ("NPU_SYNC_FLEET_POINTS", "points", int),
+            ("NPU_SYNC_FLEET", "mode", str.lower),
+        ):
+            raw = env.get(name, "").strip()
+            if not raw:
+                continue
+            try:
+                value = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{name}: not a number, got {raw!r}") from None
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{name}: not a finite number, got {raw!r}")
+            fields[field] = value
+        try:
+            return cls(**fields)
+        except ConfigError as exc:
+            # Name the variable the operator set, not the future YAML key.
+            message = exc.errors[0]
+            for name, field in (
+                ("NPU_SYNC_FLEET_INTERVAL", "interval"),
+                ("NPU_SYNC_FLEET_TTL", "ttl"),
+                ("NPU_SYNC_FLEET_POINTS", "points"),
+                ("NPU_SYNC_FLEET", "mode"),
+            ):
+                message = message.replace(f"fleet.{field}:", f"{name}:")
+            raise ConfigError(message) from None
+
+
+# -- history -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True)
+class _Step:
+    """What happened during one step: per worker [succeeded, failed, p99_ms, letter]."""
+
+    tasks_succeeded: int = 0
+    tasks_failed: int = 0
+    workers: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+
+
+class _History:
+    """The last ``points`` steps of one pool. Not thread-safe: the monitor's lock guards it."""
+
+    def __init__(self, step: float, points: int) -> None:
+        self.step = step
+        self.points = points
+        self._steps: dict[int, _Step] = {}
+        self._newest: int | None = None
+        self._order: list[str] = []
+        # Counters as last read: each sample records the difference.
+        self._tasks: tuple[int, int] = (0, 0)
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._trips: dict[str, int] | None = None  # None: nothing read yet
+
+    def record(self, now: float, stats: PoolStatsDict, rows: Sequence[WorkerRow]) -> None:
+        bucket = round(now / self.step)
+        if self._newest is not None and bucket < self._newest:
+            bucket = self._newest  # the wall clock stepped back: add to the newest step
+        step = self._steps.get(bucket)
+        if step is None:
+            step = self._steps[bucket] = _Step()
+        tasks = stats["tasks"]
+        ok, failed = tasks["succeeded"], tasks["failed"]
+        step.tasks_succeeded += _delta(ok, self._tasks[0])
+        step.tasks_failed += _delta(failed, self._tasks[1])
+        self._tasks = (ok, failed)
+        first = self._trips is None
+        trips = self._trips if self._trips is not None else {}
+        order = []
+        for row in rows:
+            if row["removed"]:
+                continue
+            wid = row["id"]
+            order.append(wid)
+            counts = row["tasks"]
+            before = self._seen.get(wid, (0, 0))
+            d_ok = _delta(counts["succeeded"], before[0])
+            d_failed = _delta(counts["failed"], before[1])
+            self._seen[wid] = (counts["succeeded"], counts["failed"])
+            breaker = row["breaker"]
+            # Trips before the first sample are not this history's (after a fork they
+            # are the parent's), so they mark nothing.
+            tripped = not first and _delta(breaker["trips"], trips.get(wid, 0)) > 0
+            trips[wid] = breaker["trips"]
+            letter = "o" if tripped else _LETTERS.get(breaker["state"], "c")
+            p99 = row["latency"]["p99_ms"] if d_ok + d_failed else None
+            cell = step.workers.get(wid)
+            if cell is None:
+                step.workers[wid] = [d_ok, d_failed, _round(p99), letter]
+            else:  # a second sample in one step (a tick by hand): add it up
+                cell[0] += d_ok
+                cell[1] += d_failed
+                cell[2] = _max(cell[2], _round(p99))
+                cell[3] = _worst(cell[3], letter)
+        self._trips = trips
+        self._order = order
+        self._newest = bucket
+        for old in [b for b in self._steps if b <= bucket - self.points]:
+            del self._steps[old]
+
+    def export(self) -> HistoryDict:
+        n = self.points
+        if self._newest is None:
+            return _empty_history(self.step, n)
+        first = self._newest - n + 1
+        steps = [self._steps.get(b) for b in range(first, self._newest + 1)]
+        ids = list(self._order)
+        for step in steps:
+            if step is not None:
+                ids += [wid for wid in step.workers if wid not in ids]
+        workers: list[WorkerHistory] = []
+        for wid in ids:
+            cells = [None if s is None else s.workers.get(wid) for s in steps]
+            workers.append(
+                {
+                    "id": wid,
+                    "succeeded": [None if c is None else c[0] for c in cells],
+                    "failed": [None if c is None else c[1] for c in cells],
+                    "p99_ms": [None if c is None else c[2] for c in cells],
+                    "breaker": "".join("-" if c is None else c[3] for c in cells),
+                }
+            )
+        return {
+            "step_s": self.step,
+            "points": n,
+            "end_at": self._newest * self.step,
+            "tasks": {
+                "succeeded": [None if s is None else s.tasks_succeeded for s in steps],
+                "failed": [None if s is None else s.tasks_failed for s in steps],
+            },
+            "workers": workers,
+        }
+
+
+def _delta(now: int, before: int) -> int:
+    # A counter below its last reading started again (a worker removed and added back).
+    return now - before if now >= before else now
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    return a if b is None else max(a, b)
+
+
+def _worst(a: str, b: str) -> str:
+    return a if _SEVERITY.get(a, 0) >= _SEVERITY.get(b, 0) else b
+
+
+def _empty_history(step: float, points: int) -> HistoryDict:
+    nothing: list[Any] = [None] * points
+    return {
+        "step_s": step,
+        "points": points,
+        "end_at": None,
+        "tasks": {"succeeded": list(nothing), "failed": list(nothing)},
+        "workers": [],
+    }
+
+
+def merge_histories(
+    histories: Iterable[HistoryDict], *, step: float, points: int, end_at: float | None
+) -> HistoryDict:
+    """The histories of several processes as one: counts summed per step, the highest
+    p99, the worst breaker state. Histories in another step size are left out.
+
+    Args:
+        histories: the processes' histories.
+        step: the step size in seconds.
+        points: how many steps the result has.
+        end_at: the newest step of the result (epoch seconds); None: the newest of any.
+    """
+    usable = [h for h in histories if h["end_at"] is not None and math.isclose(h["step_s"], step)]
+    if end_at is None:
+        ends = [h["end_at"] for h in usable if h["end_at"] is not None]
+        if not ends:
+            return _empty_history(step, points)
+        end_at = max(ends)
+    ok: list[int | None] = [None] * points
+    failed: list[int | None] = [None] * points
+    per_worker: dict[str, WorkerHistory] = {}
+    for h in usable:
+        assert h["end_at"] is not None
+        shift = round((end_at - h["end_at"]) / step)
+        length = h["points"]
+
+        def place(i: int, shift: int = shift, length: int = length) -> int | None:
+            """Index in the result of index ``i`` of this history, if it falls inside."""
+            j = i - (length - points) - shift
+            return j if 0 <= j < points else None
+
+        for i, (s, f) in enumerate(zip(h["tasks"]["succeeded"], h["tasks"]["failed"], strict=True)):
+            j = place(i)
+            if j is not None:
+                ok[j] = _sum(ok[j], s)
+                failed[j] = _sum(failed[j], f)
+        for series in h["workers"]:
+            wid = series["id"]
+            merged = per_worker.get(wid)
+            if merged is None:
+                merged = per_worker[wid] = {
+                    "id": wid,
+                    "succeeded": [None] * points,
+                    "failed": [None] * points,
+                    "p99_ms": [None] * points,
+                    "breaker": "-" * points,
+                }
+            letters = list(merged["breaker"])
+            for i in range(len(series["breaker"])):
+                j = place(i)
+                if j is None:
+                    continue
+                merged["succeeded"][j] = _sum(merged["succeeded"][j], series["succeeded"][i])
+                merged["failed"][j] = _sum(merged["failed"][j], series["failed"][i])
+                merged["p99_ms"][j] = _max(merged["p99_ms"][j], series["p99_ms"][i])
+                letters[j] = _worst(letters[j], series["breaker"][i])
+            merged["breaker"] = "".join(letters)
+    return {
+        "step_s": step,
+        "points": points,
+        "end_at": end_at,
+        "tasks": {"succeeded": ok, "failed": failed},
+        "workers": list(per_worker.values()),
+    }
+
+
+def _sum(a: int | None, b: int | None) -> int | None:
+    if a is None:
+        return b
+    return a if b is None else a + b
+
+
+# -- snapshots ---------------------------------------------------------------------------
+
+
+def _process_info(now: float) -> ProcessInfo:
+    host = socket.gethostname()
+    pid = os.getpid()
+    # The random part keeps a pid reused after a restart (or in another container with
+    # the same host name) from being taken for the old process.
+    return {
+        "id": f"{host}:{pid}:{secrets.token_hex(4)}",
+        "pid": pid,
+        "host": host,
+        "started_at": now,
+    }
+
+
+def _worker_stats(row: WorkerRow) -> ProcessWorkerStats:
+    tasks = row["tasks"]
+    latency = row["latency"]
+    return {
+        "id": row["id"],
+        "breaker": row["breaker"]["state"],
+        "healthy": row["healthy"],
+        "in_flight": row["in_flight"],
+        "capacity": row["capacity"],
+        "attempts": tasks["attempts"],
+        "succeeded": tasks["succeeded"],
+        "failed": tasks["failed"],
+        "rejected": tasks["rejected"],
+        "not_here": tasks["not_here"],
+        "abandoned": tasks["abandoned"],
+        "trips": row["breaker"]["trips"],
+        "p50_ms": _round(latency["p50_ms"]),
+        "p95_ms": _round(latency["p95_ms"]),
+        "p99_ms": _round(latency["p99_ms"]),
+    }
+
+
+def parse_snapshot(text: str) -> dict[str, Any] | None:
+    """A snapshot another process published, checked; None if unreadable or of an
+    unknown version (another release of npu_sync may share the namespace)."""
+    try:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("v") != SNAPSHOT_VERSION:
+            return None
+        process = data["process"]
+        _check(process, {"id": str, "pid": int, "host": str, "started_at": float})
+        _check(data, {"published_at": float, "uptime_s": float})
+        _check(data["tasks"], dict.fromkeys(_TASK_KEYS, int))
+        workers = data["workers"]
+        if not isinstance(workers, list):
+            return None
+        for row in workers:
+            _check(row, {"id": str, "breaker": str, "healthy": bool, "in_flight": int})
+            _check(row, {"capacity": int, "trips": int, **dict.fromkeys(_ATTEMPT_KEYS, int)})
+            for key in ("p50_ms", "p95_ms", "p99_ms"):
+                if row.get(key) is not None:
+                    _check(row, {key: float})
+        history = data["history"]
+        _check(history, {"step_s": float, "points": int})
+        if not (isinstance(history["tasks"], dict) and isinstance(history["workers"], list)):
+            return None
+        if history["end_at"] is not None:
+            _check(history, {"end_at": float})
+        points = history["points"]
+        lists = [history["tasks"]["succeeded"], history["tasks"]["failed"]]
+        for series in history["workers"]:
+            _check(series, {"id": str, "breaker": str})
+            lists += [series["succeeded"], series["failed"], series["p99_ms"]]
+            if len(series["breaker"]) != points:
+                return None
+        for values in lists:
+            if not isinstance(values, list) or len(values) != points:
+                return None
+            if any(
+                v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
+                for v in values
+            ):
+                return None
+    except (ValueError, KeyError, TypeError):
+        return None
+    return data
+
+
+def _check(value: Any, types: Mapping[str, type]) -> None:
+    if not isinstance(value, dict):
+        raise TypeError("not an object")
+    for key, kind in types.items():
+        item = value[key]
+        if kind is float:
+            ok = isinstance(item, (int, float)) and not isinstance(item, bool)
+        elif kind is int:
+            ok = isinstance(item, int) and not isinstance(item, bool)
+        else:
+            ok = isinstance(item, kind)
+        if not ok:
+            raise TypeError(f"{key}: not {kind.__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetView:
+    """Every process's snapshot, summed up. Frozen; the lists in it are the caller's."""
+
+    shared: bool
+    available: bool
+    note: str
+    processes: list[ProcessSnapshot]
+    totals: FleetTotals
+    history: HistoryDict
+
+
+def fleet_view(
+    snapshots: Iterable[dict[str, Any]],
+    *,
+    now: float,
+    settings: FleetSettings,
+    this_process: str | None = None,
+    order: Sequence[str] = (),
+    shared: bool,
+    available: bool,
+    note: str,
+    end_at: float | None = None,
+) -> FleetView:
+    """Totals, per-process rows and merged history of checked snapshots.
+
+    Args:
+        snapshots: from :func:`parse_snapshot` (and this process's own).
+        now: epoch seconds, for the age of each snapshot.
+        settings: for the history's step and length.
+        this_process: the id of the process answering, marked in its row.
+        order: worker ids in the order to list them (the rest follow, sorted).
+        shared, available, note: copied into the view.
+        end_at: the newest step of the merged history (None: the newest of any).
+    """
+    snaps = sorted(snapshots, key=lambda s: (s["process"]["host"], s["process"]["pid"]))
+    processes: list[ProcessSnapshot] = []
+    tasks = cast(PoolTaskStats, dict.fromkeys(_TASK_KEYS, 0))
+    workers: dict[str, FleetWorkerTotals] = {}
+    for snap in snaps:
+        info: ProcessInfo = snap["process"]
+        rows: list[ProcessWorkerStats] = snap["workers"]
+        processes.append(
+            {
+                "process": info,
+                "this_process": info["id"] == this_process,
+                "published_at": snap["published_at"],
+                "age_s": max(0.0, now - snap["published_at"]),
+                "uptime_s": snap["uptime_s"],
+                "tasks": snap["tasks"],
+                "workers": rows,
+            }
+        )
+        for key in _TASK_KEYS:
+            tasks[key] += snap["tasks"][key]  # type: ignore[literal-required]
+        for row in rows:
+            total = workers.get(row["id"])
+            if total is None:
+                total = workers[row["id"]] = {
+                    "id": row["id"],
+                    "processes": 0,
+                    "in_flight": 0,
+                    "capacity": 0,
+                    "attempts": 0,
+                    "succeeded": 0,
+                    "failed": 0,
+                    "rejected": 0,
+                    "not_here": 0,
+                    "abandoned": 0,
+                    "trips": 0,
+                    "p99_ms": None,
+                    "open_in": 0,
+                    "half_open_in": 0,
+                    "unhealthy_in": 0,
+                }
+            total["processes"] += 1
+            for key in ("in_flight", "capacity", "trips", *_ATTEMPT_KEYS):
+                total[key] += row[key]  # type: ignore[literal-required]
+            total["p99_ms"] = _max(total["p99_ms"], row["p99_ms"])
+            total["open_in"] += row["breaker"] == "open"
+            total["half_open_in"] += row["breaker"] == "half-open"
+            total["unhealthy_in"] += not row["healthy"]
+    ranked = {wid: n for n, wid in enumerate(order)}
+    listed = sorted(workers.values(), key=lambda w: (ranked.get(w["id"], len(ranked)), w["id"]))
+    history = merge_histories(
+        (s["history"] for s in snaps),
+        step=settings.interval,
+        points=settings.points,
+        end_at=end_at,
+    )
+    hist_rank = {w["id"]: n for n, w in enumerate(listed)}
+    history["workers"].sort(key=lambda w: (hist_rank.get(w["id"], len(hist_rank)), w["id"]))
+    return FleetView(
+        shared=shared,
+        available=available,
+        note=note,
+        processes=processes,
+        totals={
+            "processes": len(processes),
+            "hosts": len({p["process"]["host"] for p in processes}),
+            "tasks": tasks,
+            "workers": listed,
+        },
+        history=history,
+    )
+
+
+def read_fleet(
+    config: SharedStateConfig,
+    *,
+    settings: FleetSettings | None = None,
+    now: float | None = None,
+) -> FleetView:
+    """The fleet as another program sees it (``npu-sync status``): every snapshot in Redis
+    under ``config.namespace``, without a pool of its own and without joining the fleet.
+
+    Raises:
+        ConfigError: Redis refused the credentials or the database number.
+    """
+    from npu_sync.shared import SharedState  # imports redis: only when asked for
+
+    settings = settings if settings is not None else FleetSettings.from_env(os.environ)
+    when = time.time() if now is None else now
+    if config.backend != "redis":
+        return fleet_view(
+            [],
+            now=when,
+            settings=settings,
+            shared=False,
+            available=False,
+            note=(
+                "Not shared (shared_state.backend: none): each process reports only itself, "
+                "on its own status endpoints."
+            ),
+        )
+    shared = SharedState(config, lambda *change: None)
+    try:
+        found = None
+        if shared.available:
+            found = shared.read_snapshots(stale_after=max(60.0, 4 * settings.expiry))
+    finally:
+        shared.stop()
+    if found is None:
+        error = scrub(str(shared.last_error or "no answer"))
+        return fleet_view(
+            [],
+            now=when,
+            settings=settings,
+            shared=True,
+            available=False,
+            note=f"Shared state unavailable ({error}).",
+        )
+    snapshots = [p for p in (parse_snapshot(text) for _, text in found) if p is not None]
+    hosts = len({s["process"]["host"] for s in snapshots})
+    count = len(snapshots)
+    note = (
+        f"{count} process{'es' if count != 1 else ''} on {hosts} host{'s' if hosts != 1 else ''} "
+        f"publish to Redis namespace {config.namespace!r}"
+        + ("" if count else ": no pool is running, or none has sampled yet")
+        + "."
+    )
+    return fleet_view(
+        snapshots, now=when, settings=settings, shared=True, available=True, note=note
+    )
+
+
+# -- the monitor -------------------------------------------------------------------------
+
+
+class Monitor:
+    """Samples one pool on a timer: its history, its fleet snapshot, its listeners.
+
+    Thread-safe. Holds the pool weakly: a pool dropped without ``close()`` lets the
+    thread go. ``tick()`` takes one sample now (the thread calls it; tests may too).
+
+    The thread starts with :meth:`start` when there is a fleet to publish to (``shared``)
+    or the pool runs background work anyway (``eager``: its health checks); otherwise a
+    pool with nothing to do in the background starts no thread until its history or the
+    fleet view is first asked for, or a listener is added.
+
+    Args:
+        pool: the pool to sample (a :class:`npu_sync.WorkerPool`).
+        shared: its shared state, to publish to; None without Redis.
+        clock: the pool's clock (its ``time()`` stamps the samples).
+        settings: default from the ``NPU_SYNC_FLEET_*`` environment variables.
+        eager: start sampling with :meth:`start` even without shared state.
+
+    Raises:
+        ConfigError: an ``NPU_SYNC_FLEET_*`` variable is unusable.
+    """
+
+    def __init__(
+        self,
+        pool: _Pool,
+        shared: SharedState | None,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
+        settings: FleetSettings | None = None,
+        eager: bool = True,
+    ) -> None:
+        self.settings = settings if settings is not None else FleetSettings.from_env(os.environ)
+        self._wanted = eager or shared is not None
+        self._pool = weakref.ref(pool)
+        self._shared = shared
+        self._clock = clock
+        self._listeners: tuple[Listener, ...] = ()
+        self._thread: threading.Thread | None = None
+        self._fresh(pool)
+        _monitors[pool] = self
+
+    def _fresh(self, pool: _Pool) -> None:
+        """State of a new process: its own identity, history, lock and stop event."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        # A pool collected without close() wakes the thread, which then ends.
+        self._finalizer = weakref.finalize(pool, self._stop.set)
+        self._process = _process_info(self._clock.time())
+        self._history = _History(self.settings.interval, self.settings.points)
+        self._published = False
+        self.ticks = 0
+
+    @property
+    def process(self) -> ProcessInfo:
+        """Which process (and pool) this is."""
+        return dict(self._process)  # type: ignore[return-value]
+
+    def start(self) -> None:
+        """Start the sampling thread, if it is wanted yet (unless the mode is ``manual``
+        or ``off``). Idempotent; does nothing once stopped."""
+        if self.settings.mode != "on" or not self._wanted:
+            return
+        with self._lock:
+            if self._thread is not None or self._stop.is_set():
+                return
+            self._thread = threading.Thread(target=self._run, name="npu-sync-fleet", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread and withdraw this process from the fleet. Idempotent."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        with self._lock:
+            published, self._published = self._published, False
+        if published and self._shared is not None and self._shared.available:
+            self._shared.withdraw_snapshot(self._process["id"])
+
+    def after_fork(self) -> None:
+        """In a child process: a process of its own, with an empty history; the thread
+        starts again with :meth:`start` (the pool calls it on first use)."""
+        pool = self._pool()
+        self._finalizer.detach()
+        self._thread = None
+        if pool is not None:
+            self._fresh(pool)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(stats, workers)`` on the monitor's thread after every sample."""
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+        self._want()
+
+    def _want(self) -> None:
+        """Somebody looks at this pool's history: sample from now on."""
+        if not self._wanted:
+            self._wanted = True
+            self.start()
+
+    def remove_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
+
+    def _run(self) -> None:
+        step = self.settings.interval
+        while True:
+            now = self._clock.time()
+            # To the next multiple of the step: every process samples the same steps.
+            delay = step - (now % step)
+            if delay < step * 0.01:
+                delay += step
+            if self._stop.wait(delay):
+                return
+            try:
+                self.tick()
+            except Exception:  # the thread must outlive one bad sample
+                log.exception("fleet monitor: could not sample the pool")
+
+    def tick(self) -> None:
+        """Sample the pool now: record a step, publish the snapshot, call the listeners."""
+        if self.settings.mode == "off":
+            return
+        pool = self._pool()
+        if pool is None:
+            return
+        stats = pool.stats()
+        rows = pool.workers()
+        now = self._clock.time()
+        with self._lock:
+            self._history.record(now, stats, rows)
+            snapshot = self._snapshot(stats, rows, now)
+            listeners = self._listeners
+            self.ticks += 1
+        shared = self._shared
+        if shared is not None and shared.available and not self._stop.is_set():
+            payload = json.dumps(snapshot, separators=(",", ":"))
+            if shared.publish_snapshot(self._process["id"], payload, self.settings.expiry):
+                with self._lock:
+                    self._published = True
+        for listener in listeners:
+            try:
+                listener(stats, rows)
+            except Exception:
+                log.exception("fleet monitor: a listener failed")
+
+    def _snapshot(
+        self, stats: PoolStatsDict, rows: Sequence[WorkerRow], now: float
+    ) -> dict[str, Any]:
+        """Call with the lock held."""
+        return {
+            "v": SNAPSHOT_VERSION,
+            "process": dict(self._process),
+            "published_at": now,
+            "uptime_s": stats["uptime_s"],
+            "tasks": {key: stats["tasks"][key] for key in _TASK_KEYS},  # type: ignore[literal-required]
+            "workers": [_worker_stats(row) for row in rows if not row["removed"]],
+            "history": self._history.export(),
+        }
+
+    def history(self) -> HistoryDict:
+        """This process's history, as of its last sample."""
+        self._want()
+        with self._lock:
+            return self._history.export()
+
+    def fleet(self) -> FleetStatsDict:
+        """What ``pool.stats(scope="fleet")`` returns: every live process's snapshot, this
+        one's fresh, their totals and merged history, next to this process's ``stats()``."""
+        pool = self._pool()
+        if pool is None:
+            raise RuntimeError("the pool of this monitor is gone")
+        self._want()
+        stats = pool.stats()
+        rows = pool.workers()
+        now = self._clock.time()
+        with self._lock:
+            mine = self._snapshot(stats, rows, now)
+            end_at = mine["history"]["end_at"]
+        me = self._process
+        where = f"pid {me['pid']} on {me['host']}"
+        others: list[dict[str, Any]] = []
+        shared = self._shared is not None and self.settings.mode != "off"
+        available = False
+        if self.settings.mode == "off":
+            note = f"Fleet snapshots are off (NPU_SYNC_FLEET=off): this shows one process, {where}."
+        elif self._shared is None:
+            note = (
+                f"One process only: {where}. Processes share nothing without Redis "
+                "(shared_state.backend: redis), so each shows only itself."
+            )
+        else:
+            found = None
+            if self._shared.available:
+                found = self._shared.read_snapshots(stale_after=max(60.0, 4 * self.settings.expiry))
+            if found is None:
+                error = scrub(str(self._shared.last_error or "no answer"))
+                note = f"Shared state unavailable ({error}): this shows one process, {where}."
+            else:
+                available = True
+                for member, text in found:
+                    if member == me["id"]:
+                        continue  # this process: the fresh snapshot instead of the last one
+                    parsed = parse_snapshot(text)
+                    if parsed is None:
+                        log.debug("fleet view: skipping an unreadable snapshot of %s", member)
+                    else:
+                        others.append(parsed)
+                count = 1 + len(others)
+                hosts = len({me["host"], *(o["process"]["host"] for o in others)})
+                note = (
+                    f"{count} process{'es' if count != 1 else ''} on {hosts} "
+                    f"host{'s' if hosts != 1 else ''}, answered by {where}; snapshots every "
+                    f"{self.settings.interval:g} s, gone {self.settings.expiry:g} s after a "
+                    "process stops."
+                )
+        view = fleet_view(
+            [mine, *others],
+            now=now,
+            settings=self.settings,
+            this_process=me["id"],
+            order=[r["id"] for r in rows],
+            shared=shared,
+            available=available,
+            note=note,
+            end_at=end_at,
+        )
+        return {
+            "scope": "fleet",
+            "shared": view.shared,
+            "available": view.available,
+            "note": view.note,
+            "this_process": self.process,
+            "totals": view.totals,
+            "processes": view.processes,
+            "history": view.history,
+            "local": stats,
+        }
+
+
+_monitors: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(pool: object) -> Monitor | None:
+    """The monitor of a pool, if it has one (every :class:`npu_sync.WorkerPool` does)."""
+    return _monitors.get(pool)

@@ -1,0 +1,476 @@
+"""The fleet monitor: a pool's last minutes in steps, its snapshot in Redis under a TTL,
+and stats(scope="fleet") summing every process's."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import threading
+from typing import Any
+
+import pytest
+
+from npu_sync import ConfigError, TaskFailed, WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    RetryConfig,
+    SharedStateConfig,
+    worker_config,
+)
+from npu_sync.fleet import (
+    FleetSettings,
+    Monitor,
+    merge_histories,
+    monitor_of,
+    parse_snapshot,
+)
+from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
+from npu_sync.transport import Response
+
+STEP = 5.0
+WALL = 1_700_000_000.0  # a multiple of STEP: the FakeClock's wall time starts on a step
+
+
+def answer(req: FakeRequest) -> Response:
+    if req.path == "/health":
+        return json_response(200, {"status": "healthy"})
+    if req.json().get("fail"):
+        return json_response(503, {"detail": "overloaded"})
+    return json_response(200, {"worker_id": req.worker_id})
+
+
+def make_config(*ids: str, shared: SharedStateConfig | None = None) -> PoolConfig:
+    return PoolConfig(
+        workers=tuple(
+            worker_config(wid, f"http://127.0.0.1:{9500 + n}", priority=n + 1)
+            for n, wid in enumerate(ids)
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=len(ids) - 1, backoff_initial=0.01, backoff_max=0.01),
+        circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=30),
+        shared_state=shared or SharedStateConfig(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def manual(monkeypatch):
+    """Samples are taken by the test (tick()), not by a thread on the real clock."""
+    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
+    for name in ("NPU_SYNC_FLEET_INTERVAL", "NPU_SYNC_FLEET_TTL", "NPU_SYNC_FLEET_POINTS"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock(wall=WALL)
+
+
+@pytest.fixture
+def net() -> FakeNetwork:
+    return FakeNetwork(answer)
+
+
+@pytest.fixture
+def redis_server(monkeypatch):
+    """Every redis client built from a URL talks to one in-memory fakeredis server."""
+    fakeredis = pytest.importorskip("fakeredis")
+    import redis
+
+    server = fakeredis.FakeServer()
+    monkeypatch.setattr(redis.Redis, "from_url", lambda *a, **k: fakeredis.FakeRedis(server=server))
+    return server
+
+
+def client(server: Any) -> Any:
+    import fakeredis
+
+    return fakeredis.FakeRedis(server=server)
+
+
+SHARED = SharedStateConfig(backend="redis", namespace="fleet-test")
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+def test_settings_default_and_come_from_the_environment():
+    """Defaults: 5 s steps, snapshots living three steps, ten minutes kept."""
+    default = FleetSettings.from_env({})
+    assert (default.interval, default.expiry, default.points, default.mode) == (
+        5.0,
+        15.0,
+        120,
+        "on",
+    )
+    given = FleetSettings.from_env(
+        {"NPU_SYNC_FLEET_INTERVAL": "0.5", "NPU_SYNC_FLEET_TTL": "2", "NPU_SYNC_FLEET": "Manual"}
+    )
+    assert (given.interval, given.expiry, given.points, given.mode) == (0.5, 2.0, 120, "manual")
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"NPU_SYNC_FLEET_INTERVAL": "soon"}, "NPU_SYNC_FLEET_INTERVAL: not a number, got 'soon'"),
+        ({"NPU_SYNC_FLEET_INTERVAL": "0"}, "NPU_SYNC_FLEET_INTERVAL: must be 0.05 to 3600"),
+        ({"NPU_SYNC_FLEET_INTERVAL": "nan"}, "NPU_SYNC_FLEET_INTERVAL: not a finite number"),
+        ({"NPU_SYNC_FLEET_TTL": "5"}, "NPU_SYNC_FLEET_TTL: must be more than the interval (5 s)"),
+        ({"NPU_SYNC_FLEET_POINTS": "1"}, "NPU_SYNC_FLEET_POINTS: must be a whole number 2 to"),
+        ({"NPU_SYNC_FLEET": "sometimes"}, "NPU_SYNC_FLEET: must be one of on, manual, off"),
+    ],
+)
+def test_an_unusable_setting_is_a_config_error_naming_the_variable(env, named):
+    """The message names the environment variable and the value given."""
+    with pytest.raises(ConfigError) as info:
+        FleetSettings.from_env(env)
+    assert named in str(info.value)
+
+
+def test_a_pool_with_an_unusable_setting_fails_to_build(monkeypatch, net):
+    """A typo in the environment fails at start-up, not silently."""
+    monkeypatch.setenv("NPU_SYNC_FLEET_POINTS", "lots")
+    with pytest.raises(ConfigError, match="NPU_SYNC_FLEET_POINTS"):
+        WorkerPool(make_config("a"), transport_factory=net.factory)
+
+
+# -- history -----------------------------------------------------------------------------------
+
+
+def test_each_sample_records_what_happened_during_its_step(net, clock):
+    """Per step: tasks and attempts that ended then, p99 only where attempts ran,
+    and the breaker's state, with a trip marked in the step it happened."""
+    with WorkerPool(make_config("a", "b"), transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        assert monitor is not None
+        for _ in range(3):
+            pool.execute({"n": 1})
+        monitor.tick()  # step 0: three tasks on a
+        clock.advance(STEP)
+        monitor.tick()  # step 1: nothing
+        clock.advance(STEP)
+        with pytest.raises(TaskFailed):
+            pool.execute({"fail": True})  # fails on a and b: both breakers open
+        monitor.tick()  # step 2
+        history = monitor.history()
+
+    assert history["step_s"] == STEP and history["points"] == 120
+    assert history["end_at"] == WALL + 2 * STEP
+    assert history["tasks"]["succeeded"][-3:] == [3, 0, 0]
+    assert history["tasks"]["failed"][-3:] == [0, 0, 1]
+    assert history["tasks"]["succeeded"][:-3] == [None] * 117
+    a, b = history["workers"]
+    assert (a["id"], b["id"]) == ("a", "b")
+    assert a["succeeded"][-3:] == [3, 0, 0]
+    assert a["failed"][-3:] == [0, 0, 1] and b["failed"][-3:] == [0, 0, 1]
+    assert a["p99_ms"][-3] is not None and a["p99_ms"][-2] is None
+    assert a["breaker"][-3:] == "cco" and b["breaker"][-3:] == "cco"
+    assert a["breaker"][:-3] == "-" * 117
+
+
+def test_a_trip_and_recovery_within_one_step_still_marks_the_step_open(net, clock):
+    """A breaker that opened and closed again between two samples shows as opened."""
+    with WorkerPool(make_config("a", "b"), transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        monitor.tick()
+        clock.advance(STEP)
+        with pytest.raises(TaskFailed):
+            pool.execute({"fail": True})
+        clock.advance(31)  # past the reset timeout: the next task is a's trial
+        pool.execute({"ok": True})
+        assert pool.workers()[0]["breaker"]["state"] == "closed"
+        monitor.tick()
+        letters = monitor.history()["workers"][0]["breaker"]
+    assert letters[-1] == "o"
+
+
+def test_samples_land_on_the_multiples_of_the_step(net, clock):
+    """A sample a little late or early counts for the nearest step; two in one step add up."""
+    with WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        clock.advance(0.3)
+        pool.execute({})
+        monitor.tick()
+        clock.advance(STEP - 0.6)  # 0.3 s before the next step
+        pool.execute({})
+        monitor.tick()
+        pool.execute({})
+        monitor.tick()  # the same step again
+        history = monitor.history()
+    assert history["end_at"] == WALL + STEP
+    assert history["tasks"]["succeeded"][-2:] == [1, 2]
+
+
+def test_histories_of_several_processes_merge_step_by_step():
+    """Counts add up in the step they share, the highest p99 wins, the worst state too."""
+
+    def history(end_at: float, ok: list, p99: list, breaker: str) -> dict:
+        return {
+            "step_s": STEP,
+            "points": 3,
+            "end_at": end_at,
+            "tasks": {"succeeded": ok, "failed": [0, 0, 0]},
+            "workers": [{"id": "a", "succeeded": ok, "failed": [0, 0, 0], "p99_ms": p99,
+                         "breaker": breaker}],
+        }  # fmt: skip
+
+    one = history(WALL, [1, 2, 3], [10.0, None, 30.0], "cco")
+    two = history(WALL - STEP, [5, 6, 7], [50.0, 20.0, 5.0], "hcc")  # one step behind
+    other_step = {**history(WALL, [100, 100, 100], [1.0, 1.0, 1.0], "ccc"), "step_s": 1.0}
+    merged = merge_histories([one, two, other_step], step=STEP, points=4, end_at=WALL)
+    assert merged["end_at"] == WALL
+    assert merged["tasks"]["succeeded"] == [5, 7, 9, 3]
+    (a,) = merged["workers"]
+    assert a["succeeded"] == [5, 7, 9, 3]
+    assert a["p99_ms"] == [50.0, 20.0, 5.0, 30.0]
+    assert a["breaker"] == "hcco"
+
+
+# -- the fleet view ----------------------------------------------------------------------------
+
+
+def test_without_redis_the_fleet_is_this_process_and_says_which(net, clock):
+    """scope="fleet" without shared state: one process, named by pid and host."""
+    with WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock) as pool:
+        pool.execute({})
+        fleet = pool.stats(scope="fleet")
+        local = pool.stats()
+    assert fleet["scope"] == "fleet" and fleet["shared"] is False and fleet["available"] is False
+    me = fleet["this_process"]
+    assert me["pid"] == os.getpid() and me["host"] == socket.gethostname()
+    assert f"One process only: pid {os.getpid()} on {socket.gethostname()}" in fleet["note"]
+    (process,) = fleet["processes"]
+    assert process["this_process"] is True and process["process"] == me
+    assert fleet["totals"]["processes"] == 1
+    assert fleet["totals"]["tasks"]["succeeded"] == local["tasks"]["succeeded"] == 1
+    assert fleet["local"]["tasks"] == local["tasks"]
+
+
+def test_an_unknown_scope_is_refused(net):
+    """stats(scope=...) takes 'local' or 'fleet' only."""
+    with (
+        WorkerPool(make_config("a"), transport_factory=net.factory) as pool,
+        pytest.raises(ValueError, match="scope"),
+    ):
+        pool.stats(scope="cluster")  # type: ignore[call-overload]
+
+
+def test_processes_sharing_redis_see_each_other_and_their_totals(net, clock, redis_server):
+    """Two pools (two processes) on one namespace: each lists both, totals are the sums."""
+    config = make_config("a", "b", shared=SHARED)
+    with (
+        WorkerPool(config, transport_factory=net.factory, clock=clock) as first,
+        WorkerPool(config, transport_factory=net.factory, clock=clock) as second,
+    ):
+        for _ in range(5):
+            first.execute({})
+        for _ in range(3):
+            second.execute({})
+        monitor_of(first).tick()
+        monitor_of(second).tick()
+        first.execute({})  # after the last sample: the answering process is fresh
+        fleet = first.stats(scope="fleet")
+        seen_by_second = second.stats(scope="fleet")
+        capacity = first.workers()[0]["capacity"]
+    assert fleet["shared"] and fleet["available"]
+    assert fleet["note"].startswith("2 processes on 1 host")
+    assert fleet["totals"]["processes"] == 2
+    assert fleet["totals"]["tasks"]["succeeded"] == 9
+    assert seen_by_second["totals"]["tasks"]["succeeded"] == 8  # first's last sample
+    by_id = {p["process"]["id"]: p for p in fleet["processes"]}
+    assert by_id[monitor_of(first).process["id"]]["this_process"] is True
+    assert by_id[monitor_of(second).process["id"]]["tasks"]["succeeded"] == 3
+    a, b = fleet["totals"]["workers"]
+    assert (a["id"], a["processes"], a["succeeded"], a["capacity"]) == ("a", 2, 9, 2 * capacity)
+    assert b["attempts"] == 0
+    assert fleet["history"]["tasks"]["succeeded"][-1] == 8  # the two samples, merged
+
+
+def test_a_snapshot_lives_for_its_ttl_and_a_closed_pool_withdraws_it(
+    net, clock, redis_server, monkeypatch
+):
+    """The key carries the TTL (so a killed process drops out); close() removes it at once."""
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "2")
+    monkeypatch.setenv("NPU_SYNC_FLEET_TTL", "7")
+    redis = client(redis_server)
+    config = make_config("a", shared=SHARED)
+    with WorkerPool(config, transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        member = monitor.process["id"]
+        key = f"fleet-test:fleet:process:{member}"
+        assert redis.exists(key) == 0  # nothing before the first sample
+        monitor.tick()
+        assert 6000 < redis.pttl(key) <= 7000
+        snapshot = parse_snapshot(redis.get(key).decode())
+        assert snapshot is not None and snapshot["process"]["pid"] == os.getpid()
+    assert redis.exists(key) == 0
+    assert redis.zrange("fleet-test:fleet:index", 0, -1) == []
+
+
+def test_expired_and_unreadable_snapshots_are_left_out(net, clock, redis_server):
+    """A process whose key expired, or whose snapshot is garbage or of another version,
+    is not in the view; stale index entries are pruned."""
+    redis = client(redis_server)
+    config = make_config("a", shared=SHARED)
+    with WorkerPool(config, transport_factory=net.factory, clock=clock) as pool:
+        monitor_of(pool).tick()
+        now = redis.time()[0]
+        redis.zadd("fleet-test:fleet:index", {"gone:1:x": now, "bad:2:x": now, "v9:3:x": now})
+        redis.set("fleet-test:fleet:process:bad:2:x", "{not json")
+        redis.set("fleet-test:fleet:process:v9:3:x", json.dumps({"v": 9}))
+        redis.zadd("fleet-test:fleet:index", {"ancient:4:x": now - 3600})
+        fleet = pool.stats(scope="fleet")
+        index = {m.decode() for m in redis.zrange("fleet-test:fleet:index", 0, -1)}
+    assert [p["this_process"] for p in fleet["processes"]] == [True]
+    assert "ancient:4:x" not in index
+
+
+def test_redis_unavailable_shows_this_process_and_says_why(net, clock, redis_server):
+    """During an outage the view is this process only, and the note says so."""
+    config = make_config("a", shared=SHARED)
+    with WorkerPool(config, transport_factory=net.factory, clock=clock) as pool:
+        pool._state.shared.lost(ConnectionError("Connection refused"))
+        fleet = pool.stats(scope="fleet")
+    assert fleet["shared"] is True and fleet["available"] is False
+    assert fleet["note"].startswith(
+        "Shared state unavailable (ConnectionError: Connection refused)"
+    )
+    assert len(fleet["processes"]) == 1
+
+
+def test_parse_snapshot_refuses_malformed_series():
+    """Lists of the wrong length or type would break the merge: the snapshot is skipped."""
+    net = FakeNetwork(answer)
+    with WorkerPool(make_config("a"), transport_factory=net.factory) as pool:
+        monitor = monitor_of(pool)
+        monitor.tick()
+        good = monitor._snapshot(pool.stats(), pool.workers(), 0.0)
+    assert parse_snapshot(json.dumps(good)) is not None
+    short = json.loads(json.dumps(good))
+    short["history"]["workers"][0]["succeeded"].pop()
+    assert parse_snapshot(json.dumps(short)) is None
+    wrong = json.loads(json.dumps(good))
+    wrong["workers"][0]["attempts"] = "many"
+    assert parse_snapshot(json.dumps(wrong)) is None
+    assert parse_snapshot("[]") is None
+
+
+# -- the thread --------------------------------------------------------------------------------
+
+
+def test_the_thread_samples_on_its_own_and_only_it_writes_to_redis(net, redis_server, monkeypatch):
+    """With the timer on, samples and snapshots come from the npu-sync-fleet thread; a
+    task thread sends nothing for them."""
+    from npu_sync.shared import SharedState
+
+    monkeypatch.setenv("NPU_SYNC_FLEET", "on")
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "0.05")
+    publishers: list[str] = []
+    published = threading.Event()
+    real = SharedState.publish_snapshot
+
+    def spy(self: SharedState, member: str, payload: str, ttl: float) -> bool:
+        publishers.append(threading.current_thread().name)
+        if len(publishers) >= 2:
+            published.set()
+        return real(self, member, payload, ttl)
+
+    monkeypatch.setattr(SharedState, "publish_snapshot", spy)
+    with WorkerPool(make_config("a", shared=SHARED), transport_factory=net.factory) as pool:
+        for _ in range(20):
+            pool.execute({})
+        assert published.wait(timeout=10)
+    assert set(publishers) == {"npu-sync-fleet"}
+    assert not any(t.name == "npu-sync-fleet" for t in threading.enumerate())
+
+
+def test_a_pool_dropped_without_close_lets_its_monitor_thread_go(net, monkeypatch):
+    """The thread holds the pool weakly and ends when the pool is collected."""
+    monkeypatch.setenv("NPU_SYNC_FLEET", "on")
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "60")
+    pool = WorkerPool(make_config("a"), transport_factory=net.factory)
+    monitor_of(pool).history()
+    thread = monitor_of(pool)._thread
+    assert thread is not None and thread.is_alive()
+    with pytest.warns(ResourceWarning):
+        del pool
+        gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+def test_a_pool_without_background_work_samples_from_the_first_look(net, monkeypatch):
+    """Health off and no shared state: no thread until the history or fleet is asked for;
+    with health checks on, sampling starts with the pool."""
+    monkeypatch.setenv("NPU_SYNC_FLEET", "on")
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "60")
+    with WorkerPool(make_config("a"), transport_factory=net.factory) as quiet:
+        assert monitor_of(quiet)._thread is None
+        quiet.stats(scope="fleet")
+        assert monitor_of(quiet)._thread is not None
+    checked = PoolConfig(workers=(worker_config("a", "http://127.0.0.1:9500"),))
+    with WorkerPool(checked, transport_factory=net.factory) as busy:
+        assert monitor_of(busy)._thread is not None
+
+
+def test_a_failing_listener_neither_stops_the_sample_nor_the_others(net, clock):
+    """Listeners run after each sample; one raising is logged and the next still runs."""
+    calls: list[int] = []
+
+    def broken(stats, rows):
+        raise RuntimeError("listener bug")
+
+    with WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        monitor.add_listener(broken)
+        monitor.add_listener(lambda stats, rows: calls.append(len(rows)))
+        monitor.tick()
+        monitor.remove_listener(broken)
+        monitor.tick()
+    assert calls == [1, 1] and monitor.ticks == 2
+
+
+def test_after_fork_the_child_is_a_new_process_with_an_empty_history(net, clock):
+    """The child gets its own identity (pid, start time, id) and no history of the parent."""
+    with WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        pool.execute({})
+        monitor.tick()
+        before = monitor.process
+        clock.advance(STEP)
+        monitor.after_fork()
+        after = monitor.process
+        assert monitor.history()["end_at"] is None
+    assert after["id"] != before["id"] and after["started_at"] == WALL + STEP
+
+
+def test_off_takes_no_samples_and_says_so(net, monkeypatch):
+    """NPU_SYNC_FLEET=off: tick() does nothing and the fleet view names the switch."""
+    monkeypatch.setenv("NPU_SYNC_FLEET", "off")
+    with WorkerPool(make_config("a"), transport_factory=net.factory) as pool:
+        monitor = monitor_of(pool)
+        monitor.tick()
+        fleet = pool.stats(scope="fleet")
+    assert monitor.ticks == 0 and fleet["history"]["end_at"] is None
+    assert "NPU_SYNC_FLEET=off" in fleet["note"]
+
+
+def test_a_monitor_can_be_built_for_any_pool_like_object(clock):
+    """Monitor needs only stats() and workers() of what it samples."""
+
+    class Stub:
+        def stats(self):
+            return {"uptime_s": 1.0, "tasks": dict.fromkeys(
+                ("submitted", "succeeded", "rejected", "failed", "fallbacks", "retries",
+                 "active", "in_flight", "waiting"), 0)}  # fmt: skip
+
+        def workers(self):
+            return []
+
+    stub = Stub()
+    monitor = Monitor(stub, None, clock=clock, settings=FleetSettings(mode="manual"))
+    monitor.tick()
+    assert monitor_of(stub) is monitor and monitor.history()["end_at"] == WALL
