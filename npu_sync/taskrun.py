@@ -365,7 +365,8 @@ class TaskRun:
                 ready = self.state.dispatcher.try_acquire(excluded := excluded | lacking)
                 if ready is not None:
                     return ready
-                self.serve_model(self.model)
+                if not self.serve_model(self.model):
+                    return None
                 excluded = self.excluded | self.state.lacking(self.model)
         wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
         lease = self.state.dispatcher.acquire_or_reason(
@@ -376,15 +377,18 @@ class TaskRun:
             return None
         return lease
 
-    def serve_model(self, model: str) -> None:
-        """Return when some live worker may hold ``model`` (waiting for one may help),
-        after loading it on one if ``models.placement`` allows; otherwise raise.
+    def serve_model(self, model: str) -> bool:
+        """Whether some live worker may hold ``model`` (so waiting for one may help),
+        after loading it on one if ``models.placement`` allows.
 
         Live means enabled, healthy, not draining, its breaker not open: a worker that
-        is merely busy is worth waiting for, one that is down is not.
+        is merely busy is worth waiting for, one that is down is not. A task that has
+        already failed on a worker gives up (False, the reason in ``self.reason``): it
+        may well succeed when replayed, once that worker is back.
 
         Raises:
-            TaskRejected: no live worker serves the model, naming it (``exc.model``).
+            TaskRejected: no live worker serves the model, naming it (``exc.model``),
+                and no attempt failed.
         """
         state = self.state
         with state.lock:
@@ -397,16 +401,19 @@ class TaskRun:
                     continue
                 why = worker.down_reason(now)
                 if why is None:
-                    return
+                    return True
                 down.append(f"{worker.id}: {why}")
         detail = f"{lacking} worker(s) do not hold it"
         if down:
             detail += "; " + ", ".join(down[:5]) + (" ..." if len(down) > 5 else "")
+        if self.failures:
+            self.reason = f"no live worker serves model {model!r} ({detail})"
+            return False
         if self.config.models.placement and not self.placed:
             self.placed = True
             failed = self.place(model)
             if failed is None:
-                return
+                return True
             detail += f"; {failed}"
         raise self.reject_model(model, detail)
 
