@@ -26,8 +26,11 @@ import hmac
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 from urllib.parse import unquote
+
+if TYPE_CHECKING:
+    from npu_sync.config import AuthConfig
 
 __all__ = [
     "HMAC_WINDOW",
@@ -37,6 +40,7 @@ __all__ = [
     "HmacVerifier",
     "RequestAuth",
     "StaticHeaders",
+    "from_config",
 ]
 
 HMAC_WINDOW: Final = 300.0
@@ -335,3 +339,17 @@ class HmacVerifier:
 
     def __repr__(self) -> str:
         return f"HmacVerifier(service_id={self._signer.service_id!r}, secret=***)"
+
+
+def from_config(config: AuthConfig) -> RequestAuth | None:
+    """The auth a worker's ``auth:`` section asks for; ``None`` for ``type: none``
+    (its static ``headers`` are the transport's to send).
+
+    Raises:
+        ValueError: a token, service id or secret that cannot be sent (never quoted).
+    """
+    if config.type == "bearer" and config.token is not None:
+        return BearerAuth(config.token)
+    if config.type == "hmac" and config.service_id is not None and config.secret is not None:
+        return HmacAuth(config.service_id, config.secret)
+    return None

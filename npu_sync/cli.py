@@ -594,6 +594,8 @@ def _read_fleet(config: PoolConfig) -> FleetView:
 
 def _probe(pool: WorkerPool, config: PoolConfig) -> list[dict[str, Any]]:
     results = pool.check_health()
+    # What the round learnt of each worker: its models, device, protocol, display name.
+    learnt = {row["id"]: row for row in pool.workers()}
     rows: list[dict[str, Any]] = []
     for worker in sorted(config.workers, key=lambda w: (w.priority, w.id)):
         result = results.get(worker.id) or {"ok": False, "error": "not checked"}
@@ -611,6 +613,13 @@ def _probe(pool: WorkerPool, config: PoolConfig) -> list[dict[str, Any]]:
                 "active_tasks": result.get("active_tasks"),
                 "max_concurrent": result.get("max_concurrent"),
                 "checked_at": result.get("checked_at"),
+                "name": worker.name,
+                "protocol": worker.protocol,
+                "models": learnt[worker.id]["models"] if worker.id in learnt else None,
+                "device": learnt[worker.id]["device"] if worker.id in learnt else None,
+                "npu_available": (
+                    learnt[worker.id]["npu_available"] if worker.id in learnt else None
+                ),
             }
         )
     return rows
@@ -654,6 +663,12 @@ def _print_status(
     if len(enabled) < len(rows):
         summary += f", {len(rows) - len(enabled)} disabled"
     out.write(f"\n{summary}\n" if rows else "no workers configured\n")
+    described = [row for row in rows if row.get("name") is not None]
+    if described:
+        # Indented, after the summary: lines that start with an id stay the health rows.
+        about = _table(["ID", "NAME", "PROTOCOL", "DEVICE", "MODELS"], _about(described))
+        out.write("\nmodels and devices:\n" + "".join(f"  {line}\n" for line in about.splitlines()))
+
     if fleet is not None:
         _print_fleet(out, fleet)
 
@@ -745,6 +760,19 @@ def _span(seconds: float) -> str:
     if s < 3600:
         return f"{s // 60}m{s % 60:02d}s"
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _about(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Who each worker is and what it holds: never its headers or auth secrets."""
+    table = []
+    for row in rows:
+        device = row["device"] or "-"
+        if row["npu_available"] is False:
+            device += " (no NPU)"
+        models = row["models"]
+        shown = "unknown" if models is None else ", ".join(models) or "none"
+        table.append([row["id"], row["name"], row["protocol"], device, shown])
+    return table
 
 
 def _health_text(row: dict[str, Any]) -> str:

@@ -105,8 +105,9 @@ class InvalidTask(NpuSyncError, ValueError):
 
 
 class TaskRejected(NpuSyncError):
-    """The task itself is bad: a worker refused it (4xx other than 408/429), or no
-    worker serves the model it names. Never retried, never counted against a worker.
+    """The task itself is bad: a worker refused it (4xx other than 408/429, but 401 and
+    403), or no live worker serves the model it names (``model`` says which). Never
+    retried, never counted against a worker.
     """
 
     def __init__(
@@ -117,12 +118,14 @@ class TaskRejected(NpuSyncError):
         status: int | None = None,
         worker_id: str | None = None,
         body: object = None,
+        model: str | None = None,
     ) -> None:
         super().__init__(message)
         self.task_id = task_id
         self.status = status
         self.worker_id = worker_id
         self.body = body
+        self.model = model
 
 
 class TaskFailed(NpuSyncError):

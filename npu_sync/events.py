@@ -142,6 +142,24 @@ class WorkerHealthChanged(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerModelsChanged(Event):
+    """What the pool knows of a worker's models changed: a health round read a new
+    list, a "not loaded" answer corrected it, or placement loaded a model there.
+
+    ``reason`` is ``health``, ``not_loaded`` or ``placed``; ``added`` and ``removed``
+    are sorted model ids; ``models`` is the whole list now, None when unknown.
+    """
+
+    name: ClassVar[str] = "worker.models_changed"
+    level: ClassVar[int] = logging.INFO
+    worker_id: str
+    reason: str
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    models: tuple[str, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
 class ConfigReloaded(Event):
     """A new configuration was applied; ``changes`` is ``ReloadResult.to_dict()``."""
 

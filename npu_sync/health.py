@@ -6,7 +6,12 @@ delays neither the other checks nor ``close()`` by more than that timeout, and
 whatever one worker answers fails at most that worker's check. Rounds run every
 ``health.interval`` seconds ±10 % so that many processes do not probe in step.
 The checker only *measures*; the pool applies results (thresholds, hints, breaker
-trials) under its own lock.
+trials, model lists) under its own lock.
+
+Each probe speaks the worker's protocol and carries its auth headers. A passed check
+of a worker whose protocol lists models apart (``models_path``, AutoBot's Linux
+``GET /models``) reads that list too, on the same connection and within the same
+``health.timeout``, when the pool asks for model lists.
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from npu_sync.auth import RequestAuth
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
+from npu_sync.protocols import LINUX, WorkerProtocol
 from npu_sync.transport import Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -46,6 +53,12 @@ class HealthResult:
     max_concurrent: int | None = None
     active_tasks: int | None = None
     generation: int = 0  # which address of the worker was checked (bumped on a move)
+    # What the worker says of itself, when the answers said it (never in to_dict()).
+    models: frozenset[str] | None = None  # None: no list read this time
+    models_at: float = 0.0  # monotonic time the list was asked for
+    model_devices: Mapping[str, str] | None = None
+    npu_available: bool | None = None
+    device: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -76,17 +89,31 @@ MAX_BODY_BYTES = 1024 * 1024
 
 
 def probe(
-    worker_id: str, transport: Transport, config: HealthConfig, clock: Clock = SYSTEM_CLOCK
+    worker_id: str,
+    transport: Transport,
+    config: HealthConfig,
+    clock: Clock = SYSTEM_CLOCK,
+    *,
+    protocol: WorkerProtocol = LINUX,
+    auth: RequestAuth | None = None,
+    base_path: str = "",
+    models: bool = False,
 ) -> HealthResult:
-    """Check one worker once: GET the health endpoint and read its verdict and hints.
+    """Check one worker once: GET the health endpoint and read its verdict and hints;
+    with ``models``, read its model list too (see the module's docstring).
 
     Never raises: whatever goes wrong is a failed check of this worker.
     """
     checked_at = clock.time()
     started = clock.monotonic()
+    path = config.endpoint
     try:
         response = transport.request(
-            "GET", config.endpoint, timeout=config.timeout, replayable=True
+            "GET",
+            path,
+            headers=None if auth is None else auth.headers("GET", base_path + path),
+            timeout=config.timeout,
+            replayable=True,
         )
     except TransportError as exc:
         return HealthResult(worker_id, False, checked_at, error=f"{exc.kind}: {exc}")
@@ -95,7 +122,7 @@ def probe(
         return HealthResult(worker_id, False, checked_at, error=f"{type(exc).__name__}: {exc}")
     latency = clock.monotonic() - started
     try:
-        return _verdict(worker_id, response, checked_at, latency)
+        result = _verdict(worker_id, response, checked_at, latency, protocol, started)
     except Exception as exc:  # an answer no rule foresaw fails this check, nothing more
         log.exception("health answer of worker %s could not be read", worker_id)
         return HealthResult(
@@ -106,9 +133,67 @@ def probe(
             response.status,
             f"unreadable answer: {type(exc).__name__}",
         )
+    models_path = protocol.models_path
+    if models and result.ok and models_path is not None:
+        left = config.timeout - (clock.monotonic() - started)
+        if left > 0.001:
+            result = _with_models(result, transport, protocol, auth, base_path, left, clock)
+    return result
 
 
-def _verdict(worker_id: str, response: Response, checked_at: float, latency: float) -> HealthResult:
+def _with_models(
+    result: HealthResult,
+    transport: Transport,
+    protocol: WorkerProtocol,
+    auth: RequestAuth | None,
+    base_path: str,
+    timeout: float,
+    clock: Clock,
+) -> HealthResult:
+    """``result`` with the worker's model list, when it can be read in ``timeout``;
+    a list that cannot be read leaves the last one standing (never a failed check)."""
+    asked = clock.monotonic()
+    path = protocol.models_path or "/models"
+    try:
+        response = transport.request(
+            "GET",
+            path,
+            headers=None if auth is None else auth.headers("GET", base_path + path),
+            timeout=timeout,
+            replayable=True,
+        )
+        if response.status != 200 or len(response.body) > MAX_BODY_BYTES:
+            raise ValueError(f"HTTP {response.status}")
+        info = protocol.parse_models(response.json())
+    except (TransportError, ValueError, RecursionError) as exc:
+        log.debug("model list of worker %s not read: %s", result.worker_id, exc)
+        return result
+    except Exception:
+        log.exception("model list of worker %s could not be read", result.worker_id)
+        return result
+    if info is None:
+        log.debug("model list of worker %s is not one", result.worker_id)
+        return result
+    return dataclasses.replace(
+        result,
+        models=info.models,
+        models_at=asked,
+        model_devices=info.devices,
+        npu_available=(
+            info.npu_available if info.npu_available is not None else result.npu_available
+        ),
+        device=result.device or info.optimal_device,
+    )
+
+
+def _verdict(
+    worker_id: str,
+    response: Response,
+    checked_at: float,
+    latency: float,
+    protocol: WorkerProtocol = LINUX,
+    started: float = 0.0,
+) -> HealthResult:
     if len(response.body) > MAX_BODY_BYTES:
         return HealthResult(
             worker_id,
@@ -130,6 +215,7 @@ def _verdict(worker_id: str, response: Response, checked_at: float, latency: flo
     status = body.get("status")
     ok = response.status == 200 and status == "healthy"
     error = None if ok else f"HTTP {response.status}, status {_short(status)}"
+    info = protocol.parse_health(body)
     return HealthResult(
         worker_id,
         ok,
@@ -140,6 +226,10 @@ def _verdict(worker_id: str, response: Response, checked_at: float, latency: flo
         draining=_bool(body.get("draining")),
         max_concurrent=_positive_int(body.get("max_concurrent")),
         active_tasks=_positive_int(body.get("active_tasks"), allow_zero=True),
+        models=info.models if protocol.models_path is None else None,
+        models_at=started,
+        npu_available=info.npu_available,
+        device=info.device,
     )
 
 
@@ -155,9 +245,14 @@ def _short(value: object) -> str:
 
 
 def _probe_generation(
-    worker_id: str, transport: Transport, config: HealthConfig, clock: Clock, generation: int
+    worker_id: str,
+    transport: Transport,
+    config: HealthConfig,
+    clock: Clock,
+    generation: int,
+    options: Mapping[str, Any],
 ) -> HealthResult:
-    result = probe(worker_id, transport, config, clock)
+    result = probe(worker_id, transport, config, clock, **options)
     return dataclasses.replace(result, generation=generation) if generation else result
 
 
@@ -168,11 +263,12 @@ def _run_probe(
     config: HealthConfig,
     clock: Clock,
     generation: int,
+    options: Mapping[str, Any],
 ) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        result = _probe_generation(worker_id, transport, config, clock, generation)
+        result = _probe_generation(worker_id, transport, config, clock, generation, options)
     except BaseException as exc:  # the round must learn of it, as of any other end
         future.set_exception(exc)
     else:
@@ -204,9 +300,12 @@ class HealthChecker:
     Thread-safe: ``check_once`` may be called while the thread runs.
 
     Args:
-        targets: returns the workers to check now (the pool's current set).
+        targets: returns the workers to check now (the pool's current set). A target
+            with ``protocol``, ``auth`` and ``base_path`` attributes is spoken to in its
+            protocol, with its auth headers.
         apply: receives each round's results; the pool updates worker state with them.
         config: returns the health settings in force (they are hot-reloadable).
+        models: returns whether passed checks read the workers' model lists too.
     """
 
     def __init__(
@@ -217,7 +316,9 @@ class HealthChecker:
         *,
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
+        models: Callable[[], bool] = lambda: False,
     ) -> None:
+        self._models = models
         self._targets = targets
         self._apply = apply
         self._config = config
@@ -297,6 +398,7 @@ class HealthChecker:
         # but it is applied once, by the round that started it.
         busy: dict[concurrent.futures.Future[HealthResult], str] = {}
         generations = {t.id: getattr(t, "generation", 0) for t in targets}
+        models = bool(self._models())
         with self._lock:
             if self._stop.is_set():
                 return {}
@@ -305,7 +407,7 @@ class HealthChecker:
                 if previous is not None and not previous[0].done():
                     busy[previous[0]] = t.id
                     continue
-                future = self._start_probe(t, config, generations[t.id])
+                future = self._start_probe(t, config, generations[t.id], models)
                 if future is not None:
                     futures[future] = t.id
             for worker_id in [w for w in self._running if w not in generations]:
@@ -355,7 +457,7 @@ class HealthChecker:
         return {**results, **shared}
 
     def _start_probe(
-        self, target: Target, config: HealthConfig, generation: int
+        self, target: Target, config: HealthConfig, generation: int, models: bool = False
     ) -> concurrent.futures.Future[HealthResult] | None:
         """Start one probe on a thread of its own; None if no thread could be started.
 
@@ -366,9 +468,23 @@ class HealthChecker:
         with ``_lock`` held; starting a thread does no I/O.
         """
         future: concurrent.futures.Future[HealthResult] = concurrent.futures.Future()
+        options = {
+            "protocol": getattr(target, "protocol", LINUX),
+            "auth": getattr(target, "auth", None),
+            "base_path": getattr(target, "base_path", ""),
+            "models": models,
+        }
         thread = threading.Thread(
             target=_run_probe,
-            args=(future, target.id, target.health_transport, config, self._clock, generation),
+            args=(
+                future,
+                target.id,
+                target.health_transport,
+                config,
+                self._clock,
+                generation,
+                options,
+            ),
             name=f"npu-sync-health-check-{target.id}",
             daemon=True,
         )

@@ -44,7 +44,7 @@ from npu_sync.config import (
 )
 from npu_sync.deadletter import DeadLetterStore, open_store
 from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
-from npu_sync.events import Hook, WorkerHealthChanged
+from npu_sync.events import Hook, WorkerHealthChanged, WorkerModelsChanged
 from npu_sync.fleet import Monitor
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.reconfigure import Reconfigurer
@@ -382,6 +382,14 @@ class WorkerPool:
                     "p50": None if sel50 is None else sel50 * 1e6,
                     "p99": None if sel99 is None else sel99 * 1e6,
                 },
+                "models": {
+                    "placement": self._state.config.models.placement,
+                    "held": sorted({m for w in workers if w.models for m in w.models}),
+                    "unknown": sum(1 for w in workers if w.models is None),
+                    "corrections": self._state.model_counts["corrections"],
+                    "placements": self._state.model_counts["placements"],
+                    "placement_failures": self._state.model_counts["placement_failures"],
+                },
             }
 
     def workers(self) -> list[WorkerRow]:
@@ -637,6 +645,7 @@ class WorkerPool:
             _weakly(self, _health_config, HealthConfig()),
             clock=self._state.clock,
             rng=self._rng,
+            models=_weakly(self, _refresh_models, False),
         )
 
     def _health_targets(self) -> list[Worker]:
@@ -646,7 +655,10 @@ class WorkerPool:
     def _apply_health(self, results: dict[str, HealthResult] | Any) -> None:
         health = self._state.config.health
         changes: list[tuple[str, bool, str | None]] = []
+        models: list[WorkerModelsChanged] = []
+        at = self._state.clock.time()
         with self._state.lock:
+            ranks = [w.priority for w in self._state.workers.values()]
             for worker_id, result in results.items():
                 worker = self._state.workers.get(worker_id)
                 if worker is None or result.generation != worker.generation:
@@ -655,16 +667,31 @@ class WorkerPool:
                     result, health.unhealthy_threshold, health.healthy_threshold
                 ):
                     changes.append((worker_id, worker.healthy, result.error))
+                if result.ok:
+                    changed = worker.apply_models(result)
+                    if changed is not None:
+                        listed = None if worker.models is None else tuple(sorted(worker.models))
+                        added, removed = (tuple(sorted(m)) for m in changed)
+                        models.append(
+                            WorkerModelsChanged(at, worker_id, "health", added, removed, listed)
+                        )
                 if result.ok and worker.breaker.state == OPEN:
                     # The worker answers again: let a real task try it now rather than
                     # wait out the reset timeout. Only that task's success closes it.
                     worker.breaker.allow_trial()
+            if models:
+                self._state.models_changed_locked()
+            if ranks != [w.priority for w in self._state.workers.values()]:
+                # npu_available changed somewhere: the tiers are formed again.
+                self._state.dispatcher.set_workers_locked(self._state.workers.values())
             self._state.dispatcher.release_locked(self._state.clock.monotonic())
         with self._own_work():
             for worker_id, healthy, error in changes:
                 self._state.notify(
                     WorkerHealthChanged(self._state.clock.time(), worker_id, healthy, error)
                 )
+            for event in models:
+                self._state.notify(event)
 
     def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
         """A change was applied: start health checks it turned on, or have the health
@@ -791,6 +818,10 @@ def _weakly(pool: WorkerPool, method: Callable[..., Any], dead: Any) -> Callable
 
 def _health_config(pool: WorkerPool) -> HealthConfig:
     return pool._state.config.health
+
+
+def _refresh_models(pool: WorkerPool) -> bool:
+    return pool._state.config.models.refresh_on_health
 
 
 def _mark_pool_thread(local: threading.local) -> None:

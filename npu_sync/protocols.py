@@ -138,6 +138,10 @@ class WorkerProtocol:
     """Where ``GET`` lists the loaded models (see :meth:`parse_models`); ``None`` when
     the health answer lists them instead."""
 
+    loads_on_demand: bool = False
+    """The worker loads a model the first time a task names it: the pool counts it as
+    able to serve any model but those it answered "not loaded" for."""
+
     def task_model(self, payload: Any) -> str | None:
         """The model a task names, or ``None`` (no model, or not a dict payload)."""
         if type(payload) is dict:
@@ -250,6 +254,7 @@ class WindowsProtocol(WorkerProtocol):
 
     name = "autobot-windows"
     models_path = None
+    loads_on_demand = True
 
     def task_model(self, payload: Any) -> str | None:
         if type(payload) is dict:

@@ -25,7 +25,7 @@ from npu_sync.transport import Response, TransportError
 
 class Kind(enum.Enum):
     SUCCESS = "success"
-    REJECTED = "rejected"  # the task is bad: 4xx other than 408/429
+    REJECTED = "rejected"  # the task is bad: 4xx other than 401/403/408/429
     NOT_HERE = "not_here"  # the worker does not serve this model: try another, no blame
     FAILURE = "failure"  # the worker failed: counts against it, retried elsewhere
     # No answer, and nobody to blame on the worker's side: the caller's deadline cut the
@@ -36,6 +36,9 @@ class Kind(enum.Enum):
 
 _MODEL_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
 _NOT_PROCESSED = frozenset({429, 503})
+# Credentials the worker refuses say nothing about the task: the worker (or its
+# configuration here) is at fault, it ran nothing, and another worker may take it.
+_REFUSED_CREDENTIALS = frozenset({401, 403})
 
 
 @dataclass(slots=True)
@@ -64,6 +67,14 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
             return Outcome(Kind.FAILURE, None, status, f"HTTP {status} with a non-JSON body")
     body = _decode(response.body)
     detail = body.get("detail") if isinstance(body, dict) else None
+    if status in _REFUSED_CREDENTIALS:
+        return Outcome(
+            Kind.FAILURE,
+            body,
+            status,
+            _describe(status, detail) + " (credentials refused)",
+            processed=False,
+        )
     if 400 <= status < 500 and status not in (408, 429):
         return Outcome(Kind.REJECTED, body, status, _describe(status, detail))
     if status == 500 and isinstance(detail, str):

@@ -9,6 +9,7 @@ neither reaches back into the pool, and the pool's façade reads it for ``stats(
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,8 +17,9 @@ from npu_sync.admission import Dispatcher
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.clock import Clock
 from npu_sync.config import PoolConfig, WorkerConfig
-from npu_sync.events import BreakerStateChanged, Event, Hook, emit, log_event
+from npu_sync.events import BreakerStateChanged, Event, Hook, WorkerModelsChanged, emit, log_event
 from npu_sync.metrics import PoolStats, WorkerStats
+from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
 from npu_sync.retry import RetryPolicy
 from npu_sync.selector import Selector
 from npu_sync.transport import Transport
@@ -25,6 +27,20 @@ from npu_sync.worker import Worker
 
 TransportFactory = Callable[..., Transport]
 """Builds one worker's transport: ``factory(worker_config, transport_config, maxsize=n)``."""
+
+_LACKING_LIMIT = 1024
+"""Models whose lacking workers are remembered at once; tasks may name any number."""
+
+
+class Placement:
+    """One model being loaded on a worker for the tasks that wait for it."""
+
+    __slots__ = ("done", "error", "worker_id")
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.done = threading.Event()
+        self.error: str | None = None
 
 
 class PoolState:
@@ -71,6 +87,14 @@ class PoolState:
         # Breaker transitions happen under the lock; they are announced after it.
         self.transitions: list[tuple[str, str, str, bool]] = []
         self.applying_remote = False  # a transition now comes from another process
+        # Per model, the workers known not to serve it, for the configuration and
+        # knowledge in force: emptied (under the lock) when either changes.
+        self._lacking: dict[str, frozenset[str]] = {}
+        self._lacking_for: PoolConfig | None = None
+        self._protocols: tuple[WorkerProtocol, ...] = (LINUX,)
+        self._protocols_for: PoolConfig | None = None
+        self.placements: dict[str, Placement] = {}  # models being loaded right now
+        self.model_counts = {"corrections": 0, "placements": 0, "placement_failures": 0}
 
     def build_worker(self, cfg: WorkerConfig) -> Worker:
         """A new worker: its transports and a closed breaker reporting to this state."""
@@ -89,6 +113,62 @@ class PoolState:
             self.transport_factory(cfg, settings, maxsize=cfg.max_concurrent),
             self.transport_factory(cfg, settings, maxsize=1),
         )
+
+    # -- models ------------------------------------------------------------------------
+
+    def task_model(self, payload: Any) -> str | None:
+        """The model a task's payload names, read by the protocols the workers speak."""
+        config = self.config
+        protocols = self._protocols
+        if self._protocols_for is not config:
+            protocols = tuple(dict.fromkeys(get_protocol(w.protocol) for w in config.workers))
+            self._protocols = protocols = protocols or (LINUX,)
+            self._protocols_for = config
+        for protocol in protocols:
+            model = protocol.task_model(payload)
+            if model is not None:
+                return model
+        return None
+
+    def lacking(self, model: str) -> frozenset[str]:
+        """The ids of the workers known not to serve ``model``: cached, so that routing
+        a task that names a model costs a dictionary lookup until knowledge changes."""
+        found = self._lacking.get(model)
+        if found is not None and self._lacking_for is self.config:
+            return found
+        with self.lock:
+            if self._lacking_for is not self.config or len(self._lacking) >= _LACKING_LIMIT:
+                self._lacking = {}
+                self._lacking_for = self.config
+            found = frozenset(w.id for w in self.workers.values() if w.lacks(model))
+            self._lacking[model] = found
+            return found
+
+    def models_changed_locked(self) -> None:
+        """Some worker's models changed: forget what was derived. Call under the lock."""
+        self._lacking = {}
+
+    def model_not_loaded(self, worker: Worker, model: str) -> None:
+        """``worker`` answered "not loaded" for ``model``: correct its list at once."""
+        with self.lock:
+            before = worker.models
+            news = worker.model_not_loaded(model, self.clock.monotonic())
+            self.model_counts["corrections"] += 1
+            if news:
+                self.models_changed_locked()
+            now_models = worker.models
+        if news:
+            removed = (model,) if before is not None and model in before else ()
+            self.notify(
+                WorkerModelsChanged(
+                    self.clock.time(),
+                    worker.id,
+                    "not_loaded",
+                    (),
+                    removed,
+                    None if now_models is None else tuple(sorted(now_models)),
+                )
+            )
 
     def on_transition(self, name: str, old: str, new: str) -> None:
         """The breakers' listener. Called by pybreaker under the lock: only queues."""

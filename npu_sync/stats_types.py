@@ -17,6 +17,7 @@ __all__ = [
     "HealthStats",
     "HistoryDict",
     "LatencyStats",
+    "ModelStats",
     "PoolStatsDict",
     "PoolTaskStats",
     "PoolWorkerCounts",
@@ -126,6 +127,17 @@ class FallbackStats(TypedDict):
     reason: str | None
 
 
+class ModelStats(TypedDict):
+    """``stats()["models"]``: what the pool knows of the workers' models."""
+
+    placement: bool
+    held: list[str]
+    unknown: int
+    corrections: int
+    placements: int
+    placement_failures: int
+
+
 class PoolStatsDict(TypedDict):
     """What :meth:`WorkerPool.stats` returns."""
 
@@ -139,6 +151,7 @@ class PoolStatsDict(TypedDict):
     shared_state: SharedStateStats
     health: HealthStats
     selection_us: SelectionStats
+    models: ModelStats
 
 
 class HealthCheckDict(TypedDict):
@@ -188,8 +201,13 @@ class WorkerRow(TypedDict):
     """One row of :meth:`WorkerPool.workers`."""
 
     id: str
+    name: str
     url: str
     priority: int
+    protocol: str
+    models: list[str] | None
+    device: str | None
+    npu_available: bool | None
     enabled: bool
     draining: bool
     removed: bool

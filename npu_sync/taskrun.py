@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 from npu_sync.admission import Lease, Refusal
 from npu_sync.attempt import Attempt
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
-from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected
+from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected, printable
 from npu_sync.events import (
     AttemptFinished,
     RetryScheduled,
@@ -45,10 +45,12 @@ from npu_sync.events import (
     TaskRejectedEvent,
     TaskStarted,
     TaskSucceeded,
+    WorkerModelsChanged,
     emit,
 )
-from npu_sync.retry import Kind, Outcome, classify_error, classify_response
-from npu_sync.state import PoolState
+from npu_sync.protocols import WorkerProtocol
+from npu_sync.retry import Kind, Outcome, classify_error
+from npu_sync.state import Placement, PoolState
 from npu_sync.task import Task
 from npu_sync.transport import TransportError
 from npu_sync.worker import Worker
@@ -127,6 +129,26 @@ class Runner:
             if fallback is None:
                 self.dead_letter(task, exhausted, deadline)
             return self.fall_back(task, exhausted, deadline, fallback)
+        except TaskRejected as rejected:
+            if fallback is None or rejected.model is None:
+                raise
+            return self.fall_back_model(task, rejected, fallback)
+
+    def fall_back_model(
+        self, task: Task, rejected: TaskRejected, fallback: Callable[[], Any]
+    ) -> Any:
+        """No live worker serves the task's model: the caller's fallback answers (no lock
+        held). If it fails too, the rejection is raised, from the fallback's error: a
+        task no worker can serve is not dead-lettered."""
+        try:
+            result = fallback()
+        except Exception as exc:
+            raise rejected from exc
+        state = self.state
+        with state.lock:
+            state.stats.fallbacks += 1
+        state.notify(TaskFallback(state.clock.time(), task.task_id, str(rejected)))
+        return result
 
     def fall_back(
         self, task: Task, exhausted: _Exhausted, deadline: float, fallback: Callable[[], Any]
@@ -247,6 +269,7 @@ class TaskRun:
 
     __slots__ = (
         "attempts",
+        "bodies",
         "body",
         "charged_suspect",
         "check",
@@ -257,8 +280,10 @@ class TaskRun:
         "failures",
         "headers",
         "missing_model",
+        "model",
         "not_here",
         "path",
+        "placed",
         "policy",
         "reason",
         "start",
@@ -295,6 +320,10 @@ class TaskRun:
         self.suspects: list[Worker] = []
         self.too_large = 0
         self.reason = ""  # why the task gives up, once it does
+        # The model the task names: only workers that may hold it are chosen.
+        self.model = state.task_model(task.payload)
+        self.placed = False  # placement is asked for at most once per task
+        self.bodies: dict[WorkerProtocol, bytes] | None = None  # the body, per protocol
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -329,14 +358,163 @@ class TaskRun:
         one up to ``pool.max_queue_wait`` within the deadline; None, with the reason
         in ``self.reason``, when none could be had."""
         deadline = self.deadline
+        excluded: set[str] | frozenset[str] = self.excluded
+        if self.model is not None:
+            lacking = self.state.lacking(self.model)
+            if lacking:
+                ready = self.state.dispatcher.try_acquire(excluded := excluded | lacking)
+                if ready is not None:
+                    return ready
+                if not self.serve_model(self.model):
+                    return None
+                excluded = self.excluded | self.state.lacking(self.model)
         wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
         lease = self.state.dispatcher.acquire_or_reason(
-            self.excluded, wait_until if wait_until < deadline else deadline
+            excluded, wait_until if wait_until < deadline else deadline
         )
         if isinstance(lease, Refusal):
             self.reason = self._refusal_reason(lease, wait_until)
             return None
         return lease
+
+    def serve_model(self, model: str) -> bool:
+        """Whether some live worker may hold ``model`` (so waiting for one may help),
+        after loading it on one if ``models.placement`` allows.
+
+        Live means enabled, healthy, not draining, its breaker not open: a worker that
+        is merely busy is worth waiting for, one that is down is not. A task that has
+        already failed on a worker gives up (False, the reason in ``self.reason``): it
+        may well succeed when replayed, once that worker is back.
+
+        Raises:
+            TaskRejected: no live worker serves the model, naming it (``exc.model``),
+                and no attempt failed.
+        """
+        state = self.state
+        with state.lock:
+            now = self.clock.monotonic()
+            down: list[str] = []
+            lacking = 0
+            for worker in state.workers.values():
+                if worker.lacks(model):
+                    lacking += 1
+                    continue
+                why = worker.down_reason(now)
+                if why is None:
+                    return True
+                down.append(f"{worker.id}: {why}")
+        detail = f"{lacking} worker(s) do not hold it"
+        if down:
+            detail += "; " + ", ".join(down[:5]) + (" ..." if len(down) > 5 else "")
+        if self.failures:
+            self.reason = f"no live worker serves model {model!r} ({detail})"
+            return False
+        if self.config.models.placement and not self.placed:
+            self.placed = True
+            failed = self.place(model)
+            if failed is None:
+                return True
+            detail += f"; {failed}"
+        raise self.reject_model(model, detail)
+
+    def place(self, model: str) -> str | None:
+        """Have the least-loaded live worker load ``model`` (``models.placement``).
+
+        One load per model at a time: a task that finds one under way waits for it,
+        within its deadline, rather than ask again. Returns None once the model is
+        loaded, else why it is not.
+        """
+        state = self.state
+        with state.lock:
+            placement = state.placements.get(model)
+            worker = None
+            if placement is None:
+                worker = self._placement_worker()
+                if worker is None:
+                    return "no live worker to load it on"
+                placement = state.placements[model] = Placement(worker.id)
+        if worker is None:
+            if not placement.done.wait(max(0.0, self.deadline - self.clock.monotonic())):
+                return f"loading it on {placement.worker_id} did not end before the deadline"
+            return placement.error
+        error: str | None = "loading it was interrupted"
+        try:
+            error = self.load(worker, model)
+        finally:
+            with state.lock:
+                del state.placements[model]
+                if error is None:
+                    worker.model_placed(model)
+                    state.models_changed_locked()
+                    state.model_counts["placements"] += 1
+                else:
+                    state.model_counts["placement_failures"] += 1
+                models = worker.models
+            placement.error = error
+            placement.done.set()
+        if error is None:
+            state.notify(
+                WorkerModelsChanged(
+                    state.clock.time(),
+                    worker.id,
+                    "placed",
+                    (model,),
+                    (),
+                    None if models is None else tuple(sorted(models)),
+                )
+            )
+        return error
+
+    def _placement_worker(self) -> Worker | None:
+        """The live worker with the least load for its weight. Under the lock."""
+        now = self.clock.monotonic()
+        best: Worker | None = None
+        best_load = 0.0
+        for worker in self.state.workers.values():
+            if worker.down_reason(now) is None:
+                load = worker.in_flight / worker.weight
+                if best is None or load < best_load:
+                    best, best_load = worker, load
+        return best
+
+    def load(self, worker: Worker, model: str) -> str | None:
+        """Send ``worker`` its protocol's load request for ``model``, no lock held,
+        within the task's deadline; None when it answered 2xx (and not "failed")."""
+        method, path, body = worker.protocol.load_request(model)
+        auth = worker.auth
+        timeouts = self.config.timeouts
+        try:
+            response = worker.transport.request(
+                method,
+                path,
+                body=None if body is None else json.dumps(body).encode(),
+                headers=None if auth is None else auth.headers(method, worker.base_path + path),
+                timeout=max(_MIN_ATTEMPT, self.deadline - self.clock.monotonic()),
+                connect_timeout=timeouts.connect,
+            )
+        except TransportError as exc:
+            return printable(f"loading it on {worker.id} failed: {exc.kind}: {exc}")
+        except Exception as exc:  # a bug of ours, or of a custom transport
+            log.exception("unexpected error loading model on worker %s", worker.id)
+            return f"loading it on {worker.id} failed: {type(exc).__name__}"
+        outcome = worker.protocol.classify(response)
+        if outcome.kind is Kind.SUCCESS:
+            value = outcome.value
+            if not (type(value) is dict and value.get("status") in ("failed", "error")):
+                return None
+        why = outcome.error or f"HTTP {response.status}"
+        return f"loading it on {worker.id} failed: {why}"
+
+    def reject_model(self, model: str, detail: str) -> TaskRejected:
+        """The rejection of a task whose model no live worker serves; no attempt is
+        charged to anybody."""
+        state = self.state
+        task_id = self.task.task_id
+        with state.lock:
+            state.stats.rejected += 1
+        message = f"no live worker serves model {model!r} ({detail})"
+        state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, None, message))
+        return TaskRejected(f"{message} (task {task_id})", task_id=task_id, model=model)
 
     def _refusal_reason(self, refusal: Refusal, wait_until: float) -> str:
         """Why no worker was had, naming the limit that ran out."""
@@ -400,17 +578,24 @@ class TaskRun:
         headers = self.headers
         if self.attempts:
             headers["X-NPU-Attempt"] = str(len(self.attempts) + 1)
+        protocol = worker.protocol
+        payload = self.task.payload
+        mapped = protocol.request_body(payload)
+        body = self.body if mapped is payload else self.body_for(protocol, mapped)
+        auth = worker.auth
+        if auth is not None:
+            headers = {**headers, **auth.headers("POST", worker.base_path + self.path)}
         try:
             response = worker.transport.request(
                 "POST",
                 self.path,
-                body=self.body,
+                body=body,
                 headers=headers,
                 timeout=read_timeout if read_timeout < remaining else remaining,
                 connect_timeout=connect_timeout,
                 replayable=self.task.idempotent,
             )
-            outcome = classify_response(response, now=t0 + self.wall)
+            outcome = protocol.classify(response, now=t0 + self.wall)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:
                 outcome = _checked(check, outcome)
@@ -426,6 +611,21 @@ class TaskRun:
             log.exception("unexpected error sending task to worker %s", worker.id)
             return Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}")
         return outcome
+
+    def body_for(self, protocol: WorkerProtocol, mapped: Any) -> bytes:
+        """The body ``protocol`` maps the payload to, encoded once per task."""
+        bodies = self.bodies
+        if bodies is None:
+            bodies = self.bodies = {}
+        body = bodies.get(protocol)
+        if body is None:
+            try:
+                body = json.dumps(mapped, separators=(",", ":"), allow_nan=False).encode()
+            except (TypeError, ValueError) as exc:
+                task_id = self.task.task_id
+                raise InvalidTask(f"task {task_id}: {protocol.name} body: {exc}") from None
+            bodies[protocol] = body
+        return body
 
     def defer_charge(self) -> bool:
         """Whether a failure the task itself may have caused waits to be charged.
@@ -497,6 +697,9 @@ class TaskRun:
         if kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
             self.missing_model = outcome.model
+            model = worker.protocol.not_loaded_model(outcome)
+            if model is not None:
+                self.state.model_not_loaded(worker, model)
             return True
         if not task.idempotent and outcome.processed:
             self.reason = f"worker {worker.id} failed a non-idempotent task that may have run"
@@ -575,7 +778,9 @@ class TaskRun:
                 state.stats.rejected += 1
             message = f"no worker serves model {model!r}"
             state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, 500, message))
-            return TaskRejected(f"{message} (task {task_id})", task_id=task_id, status=500)
+            return TaskRejected(
+                f"{message} (task {task_id})", task_id=task_id, status=500, model=model
+            )
         if self.suspects:
             log.info(
                 "task %s failed the same way on %d more worker(s) (HTTP 500 or an answer "

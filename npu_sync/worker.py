@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
-from npu_sync.breaker import WorkerBreaker
+from npu_sync.auth import RequestAuth, from_config
+from npu_sync.breaker import OPEN, WorkerBreaker
 from npu_sync.config import WorkerConfig
 from npu_sync.health import HealthResult
 from npu_sync.latency import PeakEwma
 from npu_sync.metrics import WorkerStats
+from npu_sync.protocols import MAX_MODELS, WorkerProtocol, get_protocol
 from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
 
@@ -16,6 +19,12 @@ if TYPE_CHECKING:
     from npu_sync.limits import ConcurrencyLimit
 
 _NEVER = float("inf")
+
+CPU_PENALTY = 0.5
+"""Added to the priority of a worker that reports ``npu_available: false``: it forms a
+tier of its own, after the NPU workers of its configured tier and before the next."""
+
+_NO_DEVICES: Mapping[str, str] = {}
 
 
 class Worker:
@@ -32,14 +41,22 @@ class Worker:
     cost of one more task here that the selector multiplies by ``in_flight + 1``;
     ``busy_since`` and ``stall_after`` tell it when a busy worker has gone quiet for
     longer than its estimate. ``limit`` is the adaptive concurrency limit, if any.
+
+    What the worker holds: ``models``, the model ids its last list named (None while
+    unknown), less those it has since answered "not loaded" for (``not_loaded``, with
+    when, on the pool's monotonic clock); ``device`` and ``npu_available`` as it
+    reported them. ``protocol`` and ``auth`` say how to talk to it.
     """
 
     __slots__ = (
+        "auth",
+        "base_path",
         "breaker",
         "busy_since",
         "capacity",
         "config",
         "cooldown_until",
+        "device",
         "draining",
         "enabled",
         "generation",
@@ -54,7 +71,12 @@ class Worker:
         "in_flight",
         "latency",
         "limit",
+        "model_devices",
+        "models",
+        "not_loaded",
+        "npu_available",
         "priority",
+        "protocol",
         "ramp_from",
         "ramp_until",
         "removed",
@@ -100,12 +122,26 @@ class Worker:
         self.weight = 1
         self.share = 1.0
         self.score = 1.0
+        self.models: frozenset[str] | None = None
+        self.not_loaded: dict[str, float] = {}
+        self.model_devices: Mapping[str, str] = _NO_DEVICES
+        self.device: str | None = None
+        self.npu_available: bool | None = None
+        self.protocol: WorkerProtocol = get_protocol(config.protocol)
+        self.auth: RequestAuth | None = None
         self.configure(config)
 
     def configure(self, config: WorkerConfig) -> None:
-        """Take a new configuration of the same worker (priority, capacity, enabled)."""
+        """Take a new configuration of the same worker (priority, capacity, enabled,
+        protocol, auth)."""
         self.config = config
-        self.priority = config.priority
+        protocol = get_protocol(config.protocol)
+        if protocol is not self.protocol:
+            self.forget_models()  # a list read in another protocol's terms
+        self.protocol = protocol
+        self.auth = from_config(config.auth)
+        self.base_path = config.base_path
+        self._rank()
         self.enabled = config.enabled
         # Until the configuration declares it, every worker weighs 1.
         self.weight = int(getattr(config, "weight", 1))
@@ -144,7 +180,102 @@ class Worker:
         self.hinted_draining = False
         self.cooldown_until = 0.0
         self.breaker.reset()
+        self.forget_models()
+        self.npu_available = None
+        self.device = None
+        self._rank()
         self._update_capacity()
+
+    # -- models ------------------------------------------------------------------------
+
+    def lacks(self, model: str) -> bool:
+        """Whether the worker is known not to serve ``model``. A worker whose list is
+        unknown, or that loads models on demand, serves any model it has not answered
+        "not loaded" for."""
+        if model in self.not_loaded:
+            return True
+        models = self.models
+        return models is not None and model not in models and not self.protocol.loads_on_demand
+
+    def apply_models(self, result: HealthResult) -> tuple[frozenset[str], frozenset[str]] | None:
+        """Take the device and model list a passed health check read.
+
+        A "not loaded" answer that came after the list was asked for still holds; older
+        ones give way to the list (for a worker that loads on demand, only once the
+        list names the model).
+
+        Returns:
+            The models added and removed, when the list changed.
+        """
+        if result.npu_available is not None:
+            self.npu_available = result.npu_available
+            self._rank()
+        if result.device is not None:
+            self.device = result.device
+        listed = result.models
+        if listed is None:
+            return None  # not read this round: the last list stands
+        on_demand = self.protocol.loads_on_demand
+        asked = result.models_at
+        for model, when in list(self.not_loaded.items()):
+            if when < asked and (model in listed or not on_demand):
+                del self.not_loaded[model]
+        models = listed.difference(self.not_loaded) if self.not_loaded else listed
+        self.model_devices = result.model_devices or _NO_DEVICES
+        old = self.models
+        self.models = models
+        if old == models:
+            return None
+        before = old or frozenset()
+        return models - before, before - models
+
+    def model_not_loaded(self, model: str, now: float) -> bool:
+        """The worker answered that it does not hold ``model``; returns whether that is
+        news (it was thought to hold it, or might have)."""
+        news = model not in self.not_loaded and not (
+            self.models is not None
+            and model not in self.models
+            and not self.protocol.loads_on_demand
+        )
+        not_loaded = self.not_loaded
+        not_loaded.pop(model, None)
+        if len(not_loaded) >= MAX_MODELS:
+            # Tasks naming ever new models must not grow this without end.
+            del not_loaded[next(iter(not_loaded))]
+        not_loaded[model] = now
+        if self.models is not None and model in self.models:
+            self.models = self.models - {model}
+        return news
+
+    def model_placed(self, model: str) -> None:
+        """``model`` was loaded here on the pool's request."""
+        self.not_loaded.pop(model, None)
+        if self.models is not None:
+            self.models = self.models | {model}
+
+    def forget_models(self) -> None:
+        """Know nothing of the worker's models (a new address, another protocol)."""
+        self.models = None
+        self.not_loaded = {}
+        self.model_devices = _NO_DEVICES
+
+    def down_reason(self, now: float) -> str | None:
+        """Why the worker cannot take a task now nor soon (disabled, draining,
+        unhealthy, its breaker open), or None: busy or cooling down is not down."""
+        if not self.enabled:
+            return "disabled"
+        if self.draining or self.hinted_draining:
+            return "draining"
+        if not self.healthy:
+            return "unhealthy"
+        if self.breaker.state == OPEN and not self.breaker.can_admit(now):
+            return "circuit breaker open"
+        return None
+
+    def _rank(self) -> None:
+        # A worker fallen back to CPU comes after the NPU workers of its tier.
+        base = self.config.priority
+        self.priority = base + CPU_PENALTY if self.npu_available is False else base
 
     def set_limit(self, limit: ConcurrencyLimit | None) -> None:
         """Let ``limit`` find this worker's concurrency (None: ``max_concurrent`` alone).
@@ -213,8 +344,13 @@ class Worker:
         """Copy what :func:`render` needs. Call under the pool's lock; cheap."""
         return {
             "id": self.id,
+            "name": self.config.name,
             "url": self.config.url,
-            "priority": self.priority,
+            "priority": self.config.priority,
+            "protocol": self.config.protocol,
+            "models": None if self.models is None else sorted(self.models),
+            "device": self.device,
+            "npu_available": self.npu_available,
             "enabled": self.enabled,
             "draining": self.draining or self.hinted_draining,
             "removed": self.removed,

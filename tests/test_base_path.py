@@ -35,7 +35,11 @@ def test_tasks_and_health_checks_reach_the_prefixed_paths(client, servers):
         assert pool.workers()[0]["url"] == server.url() + "/api/v1"
         assert pool.execute({"input_text": "x"}) == {"path": "/api/v1/inference"}
         assert pool.check_health()["proxied"]["ok"] is True
-    assert [seen.path for seen in server.seen] == ["/api/v1/inference", "/api/v1/health"]
+    assert [seen.path for seen in server.seen] == [
+        "/api/v1/inference",
+        "/api/v1/health",
+        "/api/v1/models",
+    ]
 
 
 @pytest.mark.parametrize("client", CLIENTS)

@@ -294,6 +294,41 @@ def test_help_through_the_module_entry_point_exits_0():
 
 
 @pytest.mark.integration
+def test_status_shows_each_workers_name_protocol_device_and_models_never_its_secret(
+    tmp_path, capsys, monkeypatch
+):
+    """'status' reads each worker's models and device, signed; the secret is not shown."""
+    secret = "cli-status-hmac-secret-5"
+    monkeypatch.setenv("NPU_STATUS_SECRET", secret)
+    with (
+        (
+            LocalWorker(worker_id="lin", models=("phi", "e5"), hmac_auth=("pool", secret)).start()
+        ) as lin,
+        LocalWorker(
+            worker_id="win", protocol="windows", models=("nomic",), npu_available=False
+        ).start() as win,
+    ):
+        config = tmp_path / "pool.yaml"
+        config.write_text(
+            "npu_workers:\n  workers:\n"
+            f"    - {{id: lin, name: 'Linux NPU Worker', url: '{lin.url}',"
+            " auth: {type: hmac, service_id: pool, secret: '${NPU_STATUS_SECRET}'}}\n"
+            f"    - {{id: win, url: '{win.url}', platform: windows}}\n",
+            encoding="utf-8",
+        )
+        assert main(["status", str(config)]) == 0
+        out = capsys.readouterr().out
+        assert main(["status", str(config), "--json"]) == 0
+        rows = {row["id"]: row for row in json.loads(capsys.readouterr().out)}
+    assert secret not in out
+    about = out.split("models and devices:", 1)[1]
+    assert "Linux NPU Worker" in about and "autobot-linux" in about and "e5, phi" in about
+    assert "autobot-windows" in about and "(no NPU)" in about and "nomic" in about
+    assert rows["lin"]["models"] == ["e5", "phi"] and rows["win"]["npu_available"] is False
+    assert rows["win"]["protocol"] == "autobot-windows" and rows["lin"]["device"]
+
+
+@pytest.mark.integration
 def test_status_of_healthy_workers_exits_0_with_a_row_each(tmp_path, capsys):
     """'status' prints one 'ok' row per worker and exits 0 when all are healthy."""
     with LocalWorker(worker_id="a").start() as a, LocalWorker(worker_id="b").start() as b:

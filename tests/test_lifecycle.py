@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import npu_sync.admission
+import npu_sync.protocols
 import npu_sync.taskrun
 from npu_sync import TaskFailed, TaskRejected, WorkerPool
 from npu_sync.config import (
@@ -199,6 +200,8 @@ def test_close_from_a_health_hook_returns_and_health_checks_go_on_until_the_task
     checks_after_close: list[float] = []
 
     def slow(req):
+        if req.path == "/models":  # read with each passed check: no task, no list
+            return json_response(404, {"detail": "Not Found"})
         if req.path == "/health":
             if closed.is_set():
                 checks_after_close.append(req.timeout)
@@ -486,7 +489,7 @@ def interrupt_classify(rig: Rig) -> None:
     def raising(*args: Any, **kwargs: Any) -> Any:
         raise KeyboardInterrupt("injected into classify_response")
 
-    rig.monkeypatch.setattr(npu_sync.taskrun, "classify_response", raising)
+    rig.monkeypatch.setattr(npu_sync.protocols, "classify_response", raising)
 
 
 def interrupt_result_check(rig: Rig) -> None:

@@ -33,11 +33,19 @@ def test_2xx_non_json_is_a_worker_failure():
     assert outcome.kind is Kind.FAILURE and "non-JSON" in (outcome.error or "")
 
 
-@pytest.mark.parametrize("status", [400, 401, 404, 413, 422])
+@pytest.mark.parametrize("status", [400, 404, 413, 422])
 def test_4xx_rejects_the_task(status):
-    """4xx other than 408/429 means the task is bad."""
+    """4xx other than 401/403/408/429 means the task is bad."""
     outcome = classify_response(resp(status, {"detail": "bad input"}))
     assert outcome.kind is Kind.REJECTED and "bad input" in (outcome.error or "")
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_refused_credentials_are_the_workers_failure_and_not_processed(status):
+    """401/403 say the worker refused our credentials: its failure, the task never ran."""
+    outcome = classify_response(resp(status, {"detail": "bad signature"}))
+    assert outcome.kind is Kind.FAILURE and not outcome.processed
+    assert "credentials refused" in (outcome.error or "")
 
 
 @pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504])

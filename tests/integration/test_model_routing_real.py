@@ -1,0 +1,237 @@
+"""Model-aware routing, placement, both protocols and request auth against real
+reference workers (child processes on loopback), through the pool."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from npu_sync import TaskFailed, TaskRejected, WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    ModelsConfig,
+    PoolConfig,
+    RetryConfig,
+    WorkerConfig,
+    worker_config,
+)
+from npu_sync.worker_server import LocalWorker
+
+pytestmark = pytest.mark.integration
+
+SERVICE, SECRET = "npu-pool", "integration-hmac-secret-41"
+TOKEN = "integration-bearer-token-93"
+
+
+def pool_of(*workers: WorkerConfig, **kw: Any) -> WorkerPool:
+    kw.setdefault("health", HealthConfig(enabled=False, unhealthy_threshold=1, timeout=5))
+    kw.setdefault("retry", RetryConfig(max_retries=3, backoff_initial=0.0, backoff_max=0.0))
+    kw.setdefault("circuit_breaker", BreakerConfig(fail_max=1, reset_timeout=300))
+    return WorkerPool(PoolConfig(workers=workers, **kw))
+
+
+def as_config(worker: LocalWorker, **kw: Any) -> WorkerConfig:
+    platform = "windows" if worker.protocol == "windows" else "linux"
+    return worker_config(worker.worker_id, worker.url, platform=platform, **kw)
+
+
+def bounces(worker: LocalWorker) -> int:
+    """Tasks the worker answered "not loaded" (Linux: a 500; Windows: a failed 200)."""
+    stats = worker.stats()
+    if worker.protocol == "windows":
+        return int(stats["failed_tasks"])
+    return int(stats["responses"].get("500", 0))
+
+
+def inferences(worker: LocalWorker) -> int:
+    return int(worker.stats()["requests"].get("/inference", 0))
+
+
+def task(model: str, text: str = "hello") -> dict[str, Any]:
+    return {"model_id": model, "input_text": text}
+
+
+def test_tasks_reach_only_workers_with_their_model_in_both_protocols(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """Linux and Windows workers with different models: no bounced attempt in steady
+    state, each task on a worker holding its model, and workers() shows what each holds.
+
+    The Windows worker loads models on demand, so the pool offers it any model until it
+    answers "not loaded" (this one does not load on demand): that costs it one bounce
+    for the one model it lacks (phi), in the whole run."""
+    lin = start_worker(worker_id="lin", models=("phi", "shared"))
+    win = start_worker(worker_id="win", protocol="windows", models=("nomic", "shared"))
+    with pool_of(as_config(lin, name="Linux NPU"), as_config(win, name="Windows NPU")) as pool:
+        pool.check_health()
+        for n in range(30):
+            assert pool.execute(task("phi", f"p{n}"))["model_id"] == "phi"
+            assert pool.execute(task("nomic", f"n{n}"))["status"] == "completed"
+            pool.execute(task("shared", f"s{n}"))
+        rows = {row["id"]: row for row in pool.workers()}
+    assert bounces(lin) == 0 and bounces(win) <= 1
+    assert rows["lin"]["models"] == ["phi", "shared"] and rows["win"]["models"] == [
+        "nomic",
+        "shared",
+    ]
+    assert rows["lin"]["protocol"] == "autobot-linux" and rows["win"]["name"] == "Windows NPU"
+    assert rows["lin"]["npu_available"] is True and rows["lin"]["device"]
+    assert inferences(lin) >= 30 and inferences(win) >= 30
+
+
+def test_a_model_unloaded_mid_run_costs_at_most_one_bounce_per_worker(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """Both workers hold m; m is pulled from each in turn mid-run: one bounce per worker,
+    health rounds in between do not bring it back, and the last pull rejects the task."""
+    workers = [start_worker(worker_id=f"w{i}", models=("m", "other")) for i in range(2)]
+    with pool_of(*(as_config(w) for w in workers)) as pool:
+        pool.check_health()
+        for _ in range(10):
+            pool.execute(task("m"))
+        workers[0].control(models=["other"])
+        for _ in range(20):
+            assert pool.execute(task("m"))
+            pool.check_health()
+        workers[1].control(models=["other"])
+        with pytest.raises(TaskRejected) as info:
+            pool.execute(task("m"))
+        assert info.value.model == "m"
+        for _ in range(5):
+            with pytest.raises(TaskRejected):
+                pool.execute(task("m"))
+        assert pool.stats()["models"]["held"] == ["other"]
+    assert [bounces(w) for w in workers] == [1, 1]
+
+
+def test_a_missing_model_with_its_worker_down_is_rejected_without_an_attempt_or_a_wait(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """The only holder of m2 is down (breaker open): TaskRejected naming m2 at once, no
+    attempt made and no wait for a worker, even with a 60 s deadline."""
+    a = start_worker(worker_id="a", models=("m1",))
+    b = start_worker(worker_id="b", models=("m2",))
+    with pool_of(as_config(a), as_config(b)) as pool:
+        pool.check_health()
+        b.kill()
+        with pytest.raises(TaskFailed):  # b refuses connections: its breaker opens
+            pool.execute(task("m2"), timeout=60)
+        assert {r["id"]: r["breaker"]["state"] for r in pool.workers()}["b"] == "open"
+        seen: list[str] = []
+        pool.add_hook(lambda event: seen.append(event.name))
+        dispatcher = pool._state.dispatcher
+        real = dispatcher.acquire_or_reason
+        waited: list[object] = []
+        dispatcher.acquire_or_reason = lambda *a: waited.append(a) or real(*a)  # type: ignore[method-assign]
+        with pytest.raises(TaskRejected) as info:
+            pool.execute(task("m2"), timeout=60)
+        assert info.value.model == "m2"
+        assert "attempt.finished" not in seen and waited == []
+        assert seen == ["task.started", "task.rejected"]
+        assert len(pool.dead_letters) == 1  # only the task that really failed
+    assert inferences(a) == 0
+
+
+def test_placement_loads_a_model_no_worker_holds_then_runs_the_task(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """With models.placement, a model nobody holds is loaded once on the least-loaded
+    worker (however many tasks ask at once), and every task then runs there."""
+    busy = start_worker(worker_id="busy", models=("other",), latency_ms=300)
+    idle = start_worker(worker_id="idle", models=("other",), load_delay_ms=200)
+    cfg = pool_of(as_config(busy), as_config(idle), models=ModelsConfig(placement=True))
+    with cfg as pool:
+        pool.check_health()
+        running = pool.submit(task("other"))  # the first in the tier with no load: busy
+        while busy.stats()["in_flight"] < 1:  # each look is a request to the worker
+            assert not running.done()
+        futures = [pool.submit(task("fresh", f"t{n}")) for n in range(4)]
+        results = [f.result(30) for f in futures]
+        running.result(30)
+        assert all(r["model_id"] == "fresh" for r in results)
+        assert pool.stats()["models"]["placements"] == 1
+        holders = [r["id"] for r in pool.workers() if "fresh" in (r["models"] or [])]
+    loads = {w.worker_id: w.stats()["loads"] for w in (busy, idle)}
+    assert loads == {"busy": 0, "idle": 1} and holders == ["idle"]
+    assert bounces(busy) == bounces(idle) == 0
+
+
+def test_windows_failures_answered_with_200_are_retried_elsewhere_and_dead_lettered(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """HTTP 200 {"status": "failed"} from every Windows worker: each tried, then the task
+    is dead-lettered, and the failing workers' breakers count it."""
+    workers = [
+        start_worker(worker_id=f"win{i}", protocol="windows", models=("nomic",)) for i in range(2)
+    ]
+    for w in workers:
+        w.control(fail_all=True)
+    with pool_of(*(as_config(w) for w in workers)) as pool:
+        with pytest.raises(TaskFailed) as info:
+            pool.execute(task("nomic"))
+        assert {a.worker_id for a in info.value.attempts} == {"win0", "win1"}
+        assert all("status failed" in (a.error or "") for a in info.value.attempts)
+        record = pool.dead_letters.get(info.value.dead_letter_id)
+        assert record.payload == task("nomic")
+        # The same failure from both may be the task's doing: the first is charged.
+        assert sorted(r["breaker"]["state"] for r in pool.workers()) == ["closed", "open"]
+
+
+def test_hmac_signed_requests_verify_on_the_worker_and_a_wrong_secret_is_that_workers(
+    start_worker: Callable[..., LocalWorker], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Tasks, health and /models are signed and accepted; a worker configured with the
+    wrong secret answers 401, which is charged to it, and the task runs on the other.
+    Neither secret shows in stats, workers(), errors or the log."""
+    caplog.set_level(logging.DEBUG, logger="npu_sync")
+    good = start_worker(worker_id="good", models=("m",), hmac_auth=(SERVICE, SECRET))
+    wrong = start_worker(
+        worker_id="wrong", protocol="windows", models=("m",), hmac_auth=(SERVICE, SECRET)
+    )
+    bad_secret = SECRET + "-old"
+    with pool_of(
+        as_config(good, priority=2, auth={"type": "hmac", "service_id": SERVICE, "secret": SECRET}),
+        as_config(
+            wrong, priority=1, auth={"type": "hmac", "service_id": SERVICE, "secret": bad_secret}
+        ),
+    ) as pool:
+        # The wrong worker is preferred (priority 1): the task meets its 401 first.
+        assert pool.execute(task("m"))["model_id"] == "m"
+        checks = pool.check_health()
+        assert checks["good"]["ok"] and not checks["wrong"]["ok"]
+        assert "HTTP 401" in (checks["wrong"]["error"] or "")
+        rows = {r["id"]: r for r in pool.workers()}
+        shown = json.dumps([pool.stats(), pool.workers(), checks]) + caplog.text
+    assert rows["good"]["models"] == ["m"]  # /models was read, signed
+    assert good.stats()["responses"].get("401", 0) == 0
+    assert rows["wrong"]["tasks"]["failed"] == 1 and rows["wrong"]["tasks"]["rejected"] == 0
+    assert rows["wrong"]["breaker"]["state"] == "open"
+    assert wrong.stats()["responses"].get("401", 0) == 2  # the task and the health check
+    assert SECRET not in shown and bad_secret not in shown
+
+
+def test_a_401_on_a_task_is_charged_to_the_worker_not_the_task(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """A worker refusing the bearer token fails the attempt (its breaker opens), the task
+    succeeds on the worker with the right token, and no TaskRejected is raised."""
+    refusing = start_worker(worker_id="refusing", models=("m",), bearer_token=TOKEN)
+    accepting = start_worker(worker_id="accepting", models=("m",), bearer_token=TOKEN)
+    with pool_of(
+        as_config(refusing, priority=1, auth={"type": "bearer", "token": "not-" + TOKEN}),
+        as_config(accepting, priority=2, auth={"type": "bearer", "token": TOKEN}),
+    ) as pool:
+        result = pool.execute(task("m"))
+        rows = {r["id"]: r for r in pool.workers()}
+        text = json.dumps([pool.stats(), pool.workers()])
+    assert result["model_id"] == "m"
+    assert rows["refusing"]["tasks"]["failed"] == 1 and rows["refusing"]["tasks"]["rejected"] == 0
+    assert rows["refusing"]["breaker"]["state"] == "open"
+    assert "401" in (rows["refusing"]["last_error"] or "")
+    assert refusing.stats()["responses"] == {"401": 1}
+    assert TOKEN not in text
