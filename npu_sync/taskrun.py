@@ -340,6 +340,8 @@ class TaskRun:
             lease = self.wait_for_worker()
             if lease is None:
                 break
+            if self.lacks_model(lease):
+                continue
             done = self.attempt(lease)
             if done is None:
                 break
@@ -377,6 +379,21 @@ class TaskRun:
             return None
         return lease
 
+    def lacks_model(self, lease: Lease) -> bool:
+        """Whether the lease's worker was learnt to lack the task's model while the task
+        waited for it (another task's attempt bounced there): if so, the lease is given
+        back unused and the worker is not tried, so an unload costs one bounce per
+        worker, not one per queued task."""
+        model = self.model
+        worker = lease.worker
+        if model is None or worker.id not in self.state.lacking(model):
+            return False
+        record(self.state, lease, _UNUSED, 0.0, self.clock.monotonic(), retry=False)
+        self.excluded.add(worker.id)
+        self.not_here.add(worker.id)
+        self.missing_model = model
+        return True
+
     def serve_model(self, model: str) -> bool:
         """Whether some live worker may hold ``model`` (so waiting for one may help),
         after loading it on one if ``models.placement`` allows.
@@ -407,7 +424,7 @@ class TaskRun:
         if down:
             detail += "; " + ", ".join(down[:5]) + (" ..." if len(down) > 5 else "")
         if self.failures:
-            self.reason = f"no live worker serves model {model!r} ({detail})"
+            self.reason = f"no live worker serves model {_shown(model)} ({detail})"
             return False
         if self.config.models.placement and not self.placed:
             self.placed = True
@@ -429,6 +446,8 @@ class TaskRun:
             placement = state.placements.get(model)
             worker = None
             if placement is None:
+                if self._served_locked(model):
+                    return None  # another task's placement ended since this one looked
                 worker = self._placement_worker()
                 if worker is None:
                     return "no live worker to load it on"
@@ -443,6 +462,8 @@ class TaskRun:
         finally:
             with state.lock:
                 del state.placements[model]
+                if error is None and state.workers.get(worker.id) is not worker:
+                    error = f"{worker.id} left the pool while loading it"
                 if error is None:
                     worker.model_placed(model)
                     state.models_changed_locked()
@@ -464,6 +485,13 @@ class TaskRun:
                 )
             )
         return error
+
+    def _served_locked(self, model: str) -> bool:
+        """Whether a live worker may serve ``model``. Under the lock."""
+        now = self.clock.monotonic()
+        return any(
+            not w.lacks(model) and w.down_reason(now) is None for w in self.state.workers.values()
+        )
 
     def _placement_worker(self) -> Worker | None:
         """The live worker with the least load for its weight. Under the lock."""
@@ -512,7 +540,7 @@ class TaskRun:
         task_id = self.task.task_id
         with state.lock:
             state.stats.rejected += 1
-        message = f"no live worker serves model {model!r} ({detail})"
+        message = f"no live worker serves model {_shown(model)} ({detail})"
         state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, None, message))
         return TaskRejected(f"{message} (task {task_id})", task_id=task_id, model=model)
 
@@ -553,6 +581,9 @@ class TaskRun:
                 return None
             outcome = self.send(lease.worker, t0, remaining)
             t1 = clock.monotonic()
+            if outcome.kind is Kind.NOT_HERE:
+                # Before record() hands the slot on: the next task must know.
+                self.not_loaded(lease.worker, outcome)
             deferred = outcome.suspect and self.defer_charge()
             recorded = True
             record(state, lease, outcome, t1 - t0, t1, retry=self.failures > 0, defer=deferred)
@@ -596,6 +627,10 @@ class TaskRun:
                 replayable=self.task.idempotent,
             )
             outcome = protocol.classify(response, now=t0 + self.wall)
+            redact = getattr(auth, "redact", None)
+            if redact is not None and outcome.error:
+                # The worker's words go to errors, stats, logs and dead letters.
+                outcome.error = redact(outcome.error)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:
                 outcome = _checked(check, outcome)
@@ -611,6 +646,14 @@ class TaskRun:
             log.exception("unexpected error sending task to worker %s", worker.id)
             return Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}")
         return outcome
+
+    def not_loaded(self, worker: Worker, outcome: Outcome) -> None:
+        """Correct the worker's models after a "not loaded" answer. It lacks the model
+        the task names, whatever its answer calls it: recording another name would
+        send it every later task for this model."""
+        model = self.model or worker.protocol.not_loaded_model(outcome)
+        if model is not None:
+            self.state.model_not_loaded(worker, model)
 
     def body_for(self, protocol: WorkerProtocol, mapped: Any) -> bytes:
         """The body ``protocol`` maps the payload to, encoded once per task."""
@@ -696,10 +739,7 @@ class TaskRun:
         self.excluded.add(worker.id)
         if kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
-            self.missing_model = outcome.model
-            model = worker.protocol.not_loaded_model(outcome)
-            if model is not None:
-                self.state.model_not_loaded(worker, model)
+            self.missing_model = self.model or outcome.model
             return True
         if not task.idempotent and outcome.processed:
             self.reason = f"worker {worker.id} failed a non-idempotent task that may have run"
@@ -776,7 +816,7 @@ class TaskRun:
             state = self.state
             with state.lock:
                 state.stats.rejected += 1
-            message = f"no worker serves model {model!r}"
+            message = f"no worker serves model {_shown(model)}"
             state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, 500, message))
             return TaskRejected(
                 f"{message} (task {task_id})", task_id=task_id, status=500, model=model
@@ -964,6 +1004,13 @@ def _checked(check: Callable[[Any], object], outcome: Outcome) -> Outcome:
             f"result check refused the answer: {type(exc).__name__}: {exc}",
         )
     return outcome
+
+
+def _shown(model: str) -> str:
+    """A model id as messages quote it: escaped by repr(), and bounded, since a task
+    (or a worker's answer) may name anything."""
+    text = repr(model)
+    return text if len(text) <= 120 else text[:100] + f"...' ({len(model)} characters)"
 
 
 def _check_timeout(timeout: float | None) -> None:

@@ -213,10 +213,17 @@ class Worker:
         if result.device is not None:
             self.device = result.device
         listed = result.models
-        if listed is None:
-            return None  # not read this round: the last list stands
-        on_demand = self.protocol.loads_on_demand
         asked = result.models_at
+        if listed is None:
+            # Not read this round: the last list stands, but a "not loaded" answer from
+            # before the round gives way, as a list would make it do. Without it, a
+            # worker with no list would stay without the model for ever, whatever it
+            # loads later: the cost is one bounce per round while it still lacks it.
+            expired = frozenset(m for m, when in self.not_loaded.items() if when < asked)
+            for model in expired:
+                del self.not_loaded[model]
+            return (expired, frozenset()) if expired and self.models is None else None
+        on_demand = self.protocol.loads_on_demand
         for model, when in list(self.not_loaded.items()):
             if when < asked and (model in listed or not on_demand):
                 del self.not_loaded[model]
