@@ -4,6 +4,7 @@ racing close(), unusable settings. Each test names a promise and tries to break 
 from __future__ import annotations
 
 import json
+import struct
 import threading
 from typing import Any
 
@@ -438,3 +439,108 @@ def test_an_unusable_fleet_variable_fails_the_pool_naming_variable_and_value(
     message = str(caught.value)
     assert name + ":" in message
     assert value in message or repr(float(value)) in message
+
+
+# -- Prometheus in multiprocess mode -----------------------------------------------------------
+
+
+class FakePids:
+    """Stands in for os.getpid in prometheus_client's multiprocess values."""
+
+    def __init__(self) -> None:
+        self.pid = 101
+
+    def __call__(self) -> int:
+        return self.pid
+
+
+@pytest.fixture
+def multiprocess(tmp_path, monkeypatch):
+    """prometheus_client in multiprocess mode on a fresh directory, as under gunicorn."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import values
+
+    import npu_sync.prometheus as exporter_module
+
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(directory))
+    pids = FakePids()
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue(pids))
+    monkeypatch.setattr(exporter_module, "_files_by_namespace", {})
+    monkeypatch.setattr(exporter_module, "_private_registry", None)
+    yield pids, directory
+    close = getattr(values, "close_all_multiprocess_files", None)
+    if close is not None:
+        close()
+
+
+def scraped(body: bytes, name: str, **labels: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(body.decode())
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "corrupt", "empty"],
+)
+def test_a_metrics_file_left_broken_by_a_killed_child_does_not_fail_every_scrape(
+    net, multiprocess, damage, caplog
+):
+    """A child killed while creating its metrics file leaves it cut short: the scrape
+    still answers with every readable process's counters, and the bad file is named."""
+    from npu_sync.prometheus import instrument, metrics_text
+
+    _pids, directory = multiprocess
+    with WorkerPool(make_config("a"), transport_factory=net.factory) as pool, instrument(pool):
+        for _ in range(3):
+            pool.execute({})
+        before = metrics_text(pool)[0]
+        good = next(p for p in directory.iterdir() if p.name.startswith("counter_"))
+        bad = directory / "counter_99999.db"
+        data = good.read_bytes()
+        bad.write_bytes(
+            {
+                "truncated": data[:37],
+                "corrupt": data[:8] + struct.pack("i", 1 << 20) + data[12:],
+                "empty": b"",
+            }[damage]
+        )
+        with caplog.at_level("WARNING", logger="npu_sync.prometheus"):
+            after = metrics_text(pool)[0]
+    assert scraped(after, "npu_sync_tasks_total", outcome="succeeded") == 3
+    assert scraped(after, "npu_sync_tasks_total", outcome="succeeded") == scraped(
+        before, "npu_sync_tasks_total", outcome="succeeded"
+    )
+    if damage != "empty":  # an empty file reads as no metrics: nothing to warn of
+        assert "counter_99999.db" in caplog.text
+
+
+def test_counters_add_up_across_a_child_restart_and_never_go_back(net, multiprocess):
+    """A child that exits and is replaced: every scrape, from any process, reads counters at
+    least as high as the one before."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    from npu_sync.prometheus import instrument, metrics_text
+
+    pids, directory = multiprocess
+    readings = []
+    for pid in (101, 102, 103):
+        pids.pid = pid
+        with (
+            WorkerPool(make_config("a"), transport_factory=net.factory) as pool,
+            instrument(pool),
+        ):
+            for _ in range(pid - 100):
+                pool.execute({})
+                readings.append(
+                    scraped(metrics_text(pool)[0], "npu_sync_tasks_total", outcome="succeeded")
+                )
+        mark_process_dead(pid, str(directory))
+    assert readings == sorted(readings) and readings[-1] == 1 + 2 + 3
