@@ -83,6 +83,16 @@ SNAPSHOT_VERSION = 1
 
 MODES = ("on", "manual", "off")
 
+MAX_SNAPSHOT_BYTES = 2 * 1024 * 1024
+"""A reader reads at most this much of a snapshot and leaves a larger one out (a pool of
+20 workers with the default 120 points publishes some 40 KB)."""
+
+MAX_FLEET_PROCESSES = 500
+"""The fleet view lists at most this many processes, the most recently published first;
+its note says how many more there are."""
+
+_MAX_NUMBER = 2**53  # above it a browser's JSON.parse loses digits: no real count gets there
+
 Listener = Callable[[PoolStatsDict, list[WorkerRow]], None]
 """Called on the monitor's thread after each sample with what it read."""
 
@@ -220,8 +230,15 @@ class _History:
 
     def record(self, now: float, stats: PoolStatsDict, rows: Sequence[WorkerRow]) -> None:
         bucket = round(now / self.step)
-        if self._newest is not None and bucket < self._newest:
-            bucket = self._newest  # the wall clock stepped back: add to the newest step
+        if self._newest is not None and bucket < self._newest - 1:
+            # The wall clock was set back (after a jump ahead, say): move the history
+            # back with it, or every sample would pile into one step, ahead of the
+            # present and of every other process, until the clock caught up.
+            shift = self._newest - bucket
+            self._steps = {b - shift: step for b, step in self._steps.items()}
+            self._newest = bucket
+        elif self._newest is not None and bucket < self._newest:
+            bucket = self._newest  # a step back within a step is jitter: add to the newest
         step = self._steps.get(bucket)
         if step is None:
             step = self._steps[bucket] = _Step()
@@ -442,7 +459,9 @@ def parse_snapshot(text: str) -> dict[str, Any] | None:
     """A snapshot another process published, checked; None if unreadable or of an
     unknown version (another release of npu_sync may share the namespace)."""
     try:
-        data = json.loads(text)
+        # NaN and Infinity (or 1e400) would reach the JSON endpoints, which a browser's
+        # JSON.parse refuses: one such snapshot would blank every status page.
+        data = json.loads(text, parse_float=_finite, parse_constant=_not_a_number)
         if not isinstance(data, dict) or data.get("v") != SNAPSHOT_VERSION:
             return None
         process = data["process"]
@@ -460,6 +479,8 @@ def parse_snapshot(text: str) -> dict[str, Any] | None:
                     _check(row, {key: float})
         history = data["history"]
         _check(history, {"step_s": float, "points": int})
+        if history["step_s"] <= 0 or not 1 <= history["points"] <= 10_000:
+            return None
         if not (isinstance(history["tasks"], dict) and isinstance(history["workers"], list)):
             return None
         if history["end_at"] is not None:
@@ -469,19 +490,41 @@ def parse_snapshot(text: str) -> dict[str, Any] | None:
         for series in history["workers"]:
             _check(series, {"id": str, "breaker": str})
             lists += [series["succeeded"], series["failed"], series["p99_ms"]]
-            if len(series["breaker"]) != points:
+            if len(series["breaker"]) != points or not _BREAKER_LETTERS.issuperset(
+                series["breaker"]
+            ):
                 return None
         for values in lists:
             if not isinstance(values, list) or len(values) != points:
                 return None
-            if any(
-                v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)))
-                for v in values
-            ):
+            if not all(v is None or _number(v) for v in values):
                 return None
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
     return data
+
+
+_BREAKER_LETTERS = frozenset(_SEVERITY)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"not a finite number: {text}")
+    return value
+
+
+def _not_a_number(name: str) -> Any:
+    raise ValueError(f"not a number: {name}")
+
+
+def _number(value: Any) -> bool:
+    """A count, time or latency as a snapshot may hold it: never negative, never huge."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and 0 <= value <= _MAX_NUMBER
+    )
 
 
 def _check(value: Any, types: Mapping[str, type]) -> None:
@@ -490,9 +533,9 @@ def _check(value: Any, types: Mapping[str, type]) -> None:
     for key, kind in types.items():
         item = value[key]
         if kind is float:
-            ok = isinstance(item, (int, float)) and not isinstance(item, bool)
+            ok = _number(item)
         elif kind is int:
-            ok = isinstance(item, int) and not isinstance(item, bool)
+            ok = isinstance(item, int) and _number(item)
         else:
             ok = isinstance(item, kind)
         if not ok:
@@ -583,6 +626,17 @@ def fleet_view(
             total["unhealthy_in"] += not row["healthy"]
     ranked = {wid: n for n, wid in enumerate(order)}
     listed = sorted(workers.values(), key=lambda w: (ranked.get(w["id"], len(ranked)), w["id"]))
+    if end_at is None:
+        # The newest step any process sampled, but not one ahead of the present by more
+        # than a snapshot's life: a host whose clock runs far ahead (or a forged
+        # snapshot) would otherwise push every other process out of the charts.
+        ends = [
+            s["history"]["end_at"]
+            for s in snaps
+            if s["history"]["end_at"] is not None
+            and s["history"]["end_at"] <= now + settings.expiry
+        ]
+        end_at = max(ends) if ends else None
     history = merge_histories(
         (s["history"] for s in snaps),
         step=settings.interval,
@@ -603,6 +657,15 @@ def fleet_view(
             "workers": listed,
         },
         history=history,
+    )
+
+
+def _unlisted(count: int) -> str:
+    if not count:
+        return ""
+    return (
+        f" ({count} more not listed: the view shows the {MAX_FLEET_PROCESSES} most recently "
+        "published)"
     )
 
 
@@ -638,7 +701,11 @@ def read_fleet(
     try:
         found = None
         if shared.available:
-            found = shared.read_snapshots(stale_after=max(60.0, 4 * settings.expiry))
+            found = shared.read_snapshots(
+                max(60.0, 4 * settings.expiry),
+                limit=MAX_FLEET_PROCESSES,
+                max_bytes=MAX_SNAPSHOT_BYTES,
+            )
     finally:
         shared.stop()
     if found is None:
@@ -651,13 +718,15 @@ def read_fleet(
             available=False,
             note=f"Shared state unavailable ({error}).",
         )
-    snapshots = [p for p in (parse_snapshot(text) for _, text in found) if p is not None]
+    entries, unread = found
+    snapshots = [p for p in (parse_snapshot(text) for _, text in entries) if p is not None]
     hosts = len({s["process"]["host"] for s in snapshots})
     count = len(snapshots)
     note = (
         f"{count} process{'es' if count != 1 else ''} on {hosts} host{'s' if hosts != 1 else ''} "
         f"publish to Redis namespace {config.namespace!r}"
-        + ("" if count else ": no pool is running, or none has sampled yet")
+        + ("" if count or unread else ": no pool is running, or none has sampled yet")
+        + _unlisted(unread)
         + "."
     )
     return fleet_view(
@@ -718,6 +787,7 @@ class Monitor:
         self._process = _process_info(self._clock.time())
         self._history = _History(self.settings.interval, self.settings.points)
         self._published = False
+        self._too_big_logged = False
         self.ticks = 0
 
     @property
@@ -742,6 +812,10 @@ class Monitor:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
+        self._withdraw()
+
+    def _withdraw(self) -> None:
+        """Take this process's snapshot out of the fleet, if it is in."""
         with self._lock:
             published, self._published = self._published, False
         if published and self._shared is not None and self._shared.available:
@@ -805,9 +879,21 @@ class Monitor:
         shared = self._shared
         if shared is not None and shared.available and not self._stop.is_set():
             payload = json.dumps(snapshot, separators=(",", ":"))
+            if len(payload) > MAX_SNAPSHOT_BYTES and not self._too_big_logged:
+                self._too_big_logged = True
+                log.warning(
+                    "fleet monitor: this pool's snapshot is %d bytes, more than the %d other "
+                    "processes read: lower NPU_SYNC_FLEET_POINTS to stay in the fleet view",
+                    len(payload),
+                    MAX_SNAPSHOT_BYTES,
+                )
             if shared.publish_snapshot(self._process["id"], payload, self.settings.expiry):
                 with self._lock:
                     self._published = True
+                if self._stop.is_set():
+                    # stop() ran while Redis was answering: the snapshot that just landed
+                    # would keep a closed pool in the fleet for its TTL.
+                    self._withdraw()
         for listener in listeners:
             try:
                 listener(stats, rows)
@@ -862,13 +948,18 @@ class Monitor:
         else:
             found = None
             if self._shared.available:
-                found = self._shared.read_snapshots(stale_after=max(60.0, 4 * self.settings.expiry))
+                found = self._shared.read_snapshots(
+                    max(60.0, 4 * self.settings.expiry),
+                    limit=MAX_FLEET_PROCESSES,
+                    max_bytes=MAX_SNAPSHOT_BYTES,
+                )
             if found is None:
                 error = scrub(str(self._shared.last_error or "no answer"))
                 note = f"Shared state unavailable ({error}): this shows one process, {where}."
             else:
                 available = True
-                for member, text in found:
+                entries, unread = found
+                for member, text in entries:
                     if member == me["id"]:
                         continue  # this process: the fresh snapshot instead of the last one
                     parsed = parse_snapshot(text)
@@ -876,13 +967,16 @@ class Monitor:
                         log.debug("fleet view: skipping an unreadable snapshot of %s", member)
                     else:
                         others.append(parsed)
+                # This process is always listed, in the place of the stalest other.
+                unread += max(0, len(others) - (MAX_FLEET_PROCESSES - 1))
+                del others[MAX_FLEET_PROCESSES - 1 :]
                 count = 1 + len(others)
                 hosts = len({me["host"], *(o["process"]["host"] for o in others)})
                 note = (
                     f"{count} process{'es' if count != 1 else ''} on {hosts} "
-                    f"host{'s' if hosts != 1 else ''}, answered by {where}; snapshots every "
-                    f"{self.settings.interval:g} s, gone {self.settings.expiry:g} s after a "
-                    "process stops."
+                    f"host{'s' if hosts != 1 else ''}{_unlisted(unread)}, answered by {where}; "
+                    f"snapshots every {self.settings.interval:g} s, gone "
+                    f"{self.settings.expiry:g} s after a process stops."
                 )
         view = fleet_view(
             [mine, *others],

@@ -21,11 +21,13 @@ back whichever process answers the scrape.
 from __future__ import annotations
 
 import bisect
+import glob
 import itertools
 import logging
 import math
 import os
 import re
+import struct
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -542,9 +544,54 @@ def metrics_text(
     if exporter.multiprocess:
         exporter.refresh()
         everyone = CollectorRegistry()
-        MultiProcessCollector(everyone)  # type: ignore[no-untyped-call]
+        _TolerantMultiProcessCollector(everyone)  # type: ignore[no-untyped-call]
         return generate_latest(everyone), CONTENT_TYPE_LATEST
     return generate_latest(exporter.registry), CONTENT_TYPE_LATEST
+
+
+class _TolerantMultiProcessCollector(MultiProcessCollector):
+    """``MultiProcessCollector`` that leaves out a file it cannot read.
+
+    A process killed while creating its file (or a full disk) leaves a truncated one,
+    and the stock collector then raises on every scrape, in every process, until
+    somebody cleans the directory: the whole fleet's metrics gone for one file.
+    """
+
+    def collect(self) -> Iterable[Metric]:
+        files = sorted(glob.glob(os.path.join(self._path, "*.db")))
+        readable = [f for f in files if _readable(f)]
+        try:
+            return cast(Iterable[Metric], self.merge(readable, accumulate=True))  # type: ignore[no-untyped-call]
+        except FileNotFoundError:
+            # child_exit removed a dead process's gauge file meanwhile: read again.
+            return cast(
+                Iterable[Metric],
+                self.merge(  # type: ignore[no-untyped-call]
+                    [f for f in readable if os.path.exists(f)], accumulate=True
+                ),
+            )
+
+
+_unreadable_logged: set[str] = set()
+
+
+def _readable(path: str) -> bool:
+    try:
+        MultiProcessCollector._read_metrics([path])  # type: ignore[no-untyped-call]
+    except FileNotFoundError:
+        return False  # removed since listed (a dead process's gauges, by child_exit)
+    except (struct.error, ValueError, KeyError, IndexError, RuntimeError, OSError) as exc:
+        if path not in _unreadable_logged:
+            _unreadable_logged.add(path)
+            log.warning(
+                "prometheus: leaving out unreadable metrics file %s (%s: %s); delete it "
+                "or restart with an empty PROMETHEUS_MULTIPROC_DIR",
+                path,
+                type(exc).__name__,
+                exc,
+            )
+        return False
+    return True
 
 
 # -- metric names, help and label names: one place for both modes ----------------------

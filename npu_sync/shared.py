@@ -455,31 +455,45 @@ class SharedState:
 
         self._call(drop)
 
-    def read_snapshots(self, stale_after: float) -> list[tuple[str, str]] | None:
-        """``(member, snapshot)`` of every process whose snapshot has not expired; None
-        while Redis is unavailable.
+    def read_snapshots(
+        self, stale_after: float, *, limit: int, max_bytes: int
+    ) -> tuple[list[tuple[str, str]], int] | None:
+        """``(member, snapshot)`` of the ``limit`` most recently published processes whose
+        snapshot has not expired, and how many index entries were not read; None while
+        Redis is unavailable.
 
         Index entries not refreshed for ``stale_after`` seconds are pruned: their
-        snapshots expired long ago (a process killed without closing its pool).
+        snapshots expired long ago (a process killed without closing its pool). At most
+        ``max_bytes`` of each snapshot are read: a larger one is left out, so a key
+        filled with garbage costs a reader no more than that. A key of another type
+        under a snapshot's name is left out too, not taken for an outage.
         """
         index = self._fleet_index
 
-        def read() -> list[tuple[str, str]]:
-            self._client.zremrangebyscore(index, "-inf", time.time() - stale_after)
-            members: list[bytes] = self._client.zrange(index, 0, -1)  # type: ignore[assignment]
-            if not members:
-                return []
+        def read() -> tuple[list[tuple[str, str]], int]:
+            pipe = self._client.pipeline(transaction=False)
+            pipe.zremrangebyscore(index, "-inf", time.time() - stale_after)
+            pipe.zcard(index)
+            pipe.zrevrange(index, 0, limit - 1)
+            _, total, members = pipe.execute()
             names = [m.decode("utf-8", "replace") for m in members]
-            values: list[bytes | None] = self._client.mget(  # type: ignore[assignment]
-                [self._fleet_key(name) for name in names]
-            )
-            return [
-                (name, value.decode("utf-8", "replace"))
-                for name, value in zip(names, values, strict=True)
-                if value is not None  # expired: the process stopped publishing
-            ]
+            if not names:
+                return [], 0
+            pipe = self._client.pipeline(transaction=False)
+            for name in names:
+                pipe.getrange(self._fleet_key(name), 0, max_bytes)
+            values = pipe.execute(raise_on_error=False)
+            found = []
+            for name, value in zip(names, values, strict=True):
+                if not isinstance(value, bytes) or not value:
+                    continue  # expired (the process stopped publishing), or not a string
+                if len(value) > max_bytes:
+                    log.debug("fleet view: snapshot of %s larger than %d bytes", name, max_bytes)
+                    continue
+                found.append((name, value.decode("utf-8", "replace")))
+            return found, max(0, int(total) - len(names))
 
-        found: list[tuple[str, str]] | None = self._call(read)
+        found: tuple[list[tuple[str, str]], int] | None = self._call(read)
         return found
 
     @property
