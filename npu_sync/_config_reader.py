@@ -373,7 +373,14 @@ class _Reader:
         m = self.section(raw, path, _key_names(cls))
         if m is None:
             return cls()
-        return cls(**self.fields(m, path, cls))
+        try:
+            return cls(**self.fields(m, path, cls))
+        except ConfigError as exc:
+            # A rule across keys, checked by the constructor, names the key from the
+            # section's own name ("fleet.ttl: ..."): give it the file's whole path.
+            parent = path.rpartition(".")[0]
+            self.errors.extend(_join(parent, problem) for problem in exc.errors)
+            return cls()
 
     def dead_letter(self, raw: object, path: str) -> DeadLetterConfig:
         m = self.section(raw, path, _key_names(DeadLetterConfig))

@@ -28,7 +28,7 @@ from npu_sync._schema import (
     optional_number,
     section,
 )
-from npu_sync.errors import scrub
+from npu_sync.errors import ConfigError, scrub
 
 DEFAULT_PORT: Final = 8081
 """The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
@@ -764,6 +764,42 @@ class ModelsConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """How a pool samples its last minutes and, with shared state in Redis, publishes
+    its snapshot for the fleet view (see docs/metrics.md). Immutable, so thread-safe.
+    The ``NPU_SYNC_FLEET*`` environment variables override these keys."""
+
+    mode: str = choice(
+        "on",
+        ("on", "manual", "off"),
+        "`on`: sample on a thread of its own; `manual`: only when `tick()` is called; "
+        "`off`: no history and no snapshot",
+        hot=False,
+    )
+    interval: float = number(
+        5.0, 0.05, 3600, "seconds between samples (and snapshots)", unit="s", hot=False
+    )
+    ttl: float | None = optional_number(
+        0,
+        86400,
+        "seconds a snapshot outlives its process; null: three times `interval`",
+        above=True,
+        unit="s",
+        hot=False,
+    )
+    points: int = integer(120, 2, 10_000, "samples kept per worker", hot=False)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "fleet")
+        if self.ttl is not None and self.ttl <= self.interval:
+            # A snapshot that expires before the next is written would make a live
+            # process blink in and out of the fleet.
+            raise ConfigError(
+                f"fleet.ttl: must be more than fleet.interval ({self.interval:g}), got {self.ttl:g}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A whole, validated pool configuration. Immutable, so thread-safe."""
 
@@ -786,6 +822,7 @@ class PoolConfig:
     reload: ReloadConfig = section(ReloadConfig, "what a reload may do")
     balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
     models: ModelsConfig = section(ModelsConfig, "the models workers hold")
+    fleet: FleetConfig = section(FleetConfig, "history and the fleet view")
     source: str | None = None
     # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
     # which has none), for key paths in messages: see key_path().

@@ -587,9 +587,10 @@ def _probe_pool(config: PoolConfig) -> WorkerPool:
 
 
 def _read_fleet(config: PoolConfig) -> FleetView:
-    from npu_sync.fleet import read_fleet
+    from npu_sync.fleet import FleetSettings, read_fleet
 
-    return read_fleet(config.shared_state)
+    settings = FleetSettings.from_config(config.fleet, os.environ)
+    return read_fleet(config.shared_state, settings=settings)
 
 
 def _probe(pool: WorkerPool, config: PoolConfig) -> list[dict[str, Any]]:

@@ -18,14 +18,15 @@ snapshot at once. Without Redis the fleet view holds this process only, and says
 A task pays nothing for any of this: the monitor reads ``stats()`` and ``workers()``
 on its own thread once per interval, and only that thread writes to Redis.
 
-The settings come from the environment until the configuration file has keys for
-them (see docs/deployment.md):
+The settings are the configuration's ``fleet:`` section (``FleetConfig``); each has an
+environment variable that wins over its key when set (see docs/deployment.md):
 
-- ``NPU_SYNC_FLEET_INTERVAL``: seconds between samples (default 5);
-- ``NPU_SYNC_FLEET_TTL``: seconds a snapshot outlives its process (default three times
-  the interval);
-- ``NPU_SYNC_FLEET_POINTS``: samples kept (default 120: ten minutes at 5 s);
-- ``NPU_SYNC_FLEET``: ``on`` (default), ``manual`` (no thread: call
+- ``fleet.interval`` / ``NPU_SYNC_FLEET_INTERVAL``: seconds between samples (default 5);
+- ``fleet.ttl`` / ``NPU_SYNC_FLEET_TTL``: seconds a snapshot outlives its process
+  (default three times the interval);
+- ``fleet.points`` / ``NPU_SYNC_FLEET_POINTS``: samples kept (default 120: ten minutes
+  at 5 s);
+- ``fleet.mode`` / ``NPU_SYNC_FLEET``: ``on`` (default), ``manual`` (no thread: call
   :meth:`Monitor.tick` yourself, as tests do) or ``off`` (no samples, nothing
   published).
 """
@@ -46,6 +47,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from npu_sync.clock import SYSTEM_CLOCK, Clock
+from npu_sync.config import FleetConfig
 from npu_sync.errors import ConfigError, scrub
 from npu_sync.stats_types import (
     FleetStatsDict,
@@ -164,13 +166,32 @@ class FleetSettings:
         return self.ttl if self.ttl is not None else 3.0 * self.interval
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> FleetSettings:
-        """Settings from ``NPU_SYNC_FLEET_*`` variables; defaults for those unset.
+    def from_config(cls, config: FleetConfig, env: Mapping[str, str]) -> FleetSettings:
+        """The ``fleet:`` section of the configuration, with any ``NPU_SYNC_FLEET*``
+        variable in ``env`` taking precedence over its key.
 
         Raises:
             ConfigError: a variable's value is unusable, naming the variable.
         """
-        fields: dict[str, Any] = {}
+        base = {
+            "interval": config.interval,
+            "ttl": config.ttl,
+            "points": config.points,
+            "mode": config.mode,
+        }
+        return cls.from_env(env, base)
+
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str], base: Mapping[str, Any] | None = None
+    ) -> FleetSettings:
+        """Settings from ``NPU_SYNC_FLEET_*`` variables over ``base`` (defaults for those
+        in neither).
+
+        Raises:
+            ConfigError: a variable's value is unusable, naming the variable.
+        """
+        fields: dict[str, Any] = dict(base or {})
         for name, field, parse in (
             ("NPU_SYNC_FLEET_INTERVAL", "interval", float),
             ("NPU_SYNC_FLEET_TTL", "ttl", float),

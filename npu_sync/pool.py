@@ -45,7 +45,7 @@ from npu_sync.config import (
 from npu_sync.deadletter import DeadLetterStore, open_store
 from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
 from npu_sync.events import Hook, WorkerHealthChanged, WorkerModelsChanged
-from npu_sync.fleet import Monitor
+from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
@@ -123,7 +123,13 @@ class WorkerPool:
         self._reconfigurer = Reconfigurer(state, on_health=self._health_settings_changed)
         # History and fleet snapshot; sampled from the start when there is other
         # background work (health checks, shared state), else from the first look.
-        self._monitor = Monitor(self, shared, clock=clock, eager=config.health.enabled)
+        self._monitor = Monitor(
+            self,
+            shared,
+            clock=clock,
+            settings=FleetSettings.from_config(config.fleet, os.environ),
+            eager=config.health.enabled,
+        )
         self._watcher: ConfigWatcher | None = None
         # Why the pool runs on a stand-in configuration, if it does (see get_pool).
         self._fallback_reason: str | None = None

@@ -40,7 +40,7 @@ from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
 
-_NOT_HOT = ("transport", "dead_letter", "pool", "shared_state")
+_NOT_HOT = ("transport", "dead_letter", "pool", "shared_state", "fleet")
 """Sections a reload cannot change in a running pool."""
 
 _SETTINGS = ("health", "circuit_breaker", "retry", "timeouts")

@@ -17,6 +17,7 @@ from npu_sync.config import (
     BalancingConfig,
     BreakerConfig,
     DeadLetterConfig,
+    FleetConfig,
     HealthConfig,
     PoolConfig,
     PoolSettings,
@@ -574,6 +575,9 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("reload.max_removed_share", ">= 0 and <= 1", 1, {}),
     ("balancing.latency_decay", "> 0 and <= 3600", 3600, {}),
     ("balancing.slow_start", ">= 0 and <= 3600", 3600, {}),
+    ("fleet.interval", ">= 0.05 and <= 3600", 3600, {}),
+    ("fleet.ttl", "> 0 and <= 86400", 86400, {}),
+    ("fleet.points", "2..10000", 10_000, {}),
 ]
 WORKER_BOUNDS: list[tuple[str, str, int]] = [
     ("port", "1..65535", 65535),
@@ -600,6 +604,7 @@ SECTION_CLASSES: dict[str, Any] = {
     "shared_state": SharedStateConfig,
     "reload": ReloadConfig,
     "balancing": BalancingConfig,
+    "fleet": FleetConfig,
 }
 
 

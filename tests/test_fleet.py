@@ -19,6 +19,7 @@ from npu_sync.config import (
     PoolConfig,
     RetryConfig,
     SharedStateConfig,
+    parse_config,
     worker_config,
 )
 from npu_sync.fleet import (
@@ -474,3 +475,48 @@ def test_a_monitor_can_be_built_for_any_pool_like_object(clock):
     monitor = Monitor(stub, None, clock=clock, settings=FleetSettings(mode="manual"))
     monitor.tick()
     assert monitor_of(stub) is monitor and monitor.history()["end_at"] == WALL
+
+
+def test_the_fleet_section_of_the_configuration_sets_the_monitor(net, monkeypatch):
+    """fleet.interval, fleet.points and fleet.mode in the file reach the pool's monitor."""
+    for name in ("NPU_SYNC_FLEET", "NPU_SYNC_FLEET_INTERVAL", "NPU_SYNC_FLEET_TTL"):
+        monkeypatch.delenv(name, raising=False)
+    config = parse_config(
+        {
+            "npu_workers": {
+                "workers": [{"id": "a", "url": "http://127.0.0.1:9500"}],
+                "health": {"enabled": False},
+                "fleet": {"mode": "manual", "interval": 2, "points": 50},
+            }
+        }
+    )
+    with WorkerPool(config, transport_factory=net.factory) as pool:
+        settings = monitor_of(pool).settings
+    assert (settings.mode, settings.interval, settings.points) == ("manual", 2.0, 50)
+    assert settings.expiry == 6.0  # three intervals when fleet.ttl is not given
+
+
+def test_an_environment_variable_overrides_its_fleet_key(net, monkeypatch):
+    """NPU_SYNC_FLEET_INTERVAL wins over fleet.interval; the other keys still apply."""
+    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "3")
+    config = parse_config(
+        {
+            "npu_workers": {
+                "workers": [{"id": "a", "url": "http://127.0.0.1:9500"}],
+                "health": {"enabled": False},
+                "fleet": {"interval": 2, "points": 40},
+            }
+        }
+    )
+    with WorkerPool(config, transport_factory=net.factory) as pool:
+        settings = monitor_of(pool).settings
+    assert (settings.interval, settings.points) == (3.0, 40)
+
+
+def test_a_fleet_ttl_within_the_interval_is_refused_naming_the_key():
+    """A snapshot that would expire before the next is written is a config error at its
+    key path, so a live process cannot blink out of the fleet view."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"npu_workers": {"workers": [], "fleet": {"interval": 5, "ttl": 4}}})
+    assert "npu_workers.fleet.ttl: must be more than fleet.interval (5), got 4" in str(caught.value)
