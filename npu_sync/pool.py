@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, cast
 
-from npu_sync.breaker import OPEN
+from npu_sync.breaker import CLOSED, OPEN
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
     HealthConfig,
@@ -51,7 +51,13 @@ from npu_sync.reconfigure import ReloadResult as ReloadResult
 from npu_sync.reload import ConfigWatcher
 from npu_sync.state import PoolState
 from npu_sync.state import TransportFactory as TransportFactory
-from npu_sync.stats_types import PoolStatsDict, ReloadStats, SharedStateStats, WorkerRow
+from npu_sync.stats_types import (
+    BalancingStats,
+    PoolStatsDict,
+    ReloadStats,
+    SharedStateStats,
+    WorkerRow,
+)
 from npu_sync.task import Task, as_task
 from npu_sync.taskrun import Runner
 from npu_sync.transport import make_transport
@@ -311,11 +317,14 @@ class WorkerPool:
         # is the shared state's spool file.
         stored, dropped = self.dead_letters.counts()
         shared = {"backend": "none"} if self._state.shared is None else self._state.shared.stats()
+        budget = self._state.budget.stats()
+        hedge = self._state.hedge.stats()
         with self._state.lock:
             now = self._state.clock.monotonic()
             workers = list(self._state.workers.values())
             s = self._state.stats
             sel50, sel99 = self._state.dispatcher.selection_time.percentiles(50, 99)
+            selection = self._state.dispatcher.selector.stats(now)
             return {
                 "uptime_s": now - self._started,
                 "closed": self._state.closed,
@@ -357,6 +366,16 @@ class WorkerPool:
                     "p50": None if sel50 is None else sel50 * 1e6,
                     "p99": None if sel99 is None else sel99 * 1e6,
                 },
+                "balancing": cast(
+                    BalancingStats,
+                    {
+                        **selection,
+                        "ramping": sorted(cast(dict[str, float], selection["ramping"])),
+                        "adaptive_concurrency": self._state.config.balancing.adaptive_concurrency,
+                        "retry_budget": budget,
+                        "hedge": hedge,
+                    },
+                ),
             }
 
     def workers(self) -> list[WorkerRow]:
@@ -489,6 +508,7 @@ class WorkerPool:
             workers = [*self._state.workers.values(), *self._state.draining.values()]
         try:
             self._health.stop()
+            self._state.hedger.stop()
             if self._state.shared is not None:
                 self._state.shared.stop()
             for worker in workers:
@@ -629,6 +649,10 @@ class WorkerPool:
                     result, health.unhealthy_threshold, health.healthy_threshold
                 ):
                     changes.append((worker_id, worker.healthy, result.error))
+                    # With its breaker open, the worker returns when a trial closes it.
+                    if worker.healthy and worker.breaker.state == CLOSED:
+                        now = self._state.clock.monotonic()
+                        self._state.recovered_locked(worker, now, "healthy")
                 if result.ok and worker.breaker.state == OPEN:
                     # The worker answers again: let a real task try it now rather than
                     # wait out the reset timeout. Only that task's success closes it.
@@ -639,6 +663,8 @@ class WorkerPool:
                 self._state.notify(
                     WorkerHealthChanged(self._state.clock.time(), worker_id, healthy, error)
                 )
+            if self._state.events:
+                self._state.flush_events()
 
     def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
         """A change was applied: start health checks it turned on, or have the health
