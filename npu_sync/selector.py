@@ -33,7 +33,9 @@ the worker's ``score`` is
 
 and its share is its ``weight`` times its slow start factor (see
 :mod:`npu_sync.slowstart`), which ramps a worker back in service from a tenth of its
-share to all of it. With every weight 1, no ramp under way and latency-aware choice
+share to all of it. Under light load, when the winner is idle, scores alone would
+give an idle ramping worker nothing until its ramp ends: it is then picked by chance,
+with its factor as the probability. With every weight 1, no ramp under way and latency-aware choice
 off, the plain count of tasks in flight is compared, as above.
 
 A worker that has tasks in flight and has answered none of them for longer than its
@@ -547,9 +549,31 @@ class Selector:
                 passed = best
                 stalls += 1
             else:
+                if self._ramping and not best.in_flight:
+                    best = self._ramp_turn(tier, excluded, best, now)
                 tier.turn = ready.index(best) + 1
                 tier.last = best
                 return best
+
+    def _ramp_turn(
+        self, tier: _Tier, excluded: Collection[str], best: Worker, now: float
+    ) -> Worker:
+        """Under light load (the winner is idle), give an idle ramping worker its share
+        by chance: with scores alone it would lose every selection while the others
+        are idle, and a caller sending one task at a time would never reach it before
+        its ramp ends. Under load, scores alone ramp it."""
+        for worker in self._ramping:
+            if (
+                worker is not best
+                and not worker.in_flight
+                and self._slots[worker].tier is tier
+                and self._slots[worker].state == _READY
+                and worker.id not in excluded
+                and self._random() * worker.weight < worker.share
+                and worker.eligible(now)
+            ):
+                return worker
+        return best
 
     def _stalled(self, worker: Worker, now: float) -> None:
         """``worker`` has had tasks in flight and no answer for longer than its estimate:

@@ -117,9 +117,7 @@ class _Race:
         self.cancels[1 - side].cancel()
         return False
 
-    def hedge_ended(
-        self, result: tuple[Lease, tuple[Outcome, bool, float, float]] | None
-    ) -> None:
+    def hedge_ended(self, result: tuple[Lease, tuple[Outcome, bool, float, float]] | None) -> None:
         """The hedge ended (``result``) or was never sent (None)."""
         with self.cond:
             self.hedge_result = result
