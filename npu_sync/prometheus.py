@@ -308,10 +308,12 @@ class PrometheusExporter:
                 families.latency_ewma.add_metric(labels, ewma_ms / 1000.0)
             if w["failure_rate"] is not None:
                 families.failure_rate.add_metric(labels, w["failure_rate"])
-            balance = w["balancing"]
-            families.latency_estimate.add_metric(labels, balance["latency_estimate_ms"] / 1000)
-            families.share.add_metric(labels, balance["share"])
-        if stats is not None:
+            balance = w.get("balancing")  # absent from an older pool's rows
+            if balance is not None:
+                estimate = balance["latency_estimate_ms"] / 1000
+                families.latency_estimate.add_metric(labels, estimate)
+                families.share.add_metric(labels, balance["share"])
+        if stats is not None and "balancing" in stats:
             budget = stats["balancing"]["retry_budget"]
             families.budget_balance.add_metric(list(const), budget["balance"])
             families.budget_refused.add_metric(list(const), budget["refused"])
@@ -319,6 +321,7 @@ class PrometheusExporter:
             families.hedges.add_metric([*const, "won"], hedge["won"])
             families.hedges.add_metric([*const, "lost"], hedge["hedged"] - hedge["won"])
             families.hedges_skipped.add_metric(list(const), hedge["skipped"])
+        if stats is not None:
             families.waiting.add_metric(list(const), stats["tasks"]["waiting"])
             pending = stats["dead_letters"]["pending"]
             if pending is not None:  # None: the store is closed
