@@ -366,11 +366,13 @@ class Reconfigurer:
             now = state.clock.monotonic()
             for worker in built.workers.values():
                 if worker.ramp_until > now:  # a new worker ramps in (slow start)
-                    window = worker.ramp_until - now
-                    state.events.append(
-                        WorkerSlowStart(state.clock.time(), worker.id, window, "added")
-                    )
+                    state.events.append(_ramp_event(worker.id, worker.ramp_until - now))
             return to_close, list(state.workers)
+
+
+def _ramp_event(worker_id: str, window: float) -> Callable[[float], WorkerSlowStart]:
+    """A new worker's slow start, announced once the pool's lock is released."""
+    return lambda at: WorkerSlowStart(at, worker_id, window, "added")
 
 
 def _digest(text: str) -> str:

@@ -90,8 +90,13 @@ class PoolState:
         self.hedge = _hedge_policy(balancing)
         self.hedger = HedgeTimer(clock, threads=config.pool.threads)
         # Balancing events found under the lock (a ramp begun, a limit moved), announced
-        # after it by flush_events().
-        self.events: list[Event] = []
+        # after it by flush_events(): each built from the wall-clock time then, so that
+        # no clock is read under the lock for them.
+        self.events: list[Callable[[float], Event]] = []
+        # Workers whose breaker closed after a trip: their slow start begins when the
+        # transition is announced (pybreaker calls its listener in the middle of its
+        # own state change, where nothing more should happen).
+        self.recovering: list[Worker] = []
         self.stats = PoolStats()
         self.workers: dict[str, Worker] = {}
         self.draining: dict[str, Worker] = {}  # removed, with tasks still in flight
@@ -170,18 +175,21 @@ class PoolState:
             worker.set_limit(worker.limit)
         if selector.slow_start.enabled and worker.id in self.workers:
             window = selector.slow_start.window
-            self.events.append(WorkerSlowStart(self.clock.time(), worker.id, window, reason))
+            wid = worker.id
+            self.events.append(lambda at: WorkerSlowStart(at, wid, window, reason))
 
     def limit_changed_locked(self, worker: Worker, old: int) -> None:
         """``worker``'s adaptive limit moved its capacity from ``old``. Call with ``lock``."""
-        self.events.append(WorkerLimitChanged(self.clock.time(), worker.id, old, worker.capacity))
+        wid, new = worker.id, worker.capacity
+        self.events.append(lambda at: WorkerLimitChanged(at, wid, old, new))
 
     def flush_events(self) -> None:
         """Announce the balancing events found under the lock. Call without the lock."""
         with self.lock:
             events, self.events = self.events, []
+        at = self.clock.time()
         for event in events:
-            self.notify(event)
+            self.notify(event(at))
 
     def build_transports(self, cfg: WorkerConfig) -> tuple[Transport, Transport]:
         """A worker's task transport and its health-check transport."""
@@ -200,7 +208,7 @@ class PoolState:
         if new == CLOSED and old != CLOSED:
             worker = self.workers.get(name)
             if worker is not None:
-                self.recovered_locked(worker, self.clock.monotonic(), "recovered")
+                self.recovering.append(worker)
 
     def flush_transitions(self) -> None:
         """Announce the queued breaker transitions: to hooks, the log, other processes.
@@ -210,6 +218,12 @@ class PoolState:
         with self.lock:
             transitions, self.transitions = self.transitions, []
             timeouts = {w.id: w.breaker.reset_timeout for w in self.workers.values()}
+            recovering, self.recovering = self.recovering, []
+            if recovering:
+                now = self.dispatcher.clock.monotonic()
+                for worker in recovering:
+                    self.recovered_locked(worker, now, "recovered")
+                self.dispatcher.release_locked(now)
         now = self.clock.time()
         shared = self.shared
         for name, old, new, remote in transitions:
@@ -234,6 +248,7 @@ class PoolState:
         self.lock = self.dispatcher.lock
         self.transitions = []
         self.events = []
+        self.recovering = []
         self.budget = self._new_budget(self.config.balancing)
         self.hedge = _hedge_policy(self.config.balancing)
         self.hedger = HedgeTimer(self.clock, threads=self.config.pool.threads)
