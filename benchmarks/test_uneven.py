@@ -18,12 +18,17 @@ side by side in one module so that the machine's noise hits them alike:
   5, ``reset_timeout`` 1 s), then heals; its share of tasks in each second after its
   breaker closes.
 
+* ``adaptive``: three workers with 8 parallel slots each (``--slots``: they run 8
+  tasks at once and queue the rest), 32 callers: the adaptive limit with no
+  ``max_concurrent`` set against fixed values of ``max_concurrent``.
+
 What issue 14 asks of these, with every balancing mechanism at its default: slow,
 p99 at most 2x the steady p99 and throughput not below two workers'; frozen, p99.9
 near the per-try timeout (much lower with hedging); failing, attempts per task
-within the budget; return, a share that ramps over the slow start window. The
-scenarios take a pool configuration per variant (``VARIANTS``): today only
-``default``; hedging and adaptive concurrency add theirs once the pool has the keys.
+within the budget; return, a share that ramps over the slow start window; adaptive,
+at least 0.95x the best fixed value's throughput with a p99 no worse. The scenarios
+take a pool configuration per variant (``VARIANTS``): ``default``, and ``hedging``
+(``balancing.hedge`` on, its delay the p95 of recent attempts).
 
 ``-s`` prints the tables; the figures also go to each benchmark's ``extra_info``.
 About a minute.
@@ -44,7 +49,14 @@ import pytest
 
 from benchmarks.conftest import report
 from npu_sync import TaskFailed, WorkerPool
-from npu_sync.config import BreakerConfig, PoolConfig, TimeoutConfig, worker_config
+from npu_sync.config import (
+    BalancingConfig,
+    BreakerConfig,
+    HedgeConfig,
+    PoolConfig,
+    TimeoutConfig,
+    worker_config,
+)
 from npu_sync.events import BreakerStateChanged, Event
 from npu_sync.worker_server import LocalWorker
 
@@ -68,7 +80,17 @@ def default_config(workers: Sequence[LocalWorker], **sections: Any) -> PoolConfi
     )
 
 
-VARIANTS: dict[str, Callable[..., PoolConfig]] = {"default": default_config}
+def hedging_config(workers: Sequence[LocalWorker], **sections: Any) -> PoolConfig:
+    """The defaults plus hedging after the p95 of recent attempts."""
+    return default_config(
+        workers, balancing=BalancingConfig(hedge=HedgeConfig(enabled=True)), **sections
+    )
+
+
+VARIANTS: dict[str, Callable[..., PoolConfig]] = {
+    "default": default_config,
+    "hedging": hedging_config,
+}
 
 
 # -- driving -----------------------------------------------------------------------------
@@ -149,6 +171,7 @@ class Callers:
 
 @contextmanager
 def workers(count: int, tag: str, **behaviour: Any) -> Iterator[list[LocalWorker]]:
+    """``count`` reference workers at 20 ms, named ``tag0`` … (``behaviour`` for all)."""
     started: list[LocalWorker] = []
     try:
         for i in range(count):
@@ -384,3 +407,49 @@ def test_share_of_a_worker_back_from_a_breaker_trip(benchmark, variant):
             (variant, *(f"{x:.2f}" for x in shares)),
         ],
     )
+
+
+SLOTS = 8  # parallel slots of each worker in the adaptive scenario
+FIXED = (4, 8, 12, 16, 32)  # the fixed max_concurrent values it is measured against
+ADAPTIVE: dict[str, dict[str, float]] = {}
+
+
+@pytest.mark.parametrize("setting", ["adaptive", *(f"fixed {n}" for n in FIXED)])
+def test_adaptive_limit_against_fixed_max_concurrent(benchmark, setting):
+    """Workers with 8 parallel slots: the adaptive limit with no max_concurrent set
+    (ceiling: the default 32) against each fixed max_concurrent; the best fixed value
+    is what a user tuning by hand would find."""
+    with workers(3, "c", slots=SLOTS) as ws:
+        if setting == "adaptive":
+            config = default_config(ws, balancing=BalancingConfig(adaptive_concurrency=True))
+        else:
+            fixed = int(setting.split()[1])
+            config = PoolConfig(
+                workers=tuple(worker_config(w.worker_id, w.url, max_concurrent=fixed) for w in ws),
+                timeouts=TimeoutConfig(read=PER_TRY_TIMEOUT),
+            )
+        with WorkerPool(config) as pool:
+            # A longer warm-up: the limit climbs from 4 in rounds of 16+ answers.
+            Callers(pool, 3 * WARMUP).join()
+            run = run_tasks(pool)
+            limits = [row["capacity"] for row in pool.workers()]
+    figures = latency_figures(run)
+    figures["capacity"] = limits
+    ADAPTIVE[setting] = figures
+    record(benchmark, "8-slot workers", setting, figures)
+    fixed_runs = {k: v for k, v in ADAPTIVE.items() if k != "adaptive"}
+    if "adaptive" in ADAPTIVE and fixed_runs:
+        best = max(fixed_runs, key=lambda k: fixed_runs[k]["tasks_per_s"])
+        ours = ADAPTIVE["adaptive"]
+        report(
+            "adaptive limit against the best fixed max_concurrent so far",
+            [
+                ("best fixed", "throughput ratio", "p99 ratio", "adaptive capacities"),
+                (
+                    best,
+                    f"{ours['tasks_per_s'] / fixed_runs[best]['tasks_per_s']:.3f}",
+                    f"{ours['p99_ms'] / fixed_runs[best]['p99_ms']:.3f}",
+                    str(ours["capacity"]),
+                ),
+            ],
+        )

@@ -179,6 +179,57 @@ class ConfigReloadFailed(Event):
     error: str
 
 
+@dataclass(frozen=True, slots=True)
+class WorkerSlowStart(Event):
+    """A worker back in service (``reason``: ``recovered``, ``healthy``, ``moved``,
+    ``added``) ramps up its share of tasks over the next ``window`` seconds."""
+
+    name: ClassVar[str] = "worker.slow_start"
+    level: ClassVar[int] = logging.INFO
+    worker_id: str
+    window: float
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLimitChanged(Event):
+    """A worker's adaptive concurrency limit moved from ``old`` to ``new`` tasks."""
+
+    name: ClassVar[str] = "worker.limit_changed"
+    worker_id: str
+    old: int
+    new: int
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetExhausted(Event):
+    """The pool-wide retry budget refused a retry (or hedge): retries stop until
+    enough new tasks earn more."""
+
+    name: ClassVar[str] = "retry_budget.exhausted"
+    level: ClassVar[int] = logging.WARNING
+
+
+@dataclass(frozen=True, slots=True)
+class RetryBudgetAvailable(Event):
+    """The retry budget allows retries again after refusing some."""
+
+    name: ClassVar[str] = "retry_budget.available"
+    level: ClassVar[int] = logging.INFO
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptHedged(Event):
+    """Task ``task_id``, slow on ``worker_id`` for ``delay`` seconds, was sent to
+    ``hedge_worker_id`` as well; the first answer wins."""
+
+    name: ClassVar[str] = "attempt.hedged"
+    task_id: str
+    worker_id: str
+    hedge_worker_id: str
+    delay: float
+
+
 Hook = Callable[[Event], object]
 """Anything that takes an event; its return value is ignored."""
 

@@ -13,7 +13,7 @@ recent successful attempts' durations, so that about 5 % of tasks are hedged whe
 all is well and every task stuck behind a frozen worker is. Until enough durations
 are known (``min_samples``) a percentile policy does not hedge.
 
-The attempt loop's side, not built yet, is sketched here because it fixes
+The attempt loop's side (``taskrun.TaskRun.hedged``) works as follows, which fixes
 what this policy must answer:
 
 * ``delay = hedge.delay_for(task.idempotent)``, once per task, after its first lease;
@@ -44,9 +44,18 @@ worker, the hedge's worker, the delay) when a hedge is sent; the abandoned attem
 
 from __future__ import annotations
 
+import concurrent.futures
+import heapq
+import itertools
+import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
+from npu_sync.clock import Clock
 from npu_sync.metrics import percentile
+
+log = logging.getLogger(__name__)
 
 
 class HedgePolicy:
@@ -154,3 +163,103 @@ class HedgePolicy:
                 "won": self.won,
                 "skipped": self.skipped,
             }
+
+
+class HedgeTimer:
+    """Runs callbacks when their time comes, and hedges on threads of their own.
+
+    Thread-safe. One daemon thread (``npu-sync-hedge-timer``) waits for the earliest
+    due time; a callback runs on it and must be short (it takes a lease, then hands
+    the hedge to :meth:`submit`'s threads, ``npu-sync-hedge``). Both are started on
+    first use, so a pool that never hedges has neither. :meth:`run_due` is the
+    one-shot step the thread repeats, for tests with a fake clock.
+
+    Args:
+        clock: the time source; due times are on its monotonic clock.
+        threads: the most hedges sent at once.
+    """
+
+    def __init__(self, clock: Clock, *, threads: int = 32) -> None:
+        self._clock = clock
+        self._threads = threads
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stopped = False
+
+    def schedule(self, when: float, callback: Callable[[], None]) -> None:
+        """Call ``callback`` at ``when`` (monotonic seconds); nothing once stopped."""
+        with self._cond:
+            if self._stopped:
+                return
+            entry = (when, next(self._seq), callback)
+            heapq.heappush(self._heap, entry)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="npu-sync-hedge-timer", daemon=True
+                )
+                self._thread.start()
+            elif self._heap[0] is entry:
+                self._cond.notify()
+
+    def run_due(self) -> int:
+        """Run every callback whose time has come; returns how many ran."""
+        now = self._clock.monotonic()
+        due: list[Callable[[], None]] = []
+        with self._cond:
+            heap = self._heap
+            while heap and heap[0][0] <= now:
+                due.append(heapq.heappop(heap)[2])
+        for callback in due:
+            try:
+                callback()
+            except Exception:
+                log.exception("hedge callback failed")
+        return len(due)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on a hedge thread.
+
+        Raises:
+            RuntimeError: the timer was stopped.
+        """
+        with self._cond:
+            if self._stopped:
+                raise RuntimeError("hedging stopped")
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self._threads, thread_name_prefix="npu-sync-hedge"
+                )
+            executor = self._executor
+        executor.submit(fn, *args)
+
+    def pending(self) -> int:
+        """Callbacks waiting for their time."""
+        with self._cond:
+            return len(self._heap)
+
+    def stop(self) -> None:
+        """Drop what is scheduled and stop the threads; returns at once (a hedge in
+        flight ends with its request)."""
+        with self._cond:
+            self._stopped = True
+            self._heap.clear()
+            self._cond.notify()
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    def _loop(self) -> None:
+        cond = self._cond
+        while True:
+            with cond:
+                if self._stopped:
+                    return
+                heap = self._heap
+                wait = heap[0][0] - self._clock.monotonic() if heap else None
+                if wait is None or wait > 0:
+                    cond.wait(wait)
+                    continue
+            self.run_due()

@@ -72,7 +72,7 @@ class ConcurrencyLimit(Protocol):
         """Start again from the initial limit (a worker back in service)."""
         ...
 
-    def stats(self) -> dict[str, float | int | None]:
+    def stats(self) -> dict[str, float | int | str | None]:
         """A JSON-serialisable view."""
         ...
 

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, cast, overload
 
-from npu_sync.breaker import OPEN
+from npu_sync.breaker import CLOSED, OPEN
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import (
     HealthConfig,
@@ -53,6 +53,7 @@ from npu_sync.reload import ConfigWatcher
 from npu_sync.state import PoolState
 from npu_sync.state import TransportFactory as TransportFactory
 from npu_sync.stats_types import (
+    BalancingStats,
     FleetStatsDict,
     PoolStatsDict,
     ReloadStats,
@@ -342,11 +343,14 @@ class WorkerPool:
         # is the shared state's spool file.
         stored, dropped = self.dead_letters.counts()
         shared = {"backend": "none"} if self._state.shared is None else self._state.shared.stats()
+        budget = self._state.budget.stats()
+        hedge = self._state.hedge.stats()
         with self._state.lock:
             now = self._state.clock.monotonic()
             workers = list(self._state.workers.values())
             s = self._state.stats
             sel50, sel99 = self._state.dispatcher.selection_time.percentiles(50, 99)
+            selection = self._state.dispatcher.selector.stats(now)
             return {
                 "uptime_s": now - self._started,
                 "closed": self._state.closed,
@@ -396,6 +400,16 @@ class WorkerPool:
                     "placements": self._state.model_counts["placements"],
                     "placement_failures": self._state.model_counts["placement_failures"],
                 },
+                "balancing": cast(
+                    BalancingStats,
+                    {
+                        **selection,
+                        "ramping": sorted(cast(dict[str, float], selection["ramping"])),
+                        "adaptive_concurrency": self._state.config.balancing.adaptive_concurrency,
+                        "retry_budget": budget,
+                        "hedge": hedge,
+                    },
+                ),
             }
 
     def workers(self) -> list[WorkerRow]:
@@ -529,6 +543,7 @@ class WorkerPool:
         try:
             self._health.stop()
             self._monitor.stop()  # before the shared state: it withdraws the snapshot
+            self._state.hedger.stop()
             if self._state.shared is not None:
                 self._state.shared.stop()
             for worker in workers:
@@ -673,6 +688,10 @@ class WorkerPool:
                     result, health.unhealthy_threshold, health.healthy_threshold
                 ):
                     changes.append((worker_id, worker.healthy, result.error))
+                    # With its breaker open, the worker returns when a trial closes it.
+                    if worker.healthy and worker.breaker.state == CLOSED:
+                        now = self._state.clock.monotonic()
+                        self._state.recovered_locked(worker, now, "healthy")
                 if result.ok:
                     changed = worker.apply_models(result)
                     if changed is not None:
@@ -698,6 +717,8 @@ class WorkerPool:
                 )
             for event in models:
                 self._state.notify(event)
+            if self._state.events:
+                self._state.flush_events()
 
     def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
         """A change was applied: start health checks it turned on, or have the health

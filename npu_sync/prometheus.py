@@ -485,6 +485,19 @@ class PrometheusExporter:
                 families.latency_ewma.add_metric(labels, ewma_ms / 1000.0)
             if w["failure_rate"] is not None:
                 families.failure_ratio.add_metric(labels, w["failure_rate"])
+            balance = w.get("balancing")  # absent from an older pool's rows
+            if balance is not None:
+                estimate = balance["latency_estimate_ms"] / 1000
+                families.latency_estimate.add_metric(labels, estimate)
+                families.share.add_metric(labels, balance["share"])
+        if stats is not None and "balancing" in stats:
+            budget = stats["balancing"]["retry_budget"]
+            families.budget_balance.add_metric(list(const), budget["balance"])
+            families.budget_refused.add_metric(list(const), budget["refused"])
+            hedge = stats["balancing"]["hedge"]
+            families.hedges.add_metric([*const, "won"], hedge["won"])
+            families.hedges.add_metric([*const, "lost"], hedge["hedged"] - hedge["won"])
+            families.hedges_skipped.add_metric(list(const), hedge["skipped"])
         if stats is not None:
             families.waiting.add_metric(list(const), stats["tasks"]["waiting"])
             pending = stats["dead_letters"]["pending"]
@@ -681,6 +694,38 @@ class _Families:
         self.waiting = gauge("waiting")
         self.dead_letters = gauge("dead_letters")
 
+        # The balancing series: one process's view, read from stats() and workers()
+        # at each scrape (not written to multiprocess files).
+        def name(suffix: str) -> str:
+            return f"{namespace}_{suffix}"
+
+        c = list(const_names)
+        w = [*c, "worker"]
+        self.latency_estimate = GaugeMetricFamily(
+            name("worker_latency_estimate_seconds"),
+            "The peak-EWMA latency estimate latency-aware choice compares.",
+            labels=w,
+        )
+        self.share = GaugeMetricFamily(
+            name("worker_share"), "The worker's weight times its slow start factor.", labels=w
+        )
+        self.budget_balance = GaugeMetricFamily(
+            name("retry_budget_balance"), "Retries and hedges the budget allows now.", labels=c
+        )
+        self.budget_refused = CounterMetricFamily(
+            name("retry_budget_refused"), "Retries and hedges the budget refused.", labels=c
+        )
+        self.hedges = CounterMetricFamily(
+            name("hedges"),
+            "Hedged attempts sent, by whether theirs was the answer returned.",
+            labels=[*c, "result"],
+        )
+        self.hedges_skipped = CounterMetricFamily(
+            name("hedges_skipped"),
+            "Hedges due but not sent: no budget or no worker free.",
+            labels=c,
+        )
+
     def all(self) -> list[Metric]:
         return [
             self.attempts,
@@ -697,6 +742,12 @@ class _Families:
             self.failure_ratio,
             self.waiting,
             self.dead_letters,
+            self.latency_estimate,
+            self.share,
+            self.budget_balance,
+            self.budget_refused,
+            self.hedges,
+            self.hedges_skipped,
         ]
 
 

@@ -32,7 +32,7 @@ from npu_sync.config import (
     read_config_text,
 )
 from npu_sync.errors import ConfigError, PoolClosed
-from npu_sync.events import ConfigReloaded, ConfigReloadFailed
+from npu_sync.events import ConfigReloaded, ConfigReloadFailed, WorkerSlowStart
 from npu_sync.retry import RetryPolicy
 from npu_sync.state import PoolState
 from npu_sync.transport import Transport
@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 _NOT_HOT = ("transport", "dead_letter", "pool", "shared_state", "fleet")
 """Sections a reload cannot change in a running pool."""
 
-_SETTINGS = ("health", "circuit_breaker", "retry", "timeouts")
+_SETTINGS = ("health", "circuit_breaker", "retry", "timeouts", "balancing")
 """Sections a reload applies to the tasks that start after it."""
 
 _ADDRESS_FIELDS = ("url", "tls", "headers")
@@ -269,6 +269,8 @@ class Reconfigurer:
             built.close()
             raise PoolClosed("the pool is closed")
         to_close, worker_ids = self._install(new, built, wanted, removed, updated, drain=drain)
+        if state.events:
+            state.flush_events()
         if state.shared is not None:
             state.shared.set_workers(worker_ids)
         for transport in to_close:
@@ -347,6 +349,7 @@ class Reconfigurer:
                 if wid in built.rewired:
                     to_close += [worker.transport, worker.health_transport]
                     worker.moved(*built.rewired[wid])
+                    state.recovered_locked(worker, state.clock.monotonic(), "moved")
                 elif wid in built.resized:
                     # More (or fewer) connections: swap the task transport; requests in
                     # flight finish on the old one, which is closed after.
@@ -359,7 +362,17 @@ class Reconfigurer:
             if new.retry != old.retry:
                 state.retry = RetryPolicy(new.retry)
             state.dispatcher.set_workers_locked(state.workers.values())
+            state.configure_balancing_locked(old.balancing, new.balancing)
+            now = state.clock.monotonic()
+            for worker in built.workers.values():
+                if worker.ramp_until > now:  # a new worker ramps in (slow start)
+                    state.events.append(_ramp_event(worker.id, worker.ramp_until - now))
             return to_close, list(state.workers)
+
+
+def _ramp_event(worker_id: str, window: float) -> Callable[[float], WorkerSlowStart]:
+    """A new worker's slow start, announced once the pool's lock is released."""
+    return lambda at: WorkerSlowStart(at, worker_id, window, "added")
 
 
 def _digest(text: str) -> str:

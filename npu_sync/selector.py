@@ -33,7 +33,9 @@ the worker's ``score`` is
 
 and its share is its ``weight`` times its slow start factor (see
 :mod:`npu_sync.slowstart`), which ramps a worker back in service from a tenth of its
-share to all of it. With every weight 1, no ramp under way and latency-aware choice
+share to all of it. Under light load, when the winner is idle, scores alone would
+give an idle ramping worker nothing until its ramp ends: it is then picked by chance,
+with its factor as the probability. With every weight 1, no ramp under way and latency-aware choice
 off, the plain count of tasks in flight is compared, as above.
 
 A worker that has tasks in flight and has answered none of them for longer than its
@@ -47,6 +49,18 @@ The pool tells the selector what it learns: :meth:`Selector.observe` when an att
 ends, :meth:`Selector.recovered` when a worker comes back into service (a breaker
 closes after a trip, a health check passes again). A worker added to a running pool
 (by :meth:`Selector.set_workers`) is seeded and ramped in by itself.
+
+That is the ``least-loaded`` strategy, the default. ``balancing.strategy`` may choose
+another way to pick within a tier (tiers always come first):
+
+* ``round-robin``: each worker with room in turn, whatever its load, latency or weight;
+* ``weighted``: tasks in proportion to each worker's share (weight times slow start):
+  smooth weighted round robin (nginx's), whatever the load or latency; a worker of
+  weight 3 gets three tasks for every one of a worker of weight 1, spread out;
+* ``priority``: the first worker with room in configuration order: fill one worker up
+  to its capacity before the next gets any.
+
+These scan the tier's workers with room on every selection (no sampling).
 
 The index also answers whether a task could still get a worker before its deadline
 (:meth:`Selector.can_serve_before`), so that a task fails at once rather than wait
@@ -88,6 +102,9 @@ _RAMP_STEPS = 100
 
 _STALL_RESCANS = 4
 """Stalled winners one selection may pass over before it takes the cheapest anyway."""
+
+STRATEGIES = ("least-loaded", "round-robin", "weighted", "priority")
+"""The ways to pick a worker within a tier (``balancing.strategy``)."""
 
 
 class _Tier:
@@ -147,6 +164,7 @@ class Selector:
         slow_start: how a worker back in service ramps up; None for no ramp.
         now: the time of the first :meth:`set_workers` (workers it adds are not
             ramped: every worker starts together).
+        strategy: how a worker is picked within a tier (:data:`STRATEGIES`).
     """
 
     def __init__(
@@ -159,7 +177,11 @@ class Selector:
         decay: float = DEFAULT_DECAY,
         slow_start: SlowStart | None = None,
         now: float = 0.0,
+        strategy: str = "least-loaded",
     ) -> None:
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+        self._strategy = strategy
         self._rng = rng or random.Random()
         self._random = self._rng.random
         self._shared_breakers = shared_breakers
@@ -219,6 +241,10 @@ class Selector:
     def slow_start(self) -> SlowStart:
         return self._slow_start
 
+    @property
+    def strategy(self) -> str:
+        return self._strategy
+
     def configure(
         self,
         *,
@@ -226,10 +252,17 @@ class Selector:
         decay: float,
         slow_start: SlowStart | None,
         now: float,
+        strategy: str | None = None,
     ) -> None:
         """Take new balancing settings (a reload). Ramps under way keep their end."""
         if not decay > 0:
             raise ValueError(f"decay must be > 0 seconds, got {decay!r}")
+        if strategy is not None:
+            if strategy not in STRATEGIES:
+                raise ValueError(
+                    f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}"
+                )
+            self._strategy = strategy
         self._latency_aware = latency_aware
         self._decay = decay
         self._slow_start = slow_start or SlowStart(window=0.0)
@@ -327,10 +360,11 @@ class Selector:
     def stats(self, now: float) -> dict[str, object]:
         """The balancing settings and the ramps under way: JSON-serialisable.
 
-        ``{"latency_aware", "latency_decay", "slow_start", "ramping"}``, where
+        ``{"strategy", "latency_aware", "latency_decay", "slow_start", "ramping"}``, where
         ``ramping`` maps each ramping worker's id to the seconds its ramp has left.
         """
         return {
+            "strategy": self._strategy,
             "latency_aware": self._latency_aware,
             "latency_decay": self._decay,
             "slow_start": self._slow_start.window,
@@ -371,6 +405,8 @@ class Selector:
         """
         if now >= self._due:
             self._catch_up(now)
+        if self._strategy != "least-loaded":
+            return self._select_other(excluded, now)
         if self._scored:
             if now >= self._ramp_due:
                 self._refresh_ramps(now)
@@ -390,6 +426,60 @@ class Selector:
                 if chosen is not None:
                     return chosen
         return None
+
+    def _select_other(self, excluded: Collection[str], now: float) -> Worker | None:
+        """:meth:`select` for the strategies other than least-loaded."""
+        if now >= self._ramp_due:
+            self._refresh_ramps(now)
+        pick = self._weighted if self._strategy == "weighted" else self._first
+        for tier in self._tiers:
+            if tier.ready:
+                chosen = pick(tier, excluded, now)
+                if chosen is not None:
+                    return chosen
+        return None
+
+    def _first(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
+        """The first eligible worker with room: after the last one picked (round-robin)
+        or in configuration order (priority)."""
+        rotate = self._strategy == "round-robin"
+        while True:
+            ready = tier.ready
+            n = len(ready)
+            start = tier.turn % n if rotate and n else 0
+            for i in range(start, start + n):
+                worker = ready[i % n]
+                if worker.id in excluded:
+                    continue
+                if worker.eligible(now):
+                    tier.turn = i % n + 1
+                    tier.last = worker
+                    return worker
+                self._classify(self._slots[worker], now)  # leaves the ready list
+                break  # the list changed: start again
+            else:
+                return None
+
+    def _weighted(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
+        """Smooth weighted round robin over the tier's workers with room: each gains
+        its share, the richest is picked and pays the total."""
+        while True:
+            candidates = [w for w in tier.ready if w.id not in excluded]
+            if not candidates:
+                return None
+            total = 0.0
+            best = candidates[0]
+            for worker in candidates:
+                worker.wrr += worker.share
+                total += worker.share
+                if worker.wrr > best.wrr:
+                    best = worker
+            if best.eligible(now):
+                best.wrr -= total
+                return best
+            for worker in candidates:
+                worker.wrr -= worker.share  # this round did not happen
+            self._classify(self._slots[best], now)  # leaves the ready list
 
     def _scan(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
         ready = tier.ready
@@ -459,9 +549,31 @@ class Selector:
                 passed = best
                 stalls += 1
             else:
+                if self._ramping and not best.in_flight:
+                    best = self._ramp_turn(tier, excluded, best, now)
                 tier.turn = ready.index(best) + 1
                 tier.last = best
                 return best
+
+    def _ramp_turn(
+        self, tier: _Tier, excluded: Collection[str], best: Worker, now: float
+    ) -> Worker:
+        """Under light load (the winner is idle), give an idle ramping worker its share
+        by chance: with scores alone it would lose every selection while the others
+        are idle, and a caller sending one task at a time would never reach it before
+        its ramp ends. Under load, scores alone ramp it."""
+        for worker in self._ramping:
+            if (
+                worker is not best
+                and not worker.in_flight
+                and self._slots[worker].tier is tier
+                and self._slots[worker].state == _READY
+                and worker.id not in excluded
+                and self._random() * worker.weight < worker.share
+                and worker.eligible(now)
+            ):
+                return worker
+        return best
 
     def _stalled(self, worker: Worker, now: float) -> None:
         """``worker`` has had tasks in flight and no answer for longer than its estimate:

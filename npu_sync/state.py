@@ -15,13 +15,28 @@ from typing import Any
 
 from npu_sync.admission import Dispatcher
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
+from npu_sync.budget import RetryBudget
 from npu_sync.clock import Clock
-from npu_sync.config import PoolConfig, WorkerConfig
-from npu_sync.events import BreakerStateChanged, Event, Hook, WorkerModelsChanged, emit, log_event
+from npu_sync.config import BalancingConfig, PoolConfig, WorkerConfig
+from npu_sync.events import (
+    BreakerStateChanged,
+    Event,
+    Hook,
+    RetryBudgetAvailable,
+    RetryBudgetExhausted,
+    WorkerLimitChanged,
+    WorkerModelsChanged,
+    WorkerSlowStart,
+    emit,
+    log_event,
+)
+from npu_sync.hedge import HedgePolicy, HedgeTimer
+from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
 from npu_sync.retry import RetryPolicy
 from npu_sync.selector import Selector
+from npu_sync.slowstart import SlowStart
 from npu_sync.transport import Transport
 from npu_sync.worker import Worker
 
@@ -74,10 +89,31 @@ class PoolState:
         self.retry = RetryPolicy(config.retry)
         self.clock = clock
         self.transport_factory = transport_factory
+        balancing = config.balancing
         self.dispatcher = Dispatcher(
-            clock, Selector(rng=rng, shared_breakers=config.shared_state.backend == "redis")
+            clock,
+            Selector(
+                rng=rng,
+                shared_breakers=config.shared_state.backend == "redis",
+                latency_aware=balancing.latency_aware,
+                decay=balancing.latency_decay,
+                slow_start=SlowStart(window=balancing.slow_start),
+                now=clock.monotonic(),
+                strategy=balancing.strategy,
+            ),
         )
         self.lock = self.dispatcher.lock
+        self.budget = self._new_budget(balancing)
+        self.hedge = _hedge_policy(balancing)
+        self.hedger = HedgeTimer(clock, threads=config.pool.threads)
+        # Balancing events found under the lock (a ramp begun, a limit moved), announced
+        # after it by flush_events(): each built from the wall-clock time then, so that
+        # no clock is read under the lock for them.
+        self.events: list[Callable[[float], Event]] = []
+        # Workers whose breaker closed after a trip: their slow start begins when the
+        # transition is announced (pybreaker calls its listener in the middle of its
+        # own state change, where nothing more should happen).
+        self.recovering: list[Worker] = []
         self.stats = PoolStats()
         self.workers: dict[str, Worker] = {}
         self.draining: dict[str, Worker] = {}  # removed, with tasks still in flight
@@ -102,7 +138,83 @@ class PoolState:
         breaker = WorkerBreaker(
             cfg.id, self.config.circuit_breaker, clock=self.clock, listener=self.on_transition
         )
-        return Worker(cfg, transport, breaker, health_transport)
+        worker = Worker(cfg, transport, breaker, health_transport)
+        if self.config.balancing.adaptive_concurrency:
+            worker.set_limit(HillClimbingLimit(ceiling=cfg.max_concurrent))
+        return worker
+
+    # -- balancing ---------------------------------------------------------------------
+
+    def _new_budget(self, balancing: BalancingConfig) -> RetryBudget:
+        return RetryBudget(
+            balancing.retry_budget.ratio,
+            balancing.retry_budget.min_per_second,
+            clock=self.clock,
+            on_change=self._budget_changed,
+        )
+
+    def _budget_changed(self, exhausted: bool) -> None:
+        """The budget's edge: outside every lock, on the thread that withdrew."""
+        at = self.clock.time()
+        self.notify(RetryBudgetExhausted(at) if exhausted else RetryBudgetAvailable(at))
+
+    def configure_balancing_locked(self, old: BalancingConfig, new: BalancingConfig) -> None:
+        """Apply a reload's balancing settings. Call with ``lock`` held, after the new
+        workers are configured (adaptive limits follow each worker's ceiling)."""
+        now = self.clock.monotonic()
+        self.dispatcher.selector.configure(
+            latency_aware=new.latency_aware,
+            decay=new.latency_decay,
+            slow_start=SlowStart(window=new.slow_start),
+            now=now,
+            strategy=new.strategy,
+        )
+        if new.retry_budget != old.retry_budget:
+            self.budget = self._new_budget(new)  # a new window: tasks start it afresh
+        if new.hedge != old.hedge:
+            self.hedge = _hedge_policy(new)
+        for worker in self.workers.values():
+            limit = worker.limit
+            if not new.adaptive_concurrency:
+                if limit is not None:
+                    worker.set_limit(None)
+            elif not isinstance(limit, HillClimbingLimit):
+                worker.set_limit(HillClimbingLimit(ceiling=worker.config.max_concurrent))
+            elif limit.ceiling != worker.config.max_concurrent:
+                limit.ceiling = worker.config.max_concurrent
+                limit.limit = min(limit.limit, limit.ceiling)
+                worker.set_limit(limit)
+        self.dispatcher.release_locked(now)
+
+    def recovered_locked(self, worker: Worker, now: float, reason: str) -> None:
+        """``worker`` is back in service (``reason``: ``recovered``, a breaker closed
+        after a trip; ``healthy``; ``moved``): its latency estimate starts again from
+        its tier's, its share ramps up, its adaptive limit starts again. Call with
+        ``lock`` held; the event waits in ``events``."""
+        if worker.ramp_from == now and worker.ramp_until > now:
+            return  # already, this very moment (a move resets the breaker too)
+        selector = self.dispatcher.selector
+        selector.recovered(worker, now)
+        if worker.limit is not None:
+            worker.limit.reset()
+            worker.set_limit(worker.limit)
+        if selector.slow_start.enabled and worker.id in self.workers:
+            window = selector.slow_start.window
+            wid = worker.id
+            self.events.append(lambda at: WorkerSlowStart(at, wid, window, reason))
+
+    def limit_changed_locked(self, worker: Worker, old: int) -> None:
+        """``worker``'s adaptive limit moved its capacity from ``old``. Call with ``lock``."""
+        wid, new = worker.id, worker.capacity
+        self.events.append(lambda at: WorkerLimitChanged(at, wid, old, new))
+
+    def flush_events(self) -> None:
+        """Announce the balancing events found under the lock. Call without the lock."""
+        with self.lock:
+            events, self.events = self.events, []
+        at = self.clock.time()
+        for event in events:
+            self.notify(event(at))
 
     def build_transports(self, cfg: WorkerConfig) -> tuple[Transport, Transport]:
         """A worker's task transport and its health-check transport."""
@@ -171,8 +283,13 @@ class PoolState:
             )
 
     def on_transition(self, name: str, old: str, new: str) -> None:
-        """The breakers' listener. Called by pybreaker under the lock: only queues."""
+        """The breakers' listener. Called by pybreaker under the lock: only queues, and
+        starts a worker's slow start when its breaker closes after a trip."""
         self.transitions.append((name, old, new, self.applying_remote))
+        if new == CLOSED and old != CLOSED:
+            worker = self.workers.get(name)
+            if worker is not None:
+                self.recovering.append(worker)
 
     def flush_transitions(self) -> None:
         """Announce the queued breaker transitions: to hooks, the log, other processes.
@@ -182,12 +299,20 @@ class PoolState:
         with self.lock:
             transitions, self.transitions = self.transitions, []
             timeouts = {w.id: w.breaker.reset_timeout for w in self.workers.values()}
+            recovering, self.recovering = self.recovering, []
+            if recovering:
+                now = self.dispatcher.clock.monotonic()
+                for worker in recovering:
+                    self.recovered_locked(worker, now, "recovered")
+                self.dispatcher.release_locked(now)
         now = self.clock.time()
         shared = self.shared
         for name, old, new, remote in transitions:
             self.notify(BreakerStateChanged(now, name, old, new))
             if shared is not None and not remote and new in (OPEN, CLOSED):
                 shared.announce(name, new, timeouts.get(name))
+        if self.events:
+            self.flush_events()
 
     def notify(self, event: Event) -> None:
         """Log a notable event and pass it to the hooks. Call without the lock."""
@@ -203,6 +328,11 @@ class PoolState:
         self.dispatcher = Dispatcher(self.clock, self.dispatcher.selector)
         self.lock = self.dispatcher.lock
         self.transitions = []
+        self.events = []
+        self.recovering = []
+        self.budget = self._new_budget(self.config.balancing)
+        self.hedge = _hedge_policy(self.config.balancing)
+        self.hedger = HedgeTimer(self.clock, threads=self.config.pool.threads)
         self.stats = PoolStats()
         self.draining.clear()
         for worker in self.workers.values():
@@ -212,3 +342,8 @@ class PoolState:
             worker.stats = WorkerStats()
             worker.transport, worker.health_transport = self.build_transports(worker.config)
         self.dispatcher.set_workers(self.workers.values())
+
+
+def _hedge_policy(balancing: BalancingConfig) -> HedgePolicy:
+    hedge = balancing.hedge
+    return HedgePolicy(enabled=hedge.enabled, delay=hedge.delay, percentile=hedge.percentile)

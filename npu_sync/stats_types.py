@@ -138,6 +138,45 @@ class ModelStats(TypedDict):
     placement_failures: int
 
 
+class RetryBudgetStats(TypedDict):
+    """``stats()["balancing"]["retry_budget"]``: the pool-wide retry budget."""
+
+    ratio: float
+    min_per_second: float
+    window: float
+    balance: float
+    exhausted: bool
+    requests: int
+    retries: int
+    refused: int
+
+
+class HedgeStats(TypedDict):
+    """``stats()["balancing"]["hedge"]``: hedged requests."""
+
+    enabled: bool
+    mode: str  # "delay" or "percentile"
+    delay_ms: float | None
+    percentile: float | None
+    samples: int
+    hedged: int
+    won: int
+    skipped: int
+
+
+class BalancingStats(TypedDict):
+    """``stats()["balancing"]``: how tasks are spread, and the mechanisms' counters."""
+
+    strategy: str
+    latency_aware: bool
+    latency_decay: float
+    slow_start: float
+    ramping: list[str]
+    adaptive_concurrency: bool
+    retry_budget: RetryBudgetStats
+    hedge: HedgeStats
+
+
 class PoolStatsDict(TypedDict):
     """What :meth:`WorkerPool.stats` returns."""
 
@@ -152,6 +191,7 @@ class PoolStatsDict(TypedDict):
     health: HealthStats
     selection_us: SelectionStats
     models: ModelStats
+    balancing: BalancingStats
 
 
 class HealthCheckDict(TypedDict):
@@ -197,6 +237,18 @@ class LatencyStats(TypedDict):
     p99_ms: float | None
 
 
+class WorkerBalancing(TypedDict):
+    """``workers()[i]["balancing"]``: what the balancing mechanisms know of the worker."""
+
+    weight: int
+    share: float
+    latency_estimate_ms: float
+    latency_observed: bool
+    slow_start_until: float | None
+    limit: int | None
+    limit_mode: str | None
+
+
 class WorkerRow(TypedDict):
     """One row of :meth:`WorkerPool.workers`."""
 
@@ -222,6 +274,7 @@ class WorkerRow(TypedDict):
     last_error: str | None
     last_error_at: float | None
     cooldown_remaining: float
+    balancing: WorkerBalancing
 
 
 # -- pool.stats(scope="fleet") ---------------------------------------------------------

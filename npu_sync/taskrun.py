@@ -29,16 +29,19 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NoReturn
 
 from npu_sync.admission import Lease, Refusal
 from npu_sync.attempt import Attempt
+from npu_sync.budget import RetryBudget
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
 from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected, printable
 from npu_sync.events import (
     AttemptFinished,
+    AttemptHedged,
     RetryScheduled,
     TaskDeadLettered,
     TaskFallback,
@@ -48,11 +51,12 @@ from npu_sync.events import (
     WorkerModelsChanged,
     emit,
 )
+from npu_sync.hedge import HedgePolicy
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.retry import Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
 from npu_sync.task import Task
-from npu_sync.transport import TransportError
+from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -67,6 +71,74 @@ _EVERY_WORKER_TRIED = "every worker was tried"
 
 _UNUSED = Outcome(Kind.NOT_HERE, error="lease not used")
 """Records a lease given back without an attempt (deadline reached, interrupted)."""
+
+_BUDGET_EXHAUSTED = "retry budget exhausted"
+
+# A hedged task's two attempts: the caller's own, and the hedge sent after a delay.
+_FIRST = 0
+_HEDGE = 1
+# Where a hedge stands (_Race.state).
+_WAITING = 0  # the delay has not passed
+_SENDING = 1  # the timer fired: a hedge is being sent, or runs
+_CLOSED = 2  # no hedge will run any more (none was sent, or it ended)
+
+
+class _Race:
+    """A hedged task's two attempts: which answered first. Thread-safe.
+
+    The first success wins and cancels the other attempt (see :class:`Cancel`); a
+    later failure of the loser is its cancellation, recorded as abandoned.
+    """
+
+    __slots__ = ("cancels", "cond", "hedge_result", "state", "winner")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.state = _WAITING
+        self.winner: int | None = None
+        self.cancels = (Cancel(), Cancel())
+        self.hedge_result: tuple[Lease, tuple[Outcome, bool, float, float]] | None = None
+
+    def claim(self) -> bool:
+        """The timer fired: True if the hedge is still wanted (it is then being sent)."""
+        with self.cond:
+            if self.state != _WAITING or self.winner is not None:
+                return False
+            self.state = _SENDING
+            return True
+
+    def settle(self, side: int, success: bool) -> bool:
+        """``side``'s attempt ended; True when the other had already won."""
+        with self.cond:
+            winner = self.winner
+            if winner is not None:
+                return winner != side
+            if not success:
+                return False
+            self.winner = side
+        self.cancels[1 - side].cancel()
+        return False
+
+    def hedge_ended(self, result: tuple[Lease, tuple[Outcome, bool, float, float]] | None) -> None:
+        """The hedge ended (``result``) or was never sent (None)."""
+        with self.cond:
+            self.hedge_result = result
+            self.state = _CLOSED
+            self.cond.notify_all()
+
+    def first_ended(
+        self, success: bool, wait: float
+    ) -> tuple[Lease, tuple[Outcome, bool, float, float]] | None:
+        """The caller's attempt ended. Without success, the hedge's result, waiting up
+        to ``wait`` seconds for it; None when no hedge runs (none will be sent)."""
+        with self.cond:
+            if self.state == _WAITING:
+                self.state = _CLOSED
+                return None
+            if success:
+                return None
+            self.cond.wait_for(lambda: self.state == _CLOSED, wait)
+            return self.hedge_result
 
 
 class _Exhausted(Exception):
@@ -271,6 +343,7 @@ class TaskRun:
         "attempts",
         "bodies",
         "body",
+        "budget",
         "charged_suspect",
         "check",
         "clock",
@@ -279,6 +352,7 @@ class TaskRun:
         "excluded",
         "failures",
         "headers",
+        "hedge",
         "missing_model",
         "model",
         "not_here",
@@ -324,6 +398,8 @@ class TaskRun:
         self.model = state.task_model(task.payload)
         self.placed = False  # placement is asked for at most once per task
         self.bodies: dict[WorkerProtocol, bytes] | None = None  # the body, per protocol
+        self.budget: RetryBudget = state.budget
+        self.hedge: HedgePolicy | None = state.hedge if state.hedge.enabled else None
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -336,19 +412,27 @@ class TaskRun:
             InvalidTask: the request could not be built (nothing was sent).
             _Exhausted: nothing is left to try; the caller dead-letters the task.
         """
+        self.budget.deposit(self.start)
+        hedge = self.hedge
         while True:
             lease = self.wait_for_worker()
             if lease is None:
                 break
             if self.lacks_model(lease):
                 continue
-            done = self.attempt(lease)
+            delay = None
+            if hedge is not None and not self.attempts:
+                delay = hedge.delay_for(self.task.idempotent)
+            if delay is None:
+                done = self.attempt(lease)
+                if done is not None and self.state.hooks:
+                    self.announce_attempt(lease.worker, done[0], done[2], done[3])
+            else:
+                lease, done = self.hedged(lease, delay)
             if done is None:
                 break
             outcome, deferred, t0, t1 = done
             worker = lease.worker
-            if self.state.hooks:
-                self.announce_attempt(worker, outcome, t0, t1)
             if outcome.kind is Kind.SUCCESS:
                 return self.succeeded(worker, outcome, t1)
             if not self.failed(worker, outcome, deferred, t0, t1):
@@ -555,11 +639,15 @@ class TaskRun:
             return f"no worker could take the task within {limit}"
         return str(refusal.value).replace("before the deadline", f"within {limit}")
 
-    def attempt(self, lease: Lease) -> tuple[Outcome, bool, float, float] | None:
+    def attempt(
+        self, lease: Lease, race: _Race | None = None, side: int = _FIRST
+    ) -> tuple[Outcome, bool, float, float] | None:
         """One attempt on the lease's worker, its outcome recorded.
 
         From here until :func:`record` takes it back, the lease holds a slot on the
         worker (maybe its one half-open trial): whatever is raised, it is given back.
+        A hedged attempt (``race``) that fails after the other one won was cancelled:
+        it is recorded as abandoned.
 
         Returns:
             The outcome, whether its charge is deferred (see :meth:`defer_charge`), and
@@ -577,14 +665,23 @@ class TaskRun:
             if remaining <= _MIN_ATTEMPT:
                 recorded = True
                 record(state, lease, _UNUSED, 0.0, t0, retry=False)
-                self.reason = "deadline passed"
+                if side == _FIRST:
+                    self.reason = "deadline passed"
                 return None
-            outcome = self.send(lease.worker, t0, remaining)
+            if race is None:
+                outcome = self.send(lease.worker, t0, remaining)
+            else:
+                outcome = self.send(lease.worker, t0, remaining, side, race.cancels[side])
             t1 = clock.monotonic()
+            success = outcome.kind is Kind.SUCCESS
+            if race is not None and race.settle(side, success) and not success:
+                outcome = Outcome(Kind.ABANDONED, error="cancelled: the hedged task was answered")
+            elif success and side == _FIRST and self.hedge is not None:
+                self.hedge.observe(t1 - t0)
             if outcome.kind is Kind.NOT_HERE:
                 # Before record() hands the slot on: the next task must know.
                 self.not_loaded(lease.worker, outcome)
-            deferred = outcome.suspect and self.defer_charge()
+            deferred = outcome.suspect and side == _FIRST and self.defer_charge()
             recorded = True
             record(state, lease, outcome, t1 - t0, t1, retry=self.failures > 0, defer=deferred)
         finally:
@@ -592,11 +689,20 @@ class TaskRun:
                 record(state, lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
         return outcome, deferred, t0, t1
 
-    def send(self, worker: Worker, t0: float, remaining: float) -> Outcome:
+    def send(
+        self,
+        worker: Worker,
+        t0: float,
+        remaining: float,
+        side: int = _FIRST,
+        cancel: Cancel | None = None,
+    ) -> Outcome:
         """POST the task to ``worker``, no lock held, and classify what came back.
 
         One budget covers the whole exchange: ``timeouts.read`` cut to what is left of
-        the deadline, of which connecting may take at most ``timeouts.connect``.
+        the deadline, of which connecting may take at most ``timeouts.connect``. A
+        hedge (``side``) is ``X-NPU-Attempt: 2`` and may be cancelled (``cancel``) by
+        the other attempt's answer, as may that one.
 
         Raises:
             InvalidTask: refused before anything was sent (a header that cannot be
@@ -607,7 +713,9 @@ class TaskRun:
         connect_timeout = timeouts.connect
         read_timeout = timeouts.read
         headers = self.headers
-        if self.attempts:
+        if side == _HEDGE:
+            headers = {**headers, "X-NPU-Attempt": "2"}
+        elif self.attempts:
             headers["X-NPU-Attempt"] = str(len(self.attempts) + 1)
         protocol = worker.protocol
         payload = self.task.payload
@@ -617,15 +725,29 @@ class TaskRun:
         if auth is not None:
             headers = {**headers, **auth.headers("POST", worker.base_path + self.path)}
         try:
-            response = worker.transport.request(
-                "POST",
-                self.path,
-                body=body,
-                headers=headers,
-                timeout=read_timeout if read_timeout < remaining else remaining,
-                connect_timeout=connect_timeout,
-                replayable=self.task.idempotent,
-            )
+            transport = worker.transport
+            timeout = read_timeout if read_timeout < remaining else remaining
+            if cancel is not None and getattr(transport, "cancellable", False):
+                response = transport.request(  # type: ignore[call-arg]
+                    "POST",
+                    self.path,
+                    body=body,
+                    headers=headers,
+                    timeout=timeout,
+                    connect_timeout=connect_timeout,
+                    replayable=self.task.idempotent,
+                    cancel=cancel,
+                )
+            else:
+                response = transport.request(
+                    "POST",
+                    self.path,
+                    body=body,
+                    headers=headers,
+                    timeout=timeout,
+                    connect_timeout=connect_timeout,
+                    replayable=self.task.idempotent,
+                )
             outcome = protocol.classify(response, now=t0 + self.wall)
             redact = getattr(auth, "redact", None)
             if redact is not None and outcome.error:
@@ -670,6 +792,103 @@ class TaskRun:
             bodies[protocol] = body
         return body
 
+    def hedged(
+        self, lease: Lease, delay: float
+    ) -> tuple[Lease, tuple[Outcome, bool, float, float] | None]:
+        """The first attempt of an idempotent task, hedged after ``delay`` seconds.
+
+        The caller's thread sends the attempt itself; a timer sends the task to a
+        second worker (:meth:`fire_hedge`) if no answer came by then. The first
+        success wins and the other attempt is cancelled. Without a success here,
+        the hedge's outcome is waited for: it is the retry this task would make.
+
+        Returns:
+            The lease and outcome the task goes on with (as :meth:`attempt`'s).
+        """
+        race = _Race()
+        state = self.state
+        first = lease.worker
+        state.hedger.schedule(
+            self.clock.monotonic() + delay, lambda: self.fire_hedge(race, first, delay)
+        )
+        done = self.attempt(lease, race, _FIRST)
+        if done is not None and state.hooks:
+            self.announce_attempt(first, done[0], done[2], done[3])
+        success = done is not None and done[0].kind is Kind.SUCCESS
+        wait = max(0.0, self.deadline - self.clock.monotonic()) + 1.0
+        hedge = race.first_ended(success, wait)
+        if hedge is None:
+            return lease, done
+        hedge_lease, hedge_done = hedge
+        kind = hedge_done[0].kind
+        if done is not None and done[0].kind is not Kind.ABANDONED:
+            if kind is Kind.REJECTED:
+                return hedge_lease, hedge_done
+            self.note(first, done)  # the hedge goes on; the first failure is noted
+            return hedge_lease, hedge_done
+        if kind is Kind.SUCCESS or kind is Kind.REJECTED or done is None:
+            return hedge_lease, hedge_done
+        self.note(hedge_lease.worker, hedge_done)
+        return lease, done
+
+    def note(self, worker: Worker, done: tuple[Outcome, bool, float, float]) -> None:
+        """A hedged attempt that failed while the other goes on: remembered, its worker
+        not tried again, counted as a retry."""
+        outcome, _, t0, t1 = done
+        self.attempts.append(
+            Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
+        )
+        self.excluded.add(worker.id)
+        if outcome.kind is Kind.NOT_HERE:
+            self.not_here.add(worker.id)
+            self.missing_model = self.model or outcome.model
+        elif outcome.kind is not Kind.ABANDONED:
+            self.failures += 1
+
+    def fire_hedge(self, race: _Race, first: Worker, delay: float) -> None:
+        """On the timer's thread, ``delay`` after the first attempt began: send the task
+        to another worker if it is still unanswered, a worker has room now (a hedge
+        never waits, nor takes a slot a queued task waits for) and the retry budget
+        allows it. Otherwise the hedge is skipped."""
+        if not race.claim():
+            return
+        state = self.state
+        hedge = self.hedge
+        lease: Lease | None = None
+        try:
+            lease = state.dispatcher.try_acquire(self.excluded | {first.id})
+            if lease is not None and self.budget.try_withdraw():
+                if state.hooks:
+                    event = AttemptHedged(
+                        self.clock.time(), self.task.task_id, first.id, lease.worker.id, delay
+                    )
+                    emit(state.hooks, event)
+                state.hedger.submit(self.run_hedge, race, lease)
+                lease = None
+                return
+        except Exception:
+            log.exception("could not send a hedge for task %s", self.task.task_id)
+        if lease is not None:
+            record(state, lease, _UNUSED, 0.0, self.clock.monotonic(), retry=False)
+        if hedge is not None:
+            hedge.count_skipped()
+        race.hedge_ended(None)
+
+    def run_hedge(self, race: _Race, lease: Lease) -> None:
+        """On a hedge thread: the hedge attempt, then its result handed to the caller."""
+        done = None
+        try:
+            done = self.attempt(lease, race, _HEDGE)
+            if done is not None:
+                if self.state.hooks:
+                    self.announce_attempt(lease.worker, done[0], done[2], done[3], number=2)
+                if self.hedge is not None:
+                    self.hedge.count_hedge(won=race.winner == _HEDGE)
+        except Exception:
+            log.exception("hedge for task %s failed", self.task.task_id)
+        finally:
+            race.hedge_ended((lease, done) if done is not None else None)
+
     def defer_charge(self) -> bool:
         """Whether a failure the task itself may have caused waits to be charged.
 
@@ -682,7 +901,9 @@ class TaskRun:
         deferred, self.charged_suspect = self.charged_suspect, True
         return deferred
 
-    def announce_attempt(self, worker: Worker, outcome: Outcome, t0: float, t1: float) -> None:
+    def announce_attempt(
+        self, worker: Worker, outcome: Outcome, t0: float, t1: float, number: int | None = None
+    ) -> None:
         """Tell the hooks how the attempt ended (built only when there are hooks)."""
         emit(
             self.state.hooks,
@@ -690,7 +911,7 @@ class TaskRun:
                 t1 + self.wall,
                 self.task.task_id,
                 worker.id,
-                len(self.attempts) + 1,
+                len(self.attempts) + 1 if number is None else number,
                 outcome.kind.value,
                 outcome.status,
                 outcome.error,
@@ -803,6 +1024,9 @@ class TaskRun:
         if t1 + wait >= self.deadline:
             self.reason = "deadline passed"
             return None
+        if not self.budget.try_withdraw(t1):
+            self.reason = _BUDGET_EXHAUSTED
+            return None
         return wait
 
     def give_up(self) -> Exception:
@@ -867,6 +1091,8 @@ def record(
     reported = False
     with state.lock:
         worker.in_flight -= 1
+        if outcome is not _UNUSED and lease.generation == worker.generation:
+            _balance_locked(state, lease, outcome, duration, now)
         if lease.generation != worker.generation and outcome is not _UNUSED:
             # An attempt on the worker's old address: it says nothing about the new
             # one (nor about its breaker), so only the slot is given back, and a
@@ -895,8 +1121,35 @@ def record(
         _tell_other_processes(state, worker, kind, reported)
     if state.transitions:
         state.flush_transitions()
+    if state.events:
+        state.flush_events()
     if drained:
         worker.transport.close()
+
+
+def _balance_locked(
+    state: PoolState, lease: Lease, outcome: Outcome, duration: float, now: float
+) -> None:
+    """What balancing learns from an attempt: its worker's latency, and its adaptive
+    limit's sample (a success, or an overload answer or timeout: a dropped one)."""
+    worker = lease.worker
+    kind = outcome.kind
+    success = kind is Kind.SUCCESS
+    state.dispatcher.selector.observe(worker, duration, now, success)
+    if worker.limit is None:
+        return
+    if success:
+        dropped = False
+    elif kind is Kind.FAILURE and (
+        outcome.status in (429, 503)
+        or (outcome.status is None and (outcome.error or "").startswith("timeout"))
+    ):
+        dropped = True
+    else:
+        return  # says nothing about the worker's load
+    before = worker.capacity
+    if worker.sample_limit(duration, lease.in_flight, dropped):
+        state.limit_changed_locked(worker, before)
 
 
 def _count_failure_locked(

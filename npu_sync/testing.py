@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from npu_sync.transport import Response, TransportError
+from npu_sync.transport import Cancel, Response, TransportError
 
 if TYPE_CHECKING:
     from npu_sync.config import TransportConfig, WorkerConfig
@@ -71,6 +71,8 @@ class FakeRequest:
     timeout: float
     connect_timeout: float | None = None
     replayable: bool = False
+    cancel: Cancel | None = None
+    """Given for a hedged attempt: a handler that blocks may wait on ``cancel.event``."""
 
     def json(self) -> Any:
         """The body decoded as JSON; ValueError when there is none or it is not JSON."""
@@ -96,6 +98,9 @@ class FakeTransport:
     ``Content-Type: application/json`` when there is a body and they name none, then
     the call's own headers, which win by case-insensitive name.
 
+    Cancellable: a request given ``cancel=`` carries it in its FakeRequest, and a
+    request cancelled by the time its handler returns fails as a real one would.
+
     Args:
         worker_id: recorded on every FakeRequest.
         handler: answers each request.
@@ -119,6 +124,8 @@ class FakeTransport:
         self.requests: list[FakeRequest] = []
         self.closed = False
 
+    cancellable = True
+
     def request(
         self,
         method: str,
@@ -129,6 +136,7 @@ class FakeTransport:
         timeout: float,
         connect_timeout: float | None = None,
         replayable: bool = False,
+        cancel: Cancel | None = None,
     ) -> Response:
         """Record the request, then answer it with the handler.
 
@@ -143,7 +151,7 @@ class FakeTransport:
         if headers:
             sent = _merged(sent, headers)
         req = FakeRequest(
-            self.worker_id, method, path, body, sent, timeout, connect_timeout, replayable
+            self.worker_id, method, path, body, sent, timeout, connect_timeout, replayable, cancel
         )
         with self._lock:
             self.requests.append(req)
@@ -151,6 +159,8 @@ class FakeTransport:
         if closed:
             raise TransportError("connect", f"transport for {self.worker_id} is closed", sent=False)
         outcome = self._handler(req)
+        if cancel is not None and cancel.cancelled:
+            raise TransportError("reset", f"{self.worker_id}: request cancelled", sent=True)
         if isinstance(outcome, BaseException):
             raise outcome
         if self._limit is not None and len(outcome.body) > self._limit:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -87,6 +88,7 @@ class Worker:
         "stats",
         "transport",
         "weight",
+        "wrr",
     )
 
     def __init__(
@@ -129,6 +131,7 @@ class Worker:
         self.npu_available: bool | None = None
         self.protocol: WorkerProtocol = get_protocol(config.protocol)
         self.auth: RequestAuth | None = None
+        self.wrr = 0.0  # the weighted strategy's running credit
         self.configure(config)
 
     def configure(self, config: WorkerConfig) -> None:
@@ -373,6 +376,16 @@ class Worker:
             "capacity": self.capacity,
             "cooldown_until": self.cooldown_until,
             "stats": self.stats.copy(),
+            "balancing_state": (
+                self.weight,
+                self.share,
+                self.latency.cost,
+                self.latency.stamp,
+                self.latency.decay,
+                self.latency.observed,
+                self.ramp_until,
+                None if self.limit is None else self.limit.stats(),
+            ),
         }
 
     def snapshot(self, now: float) -> WorkerRow:
@@ -385,6 +398,7 @@ def render(captured: dict[str, Any], now: float) -> WorkerRow:
     stats: WorkerStats = captured.pop("stats")
     health: HealthResult | None = captured.pop("health")
     cooldown_until: float = captured.pop("cooldown_until")
+    weight, share, cost, stamp, decay, observed, ramp_until, limit = captured.pop("balancing_state")
     p50, p95, p99 = stats.latency.percentiles(50, 95, 99)
     row = dict(captured)
     row["health"] = None if health is None else health.to_dict()
@@ -408,6 +422,19 @@ def render(captured: dict[str, Any], now: float) -> WorkerRow:
             "last_error": stats.last_error,
             "last_error_at": stats.last_error_at,
             "cooldown_remaining": max(0.0, cooldown_until - now),
+            "balancing": {
+                "weight": weight,
+                "share": share,
+                # The estimate decayed to now, as the selector sees it.
+                "latency_estimate_ms": (
+                    cost * math.exp((stamp - now) / decay) if now > stamp else cost
+                )
+                * 1000.0,
+                "latency_observed": observed,
+                "slow_start_until": ramp_until if ramp_until > now else None,
+                "limit": None if limit is None else limit["limit"],
+                "limit_mode": None if limit is None else limit["mode"],
+            },
         }
     )
     return cast(WorkerRow, row)

@@ -251,10 +251,13 @@ class _WorkerState:
         seed: int | None,
         clock: Clock,
         protocol: str = "linux",
+        slots: int | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.protocol = protocol
         self.max_concurrent = max_concurrent
+        # Tasks inferred at once; the others queue (an NPU with so many parallel slots).
+        self._slots = None if slots is None else threading.BoundedSemaphore(slots)
         self.clock = clock
         self.behaviour = behaviour
         self.closing = threading.Event()
@@ -392,9 +395,20 @@ class _WorkerState:
             with self._cond:
                 delay_ms += self._rng.uniform(-behaviour.jitter_ms, behaviour.jitter_ms)
         delay = max(0.0, delay_ms) / 1000.0
-        if delay == 0.0:
-            return not self.closing.is_set()
-        return not self.clock.wait(self.closing, delay)
+        slots = self._slots
+        if slots is None:
+            if delay == 0.0:
+                return not self.closing.is_set()
+            return not self.clock.wait(self.closing, delay)
+        while not slots.acquire(timeout=0.1):  # queued behind the tasks in the slots
+            if self.closing.is_set():
+                return False
+        try:
+            if delay == 0.0:
+                return not self.closing.is_set()
+            return not self.clock.wait(self.closing, delay)
+        finally:
+            slots.release()
 
     def roll_failure(self, rate: float) -> bool:
         if rate <= 0.0:
@@ -1109,6 +1123,8 @@ class WorkerServer:
             ``/_control`` must carry a valid AutoBot HMAC signature, or gets 401.
         bearer_token: every request but ``/stats`` and ``/_control`` must carry
             ``Authorization: Bearer <token>``, or gets 401.
+        slots: at most this many tasks run their latency at once, the others queue
+            for a slot (an NPU with that many parallel slots); None: no limit.
 
     Raises:
         ValueError: on an invalid argument.
@@ -1132,9 +1148,14 @@ class WorkerServer:
         protocol: str = "linux",
         hmac_auth: tuple[str, str] | None = None,
         bearer_token: str | None = None,
+        slots: int | None = None,
     ) -> None:
         if isinstance(models, str):
             models = (models,)
+        if slots is not None and (
+            isinstance(slots, bool) or not isinstance(slots, int) or slots < 1
+        ):
+            raise ValueError(f"slots: must be an integer >= 1, got {slots!r}")
         if not all(isinstance(m, str) and m for m in models):
             raise ValueError(f"models: must be non-empty strings, got {models!r}")
         models = _check_models(list(models))
@@ -1173,6 +1194,7 @@ class WorkerServer:
             seed=seed,
             clock=clock,
             protocol=protocol,
+            slots=slots,
         )
         self._server: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -1439,6 +1461,14 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         help="load hint reported by /health, in tasks (default %(default)s)",
     )
     parser.add_argument(
+        "--slots",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="run at most N tasks at once and queue the rest, as an NPU with N parallel "
+        "slots (default: no limit)",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=None,
@@ -1524,6 +1554,7 @@ def serve(args: argparse.Namespace, *, stop: threading.Event | None = None) -> i
             protocol=args.protocol,
             hmac_auth=hmac_auth,
             bearer_token=bearer,
+            slots=args.slots,
         )
     except ValueError as exc:
         print(f"npu-sync worker: {exc}", file=sys.stderr)
@@ -1579,6 +1610,7 @@ class LocalWorker:
         max_concurrent: the load hint reported by ``/health``.
         protocol: ``"linux"`` or ``"windows"`` (see :class:`WorkerServer`).
         load_delay_ms, npu_available: initial behaviour; see WorkerBehaviour.
+        slots: tasks inferred at once, the rest queued (see :class:`WorkerServer`).
         hmac_auth: ``(service_id, secret)`` the worker requires signatures with; the
             secret reaches the child through its environment, not its command line.
         bearer_token: the bearer token the worker requires (passed the same way).
@@ -1602,6 +1634,7 @@ class LocalWorker:
         protocol: str = "linux",
         load_delay_ms: float = 0.0,
         npu_available: bool = True,
+        slots: int | None = None,
         hmac_auth: tuple[str, str] | None = None,
         bearer_token: str | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
@@ -1629,6 +1662,8 @@ class LocalWorker:
         ]  # fmt: skip
         if not npu_available:
             self._args.append("--no-npu")
+        if slots is not None:
+            self._args += ["--slots", str(slots)]
         self._secrets: dict[str, str] = {}
         if hmac_auth is not None:
             self._args += ["--hmac-service-id", hmac_auth[0], "--hmac-secret-env", _CHILD_HMAC_ENV]

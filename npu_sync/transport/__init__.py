@@ -14,7 +14,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from npu_sync.transport._base import TRANSPORT_ERROR_KINDS, Response, Transport, TransportError
+from npu_sync.transport._base import (
+    TRANSPORT_ERROR_KINDS,
+    Cancel,
+    Response,
+    Transport,
+    TransportError,
+)
 from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT, BuiltinTransport
 from npu_sync.transport._urllib3 import RequestsTransport, Urllib3Transport
 
@@ -24,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TRANSPORT_ERROR_KINDS",
     "BuiltinTransport",
+    "Cancel",
     "RequestsTransport",
     "Response",
     "Transport",

@@ -7,7 +7,10 @@ A transport carries one worker's HTTP exchanges. The pool calls
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -71,6 +74,48 @@ class TransportError(NpuSyncError):
     def __repr__(self) -> str:
         stale = ", stale=True" if self.stale else ""
         return f"TransportError({self.kind!r}, {str(self)!r}, sent={self.sent!r}{stale})"
+
+
+class Cancel:
+    """A way to abort one request from another thread: the losing attempt of a hedge.
+
+    Thread-safe. The transport attaches the socket a request uses; :meth:`cancel`
+    shuts it down, so that the request fails at once (its connection is closed, never
+    reused) instead of waiting for the worker. A transport that supports it says so
+    with a true ``cancellable`` attribute and takes ``cancel=`` in :meth:`~Transport.request`;
+    with any other, a cancelled request simply runs to its end and its answer is
+    dropped.
+    """
+
+    __slots__ = ("_lock", "_sock", "event")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.event = threading.Event()
+        """Set once cancelled: what a transport without a socket (a fake) waits on."""
+
+    @property
+    def cancelled(self) -> bool:
+        return self.event.is_set()
+
+    def attach(self, sock: socket.socket | None) -> bool:
+        """The request now uses ``sock`` (None: no longer any). False when already
+        cancelled: the caller must not start (or go on with) the exchange."""
+        with self._lock:
+            if self.event.is_set():
+                return False
+            self._sock = sock
+            return True
+
+    def cancel(self) -> None:
+        """Abort the request: shut its socket down (idempotent)."""
+        with self._lock:
+            self.event.set()
+            sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):  # already closed by its own thread
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 class Transport(Protocol):

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 from npu_sync.errors import InvalidTask
 from npu_sync.transport import _http11 as h11
 from npu_sync.transport._base import (
+    Cancel,
     Response,
     TransportError,
     Where,
@@ -299,7 +300,8 @@ class BuiltinTransport:
     """The default transport: HTTP/1.1 to one worker over the standard library.
 
     Thread-safe: any number of threads may call :meth:`request` at once; each uses a
-    connection of its own, and no lock is held across I/O.
+    connection of its own, and no lock is held across I/O. A request can be cancelled
+    from another thread (``cancellable``; see :class:`~npu_sync.transport.Cancel`).
 
     Args:
         worker: the worker to talk to; its ``headers`` go on every request.
@@ -312,6 +314,8 @@ class BuiltinTransport:
             runs on a daemon thread and the call waits for it only as long as its
             connect budget allows. IP addresses are never looked up.
     """
+
+    cancellable = True
 
     def __init__(
         self,
@@ -367,8 +371,9 @@ class BuiltinTransport:
         timeout: float,
         connect_timeout: float | None = None,
         replayable: bool = False,
+        cancel: Cancel | None = None,
     ) -> Response:
-        """Send one request; see :meth:`Transport.request`."""
+        """Send one request; see :meth:`Transport.request`. ``cancel``: see :class:`Cancel`."""
         start = time.monotonic()
         deadline = start + timeout
         path = self._base_path + path
@@ -377,9 +382,11 @@ class BuiltinTransport:
         if conn is None:
             conn = self._connect(start, deadline, connect_timeout, method, path)
         try:
-            return self._exchange(conn, data, method, path, deadline, timeout)
+            return self._exchange(conn, data, method, path, deadline, timeout, cancel)
         except _Lost as lost:
             # Only a reused connection that failed before any answer byte gets here.
+            if cancel is not None and cancel.cancelled:
+                raise self._cancelled(method, path) from None
             delivered = lost.delivered
             if delivered and not replayable:
                 raise TransportError(
@@ -393,7 +400,7 @@ class BuiltinTransport:
         log.debug("worker %s: stale keep-alive connection; re-sending", self.worker.id)
         try:
             conn = self._connect(time.monotonic(), deadline, connect_timeout, method, path)
-            return self._exchange(conn, data, method, path, deadline, timeout)
+            return self._exchange(conn, data, method, path, deadline, timeout, cancel)
         except TransportError as exc:
             if exc.sent or not delivered:
                 raise
@@ -440,14 +447,29 @@ class BuiltinTransport:
         lines[(method, path)] = line
         return line
 
+    def _cancelled(self, method: str, path: str) -> TransportError:
+        return TransportError(
+            "reset", describe(self.worker, method, path).on("request cancelled"), sent=True
+        )
+
     def _exchange(
-        self, conn: _Conn, data: bytes, method: str, path: str, deadline: float, timeout: float
+        self,
+        conn: _Conn,
+        data: bytes,
+        method: str,
+        path: str,
+        deadline: float,
+        timeout: float,
+        cancel: Cancel | None = None,
     ) -> Response:
         """Send, read the whole answer, give the connection back or close it.
 
         Raises _Lost only for a reused connection that failed before any answer byte.
         """
         sent = False
+        if cancel is not None and not cancel.attach(conn.sock):
+            conn.close()
+            raise self._cancelled(method, path)
         try:
             try:
                 sent = self._send(conn, data, deadline)
@@ -467,7 +489,9 @@ class BuiltinTransport:
         except BaseException:
             conn.close()
             raise
-        if keep:
+        # Detached before the connection goes back: a late cancel must not reach the
+        # next request on it. Cancelled meanwhile: its socket was shut down.
+        if keep and (cancel is None or cancel.attach(None)):
             self._release(conn)
         else:
             conn.close()

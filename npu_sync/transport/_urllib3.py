@@ -89,6 +89,7 @@ from urllib3.util.ssl_match_hostname import CertificateError
 from npu_sync.errors import InvalidTask
 from npu_sync.transport import _http11 as h11
 from npu_sync.transport._base import (
+    Cancel,
     Response,
     TransportError,
     Where,
@@ -146,11 +147,26 @@ class _HandshakeError(HTTPError):
 class _Call:
     """The call in progress on this thread, as the connection hooks see it."""
 
-    __slots__ = ("connect_deadline", "deadline", "expired", "fresh", "lost", "resolver", "reused")
+    __slots__ = (
+        "cancel",
+        "connect_deadline",
+        "deadline",
+        "expired",
+        "fresh",
+        "lost",
+        "resolver",
+        "reused",
+    )
 
     def __init__(
-        self, deadline: float, connect_deadline: float, resolver: BoundedResolver, fresh: bool
+        self,
+        deadline: float,
+        connect_deadline: float,
+        resolver: BoundedResolver,
+        fresh: bool,
+        cancel: Cancel | None = None,
     ) -> None:
+        self.cancel = cancel  # shuts the socket down while the answer's head is awaited
         self.deadline = deadline
         self.connect_deadline = connect_deadline
         self.resolver = resolver
@@ -366,6 +382,24 @@ class _Hooks(urllib3.connection.HTTPConnection):
             self._npu_served += 1
 
     def getresponse(self) -> Any:
+        call = _current()
+        cancel = None if call is None else call.cancel
+        if cancel is None:
+            return self._getresponse()
+        if not cancel.attach(self.sock):
+            raise ConnectionResetError("request cancelled")
+        try:
+            response = self._getresponse()
+        finally:
+            # Best effort: a cancel while the body is read is not seen, and the socket
+            # must not be shut down once the connection may serve another request.
+            detached = cancel.attach(None)
+        if not detached:
+            response.close()
+            raise ConnectionResetError("request cancelled")
+        return response
+
+    def _getresponse(self) -> Any:
         try:
             response = super().getresponse()
         except ConnectionError:
@@ -584,6 +618,7 @@ def _exchange(
     timeout: float,
     connect_timeout: float | None,
     replayable: bool,
+    cancel: Cancel | None = None,
 ) -> Response:
     """Run one call through urllib3 under the call's deadline, re-sending once on a
     fresh connection when a reused one turned out stale and the request is replayable.
@@ -596,7 +631,7 @@ def _exchange(
     what = describe(worker, method, path, timeout)
     fresh = False
     while True:
-        call = _Call(deadline, connect_deadline, resolver, fresh)
+        call = _Call(deadline, connect_deadline, resolver, fresh, cancel)
         _calls.call = call
         error: TransportError
         try:
@@ -614,6 +649,8 @@ def _exchange(
             cause = error.__cause__
             error = TransportError("timeout", what.late(), sent=error.sent)
             error.__cause__ = cause
+        if cancel is not None and cancel.cancelled:
+            raise TransportError("reset", what.on("request cancelled"), sent=True) from error
         if fresh or not (call.reused and call.lost and error.kind == "reset"):
             if fresh and not error.sent:
                 # This attempt sent nothing, but the first may have reached the worker.
@@ -644,6 +681,8 @@ class Urllib3Transport:
         resolver: the blocking name lookup (``socket.getaddrinfo`` by default), run
             on a daemon thread and waited for only within the connect budget.
     """
+
+    cancellable = True  # best effort: while the answer's head is awaited
 
     def __init__(
         self,
@@ -697,8 +736,10 @@ class Urllib3Transport:
         timeout: float,
         connect_timeout: float | None = None,
         replayable: bool = False,
+        cancel: Cancel | None = None,
     ) -> Response:
-        """Send one request; see :meth:`Transport.request`."""
+        """Send one request; see :meth:`Transport.request`. ``cancel``: best effort,
+        while the answer's head is awaited (see :class:`Cancel`)."""
         if not path.startswith("/"):
             raise ValueError(f"path must start with '/', got {path!r}")
         path = self._base_path + path
@@ -740,6 +781,7 @@ class Urllib3Transport:
             timeout,
             connect_timeout,
             replayable,
+            cancel,
         )
 
     def close(self) -> None:

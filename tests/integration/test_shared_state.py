@@ -15,6 +15,7 @@ import redis
 
 from npu_sync import ConfigError, Task, TaskFailed, WorkerPool
 from npu_sync.config import (
+    BalancingConfig,
     BreakerConfig,
     DeadLetterConfig,
     HealthConfig,
@@ -67,6 +68,9 @@ def yaml_for(workers, redis_url: str, *, fail_max: int = 5, shared: bool = True)
         "  health: {enabled: false}",
         f"  circuit_breaker: {{fail_max: {fail_max}, reset_timeout: 60}}",
         "  retry: {max_retries: 3, backoff_initial: 0.01, backoff_max: 0.02}",
+        # Least connections: a dead worker's attempts are counted by its breaker, not
+        # avoided because its reset connections made it look slow.
+        "  balancing: {latency_aware: false}",
     ]
     if shared:
         lines += [f"  shared_state: {{backend: redis, url: '{redis_url}', sync_interval: 0.2}}"]
@@ -263,6 +267,9 @@ def test_redis_outage_fails_no_task_and_sharing_resumes(
 
 def shared_config(workers, url: str, **kw) -> PoolConfig:
     kw.setdefault("circuit_breaker", BreakerConfig(fail_max=2, reset_timeout=60))
+    # Least connections, so that one task at a time goes round every worker (the dead
+    # one included); latency-aware choice would keep sending them to the fastest.
+    kw.setdefault("balancing", BalancingConfig(latency_aware=False))
     return PoolConfig(
         workers=tuple(worker_config(w.worker_id, w.url) for w in workers),
         health=HealthConfig(enabled=False),
