@@ -268,3 +268,47 @@ def test_fallback_mode_shows_a_banner_with_its_reason(tmp_path, monkeypatch):
             driver.get(base + PAGE)
             wait_for(driver, lambda d: rows(d) == {"w": "up"}, "the configured worker")
             assert not driver.find_element(By.ID, "fallback").is_displayed()
+
+
+def test_each_worker_shows_its_name_device_and_models(start_worker, tmp_path, monkeypatch):
+    """Under each worker's id the page shows its display name, its device (marked when the
+    worker fell back to CPU) and the models it holds, as learnt from the workers."""
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "0.2")
+    linux = start_worker(worker_id="vm2-npu", models=("llama", "phi"))
+    windows = start_worker(
+        worker_id="win", protocol="windows", models=("minilm",), npu_available=False
+    )
+    config = PoolConfig(
+        workers=(
+            worker_config("vm2-npu", linux.url),
+            worker_config("win", windows.url, name="Windows NPU Worker (Main)", platform="windows"),
+        ),
+        health=HealthConfig(interval=0.2, timeout=0.5),
+    )
+    with WorkerPool(config) as pool:
+        pool.check_health()
+        with serve(pool) as base, chromium(tmp_path / "profile") as driver:
+            driver.get(base + PAGE)
+
+            def about(d: WebDriver) -> dict[str, str]:
+                return {
+                    str(r.get_attribute("data-worker")): r.find_element(
+                        By.CSS_SELECTOR, "td.c-id small.about"
+                    ).text
+                    for r in d.find_elements(By.CSS_SELECTOR, "tr[data-worker]")
+                }
+
+            wait_for(
+                driver,
+                lambda d: (
+                    "llama, phi" in about(d).get("vm2-npu", "")
+                    and "minilm" in about(d).get("win", "")
+                ),
+                "the workers' models on the page",
+            )
+            shown = about(driver)
+            assert "Windows NPU Worker (Main)" in shown["win"]
+            assert "no NPU" in shown["win"]
+            assert "no NPU" not in shown["vm2-npu"]
+            assert no_sideways_scrolling(driver)
+            screenshot(driver, tmp_path, "status-models.png")
