@@ -8,13 +8,16 @@ code and the docs in agreement.
 from typing import TypedDict
 
 __all__ = [
+    "BalancingStats",
     "BreakerStats",
     "DeadLetterStats",
+    "FallbackStats",
     "FleetStatsDict",
     "FleetTotals",
     "FleetWorkerTotals",
     "HealthCheckDict",
     "HealthStats",
+    "HedgeStats",
     "HistoryDict",
     "LatencyStats",
     "ModelStats",
@@ -26,9 +29,11 @@ __all__ = [
     "ProcessWorkerStats",
     "ReloadChangeDict",
     "ReloadStats",
+    "RetryBudgetStats",
     "SelectionStats",
     "SharedStateStats",
     "TaskHistory",
+    "WorkerBalancing",
     "WorkerHistory",
     "WorkerRow",
     "WorkerTaskStats",
