@@ -106,7 +106,11 @@ def test_a_model_unloaded_mid_run_costs_at_most_one_bounce_per_worker(
             with pytest.raises(TaskRejected):
                 pool.execute(task("m"))
         assert pool.stats()["models"]["held"] == ["other"]
-    assert [bounces(w) for w in workers] == [1, 1]
+    # At most one each: a worker whose unload the health round learns before any task
+    # reaches it (latency-aware choice may send the next tasks to the other) costs none.
+    counts = [bounces(w) for w in workers]
+    assert all(n <= 1 for n in counts), counts
+    assert counts[1] == 1  # the last holder: the task that found it gone bounced once
 
 
 def test_a_missing_model_with_its_worker_down_is_rejected_without_an_attempt_or_a_wait(
