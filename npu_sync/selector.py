@@ -119,7 +119,7 @@ STRATEGIES = ("least-loaded", "round-robin", "weighted", "priority")
 
 
 class _Tier:
-    __slots__ = ("keys", "last", "ready", "turn")
+    __slots__ = ("keys", "last", "observed", "ready", "turn")
 
     def __init__(self) -> None:
         # The workers with room, in configuration order, and their slots' seq: the
@@ -130,6 +130,9 @@ class _Tier:
         # last one picked, which stays the same as others enter and leave the list.
         self.last: Worker | None = None
         self.turn = 0  # how many keys are <= the last picked worker's seq
+        # Whether some worker here has had an answer: until then every estimate is
+        # unknown, and the first answer seeds the others (see Selector.observe).
+        self.observed = False
 
 
 class _Slot:
@@ -317,6 +320,8 @@ class Selector:
                 self._by_id[worker.id] = slot
                 self._others[slot] = None  # classified on first use, at that moment
                 self.parked[worker] = slot
+        for tier, members in zip(self._tiers, self.tiers, strict=True):
+            tier.observed = any(w.latency.observed for w in members)
         self._hopeful = seq
         self._stale = bool(seq)
         self._sync_due()
@@ -346,6 +351,27 @@ class Selector:
             # The estimate as of its stamp, now but for clock reads a hair apart.
             worker.stall_after = now + latency.cost
             self._rekey(worker, now)
+            if latency.observed:
+                slot = self._slots.get(worker)
+                if slot is not None and not slot.tier.observed:
+                    slot.tier.observed = True
+                    self._seed_unknown(worker, latency.cost, now)
+
+    def _seed_unknown(self, first: Worker, cost: float, now: float) -> None:
+        """The first answer in ``first``'s tier took ``cost``: give it as an estimate to
+        the tier's workers that have none yet. Left at nothing, they would look free
+        and take every task up to their capacity (the load term is at most 2) until
+        their silence grew past the others' latency. Once per tier."""
+        for worker in self.workers:
+            if (
+                worker is not first
+                and worker.priority == first.priority
+                and not worker.latency.observed
+                and worker.latency.value(now) < cost
+            ):
+                worker.latency.seed(cost, now)
+                worker.stall_after = worker.busy_since + cost
+                self._rekey(worker, now)
 
     def started(self, worker: Worker, now: float) -> None:
         """``worker`` just got its first task in flight (it was idle)."""

@@ -418,6 +418,28 @@ def test_a_burst_before_any_answer_spreads_over_workers_about_as_fast():
     assert a.in_flight > b.in_flight >= 8
 
 
+def test_the_first_answer_of_a_tier_seeds_the_workers_without_one():
+    """At a pool's start, a worker that has not answered yet does not look free (0) next
+    to one that answered in 20 ms: it starts from that answer, and a burst of tasks
+    before its own first answer spreads instead of filling it up."""
+    a, b = make_worker("a", capacity=64), make_worker("b", capacity=64)
+    selector = latency_selector([a, b])
+    now = CLOCK.monotonic()
+    selector.observe(a, 0.02, now)
+    assert b.latency.value(now) == pytest.approx(0.02) and not b.latency.observed
+    for _ in range(32):
+        chosen = selector.select((), now)
+        assert chosen is not None
+        if not chosen.in_flight:
+            selector.started(chosen, now)  # as the dispatcher does
+        chosen.in_flight += 1
+    assert a.in_flight == b.in_flight == 16
+    selector.observe(b, 0.2, now)
+    assert b.latency.value(now) == pytest.approx(0.2)  # its own answer replaces the seed
+    selector.observe(a, 0.01, now)
+    assert b.latency.value(now) == pytest.approx(0.2)  # once per tier
+
+
 def test_costs_follow_capacity_and_weight_with_latency_on():
     """Equal estimates: a worker that runs twice as many tasks at once, or has twice
     the weight, holds twice the tasks in flight."""
