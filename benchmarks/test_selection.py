@@ -51,7 +51,7 @@ def _pool(n: int, capacity: int = 64, spill: int = 0, choice: str = "count") -> 
     config = PoolConfig(workers=workers, health=HealthConfig(enabled=False))
     pool = WorkerPool(config, transport_factory=FakeNetwork().factory)
     if choice == "latency":
-        dispatcher = pool._dispatcher
+        dispatcher = pool._state.dispatcher
         selector = dispatcher.selector
         with dispatcher.lock:
             selector.configure(

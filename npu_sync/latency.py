@@ -21,8 +21,9 @@ attempt or a rejected task are not the time inference takes: they may only raise
 never looks fast.
 
 A worker with no observation yet is *seeded*: the selector gives it the median of its
-tier, so that it is neither favoured as free (0) nor shunned. Its first observation
-replaces the seed whatever its value.
+tier, so that it is neither favoured as free (0) nor shunned; when a pool starts and no
+worker of a tier has answered yet, the first answer there seeds the others. Its first
+observation replaces the seed whatever its value.
 
 Comparing estimates must cost the selector no ``exp()`` per worker. Every estimate
 decays at the same rate, so ``cost * exp(-(now - stamp) / decay)`` compares between

@@ -22,25 +22,36 @@ load evenly however many tiers were looked at first and however workers come and
 go. When more than :data:`P2C_THRESHOLD` workers of a tier have room, two of them
 are sampled and the lighter one wins (power of two choices): O(1) rather than exact.
 
-Workers are not all alike, and "fewest tasks" is then refined into a *score*, the
-cost of one more task on the worker: ``(in_flight + 1) * score``, lowest wins, where
-the worker's ``score`` is
+Workers are not all alike, and "fewest tasks" is then refined into a *cost* of one
+more task on the worker, lowest wins:
 
-* with latency-aware choice on, its peak-EWMA latency estimate (see
-  :mod:`npu_sync.latency`) divided by its *share*; a worker that answers in 0.3 s
-  takes a task when the one that answers in 0.1 s already has three times as many;
-* otherwise ``1 / share``: least connections weighted;
+* with latency-aware choice on, ``estimate * (1 + (in_flight + 1) / (capacity *
+  share))``, where ``estimate`` is the worker's peak-EWMA latency (see
+  :mod:`npu_sync.latency`) and ``capacity`` its current ``max_concurrent`` (its
+  adaptive limit when on). Workers run their tasks in parallel, up to their capacity,
+  so a worker's latency does not grow with its load until it is full: the next task
+  takes about the estimate wherever it goes, and the fastest worker with room wins.
+  The load term (at most 2 while the worker has room) decides between workers about
+  as fast as each other, by how full each is for its share, and spreads a burst of
+  selections made before any estimate moves. A worker 10x slower than one with room
+  gets nothing from it; one 1.5x slower takes tasks once the faster is half full. A
+  worker whose latency does grow with its load (it serves its tasks one after
+  another, or queues them) shows it in its estimate, which takes a slower answer at
+  once;
+* otherwise ``(in_flight + 1) / share``: least connections weighted;
 
 and its share is its ``weight`` times its slow start factor (see
 :mod:`npu_sync.slowstart`), which ramps a worker back in service from a tenth of its
-share to all of it. Under light load, when the winner is idle, scores alone would
+share to all of it. Under light load, when the winner is idle, costs alone would
 give an idle ramping worker nothing until its ramp ends: it is then picked by chance,
 with its factor as the probability. With every weight 1, no ramp under way and latency-aware choice
-off, the plain count of tasks in flight is compared, as above.
+off, the plain count of tasks in flight is compared, as above. ``Worker.score`` holds
+the part of the cost that changes only when an answer or a ramp step comes: the
+estimate (in the time-free form below), or ``1 / share``.
 
 A worker that has tasks in flight and has answered none of them for longer than its
 estimate (it froze, or its network did) is taken to be at least as slow as the time
-it has been quiet: its score grows with that time, so new tasks avoid it well before
+it has been quiet: its cost grows with that time, so new tasks avoid it well before
 the attempts already there time out. Scores are compared without a clock read or an
 ``exp()`` per worker: estimates are kept in the time-free form of
 :meth:`PeakEwma.key <npu_sync.latency.PeakEwma.key>`.
@@ -108,7 +119,7 @@ STRATEGIES = ("least-loaded", "round-robin", "weighted", "priority")
 
 
 class _Tier:
-    __slots__ = ("keys", "last", "ready", "turn")
+    __slots__ = ("keys", "last", "observed", "ready", "turn")
 
     def __init__(self) -> None:
         # The workers with room, in configuration order, and their slots' seq: the
@@ -119,6 +130,9 @@ class _Tier:
         # last one picked, which stays the same as others enter and leave the list.
         self.last: Worker | None = None
         self.turn = 0  # how many keys are <= the last picked worker's seq
+        # Whether some worker here has had an answer: until then every estimate is
+        # unknown, and the first answer seeds the others (see Selector.observe).
+        self.observed = False
 
 
 class _Slot:
@@ -306,6 +320,8 @@ class Selector:
                 self._by_id[worker.id] = slot
                 self._others[slot] = None  # classified on first use, at that moment
                 self.parked[worker] = slot
+        for tier, members in zip(self._tiers, self.tiers, strict=True):
+            tier.observed = any(w.latency.observed for w in members)
         self._hopeful = seq
         self._stale = bool(seq)
         self._sync_due()
@@ -335,6 +351,27 @@ class Selector:
             # The estimate as of its stamp, now but for clock reads a hair apart.
             worker.stall_after = now + latency.cost
             self._rekey(worker, now)
+            if latency.observed:
+                slot = self._slots.get(worker)
+                if slot is not None and not slot.tier.observed:
+                    slot.tier.observed = True
+                    self._seed_unknown(worker, latency.cost, now)
+
+    def _seed_unknown(self, first: Worker, cost: float, now: float) -> None:
+        """The first answer in ``first``'s tier took ``cost``: give it as an estimate to
+        the tier's workers that have none yet. Left at nothing, they would look free
+        and take every task up to their capacity (the load term is at most 2) until
+        their silence grew past the others' latency. Once per tier."""
+        for worker in self.workers:
+            if (
+                worker is not first
+                and worker.priority == first.priority
+                and not worker.latency.observed
+                and worker.latency.value(now) < cost
+            ):
+                worker.latency.seed(cost, now)
+                worker.stall_after = worker.busy_since + cost
+                self._rekey(worker, now)
 
     def started(self, worker: Worker, now: float) -> None:
         """``worker`` just got its first task in flight (it was idle)."""
@@ -513,9 +550,9 @@ class Selector:
         return best
 
     def _scan_scores(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
-        """:meth:`_scan` comparing ``(in_flight + 1) * score``, with the stall rule.
+        """:meth:`_scan` comparing costs (:meth:`_cost`), with the stall rule.
 
-        Scores differ far more often than counts tie, so a new best is met at many
+        Costs differ far more often than counts tie, so a new best is met at many
         steps of the scan: its eligibility is checked once, at the end (the index
         keeps ready workers eligible but for changes it was not told of). So is the
         stall rule: it can only raise a score, so it matters only for the winner.
@@ -530,11 +567,22 @@ class Selector:
             start = tier.turn % n
             best: Worker | None = None
             best_load = 0.0
-            for worker in ready[start:] + ready[:start] if start else ready:
-                load = (worker.in_flight + 1) * worker.score
-                if (best is None or load < best_load) and worker.id not in excluded:
-                    best = worker
-                    best_load = load
+            order = ready[start:] + ready[:start] if start else ready
+            if self._latency_aware:
+                # The cost of :meth:`_cost`, inlined: this loop is the hot path.
+                for worker in order:
+                    load = worker.score * (
+                        1.0 + (worker.in_flight + 1) / (worker.capacity * worker.share)
+                    )
+                    if (best is None or load < best_load) and worker.id not in excluded:
+                        best = worker
+                        best_load = load
+            else:
+                for worker in order:
+                    load = (worker.in_flight + 1) * worker.score
+                    if (best is None or load < best_load) and worker.id not in excluded:
+                        best = worker
+                        best_load = load
             if best is None:
                 return None
             if not best.eligible(now):
@@ -605,11 +653,7 @@ class Selector:
                 for one in (first, worker):
                     if now > one.stall_after and one.in_flight:
                         self._stalled(one, now)
-                return (
-                    first
-                    if (first.in_flight + 1) * first.score <= (worker.in_flight + 1) * worker.score
-                    else worker
-                )
+                return first if self._cost(first) <= self._cost(worker) else worker
             else:
                 return first if first.in_flight <= worker.in_flight else worker
         if first is not None:
@@ -632,9 +676,26 @@ class Selector:
                 return  # _rebase rekeyed every worker
             key = worker.latency.key(self._epoch)
             # An estimate decayed to nothing still weighs in-flight counts.
-            worker.score = (key if key > MIN_COST else MIN_COST) / worker.share
+            worker.score = key if key > MIN_COST else MIN_COST
         else:
             worker.score = 1.0 / worker.share
+
+    def _cost(self, worker: Worker) -> float:
+        """What one more task on ``worker`` costs; the lowest wins.
+
+        Latency-aware: ``estimate * (1 + (in_flight + 1) / (capacity * share))``. A
+        worker runs up to ``capacity`` tasks at once, so its latency does not grow with
+        its load until it is full: the next task there takes about its estimate, and
+        the load term only breaks ties between workers about as fast (by how full each
+        is, for its share), so that a burst of selections between two answers spreads
+        instead of piling onto the one that answered fastest. A worker whose latency
+        does grow with its load (it runs tasks one after another, or queues them) shows
+        it in its estimate: the peak-EWMA takes a slower answer at once. Otherwise:
+        least connections weighted, ``(in_flight + 1) / share``.
+        """
+        if self._latency_aware:
+            return worker.score * (1.0 + (worker.in_flight + 1) / (worker.capacity * worker.share))
+        return (worker.in_flight + 1) * worker.score
 
     def _rebase(self, now: float) -> None:
         """Move the keys' epoch to ``now`` so that they stay finite, and rekey all."""

@@ -377,6 +377,85 @@ def test_a_slower_worker_gets_tasks_in_proportion_to_what_it_can_do(aware):
         assert share > 0.03
 
 
+def test_a_ten_times_slower_parallel_worker_gets_nothing_while_the_fast_ones_have_room():
+    """Workers that run their tasks in parallel: once its first answers are seen, a
+    worker 10x slower gets no task while the fast ones have room (a task there takes
+    20 ms however many they run), where counting its tasks in flight as a queue gave
+    it one whenever it was idle."""
+    ws = [make_worker(n, capacity=64) for n in "abc"]
+    fleet = Fleet(latency_selector(ws), {"a": 0.02, "b": 0.02, "c": 0.2}, callers=32)
+    start = fleet.clock.monotonic()
+    fleet.run(start + 10)
+    assert [at for at, wid in fleet.sent if wid == "c" and at >= start + 1] == []
+    assert ws[0].in_flight < ws[0].capacity and ws[1].in_flight < ws[1].capacity
+    assert fleet.share("a", start + 1) == pytest.approx(0.5, abs=0.1)
+
+
+def test_a_slow_worker_takes_the_overflow_once_the_fast_ones_are_full():
+    """With the fast workers at capacity, the slow one serves what they cannot: every
+    caller stays busy, the slow worker holding the callers left over."""
+    ws = [make_worker(n, capacity=8) for n in "abc"]
+    fleet = Fleet(latency_selector(ws), {"a": 0.02, "b": 0.02, "c": 0.2}, callers=20)
+    start = fleet.clock.monotonic()
+    fleet.run(start + 10)
+    assert [w.in_flight for w in ws] == [8, 8, 4]
+    # 4 tasks in flight at 200 ms against 16 at 20 ms: 20 a second of 820.
+    assert fleet.share("c", start + 1) == pytest.approx(20 / 820, abs=0.01)
+
+
+def test_a_burst_before_any_answer_spreads_over_workers_about_as_fast():
+    """Many selections between two answers do not all go to the worker whose estimate
+    is a hair lower: the load term spreads them, by how full each worker is."""
+    a, b = make_worker("a", capacity=64), make_worker("b", capacity=64)
+    selector = latency_selector([a, b])
+    now = CLOCK.monotonic()
+    selector.observe(a, 0.020, now)
+    selector.observe(b, 0.022, now)
+    for _ in range(32):
+        chosen = selector.select((), now)
+        assert chosen is not None
+        chosen.in_flight += 1
+    assert a.in_flight > b.in_flight >= 8
+
+
+def test_the_first_answer_of_a_tier_seeds_the_workers_without_one():
+    """At a pool's start, a worker that has not answered yet does not look free (0) next
+    to one that answered in 20 ms: it starts from that answer, and a burst of tasks
+    before its own first answer spreads instead of filling it up."""
+    a, b = make_worker("a", capacity=64), make_worker("b", capacity=64)
+    selector = latency_selector([a, b])
+    now = CLOCK.monotonic()
+    selector.observe(a, 0.02, now)
+    assert b.latency.value(now) == pytest.approx(0.02) and not b.latency.observed
+    for _ in range(32):
+        chosen = selector.select((), now)
+        assert chosen is not None
+        if not chosen.in_flight:
+            selector.started(chosen, now)  # as the dispatcher does
+        chosen.in_flight += 1
+    assert a.in_flight == b.in_flight == 16
+    selector.observe(b, 0.2, now)
+    assert b.latency.value(now) == pytest.approx(0.2)  # its own answer replaces the seed
+    selector.observe(a, 0.01, now)
+    assert b.latency.value(now) == pytest.approx(0.2)  # once per tier
+
+
+def test_costs_follow_capacity_and_weight_with_latency_on():
+    """Equal estimates: a worker that runs twice as many tasks at once, or has twice
+    the weight, holds twice the tasks in flight."""
+    a, b, c = (make_worker(n, capacity=k) for n, k in (("a", 16), ("b", 32), ("c", 16)))
+    c.weight = 2
+    selector = latency_selector([a, b, c])
+    now = CLOCK.monotonic()
+    for w in (a, b, c):
+        selector.observe(w, 0.02, now)
+    for _ in range(40):
+        chosen = selector.select((), now)
+        assert chosen is not None
+        chosen.in_flight += 1
+    assert (a.in_flight, b.in_flight, c.in_flight) == (8, 16, 16)
+
+
 def test_a_slow_worker_is_tried_again_once_its_estimate_has_decayed():
     """Its last answer took 200 ms; while the others answer in 20 ms, it gets nothing
     until its estimate decays below theirs (about ln(10) decays), then a task."""
