@@ -86,6 +86,7 @@ from bisect import bisect_left, insort
 from collections.abc import Callable, Collection, Iterable
 from itertools import groupby
 
+from npu_sync.breaker import CLOSED
 from npu_sync.latency import DEFAULT_DECAY, MIN_COST
 from npu_sync.slowstart import SlowStart
 from npu_sync.worker import Worker
@@ -207,6 +208,9 @@ class Selector:
         self._epoch = now
         self._rebase_at = now + _REBASE * decay
         self._ramping: list[Worker] = []
+        # Workers whose breaker admitted a trial when last placed (closed ones are
+        # dropped as they are met): under light load one of them takes the next task.
+        self._trials: set[Worker] = set()
         self._ramp_due = _NEVER
         self._scored = False  # whether scores, not plain in-flight counts, are compared
         self.on_earlier_wake: Callable[[], None] | None = None
@@ -597,11 +601,36 @@ class Selector:
                 passed = best
                 stalls += 1
             else:
-                if self._ramping and not best.in_flight:
-                    best = self._ramp_turn(tier, excluded, best, now)
+                if not best.in_flight:
+                    if self._trials:
+                        best = self._trial_turn(tier, excluded, best, now)
+                    if self._ramping and best.breaker.state == CLOSED:
+                        best = self._ramp_turn(tier, excluded, best, now)
                 tier.turn = ready.index(best) + 1
                 tier.last = best
                 return best
+
+    def _trial_turn(
+        self, tier: _Tier, excluded: Collection[str], best: Worker, now: float
+    ) -> Worker:
+        """Under light load (the winner is idle), a worker whose breaker admits its
+        trial now takes the task: on costs alone (its estimate from before it failed,
+        its capacity a single trial) it would lose to every idle worker, and a caller
+        sending one task at a time would leave it out of service indefinitely."""
+        slots = self._slots
+        for worker in list(self._trials):
+            slot = slots.get(worker)
+            if slot is None or worker.breaker.state == CLOSED:
+                self._trials.discard(worker)  # closed (or removed) since it was noted
+            elif (
+                worker is not best
+                and slot.tier is tier
+                and slot.state == _READY
+                and worker.id not in excluded
+                and worker.eligible(now)
+            ):
+                return worker
+        return best
 
     def _ramp_turn(
         self, tier: _Tier, excluded: Collection[str], best: Worker, now: float
@@ -863,6 +892,8 @@ class Selector:
         wake = 0.0
         if worker.eligible(now):
             state = _READY
+            if breaker.state != CLOSED:
+                self._trials.add(worker)  # its trial is due: see _trial_turn
         elif not usable or not worker.healthy or worker.hinted_draining or worker.reporting:
             state = _BLOCKED
         elif worker.in_flight >= worker.capacity:

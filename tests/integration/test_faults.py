@@ -126,7 +126,9 @@ def test_worker_restarted_on_the_same_port_is_used_again(three):
                 break
             pool.execute({"model_id": "default", "input_text": f"after {i}"})
             gate.wait(0.005)
-    assert three[0].stats()["inference_count"] > 0  # the new process served tasks
+        row = next(r for r in pool.workers() if r["id"] == three[0].worker_id)
+    # the new process served tasks
+    assert three[0].stats()["inference_count"] > 0, (i, row)
 
 
 def test_a_thousand_callers_at_once(three):
