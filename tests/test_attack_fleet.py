@@ -1,6 +1,8 @@
 """Hostile input to the fleet view: garbage snapshots in Redis, clock steps, a publish
 racing close(), unusable settings. Each test names a promise and tries to break it."""
 
+# ruff: noqa: F811  (test parameters named after the fixtures imported below)
+
 from __future__ import annotations
 
 import json
@@ -30,8 +32,9 @@ from npu_sync.fleet import (
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 
-STEP = 5.0
-WALL = 1_700_000_000.0
+# Fixtures shared with the other fleet tests; pytest finds them by name here.
+from tests.fleetkit import STEP, WALL, client, clock, manual, redis_server  # noqa: F401
+
 SHARED = SharedStateConfig(backend="redis", namespace="attack")
 INDEX = "attack:fleet:index"
 
@@ -55,39 +58,9 @@ def make_config(*ids: str, shared: SharedStateConfig | None = None) -> PoolConfi
     )
 
 
-@pytest.fixture(autouse=True)
-def manual(monkeypatch):
-    """Samples are taken by the test (tick()), not by a thread on the real clock."""
-    monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
-    for name in ("NPU_SYNC_FLEET_INTERVAL", "NPU_SYNC_FLEET_TTL", "NPU_SYNC_FLEET_POINTS"):
-        monkeypatch.delenv(name, raising=False)
-
-
-@pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(wall=WALL)
-
-
 @pytest.fixture
 def net() -> FakeNetwork:
     return FakeNetwork(answer)
-
-
-@pytest.fixture
-def redis_server(monkeypatch):
-    """Every redis client built from a URL talks to one in-memory fakeredis server."""
-    fakeredis = pytest.importorskip("fakeredis")
-    import redis
-
-    server = fakeredis.FakeServer()
-    monkeypatch.setattr(redis.Redis, "from_url", lambda *a, **k: fakeredis.FakeRedis(server=server))
-    return server
-
-
-def client(server: Any) -> Any:
-    import fakeredis
-
-    return fakeredis.FakeRedis(server=server)
 
 
 def own_snapshot(pool: WorkerPool, redis: Any) -> dict[str, Any]:
