@@ -64,6 +64,7 @@ MAX_MODEL_ID = 256
 
 _MAX_DEVICE = 100
 _NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
+_WINDOWS_FAILED = frozenset({"failed", "error"})
 _NO_DEVICES: Mapping[str, str] = MappingProxyType({})
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 200
@@ -291,7 +292,11 @@ class WindowsProtocol(WorkerProtocol):
         if outcome.kind is not Kind.SUCCESS:
             return outcome
         body = outcome.value
-        if type(body) is not dict or body.get("status") != "failed":
+        if type(body) is not dict:
+            return outcome
+        status = body.get("status")
+        # AutoBot writes "failed"; "error" and other casings say the same thing.
+        if type(status) is not str or status.strip().lower() not in _WINDOWS_FAILED:
             return outcome
         error = body.get("error")
         if isinstance(error, str):
@@ -312,7 +317,8 @@ class WindowsProtocol(WorkerProtocol):
             Kind.FAILURE,
             body,
             response.status,
-            f"HTTP {response.status}, status failed" + (f": {described}" if described else ""),
+            f"HTTP {response.status}, status {printable(status[:40])}"
+            + (f": {described}" if described else ""),
             suspect=True,
         )
 

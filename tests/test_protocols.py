@@ -202,6 +202,22 @@ def test_windows_200_failed_is_a_suspect_failure_with_the_workers_error() -> Non
     assert outcome.retry_after is None
 
 
+@pytest.mark.parametrize("status", ["error", "FAILED", " Failed ", "ERROR"])
+def test_windows_failed_in_other_words_or_casing_is_a_failure_too(status: str) -> None:
+    """ "error" and other casings of "failed" are failures too, never a task's result."""
+    outcome = WINDOWS.classify(json_response(200, {"status": status, "error": "boom"}))
+    assert outcome.kind is Kind.FAILURE and outcome.suspect is True
+    assert outcome.error is not None and outcome.error.endswith(": boom")
+
+
+@pytest.mark.parametrize("status", ["completed", "queued", 3, None, ["failed"]])
+def test_windows_other_statuses_are_the_tasks_result(status: object) -> None:
+    """Any other status (or none of text type) reads as the worker's answer."""
+    body = {"status": status, "result": {"x": 1}}
+    outcome = WINDOWS.classify(json_response(200, body))
+    assert outcome.kind is Kind.SUCCESS and outcome.value == body
+
+
 def test_windows_failure_text_is_escaped_and_bounded() -> None:
     """Control characters in the worker's error are escaped; the text is cut to 300."""
     outcome = WINDOWS.classify(
