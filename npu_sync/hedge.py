@@ -44,11 +44,12 @@ worker, the hedge's worker, the delay) when a hedge is sent; the abandoned attem
 
 from __future__ import annotations
 
-import concurrent.futures
 import heapq
 import itertools
 import logging
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,10 @@ from npu_sync.clock import Clock
 from npu_sync.metrics import percentile
 
 log = logging.getLogger(__name__)
+
+STOP_TIMEOUT = 5.0
+"""Seconds :meth:`HedgeTimer.stop` waits for its threads in all, as the pool's other
+threads are waited for on close."""
 
 
 class HedgePolicy:
@@ -170,9 +175,14 @@ class HedgeTimer:
 
     Thread-safe. One daemon thread (``npu-sync-hedge-timer``) waits for the earliest
     due time; a callback runs on it and must be short (it takes a lease, then hands
-    the hedge to :meth:`submit`'s threads, ``npu-sync-hedge``). Both are started on
-    first use, so a pool that never hedges has neither. :meth:`run_due` is the
-    one-shot step the thread repeats, for tests with a fake clock.
+    the hedge to :meth:`submit`). Hedges run on up to ``threads`` daemon threads
+    (``npu-sync-hedge-0``, ``-1`` …), started as hedges need them and kept for the next
+    ones. None is started before first use, so a pool that never hedges has none.
+    :meth:`run_due` is the one-shot step the timer thread repeats, for tests with a
+    fake clock.
+
+    :meth:`stop` ends all of it: nothing is scheduled, run or accepted afterwards, the
+    hedges in flight are cancelled, and every thread is joined within a time budget.
 
     Args:
         clock: the time source; due times are on its monotonic clock.
@@ -182,17 +192,23 @@ class HedgeTimer:
     def __init__(self, clock: Clock, *, threads: int = 32) -> None:
         self._clock = clock
         self._threads = threads
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the timer thread waits on it
+        self._work = threading.Condition(lock)  # idle hedge threads wait on it
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._thread: threading.Thread | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._stopped = False
+        self._jobs: deque[_Hedge] = deque()  # submitted, not yet taken by a thread
+        self._running: set[_Hedge] = set()
+        self._workers: list[threading.Thread] = []
+        self._idle = 0  # hedge threads waiting for a job, not yet woken for one
+        self._closing = False  # no callback is scheduled or run any more
+        self._stopped = False  # no hedge is accepted any more
 
     def schedule(self, when: float, callback: Callable[[], None]) -> None:
         """Call ``callback`` at ``when`` (monotonic seconds); nothing once stopped."""
         with self._cond:
-            if self._stopped:
+            if self._closing:
                 return
             entry = (when, next(self._seq), callback)
             heapq.heappush(self._heap, entry)
@@ -205,57 +221,115 @@ class HedgeTimer:
                 self._cond.notify()
 
     def run_due(self) -> int:
-        """Run every callback whose time has come; returns how many ran."""
+        """Run every callback whose time has come; returns how many ran. Once
+        :meth:`stop` began, none is run."""
         now = self._clock.monotonic()
-        due: list[Callable[[], None]] = []
-        with self._cond:
-            heap = self._heap
-            while heap and heap[0][0] <= now:
-                due.append(heapq.heappop(heap)[2])
-        for callback in due:
+        ran = 0
+        while True:
+            # One at a time: stop() may come between two of them.
+            with self._cond:
+                heap = self._heap
+                if self._closing or not heap or heap[0][0] > now:
+                    return ran
+                callback = heapq.heappop(heap)[2]
             try:
                 callback()
             except Exception:
                 log.exception("hedge callback failed")
-        return len(due)
+            ran += 1
 
-    def submit(self, fn: Callable[..., Any], *args: Any) -> None:
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, cancel: Callable[[], None] | None = None
+    ) -> None:
         """Run ``fn(*args)`` on a hedge thread.
+
+        Args:
+            fn: the hedge.
+            *args: its arguments.
+            cancel: ends ``fn`` early (closes its request); :meth:`stop` calls it.
 
         Raises:
             RuntimeError: the timer was stopped.
         """
+        hedge = _Hedge(fn, args, cancel)
         with self._cond:
             if self._stopped:
                 raise RuntimeError("hedging stopped")
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self._threads, thread_name_prefix="npu-sync-hedge"
+            self._jobs.append(hedge)
+            if self._idle:
+                self._idle -= 1
+                self._work.notify()
+            elif len(self._workers) < self._threads:
+                thread = threading.Thread(
+                    target=self._serve, name=f"npu-sync-hedge-{len(self._workers)}", daemon=True
                 )
-            executor = self._executor
-        executor.submit(fn, *args)
+                # Started under the lock, so that stop() never sees a thread it cannot join.
+                thread.start()
+                self._workers.append(thread)
 
     def pending(self) -> int:
         """Callbacks waiting for their time."""
         with self._cond:
             return len(self._heap)
 
-    def stop(self) -> None:
-        """Drop what is scheduled and stop the threads; returns at once (a hedge in
-        flight ends with its request)."""
+    def stop_soon(self) -> None:
+        """Stop without waiting: drop what is scheduled, accept no more hedges, cancel
+        the hedges in flight; the threads end on their own. Idempotent."""
+        self._close_timer()
+        self._close_hedges()
+
+    def stop(self, timeout: float = STOP_TIMEOUT) -> bool:
+        """Drop what is scheduled, cancel the hedges in flight, and join every thread
+        within ``timeout`` seconds in all. Idempotent; safe from any thread, one of
+        the timer's own included (it is then not waited for).
+
+        A callback running when this is called ends first and may still hand its hedge
+        over; that hedge is cancelled with the others, before any thread is joined.
+        A hedge given no ``cancel`` runs to its end (its request's own timeout).
+
+        Returns:
+            True when every thread ended in time; those left are logged.
+        """
+        deadline = time.monotonic() + timeout  # real waits, whatever the pool's clock
+        me = threading.current_thread()
+        timer = self._close_timer()
+        if timer is not None and timer is not me:
+            timer.join(max(0.0, deadline - time.monotonic()))
+        workers = self._close_hedges()
+        for thread in workers:
+            if thread is not me:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        left = [t.name for t in (timer, *workers) if t is not None and t is not me and t.is_alive()]
+        if left:
+            log.warning("hedge threads still running %.1f s after close: %s", timeout, left)
+        return not left
+
+    def _close_timer(self) -> threading.Thread | None:
         with self._cond:
-            self._stopped = True
+            self._closing = True
             self._heap.clear()
             self._cond.notify()
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+            return self._thread
+
+    def _close_hedges(self) -> list[threading.Thread]:
+        with self._cond:
+            self._stopped = True
+            self._idle = 0
+            self._work.notify_all()
+            cancels = [h.cancel for h in (*self._running, *self._jobs) if h.cancel is not None]
+            workers = list(self._workers)
+        for cancel in cancels:
+            try:
+                cancel()
+            except Exception:
+                log.exception("could not cancel a hedge")
+        return workers
 
     def _loop(self) -> None:
         cond = self._cond
         while True:
             with cond:
-                if self._stopped:
+                if self._closing:
                     return
                 heap = self._heap
                 wait = heap[0][0] - self._clock.monotonic() if heap else None
@@ -263,3 +337,38 @@ class HedgeTimer:
                     cond.wait(wait)
                     continue
             self.run_due()
+
+    def _serve(self) -> None:
+        """A hedge thread: run hedges until stopped and none is left to run."""
+        work = self._work
+        while True:
+            with work:
+                while not self._jobs:
+                    if self._stopped:
+                        return
+                    self._idle += 1
+                    work.wait()  # submit() or stop() takes us off the idle count
+                # Still run once stopped: stop() cancelled it, and only its own end
+                # gives back what it holds (its lease).
+                hedge = self._jobs.popleft()
+                self._running.add(hedge)
+            try:
+                hedge.fn(*hedge.args)
+            except Exception:
+                log.exception("hedge failed")
+            finally:
+                with work:
+                    self._running.discard(hedge)
+
+
+class _Hedge:
+    """One submitted hedge: what to run, and how to end it early."""
+
+    __slots__ = ("args", "cancel", "fn")
+
+    def __init__(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], cancel: Callable[[], None] | None
+    ) -> None:
+        self.fn = fn
+        self.args = args
+        self.cancel = cancel

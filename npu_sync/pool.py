@@ -543,6 +543,9 @@ class WorkerPool:
         try:
             self._health.stop()
             self._monitor.stop()  # before the shared state: it withdraws the snapshot
+            # Every task has ended, so every hedge's race is decided: a hedge still on
+            # the wire is its task's loser, cancelled, and ends at once. Joined before
+            # the transports close, so that it is recorded while the pool still is whole.
             self._state.hedger.stop()
             if self._state.shared is not None:
                 self._state.shared.stop()
@@ -583,6 +586,8 @@ class WorkerPool:
             return
         with contextlib.suppress(Exception):
             self._health.stop_soon()
+        with contextlib.suppress(Exception):
+            self._state.hedger.stop_soon()
         with contextlib.suppress(Exception):
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
