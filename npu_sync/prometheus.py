@@ -2,9 +2,12 @@
 
 Counters count from the pool's start-up: an exporter starts from the totals the pool
 has kept since it was built, then follows its events with a hook, so a task pays a
-dictionary update. Gauges are read from ``pool.stats()``/``pool.workers()`` when
-Prometheus scrapes. This is the only module that imports ``prometheus_client``, and
-``import npu_sync`` does not import it.
+dictionary update. The retry-budget and hedging counters, which have no event for each
+refusal or skip, follow the pool's totals instead whenever they are read (at a scrape,
+and in multiprocess mode every fleet-monitor sample); a reload that makes the pool
+count those afresh does not take them back. Gauges are read from ``pool.stats()`` and
+``pool.workers()`` when Prometheus scrapes. This is the only module that imports
+``prometheus_client``, and ``import npu_sync`` does not import it.
 
 Every pool exported on one registry under one namespace shares a single registered
 collector: each metric family appears once, with one series per pool, told apart by the
@@ -108,6 +111,8 @@ ATTEMPT_OUTCOMES = ("succeeded", "rejected", "not_here", "failed", "abandoned")
 TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
 RELOAD_RESULTS = ("ok", "failed")
 BREAKER_STATES = ("closed", "open", "half-open")
+HEDGE_RESULTS = ("won", "lost")
+BALANCING_TOTALS = ("refused", "won", "lost", "skipped")
 # The events say "success" and "failure"; every metric says succeeded and failed.
 _EVENT_OUTCOMES = {"success": "succeeded", "failure": "failed"}
 _OWN_LABELS = frozenset({"worker", "outcome", "result", "state", "le", "quantile", "pid"})
@@ -152,6 +157,10 @@ class _Counts:
     trips: dict[str, int] = field(default_factory=dict)
     reloads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RELOAD_RESULTS, 0))
     durations: dict[str, _Histogram] = field(default_factory=dict)
+    # The balancing counters, followed from the pool's totals (no event per refusal or
+    # skip): what was counted, and the totals last read.
+    balancing: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BALANCING_TOTALS, 0))
+    seen: dict[str, int] = field(default_factory=dict)
 
 
 class PrometheusExporter:
@@ -217,6 +226,7 @@ class PrometheusExporter:
         self._counts = _Counts()
         self._closed = False
         self._gauged: set[str] = set()  # workers whose multiprocess gauges were set
+        self._following = False  # a thread is reading the totals the counters follow
         # remove_hook matches by identity, and each attribute access makes a new bound method.
         self._hook: Hook = self._on_event
         self._refresh_hook = self._refresh_from_monitor
@@ -343,6 +353,7 @@ class PrometheusExporter:
                 files.add("reloads", (*const, result), n)
             for w in workers:
                 files.declare_worker(const, str(w["id"]))
+        self._follow(stats)
 
     # -- the hook: runs on task threads, so it only bumps numbers under a short lock ---
 
@@ -395,20 +406,83 @@ class PrometheusExporter:
     # -- gauges -------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Multiprocess mode: write this process's gauges now (before a scrape)."""
+        """Multiprocess mode: write this process's gauges, and the counters that follow
+        the pool's totals, now (before a scrape)."""
         if self._files is None or self._closed:
             return
         try:
-            workers = self._pool.workers()
-            stats = self._pool.stats()
+            workers, stats = self._read(workers=True)
         except Exception:
             log.exception("could not read the pool's state for Prometheus")
             return
         self._write_gauges(stats, workers)
 
     def _refresh_from_monitor(self, stats: Mapping[str, Any], workers: Sequence[Any]) -> None:
-        if not self._closed:
-            self._write_gauges(stats, workers)
+        if self._closed:
+            return
+        self._write_gauges(stats, workers)
+        try:
+            # The monitor read its stats before this thread could claim the totals:
+            # they are read again (see _read).
+            self._read(workers=False)
+        except Exception:
+            log.exception("could not read the pool's state for Prometheus")
+
+    # -- the balancing counters: followed from the pool's totals ------------------------
+
+    def _read(self, *, workers: bool) -> tuple[Sequence[Mapping[str, Any]], Mapping[str, Any]]:
+        """``workers()`` (if asked) and ``stats()``, the balancing counters brought up to
+        the totals in the stats. Raises what the pool raises.
+
+        One thread at a time follows the totals, from a read made after it claimed
+        them: two reads applied out of order would look like a reset (a lower total)
+        and be counted twice. A thread that finds the claim taken only reads.
+        """
+        with self._lock:
+            claimed = not self._following
+            self._following = True
+        try:
+            rows = self._pool.workers() if workers else []
+            stats = self._pool.stats()
+            if claimed:
+                self._follow(stats)
+        finally:
+            if claimed:
+                with self._lock:
+                    self._following = False
+        return rows, stats
+
+    def _follow(self, stats: Mapping[str, Any]) -> None:
+        """Count what the pool's retry budget and hedging totals moved since last read."""
+        balancing = stats.get("balancing")
+        if balancing is None:  # an older pool, or one standing in for it
+            return
+        budget, hedge = balancing["retry_budget"], balancing["hedge"]
+        hedged, won = int(hedge["hedged"]), int(hedge["won"])
+        totals = {
+            "refused": int(budget["refused"]),
+            "won": won,
+            "lost": hedged - won,
+            "skipped": int(hedge["skipped"]),
+        }
+        c = self._counts
+        moved: dict[str, int] = {}
+        with self._lock:
+            for key, total in totals.items():
+                last = c.seen.get(key, 0)
+                # Lower than last read: a reload replaced the budget or the hedging
+                # policy, which count afresh from zero. The counter goes on from where
+                # it was.
+                moved[key] = total - last if total >= last else total
+                c.seen[key] = total
+                c.balancing[key] += moved[key]
+        files = self._files
+        if files is not None:
+            const = self._const
+            files.add("budget_refused", const, moved["refused"])
+            for result in HEDGE_RESULTS:
+                files.add("hedges", (*const, result), moved[result])
+            files.add("hedges_skipped", const, moved["skipped"])
 
     def _write_gauges(self, stats: Mapping[str, Any], workers: Sequence[Mapping[str, Any]]) -> None:
         files = self._files
@@ -431,9 +505,9 @@ class PrometheusExporter:
 
     def _fill(self, families: _Families) -> None:
         """Add this pool's samples to the families being scraped."""
+        stats: Mapping[str, Any] | None
         try:
-            workers = self._pool.workers()
-            stats = self._pool.stats()
+            workers, stats = self._read(workers=True)
         except Exception:
             # A scrape must not fail for every pool because one cannot report.
             log.exception("could not read the pool's state for Prometheus")
@@ -447,6 +521,7 @@ class PrometheusExporter:
             trips = dict(c.trips)
             reloads = dict(c.reloads)
             durations = {wid: (list(h.counts), h.total) for wid, h in c.durations.items()}
+            balancing = dict(c.balancing) if c.seen else None
         # Current workers get zero series, so rate() and absent() work before any event.
         empty = ([0] * (len(self._bounds) + 1), 0.0)
         for w in workers:
@@ -490,14 +565,14 @@ class PrometheusExporter:
                 estimate = balance["latency_estimate_ms"] / 1000
                 families.latency_estimate.add_metric(labels, estimate)
                 families.share.add_metric(labels, balance["share"])
+        if balancing is not None:
+            families.budget_refused.add_metric(list(const), balancing["refused"])
+            for result in HEDGE_RESULTS:
+                families.hedges.add_metric([*const, result], balancing[result])
+            families.hedges_skipped.add_metric(list(const), balancing["skipped"])
         if stats is not None and "balancing" in stats:
             budget = stats["balancing"]["retry_budget"]
             families.budget_balance.add_metric(list(const), budget["balance"])
-            families.budget_refused.add_metric(list(const), budget["refused"])
-            hedge = stats["balancing"]["hedge"]
-            families.hedges.add_metric([*const, "won"], hedge["won"])
-            families.hedges.add_metric([*const, "lost"], hedge["hedged"] - hedge["won"])
-            families.hedges_skipped.add_metric(list(const), hedge["skipped"])
         if stats is not None:
             families.waiting.add_metric(list(const), stats["tasks"]["waiting"])
             pending = stats["dead_letters"]["pending"]
@@ -616,6 +691,13 @@ _HELP = {
     "retries": ("Attempts made again after a worker failed one.", "", ()),
     "trips": ("Times the worker's circuit breaker opened.", _WORKER, ()),
     "reloads": ("Configuration reloads, by result.", "", ("result",)),
+    "budget_refused": ("Retries and hedges the retry budget refused.", "", ()),
+    "hedges": (
+        "Hedged attempts sent, by whether theirs was the answer returned.",
+        "",
+        ("result",),
+    ),
+    "hedges_skipped": ("Hedges due but not sent: no budget or no worker free.", "", ()),
 }
 _NAMES = {
     "attempts": "attempts",
@@ -632,6 +714,12 @@ _NAMES = {
     "failure_ratio": "worker_failure_ratio",
     "waiting": "tasks_waiting",
     "dead_letters": "dead_letters_pending",
+    "budget_refused": "retry_budget_refused",
+    "hedges": "hedges",
+    "hedges_skipped": "hedges_skipped",
+    "latency_estimate": "worker_latency_estimate_seconds",
+    "share": "worker_share",
+    "budget_balance": "retry_budget_balance",
 }
 _DURATION_HELP = "Duration of attempts, any outcome."
 _GAUGES: dict[str, tuple[str, str, tuple[str, ...], str]] = {
@@ -654,6 +742,16 @@ _GAUGES: dict[str, tuple[str, str, tuple[str, ...], str]] = {
     ),
     "waiting": ("Tasks queued for a worker with capacity.", "", (), "livesum"),
     "dead_letters": ("Dead-letter records in the store.", "", (), "livemax"),
+    # Each process balances on its own: the worst estimate, the smallest share (a
+    # worker still ramping up in some process), and the retries the fleet may send.
+    "latency_estimate": (
+        "The peak-EWMA latency estimate latency-aware choice compares.",
+        _WORKER,
+        (),
+        "livemax",
+    ),
+    "share": ("The worker's weight times its slow start factor.", _WORKER, (), "livemin"),
+    "budget_balance": ("Retries and hedges the retry budget allows now.", "", (), "livesum"),
 }
 
 
@@ -693,38 +791,12 @@ class _Families:
         self.failure_ratio = gauge("failure_ratio")
         self.waiting = gauge("waiting")
         self.dead_letters = gauge("dead_letters")
-
-        # The balancing series: one process's view, read from stats() and workers()
-        # at each scrape (not written to multiprocess files).
-        def name(suffix: str) -> str:
-            return f"{namespace}_{suffix}"
-
-        c = list(const_names)
-        w = [*c, "worker"]
-        self.latency_estimate = GaugeMetricFamily(
-            name("worker_latency_estimate_seconds"),
-            "The peak-EWMA latency estimate latency-aware choice compares.",
-            labels=w,
-        )
-        self.share = GaugeMetricFamily(
-            name("worker_share"), "The worker's weight times its slow start factor.", labels=w
-        )
-        self.budget_balance = GaugeMetricFamily(
-            name("retry_budget_balance"), "Retries and hedges the budget allows now.", labels=c
-        )
-        self.budget_refused = CounterMetricFamily(
-            name("retry_budget_refused"), "Retries and hedges the budget refused.", labels=c
-        )
-        self.hedges = CounterMetricFamily(
-            name("hedges"),
-            "Hedged attempts sent, by whether theirs was the answer returned.",
-            labels=[*c, "result"],
-        )
-        self.hedges_skipped = CounterMetricFamily(
-            name("hedges_skipped"),
-            "Hedges due but not sent: no budget or no worker free.",
-            labels=c,
-        )
+        self.latency_estimate = gauge("latency_estimate")
+        self.share = gauge("share")
+        self.budget_balance = gauge("budget_balance")
+        self.budget_refused = counter("budget_refused")
+        self.hedges = counter("hedges")
+        self.hedges_skipped = counter("hedges_skipped")
 
     def all(self) -> list[Metric]:
         return [
@@ -749,6 +821,10 @@ class _Families:
             self.hedges,
             self.hedges_skipped,
         ]
+
+
+# A removed worker's gauges in the files (one-hot breaker states apart).
+_ZEROED = ("in_flight", "capacity", "healthy", "failure_ratio", "latency_estimate", "share")
 
 
 class _Files:
@@ -821,10 +897,14 @@ class _Files:
         # A series once in a file cannot be made absent again: no attempt in the window
         # reads 0, not the last window's ratio.
         self._child("failure_ratio", labels).set(w["failure_rate"] or 0.0)
+        balance = w.get("balancing")  # absent from an older pool's rows
+        if balance is not None:
+            self._child("latency_estimate", labels).set(balance["latency_estimate_ms"] / 1000)
+            self._child("share", labels).set(balance["share"])
 
     def clear_worker(self, const: tuple[str, ...], wid: str) -> None:
         labels = (*const, wid)
-        for key in ("in_flight", "capacity", "healthy", "failure_ratio"):
+        for key in _ZEROED:
             self._child(key, labels).set(0.0)
         for s in BREAKER_STATES:
             self._child("breaker_state", (*labels, s)).set(0.0)
@@ -834,6 +914,9 @@ class _Files:
         pending = stats["dead_letters"]["pending"]
         if pending is not None:
             self._child("dead_letters", const).set(pending)
+        if "balancing" in stats:
+            balance = stats["balancing"]["retry_budget"]["balance"]
+            self._child("budget_balance", const).set(balance)
 
 
 class _SharedCollector:
@@ -959,6 +1042,7 @@ def _after_fork_in_child() -> None:
         exporter._lock = threading.Lock()
         exporter._counts = _Counts()
         exporter._gauged = set()
+        exporter._following = False
 
 
 if hasattr(os, "register_at_fork"):

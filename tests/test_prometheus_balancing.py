@@ -1,0 +1,309 @@
+"""The balancing series (latency estimate, share, retry budget, hedges) in one process
+and in prometheus_client's multiprocess mode: the same names and labels, gauges combined
+per series, counters summed and never going back."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from npu_sync import TaskFailed, WorkerPool
+from npu_sync.config import BalancingConfig, BreakerConfig, RetryBudgetConfig
+from npu_sync.events import Hook
+from npu_sync.prometheus import instrument, metrics_text
+from npu_sync.testing import FakeClock, FakeNetwork
+from tests.test_prometheus import make_config, multiprocess, scripted  # noqa: F401
+
+# Every balancing series and its label names, as both modes must show them.
+SERIES = {
+    "npu_sync_worker_latency_estimate_seconds": ("worker",),
+    "npu_sync_worker_share": ("worker",),
+    "npu_sync_retry_budget_balance": (),
+    "npu_sync_retry_budget_refused_total": (),
+    "npu_sync_hedges_total": ("result",),
+    "npu_sync_hedges_skipped_total": (),
+}
+
+
+class BalancingPool:
+    """Stands in for a pool: workers with a latency estimate and a share, and retry
+    budget and hedging totals that the test moves."""
+
+    def __init__(self, *worker_ids: str) -> None:
+        self.hooks: list[Hook] = []
+        self.closed = False
+        self.refused = self.hedged = self.won = self.skipped = 0
+        self.balance = 20.0
+        self.rows = {wid: {"latency_estimate_ms": 20.0, "share": 1.0} for wid in worker_ids}
+        self.during_stats: Callable[[], None] | None = None  # runs once, inside stats()
+
+    def add_hook(self, hook: Hook) -> None:
+        self.hooks.append(hook)
+
+    def remove_hook(self, hook: Hook) -> None:
+        self.hooks = [h for h in self.hooks if h is not hook]
+
+    def stats(self) -> dict[str, Any]:
+        totals = {"hedged": self.hedged, "won": self.won, "skipped": self.skipped}
+        refused = self.refused
+        during, self.during_stats = self.during_stats, None
+        if during is not None:
+            during()
+        return {
+            "tasks": {"waiting": 0},
+            "dead_letters": {"pending": 0},
+            "balancing": {
+                "retry_budget": {"balance": self.balance, "refused": refused},
+                "hedge": totals,
+            },
+        }
+
+    def workers(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": wid,
+                "in_flight": 0,
+                "capacity": 4,
+                "healthy": True,
+                "breaker": {"state": "closed"},
+                "latency": {"ewma_ms": None},
+                "failure_rate": None,
+                "balancing": dict(row),
+            }
+            for wid, row in self.rows.items()
+        ]
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text.decode())
+        for s in f.samples
+    }
+
+
+def balancing_series(found: dict) -> dict[str, set[tuple[str, ...]]]:
+    """Per balancing series, the label names its samples carry."""
+    shapes: dict[str, set[tuple[str, ...]]] = {}
+    for name, labels in found:
+        if name in SERIES:
+            shapes.setdefault(name, set()).add(tuple(k for k, _ in labels))
+    return shapes
+
+
+def get(found: dict, name: str, **labels: str) -> float:
+    return found[(name, tuple(sorted(labels.items())))]
+
+
+def single(registry: CollectorRegistry) -> dict:
+    return samples(generate_latest(registry))
+
+
+def everyone(pool: Any) -> dict:
+    return samples(metrics_text(pool)[0])
+
+
+# -- one process ----------------------------------------------------------------------
+
+
+def test_one_process_shows_every_balancing_series_from_the_pool():
+    """Estimates and shares per worker, the budget's balance, and the refusal and hedge
+    counters, with the pool's values and their own label names."""
+    registry = CollectorRegistry()
+    pool = BalancingPool("a", "b")
+    pool.rows["b"] = {"latency_estimate_ms": 250.0, "share": 0.25}
+    pool.refused, pool.hedged, pool.won, pool.skipped = 3, 5, 2, 1
+    with instrument(pool, registry):
+        found = single(registry)
+    assert balancing_series(found) == {name: {labels} for name, labels in SERIES.items()}
+    assert get(found, "npu_sync_worker_latency_estimate_seconds", worker="b") == 0.25
+    assert get(found, "npu_sync_worker_share", worker="b") == 0.25
+    assert get(found, "npu_sync_worker_share", worker="a") == 1.0
+    assert get(found, "npu_sync_retry_budget_balance") == 20.0
+    assert get(found, "npu_sync_retry_budget_refused_total") == 3
+    assert get(found, "npu_sync_hedges_total", result="won") == 2
+    assert get(found, "npu_sync_hedges_total", result="lost") == 3
+    assert get(found, "npu_sync_hedges_skipped_total") == 1
+
+
+def test_counters_go_on_when_the_pool_counts_afresh():
+    """Totals that drop (a reload replaced the budget and the hedging policy) are new
+    counts from zero: each counter adds them and never goes back."""
+    registry = CollectorRegistry()
+    pool = BalancingPool("a")
+    pool.refused, pool.hedged, pool.won, pool.skipped = 10, 8, 6, 4
+    with instrument(pool, registry):
+        assert get(single(registry), "npu_sync_retry_budget_refused_total") == 10
+        pool.refused, pool.hedged, pool.won, pool.skipped = 2, 1, 1, 0
+        after = single(registry)
+        pool.refused, pool.hedged, pool.won, pool.skipped = 5, 4, 2, 3
+        later = single(registry)
+    assert get(after, "npu_sync_retry_budget_refused_total") == 12
+    assert get(after, "npu_sync_hedges_total", result="won") == 7
+    assert get(after, "npu_sync_hedges_total", result="lost") == 2
+    assert get(after, "npu_sync_hedges_skipped_total") == 4
+    assert get(later, "npu_sync_retry_budget_refused_total") == 15
+    assert get(later, "npu_sync_hedges_total", result="won") == 8
+    assert get(later, "npu_sync_hedges_total", result="lost") == 4
+    assert get(later, "npu_sync_hedges_skipped_total") == 7
+
+
+def test_a_reload_that_renews_the_retry_budget_does_not_take_refusals_back():
+    """A real pool: refusals counted, then a reload replaces the budget (its totals
+    start again at zero); the counter keeps the refusals from before."""
+    clock = FakeClock()
+    net = FakeNetwork(scripted(clock))
+    stingy = BalancingConfig(retry_budget=RetryBudgetConfig(ratio=0.0, min_per_second=0.0))
+    # Breakers that stay closed: every task's first attempt fails on "a", its retry is refused.
+    config = make_config(
+        "a", "b", balancing=stingy, circuit_breaker=BreakerConfig(fail_max=100, reset_timeout=30)
+    )
+    registry = CollectorRegistry()
+    pool = WorkerPool(config, transport_factory=net.factory, clock=clock)
+    with pool, instrument(pool, registry):
+        for _ in range(2):
+            with pytest.raises(TaskFailed, match="retry budget"):
+                pool.execute({"kind": "down"})
+        before = get(single(registry), "npu_sync_retry_budget_refused_total")
+        renewed = replace(stingy, retry_budget=RetryBudgetConfig(ratio=0.01, min_per_second=0))
+        pool.reload(replace(config, balancing=renewed))
+        with pytest.raises(TaskFailed, match="retry budget"):
+            pool.execute({"kind": "down"})
+        assert pool.stats()["balancing"]["retry_budget"]["refused"] == 1
+        after = get(single(registry), "npu_sync_retry_budget_refused_total")
+    assert (before, after) == (2, 3)
+
+
+def test_concurrent_scrapes_count_each_refusal_once():
+    """A scrape that read the totals earlier but applies them later does not count
+    them again: only the thread that claimed the totals before reading follows them."""
+    registry = CollectorRegistry()
+    pool = BalancingPool("a")
+    pool.refused = 5
+    with instrument(pool, registry):
+        inside, release = threading.Event(), threading.Event()
+
+        def slow_read() -> None:  # the first scrape's stats(): it read 6, then stalls
+            inside.set()
+            release.wait(30)
+
+        pool.refused = 6
+        pool.during_stats = slow_read
+        first = threading.Thread(target=generate_latest, args=(registry,))
+        first.start()
+        assert inside.wait(10)
+        pool.refused = 7
+        generate_latest(registry)  # reads 7 meanwhile
+        release.set()
+        first.join(30)
+        assert get(single(registry), "npu_sync_retry_budget_refused_total") == 7
+
+
+# -- multiprocess mode ------------------------------------------------------------------
+
+
+def test_multiprocess_mode_has_the_same_series_and_labels(multiprocess):  # noqa: F811
+    """The balancing series are written to the files and served with the names and
+    labels of one process (no pid label)."""
+    pool = BalancingPool("a", "b")
+    pool.refused, pool.hedged, pool.won, pool.skipped = 3, 5, 2, 1
+    with instrument(pool):
+        found = everyone(pool)
+    assert balancing_series(found) == {name: {labels} for name, labels in SERIES.items()}
+    assert get(found, "npu_sync_retry_budget_refused_total") == 3
+    assert get(found, "npu_sync_hedges_total", result="lost") == 3
+
+
+def test_multiprocess_mode_combines_each_series_over_the_processes(multiprocess):  # noqa: F811
+    """Counters add up over the processes; the estimate is the worst process's, the
+    share the smallest (a worker still ramping up somewhere), the balance the sum. Once
+    a process dies its gauges go and its counters stay."""
+    from prometheus_client.multiprocess import mark_process_dead
+
+    pids, directory = multiprocess
+    first = BalancingPool("a")
+    first.rows["a"] = {"latency_estimate_ms": 30.0, "share": 1.0}
+    first.refused, first.hedged, first.won, first.skipped = 4, 3, 1, 2
+    first.balance = 20.0
+    exporter = instrument(first)
+    first_view = everyone(first)
+    exporter.close()
+
+    pids.pid = 102
+    second = BalancingPool("a")
+    second.rows["a"] = {"latency_estimate_ms": 500.0, "share": 0.2}
+    second.refused, second.hedged, second.won, second.skipped = 1, 2, 2, 0
+    second.balance = 5.0
+    with instrument(second):
+        both = everyone(second)
+        mark_process_dead(101, directory)
+        after = everyone(second)
+
+    assert get(first_view, "npu_sync_retry_budget_balance") == 20.0
+    assert get(both, "npu_sync_retry_budget_refused_total") == 5
+    assert get(both, "npu_sync_hedges_total", result="won") == 3
+    assert get(both, "npu_sync_hedges_total", result="lost") == 2
+    assert get(both, "npu_sync_hedges_skipped_total") == 2
+    assert get(both, "npu_sync_worker_latency_estimate_seconds", worker="a") == 0.5
+    assert get(both, "npu_sync_worker_share", worker="a") == 0.2
+    assert get(both, "npu_sync_retry_budget_balance") == 25.0
+    # The dead process's gauges are gone, its counters stay in the sum.
+    assert get(after, "npu_sync_retry_budget_balance") == 5.0
+    assert get(after, "npu_sync_retry_budget_refused_total") == 5
+    assert get(after, "npu_sync_hedges_skipped_total") == 2
+
+
+def test_multiprocess_counters_never_go_back_when_the_pool_counts_afresh(multiprocess):  # noqa: F811
+    """In the files too, totals that drop after a reload are added, never subtracted."""
+    pool = BalancingPool("a")
+    pool.refused, pool.skipped = 10, 4
+    with instrument(pool):
+        assert get(everyone(pool), "npu_sync_retry_budget_refused_total") == 10
+        pool.refused, pool.skipped = 2, 1
+        found = everyone(pool)
+    assert get(found, "npu_sync_retry_budget_refused_total") == 12
+    assert get(found, "npu_sync_hedges_skipped_total") == 5
+
+
+def test_a_process_never_scraped_writes_its_balancing_series_each_monitor_sample(
+    multiprocess,  # noqa: F811
+):
+    """A real pool's estimates, shares, balance and refusals reach the files on a
+    fleet-monitor sample, without a scrape of that process."""
+    from prometheus_client import CollectorRegistry as Registry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from npu_sync.fleet import monitor_of
+
+    _, directory = multiprocess
+    clock = FakeClock()
+    net = FakeNetwork(scripted(clock))
+    stingy = BalancingConfig(retry_budget=RetryBudgetConfig(ratio=0.0, min_per_second=0.0))
+    pool = WorkerPool(
+        make_config("a", "b", balancing=stingy), transport_factory=net.factory, clock=clock
+    )
+    with pool, instrument(pool):
+        pool.execute({"kind": "ok"})
+        with pytest.raises(TaskFailed, match="retry budget"):
+            pool.execute({"kind": "down"})
+        files = Registry()
+        MultiProcessCollector(files, directory)
+        assert files.get_sample_value("npu_sync_worker_share", {"worker": "a"}) is None
+        monitor_of(pool).tick()
+        rows = {w["id"]: w["balancing"] for w in pool.workers()}
+        balance = pool.stats()["balancing"]["retry_budget"]["balance"]
+        share = files.get_sample_value("npu_sync_worker_share", {"worker": "b"})
+        estimate = files.get_sample_value(
+            "npu_sync_worker_latency_estimate_seconds", {"worker": "a"}
+        )
+        refused = files.get_sample_value("npu_sync_retry_budget_refused_total")
+        budget = files.get_sample_value("npu_sync_retry_budget_balance")
+    assert share == rows["b"]["share"]
+    assert estimate == pytest.approx(rows["a"]["latency_estimate_ms"] / 1000)
+    assert (refused, budget) == (1, balance)
