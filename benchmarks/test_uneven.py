@@ -40,6 +40,7 @@ About two minutes.
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import threading
 import time
@@ -272,7 +273,7 @@ def completions_by_tenth(run: Run) -> list[int]:
     t0, t1 = start_of(run, CHANGE_AT), start_of(run, DRAIN_AT)
     counts = [0] * int((t1 - t0) * 10)
     for t in run.tasks:
-        slot = int((t.ended - t0) * 10)
+        slot = math.floor((t.ended - t0) * 10)  # int() would put the tenth before in 0
         if 0 <= slot < len(counts):
             counts[slot] += 1
     return counts
