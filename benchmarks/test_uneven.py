@@ -223,7 +223,7 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def latency_figures(run: Run) -> dict[str, float]:
+def latency_figures(run: Run) -> dict[str, Any]:
     values = run.latencies()
     return {
         "tasks_per_s": len(run.tasks) / run.elapsed,
