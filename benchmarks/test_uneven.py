@@ -6,9 +6,12 @@ workers and a per-try timeout (``timeouts.read``) of 2 s configured. Scenarios, 
 side by side in one module so that the machine's noise hits them alike:
 
 * ``steady``: 3,000 tasks, nothing happens: the reference p99;
-* ``two workers``: the same on two workers only: what the healthy workers serve
-  alone, the floor for the slow scenario's throughput;
-* ``one 10x slower``: one worker turns 200 ms at task 1,000 of 3,000;
+* ``one 10x slower``: one worker turns 200 ms at task 1,000 of 3,000, in pairs with
+  ``two workers``, the same tasks on the two healthy workers only (what they serve
+  alone: the floor for the slow scenario's throughput); ``PAIRS`` pairs, alternating
+  which goes first. Both throughputs are counted the same way, between the claims of
+  two tasks (``WINDOWS``): from task 1,000 or 1,500 to the last claim before the
+  final drain, so neither the callers' start nor the drain is in either;
 * ``one frozen``: one worker is SIGSTOPped at task 1,000 of 3,000 (its tasks in
   flight wait for the per-try timeout);
 * ``50 % failing``: every worker fails half its tasks (HTTP 500), breakers kept
@@ -31,12 +34,13 @@ take a pool configuration per variant (``VARIANTS``): ``default``, and ``hedging
 (``balancing.hedge`` on, its delay the p95 of recent attempts).
 
 ``-s`` prints the tables; the figures also go to each benchmark's ``extra_info``.
-About a minute.
+About two minutes.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import threading
 import time
@@ -69,6 +73,14 @@ PER_TRY_TIMEOUT = 2.0
 RAMP_SECONDS = 12  # seconds of shares reported after a breaker closes
 PAYLOAD = {"model_id": "default", "input_text": "hello"}
 TIMEOUT = 120.0  # a scenario that takes longer is broken
+# The slow scenario's throughput, and its two-worker baseline's, between the claims of
+# two tasks: from the change (``after``: what the change costs, the tasks already on the
+# slow worker included) or from a third of a second later (``settled``: once those have
+# answered), to the last claim before the final drain.
+SETTLED_AT = CHANGE_AT + 500
+DRAIN_AT = TASKS - CALLERS
+WINDOWS = {"after": CHANGE_AT, "settled": SETTLED_AT}
+PAIRS = 3  # two workers alone and one slower, side by side, alternating which goes first
 
 
 def default_config(workers: Sequence[LocalWorker], **sections: Any) -> PoolConfig:
@@ -211,7 +223,7 @@ def quantile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def latency_figures(run: Run) -> dict[str, float]:
+def latency_figures(run: Run) -> dict[str, Any]:
     values = run.latencies()
     return {
         "tasks_per_s": len(run.tasks) / run.elapsed,
@@ -229,20 +241,60 @@ def share(run: Run, worker: str, since: int) -> float:
     return served.count(worker) / len(served)
 
 
-def throughput_after(run: Run, since: int) -> float:
-    """Tasks a second over the tasks claimed from ``since`` on."""
-    later = [t for t in run.tasks if t.index >= since]
-    return len(later) / (max(t.ended for t in later) - min(t.started for t in later))
+def served_by(run: Run, worker: str, since: int) -> int:
+    """Tasks claimed from ``since`` on that ``worker`` answered."""
+    return sum(1 for t in run.tasks if t.index >= since and t.worker == worker)
+
+
+def answered_after(run: Run, worker: str, moment: float) -> int:
+    """Tasks ``worker`` answered after ``moment``."""
+    return sum(1 for t in run.tasks if t.worker == worker and t.ended > moment)
+
+
+def start_of(run: Run, index: int) -> float:
+    """When task ``index`` was claimed."""
+    return next(t.started for t in run.tasks if t.index == index)
+
+
+def throughput(run: Run, first: int, last: int) -> float:
+    """Tasks a second between the claims of tasks ``first`` and ``last``.
+
+    The callers claim a task each time one of theirs ends, so claims a second are
+    answers a second. Counting from a claim rather than over the whole run leaves out
+    the callers' start and, with ``last`` at ``DRAIN_AT``, the final drain, where fewer
+    than ``CALLERS`` tasks are in flight and one slow task stretches the run.
+    """
+    return (last - first) / (start_of(run, last) - start_of(run, first))
+
+
+def completions_by_tenth(run: Run) -> list[int]:
+    """Answers in each tenth of a second from the claim of task ``CHANGE_AT``, to the
+    claim of task ``DRAIN_AT``: where a dip after the change is, and how long it lasts."""
+    t0, t1 = start_of(run, CHANGE_AT), start_of(run, DRAIN_AT)
+    counts = [0] * int((t1 - t0) * 10)
+    for t in run.tasks:
+        slot = math.floor((t.ended - t0) * 10)  # int() would put the tenth before in 0
+        if 0 <= slot < len(counts):
+            counts[slot] += 1
+    return counts
 
 
 ROWS: list[tuple[str, ...]] = []
 HEADER = ("scenario", "variant", "tasks/s", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "failed")
 STEADY: dict[str, dict[str, float]] = {}
-TWO: dict[str, dict[str, float]] = {}
 
 
 def record(benchmark: Any, scenario: str, variant: str, figures: dict[str, Any]) -> None:
     benchmark.extra_info.update(figures)
+    add_row(scenario, variant, figures)
+    report("uneven workers", [HEADER, *ROWS])
+    # The figures are the point; pytest-benchmark keeps extra_info only for a
+    # benchmark that ran something.
+    benchmark.pedantic(lambda: None, rounds=1)
+
+
+def add_row(scenario: str, variant: str, figures: dict[str, Any]) -> None:
+    """One row of the module's table."""
     ROWS.append(
         (
             scenario,
@@ -255,10 +307,6 @@ def record(benchmark: Any, scenario: str, variant: str, figures: dict[str, Any])
             str(figures["failed"]),
         )
     )
-    report("uneven workers", [HEADER, *ROWS])
-    # The figures are the point; pytest-benchmark keeps extra_info only for a
-    # benchmark that ran something.
-    benchmark.pedantic(lambda: None, rounds=1)
 
 
 # -- scenarios -----------------------------------------------------------------------------
@@ -274,42 +322,76 @@ def test_steady(benchmark, variant):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_two_workers_alone(benchmark, variant):
-    """Two workers: what the healthy workers of the slow scenario serve by themselves."""
-    with workers(2, "t") as ws, pool_for(VARIANTS[variant](ws)) as pool:
-        figures = latency_figures(run_tasks(pool))
-    TWO[variant] = figures
-    record(benchmark, "two workers", variant, figures)
-
-
-@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_one_worker_ten_times_slower(benchmark, variant):
-    """One worker turns 200 ms at task 1,000: its share after, p99 against steady,
-    throughput after against two workers alone."""
-    with workers(3, "w") as ws, pool_for(VARIANTS[variant](ws)) as pool:
-        run = run_tasks(pool, change=lambda: ws[2].control(latency_ms=LATENCY_MS * 10))
-    figures = latency_figures(run)
-    figures["slow_share_after"] = share(run, ws[2].worker_id, CHANGE_AT)
-    figures["tasks_per_s_after"] = throughput_after(run, CHANGE_AT)
-    if variant in STEADY:
-        figures["p99_vs_steady"] = figures["p99_ms"] / STEADY[variant]["p99_ms"]
-    if variant in TWO:
-        figures["throughput_after_vs_two"] = (
-            figures["tasks_per_s_after"] / TWO[variant]["tasks_per_s"]
+    """One worker turns 200 ms at task 1,000: its share after, p99 against steady, and
+    throughput against two workers alone, run in pairs side by side."""
+    pairs = []
+    with workers(3, "w") as ws:
+        slow = ws[2]
+
+        def two_alone() -> Run:
+            with pool_for(VARIANTS[variant](ws[:2])) as pool:
+                return run_tasks(pool)
+
+        def one_slower() -> Run:
+            try:
+                with pool_for(VARIANTS[variant](ws)) as pool:
+                    return run_tasks(pool, change=lambda: slow.control(latency_ms=LATENCY_MS * 10))
+            finally:
+                slow.control(latency_ms=LATENCY_MS)  # the next pair starts from three equal
+
+        for rep in range(PAIRS):
+            # Alternate which goes first, so neither always meets the machine's later minute.
+            if rep % 2:
+                slower, two = one_slower(), two_alone()
+            else:
+                two, slower = two_alone(), one_slower()
+            pairs.append((two, slower))
+    rows = [
+        (
+            "pair",
+            "share after",
+            "p99 / steady",
+            *(f"tasks/s {w} / two" for w in WINDOWS),
+            "slow worker's tasks",
+            "of them in settled",
         )
-    record(benchmark, "one 10x slower", variant, figures)
-    report(
-        "one worker 10x slower",
-        [
-            ("variant", "share after", "p99 / steady", "tasks/s after / two workers"),
+    ]
+    ratios: dict[str, list[float]] = {w: [] for w in WINDOWS}
+    for rep, (two, slower) in enumerate(pairs, 1):
+        two_figures, figures = latency_figures(two), latency_figures(slower)
+        figures["slow_share_after"] = share(slower, slow.worker_id, CHANGE_AT)
+        figures["slow_tasks_after"] = served_by(slower, slow.worker_id, CHANGE_AT)
+        figures["slow_tasks_in_settled"] = answered_after(
+            slower, slow.worker_id, start_of(slower, SETTLED_AT)
+        )
+        if variant in STEADY:
+            figures["p99_vs_steady"] = figures["p99_ms"] / STEADY[variant]["p99_ms"]
+        for window, first in WINDOWS.items():
+            two_figures[f"tasks_per_s_{window}"] = throughput(two, first, DRAIN_AT)
+            figures[f"tasks_per_s_{window}"] = throughput(slower, first, DRAIN_AT)
+            ratio = figures[f"tasks_per_s_{window}"] / two_figures[f"tasks_per_s_{window}"]
+            figures[f"throughput_{window}_vs_two"] = ratio
+            ratios[window].append(ratio)
+        figures["completions_per_100ms"] = completions_by_tenth(slower)
+        two_figures["completions_per_100ms"] = completions_by_tenth(two)
+        benchmark.extra_info[f"pair {rep}"] = {"two workers": two_figures, "slower": figures}
+        add_row(f"two workers ({rep}/{PAIRS})", variant, two_figures)
+        add_row(f"one 10x slower ({rep}/{PAIRS})", variant, figures)
+        rows.append(
             (
-                variant,
+                str(rep),
                 f"{figures['slow_share_after']:.3f}",
                 f"{figures.get('p99_vs_steady', float('nan')):.2f}",
-                f"{figures.get('throughput_after_vs_two', float('nan')):.2f}",
-            ),
-        ],
-    )
+                *(f"{figures[f'throughput_{w}_vs_two']:.3f}" for w in WINDOWS),
+                str(figures["slow_tasks_after"]),
+                str(figures["slow_tasks_in_settled"]),
+            )
+        )
+    benchmark.extra_info["throughput_vs_two"] = ratios
+    report("uneven workers", [HEADER, *ROWS])
+    report(f"one worker 10x slower, {variant}: pairs side by side", rows)
+    benchmark.pedantic(lambda: None, rounds=1)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
