@@ -42,9 +42,11 @@ transfer and parsing, waking the caller that waits, sending): at the knee the ne
 task waits in the pool, not at the worker, and each slot idles for that gap at every
 turnover. A few tasks queued at the worker fill it. Measured with
 ``benchmarks/test_uneven.py`` (3 workers of 8 slots at 20 ms, 32 callers), the bare
-knee settled at 8 and reached 0.99 of the best fixed ``max_concurrent`` (12 or 16),
-0.94 on a loaded machine; with the headroom, at 11, 1.00 with the same p99. The
-climb and the descent stay bare, so they measure the knee and not the queue.
+knee settled at 8 and reached 0.99 of the throughput of the best fixed
+``max_concurrent`` (12 or 16) on a quiet machine, 0.94 on a loaded one; with the
+headroom it holds at 11 or 12 and reaches 0.99-1.00 of it, p99 within 3 % of the
+best's (run-to-run noise). The climb and the descent stay bare, so they measure the
+knee and not the queue.
 
 It holds for a few rounds and probes one step up (headroom included, measured over
 two rounds): a gain means the worker can do more, and it holds there. It probes down
