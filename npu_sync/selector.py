@@ -461,7 +461,7 @@ class Selector:
                 self._refresh_ramps(now)
             if now > self._rebase_at:
                 self._rebase(now)
-            scan = self._scan_scores if self._scored else self._scan
+            scan = self._scan_scores
         else:
             scan = self._scan
         for tier in self._tiers:

@@ -422,18 +422,19 @@ class TaskRun:
             _Exhausted: nothing is left to try; the caller dead-letters the task.
         """
         hedge = self.hedge
+        state = self.state
         while True:
             lease = self.wait_for_worker()
             if lease is None:
                 break
-            if self.lacks_model(lease):
+            if state.models_known and self.lacks_model(lease):
                 continue
             delay = None
             if hedge is not None and not self.attempts:
                 delay = hedge.delay_for(self.task.idempotent)
             if delay is None:
                 done = self.attempt(lease)
-                if done is not None and self.state.hooks:
+                if done is not None and state.hooks:
                     self.announce_attempt(lease.worker, done[0], done[2], done[3])
             else:
                 lease, done = self.hedged(lease, delay)
@@ -442,7 +443,9 @@ class TaskRun:
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
-                return self.succeeded(worker, outcome, t1)
+                if self.suspects or state.hooks:
+                    return self.succeeded(worker, outcome, t1)
+                return outcome.value
             if not self.failed(worker, outcome, deferred, t0, t1):
                 break
         raise self.give_up()
@@ -482,9 +485,8 @@ class TaskRun:
         """Whether the lease's worker was learnt to lack the task's model while the task
         waited for it (another task's attempt bounced there): if so, the lease is given
         back unused and the worker is not tried, so an unload costs one bounce per
-        worker, not one per queued task."""
-        if not self.state.models_known:
-            return False
+        worker, not one per queued task. Asked only once some worker has a model list
+        (``models_known``)."""
         model = self.named_model()
         worker = lease.worker
         if model is None or worker.id not in self.state.lacking(model):
