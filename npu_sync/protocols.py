@@ -143,16 +143,14 @@ class WorkerProtocol:
     """The worker loads a model the first time a task names it: the pool counts it as
     able to serve any model but those it answered "not loaded" for."""
 
-    # Whether the class keeps this base class's request_body (the payload sent as it
-    # is) and classify (classify_response): the pool then skips calling them, a
-    # method call saved twice an attempt. Set for each subclass as it is defined.
+    # Whether the class keeps this base class's request_body (the payload sent as
+    # it is): the pool then skips calling it on every attempt. Set for each subclass
+    # as it is defined.
     plain_requests: ClassVar[bool] = True
-    plain_answers: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.plain_requests = cls.request_body is WorkerProtocol.request_body
-        cls.plain_answers = cls.classify is WorkerProtocol.classify
 
     def task_model(self, payload: Any) -> str | None:
         """The model a task names, or ``None`` (no model, or not a dict payload)."""

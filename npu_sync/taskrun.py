@@ -53,7 +53,7 @@ from npu_sync.events import (
 )
 from npu_sync.hedge import HedgePolicy
 from npu_sync.protocols import WorkerProtocol
-from npu_sync.retry import Kind, Outcome, classify_error, classify_response
+from npu_sync.retry import Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
 from npu_sync.task import Task
 from npu_sync.transport import Cancel, TransportError
@@ -777,10 +777,7 @@ class TaskRun:
                     connect_timeout=connect_timeout,
                     replayable=self.task.idempotent,
                 )
-            if protocol.plain_answers:
-                outcome = classify_response(response, now=t0 + self.wall)
-            else:
-                outcome = protocol.classify(response, now=t0 + self.wall)
+            outcome = protocol.classify(response, now=t0 + self.wall)
             if auth is not None and outcome.error:
                 redact = getattr(auth, "redact", None)
                 if redact is not None:
