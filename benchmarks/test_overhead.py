@@ -10,7 +10,9 @@ extra_info.
 
 from __future__ import annotations
 
+import gc
 import json
+import time
 
 import requests
 import urllib3
@@ -18,10 +20,13 @@ import urllib3
 from benchmarks.conftest import interleave, report, summarise
 from npu_sync import WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
-from npu_sync.transport import make_transport
+from npu_sync.testing import FakeNetwork
+from npu_sync.transport import Response, make_transport
 
 PAYLOAD = {"model_id": "default", "input_text": "benchmark", "max_tokens": 16}
 ROUNDS = 3000
+OWN_TASKS = 20000  # per run of the pool's own work
+OWN_RUNS = 5
 
 
 def _bare_urllib3(url: str):
@@ -124,3 +129,80 @@ def test_execute_overhead_vs_bare_client(benchmark, fast_worker):
     close_builtin()
     close_urllib3()
     close_session()
+
+
+_ANSWER = Response(
+    200,
+    {"content-type": "application/json"},
+    json.dumps(
+        {
+            "model_id": "default",
+            "device": "NPU",
+            "response": "benchmark",
+            "inference_time_ms": 0.0,
+            "inference_count": 1,
+        }
+    ).encode(),
+)
+
+
+class _Instant:
+    """A transport that answers at once, doing nothing: what is left is the pool's."""
+
+    cancellable = False
+
+    def request(self, method, path, *, body=None, headers=None, timeout, **options):
+        return _ANSWER
+
+    def close(self) -> None:
+        pass
+
+
+def _per_task_us(call, tasks: int) -> float:
+    gc.collect()
+    t0 = time.perf_counter()
+    for _ in range(tasks):
+        call()
+    return (time.perf_counter() - t0) / tasks * 1e6
+
+
+def test_the_pools_own_work_per_task(benchmark):
+    """The pool's own work per task, on a transport that answers at once (best of 5
+    runs): an instant transport of our own, and the FakeNetwork of npu_sync.testing
+    (which records every request); against a bare call's encoding and decoding."""
+    config = PoolConfig(
+        workers=(worker_config("bench", "http://127.0.0.1:9", max_concurrent=8),),
+        health=HealthConfig(enabled=False),
+    )
+
+    def bare() -> dict:
+        body = json.dumps(PAYLOAD).encode()
+        return json.loads(_Instant().request("POST", "/inference", body=body, timeout=1.0).body)
+
+    network = FakeNetwork()
+    with (
+        WorkerPool(config, transport_factory=lambda *a, **k: _Instant()) as pool,
+        WorkerPool(config, transport_factory=network.factory) as faked,
+    ):
+        contenders = {
+            "bare: encode + decode": bare,
+            "pool.execute, instant transport": lambda: pool.execute(PAYLOAD),
+            "pool.execute, FakeNetwork": lambda: faked.execute(PAYLOAD),
+        }
+        for call in contenders.values():
+            _per_task_us(call, 2000)  # warm up
+        runs: dict[str, list[float]] = {name: [] for name in contenders}
+        for _ in range(OWN_RUNS):
+            for name, call in contenders.items():
+                runs[name].append(_per_task_us(call, OWN_TASKS))
+        best = {name: min(values) for name, values in runs.items()}
+        benchmark.extra_info.update({"own_work_best_us": best})
+        report(
+            "the pool's own work per task (transport answering at once, best of 5)",
+            [("contender", "µs a task", "runs")]
+            + [
+                (name, f"{best[name]:.1f}", " ".join(f"{v:.1f}" for v in runs[name]))
+                for name in contenders
+            ],
+        )
+        benchmark.pedantic(lambda: pool.execute(PAYLOAD), rounds=2000, warmup_rounds=100)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from time import perf_counter as _perf_counter  # bound once: read twice per attempt
 
 from npu_sync.clock import Clock
@@ -124,8 +124,19 @@ class Dispatcher:
         got = self.acquire_or_reason(excluded, deadline)
         return got if type(got) is Lease else None
 
-    def acquire_or_reason(self, excluded: Collection[str], deadline: float) -> Lease | Refusal:
+    def acquire_or_reason(
+        self,
+        excluded: Collection[str],
+        deadline: float,
+        first: Callable[[float], None] | None = None,
+    ) -> Lease | Refusal:
         """Like :meth:`acquire`, but say why no lease was given.
+
+        Args:
+            first: called with the time under ``lock``, before anything else: work a
+                caller would otherwise take the lock for once more (a task's first
+                request pays into the retry budget, which shares this lock). It must
+                not block nor raise.
 
         Returns:
             A Lease; or the Refusal: the deadline passed, every worker was tried,
@@ -134,6 +145,8 @@ class Dispatcher:
         """
         with self.lock:
             now = self.clock.monotonic()
+            if first is not None:
+                first(now)
             if now >= deadline:
                 return Refusal.DEADLINE_PASSED
             if self._waiters:

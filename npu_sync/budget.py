@@ -36,6 +36,10 @@ _SCALE = 1000  # tokens per retry: deposits of a fraction of a retry stay intege
 class RetryBudget:
     """How many retries the pool may send now. Thread-safe; O(1), one lock per call.
 
+    The lock is the budget's own unless one is given: a pool gives its own lock, so
+    that a task's deposit joins the lock round of its first request for a worker
+    (:meth:`deposit_locked`) instead of taking one more.
+
     Args:
         ratio: retries allowed per task (0.2: one retry per five tasks).
         min_per_second: retries allowed each second whatever the traffic.
@@ -45,6 +49,8 @@ class RetryBudget:
         on_change: called with True when the budget starts refusing retries and with
             False when it allows them again; outside the budget's lock, on the thread
             that withdrew. It must not block.
+        lock: the lock that guards the budget (not reentrant: no method may be called
+            with it held but :meth:`deposit_locked`); a new one if not given.
     """
 
     def __init__(
@@ -56,6 +62,7 @@ class RetryBudget:
         clock: Clock = SYSTEM_CLOCK,
         slices: int = 10,
         on_change: Callable[[bool], None] | None = None,
+        lock: threading.Lock | None = None,
     ) -> None:
         if not ratio >= 0:
             raise ValueError(f"ratio must be >= 0, got {ratio!r}")
@@ -70,7 +77,7 @@ class RetryBudget:
         self.window = window
         self._clock = clock
         self._on_change = on_change
-        self._lock = threading.Lock()
+        self._lock = threading.Lock() if lock is None else lock
         self._deposit = round(ratio * _SCALE)
         self._reserve = round(min_per_second * window * _SCALE)
         self._slice = window / slices
@@ -87,8 +94,16 @@ class RetryBudget:
         if now is None:
             now = self._clock.monotonic()
         with self._lock:
-            self.requests += 1
-            self._add(self._deposit, now)
+            self.deposit_locked(now)
+
+    def deposit_locked(self, now: float) -> None:
+        """:meth:`deposit`, for a caller that holds the budget's lock (see ``lock``)."""
+        self.requests += 1
+        if int(now / self._slice) > self._at:
+            self._advance(now)
+        ring = self._ring
+        ring[self._at % len(ring)] += self._deposit
+        self._sum += self._deposit
 
     def try_withdraw(self, now: float | None = None) -> bool:
         """Take one retry (or hedge) from the budget; False when none is left."""

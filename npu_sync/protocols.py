@@ -31,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote
 
 from npu_sync.errors import printable
@@ -142,6 +142,15 @@ class WorkerProtocol:
     loads_on_demand: bool = False
     """The worker loads a model the first time a task names it: the pool counts it as
     able to serve any model but those it answered "not loaded" for."""
+
+    # Whether the class keeps this base class's request_body (the payload sent as
+    # it is): the pool then skips calling it on every attempt. Set for each subclass
+    # as it is defined.
+    plain_requests: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.plain_requests = cls.request_body is WorkerProtocol.request_body
 
     def task_model(self, payload: Any) -> str | None:
         """The model a task names, or ``None`` (no model, or not a dict payload)."""

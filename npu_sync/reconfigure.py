@@ -362,6 +362,8 @@ class Reconfigurer:
             if new.retry != old.retry:
                 state.retry = RetryPolicy(new.retry)
             state.dispatcher.set_workers_locked(state.workers.values())
+            # A moved worker, or one of another protocol now, forgot its models.
+            state.models_checked_locked()
             state.configure_balancing_locked(old.balancing, new.balancing)
             now = state.clock.monotonic()
             for worker in built.workers.values():

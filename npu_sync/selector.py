@@ -120,7 +120,7 @@ STRATEGIES = ("least-loaded", "round-robin", "weighted", "priority")
 
 
 class _Tier:
-    __slots__ = ("keys", "last", "observed", "ready", "turn")
+    __slots__ = ("alone", "keys", "last", "observed", "ready", "turn")
 
     def __init__(self) -> None:
         # The workers with room, in configuration order, and their slots' seq: the
@@ -134,6 +134,9 @@ class _Tier:
         # Whether some worker here has had an answer: until then every estimate is
         # unknown, and the first answer seeds the others (see Selector.observe).
         self.observed = False
+        # One worker only: its score is never compared, so an answer need not rekey it
+        # (every change of the tiers' members rekeys every worker).
+        self.alone = False
 
 
 class _Slot:
@@ -326,6 +329,7 @@ class Selector:
                 self.parked[worker] = slot
         for tier, members in zip(self._tiers, self.tiers, strict=True):
             tier.observed = any(w.latency.observed for w in members)
+            tier.alone = len(members) == 1
         self._hopeful = seq
         self._stale = bool(seq)
         self._sync_due()
@@ -354,12 +358,16 @@ class Selector:
         if self._latency_aware:
             # The estimate as of its stamp, now but for clock reads a hair apart.
             worker.stall_after = now + latency.cost
-            self._rekey(worker, now)
-            if latency.observed:
-                slot = self._slots.get(worker)
-                if slot is not None and not slot.tier.observed:
-                    slot.tier.observed = True
-                    self._seed_unknown(worker, latency.cost, now)
+            slot = self._slots.get(worker)
+            if slot is None:
+                self._rekey(worker, now)
+                return
+            tier = slot.tier
+            if not tier.alone:
+                self._rekey(worker, now)
+            if latency.observed and not tier.observed:
+                tier.observed = True
+                self._seed_unknown(worker, latency.cost, now)
 
     def _seed_unknown(self, first: Worker, cost: float, now: float) -> None:
         """The first answer in ``first``'s tier took ``cost``: give it as an estimate to
@@ -453,7 +461,7 @@ class Selector:
                 self._refresh_ramps(now)
             if now > self._rebase_at:
                 self._rebase(now)
-            scan = self._scan_scores if self._scored else self._scan
+            scan = self._scan_scores
         else:
             scan = self._scan
         for tier in self._tiers:

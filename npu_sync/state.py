@@ -62,9 +62,11 @@ class PoolState:
     """The mutable state of one running pool.
 
     Thread-safe as used: ``lock`` (the dispatcher's) guards every worker's mutable
-    state, ``workers``, ``draining``, ``stats``, ``closed`` and the queue of breaker
-    transitions. ``config``, ``retry`` and ``hooks`` are immutable values replaced
-    whole, so a task reads them without the lock and keeps what it read.
+    state, ``workers``, ``draining``, ``stats``, ``closed``, the queue of breaker
+    transitions and the retry budget's counts (the budget takes it itself, but for a
+    task's deposit, made in a lock round of the dispatcher's). ``config``, ``retry``
+    and ``hooks`` are immutable values replaced whole, so a task reads them without
+    the lock and keeps what it read.
 
     Args:
         config: the configuration in force.
@@ -127,6 +129,14 @@ class PoolState:
         # knowledge in force: emptied (under the lock) when either changes.
         self._lacking: dict[str, frozenset[str]] = {}
         self._lacking_for: PoolConfig | None = None
+        # Whether some worker has a model list or a "not loaded" answer. Until one has,
+        # no worker is known to lack any model, and a task skips reading the model it
+        # names and looking up who lacks it (two look-ups an attempt). Set under the
+        # lock before the news can route a task (models_changed_locked(),
+        # model_not_loaded()), worked out again by a reload (models_checked_locked());
+        # read without it: a task that reads it a moment late is bounced once, as one
+        # that read the lacking workers a moment late would be.
+        self.models_known = False
         self._protocols: tuple[WorkerProtocol, ...] = (LINUX,)
         self._protocols_for: PoolConfig | None = None
         self.placements: dict[str, Placement] = {}  # models being loaded right now
@@ -151,6 +161,9 @@ class PoolState:
             balancing.retry_budget.min_per_second,
             clock=self.clock,
             on_change=self._budget_changed,
+            # The pool's lock: a task pays in under the lock its first request for a
+            # worker takes anyway (see Dispatcher.acquire_or_reason).
+            lock=self.lock,
         )
 
     def _budget_changed(self, exhausted: bool) -> None:
@@ -259,6 +272,13 @@ class PoolState:
     def models_changed_locked(self) -> None:
         """Some worker's models changed: forget what was derived. Call under the lock."""
         self._lacking = {}
+        self.models_known = True
+
+    def models_checked_locked(self) -> None:
+        """The workers changed (a reload): whether any of them has a model list or a
+        "not loaded" answer now. Call under the lock."""
+        self._lacking = {}
+        self.models_known = any(w.models is not None or w.not_loaded for w in self.workers.values())
 
     def model_not_loaded(self, worker: Worker, model: str) -> None:
         """``worker`` answered "not loaded" for ``model``: correct its list at once."""
@@ -266,6 +286,7 @@ class PoolState:
             before = worker.models
             news = worker.model_not_loaded(model, self.clock.monotonic())
             self.model_counts["corrections"] += 1
+            self.models_known = True
             if news:
                 self.models_changed_locked()
             now_models = worker.models

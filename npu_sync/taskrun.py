@@ -182,7 +182,8 @@ class Runner:
         Raises:
             InvalidTask: ``timeout`` is not a number of seconds in (0, a day].
         """
-        _check_timeout(timeout)
+        if timeout is not None:
+            _check_timeout(timeout)
         state = self.state
         return state.clock.monotonic() + (timeout or task.timeout or state.config.timeouts.task)
 
@@ -349,12 +350,14 @@ class TaskRun:
         "clock",
         "config",
         "deadline",
+        "deposit",
         "excluded",
         "failures",
         "headers",
         "hedge",
         "missing_model",
         "model",
+        "model_read",
         "not_here",
         "path",
         "placed",
@@ -394,12 +397,18 @@ class TaskRun:
         self.suspects: list[Worker] = []
         self.too_large = 0
         self.reason = ""  # why the task gives up, once it does
-        # The model the task names: only workers that may hold it are chosen.
-        self.model = state.task_model(task.payload)
+        # The model the task names (only workers that may hold it are chosen), read
+        # when first needed: not at all while no worker is known to lack any model.
+        self.model: str | None = None
+        self.model_read = False
         self.placed = False  # placement is asked for at most once per task
         self.bodies: dict[WorkerProtocol, bytes] | None = None  # the body, per protocol
         self.budget: RetryBudget = state.budget
-        self.hedge: HedgePolicy | None = state.hedge if state.hedge.enabled else None
+        # The task pays into the retry budget in the lock round of its first request
+        # for a worker; None once it has.
+        self.deposit: Callable[[float], None] | None = self.budget.deposit_locked
+        hedge = state.hedge
+        self.hedge: HedgePolicy | None = hedge if hedge.enabled else None
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -412,20 +421,20 @@ class TaskRun:
             InvalidTask: the request could not be built (nothing was sent).
             _Exhausted: nothing is left to try; the caller dead-letters the task.
         """
-        self.budget.deposit(self.start)
         hedge = self.hedge
+        state = self.state
         while True:
             lease = self.wait_for_worker()
             if lease is None:
                 break
-            if self.lacks_model(lease):
+            if state.models_known and self.lacks_model(lease):
                 continue
             delay = None
             if hedge is not None and not self.attempts:
                 delay = hedge.delay_for(self.task.idempotent)
             if delay is None:
                 done = self.attempt(lease)
-                if done is not None and self.state.hooks:
+                if done is not None and state.hooks:
                     self.announce_attempt(lease.worker, done[0], done[2], done[3])
             else:
                 lease, done = self.hedged(lease, delay)
@@ -434,7 +443,9 @@ class TaskRun:
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
-                return self.succeeded(worker, outcome, t1)
+                if self.suspects or state.hooks:
+                    return self.succeeded(worker, outcome, t1)
+                return outcome.value
             if not self.failed(worker, outcome, deferred, t0, t1):
                 break
         raise self.give_up()
@@ -444,19 +455,26 @@ class TaskRun:
         one up to ``pool.max_queue_wait`` within the deadline; None, with the reason
         in ``self.reason``, when none could be had."""
         deadline = self.deadline
+        state = self.state
         excluded: set[str] | frozenset[str] = self.excluded
-        if self.model is not None:
-            lacking = self.state.lacking(self.model)
+        deposit = self.deposit
+        if state.models_known and (model := self.named_model()) is not None:
+            lacking = state.lacking(model)
             if lacking:
-                ready = self.state.dispatcher.try_acquire(excluded := excluded | lacking)
+                if deposit is not None:
+                    self.deposit = deposit = None
+                    self.budget.deposit(self.start)
+                ready = state.dispatcher.try_acquire(excluded := excluded | lacking)
                 if ready is not None:
                     return ready
-                if not self.serve_model(self.model):
+                if not self.serve_model(model):
                     return None
-                excluded = self.excluded | self.state.lacking(self.model)
+                excluded = self.excluded | state.lacking(model)
+        if deposit is not None:
+            self.deposit = None
         wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
-        lease = self.state.dispatcher.acquire_or_reason(
-            excluded, wait_until if wait_until < deadline else deadline
+        lease = state.dispatcher.acquire_or_reason(
+            excluded, wait_until if wait_until < deadline else deadline, deposit
         )
         if isinstance(lease, Refusal):
             self.reason = self._refusal_reason(lease, wait_until)
@@ -467,8 +485,9 @@ class TaskRun:
         """Whether the lease's worker was learnt to lack the task's model while the task
         waited for it (another task's attempt bounced there): if so, the lease is given
         back unused and the worker is not tried, so an unload costs one bounce per
-        worker, not one per queued task."""
-        model = self.model
+        worker, not one per queued task. Asked only once some worker has a model list
+        (``models_known``)."""
+        model = self.named_model()
         worker = lease.worker
         if model is None or worker.id not in self.state.lacking(model):
             return False
@@ -477,6 +496,13 @@ class TaskRun:
         self.not_here.add(worker.id)
         self.missing_model = model
         return True
+
+    def named_model(self) -> str | None:
+        """The model the task names, read once, by the protocols the workers speak."""
+        if not self.model_read:
+            self.model = self.state.task_model(self.task.payload)
+            self.model_read = True
+        return self.model
 
     def serve_model(self, model: str) -> bool:
         """Whether some live worker may hold ``model`` (so waiting for one may help),
@@ -718,9 +744,12 @@ class TaskRun:
         elif self.attempts:
             headers["X-NPU-Attempt"] = str(len(self.attempts) + 1)
         protocol = worker.protocol
-        payload = self.task.payload
-        mapped = protocol.request_body(payload)
-        body = self.body if mapped is payload else self.body_for(protocol, mapped)
+        if protocol.plain_requests:
+            body = self.body
+        else:
+            payload = self.task.payload
+            mapped = protocol.request_body(payload)
+            body = self.body if mapped is payload else self.body_for(protocol, mapped)
         auth = worker.auth
         if auth is not None:
             headers = {**headers, **auth.headers("POST", worker.base_path + self.path)}
@@ -749,10 +778,11 @@ class TaskRun:
                     replayable=self.task.idempotent,
                 )
             outcome = protocol.classify(response, now=t0 + self.wall)
-            redact = getattr(auth, "redact", None)
-            if redact is not None and outcome.error:
-                # The worker's words go to errors, stats, logs and dead letters.
-                outcome.error = redact(outcome.error)
+            if auth is not None and outcome.error:
+                redact = getattr(auth, "redact", None)
+                if redact is not None:
+                    # The worker's words go to errors, stats, logs and dead letters.
+                    outcome.error = redact(outcome.error)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:
                 outcome = _checked(check, outcome)
@@ -773,7 +803,7 @@ class TaskRun:
         """Correct the worker's models after a "not loaded" answer. It lacks the model
         the task names, whatever its answer calls it: recording another name would
         send it every later task for this model."""
-        model = self.model or worker.protocol.not_loaded_model(outcome)
+        model = self.named_model() or worker.protocol.not_loaded_model(outcome)
         if model is not None:
             self.state.model_not_loaded(worker, model)
 
@@ -841,7 +871,7 @@ class TaskRun:
         self.excluded.add(worker.id)
         if outcome.kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
-            self.missing_model = self.model or outcome.model
+            self.missing_model = self.named_model() or outcome.model
         elif outcome.kind is not Kind.ABANDONED:
             self.failures += 1
 
@@ -960,7 +990,7 @@ class TaskRun:
         self.excluded.add(worker.id)
         if kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
-            self.missing_model = self.model or outcome.model
+            self.missing_model = self.named_model() or outcome.model
             return True
         if not task.idempotent and outcome.processed:
             self.reason = f"worker {worker.id} failed a non-idempotent task that may have run"
@@ -1091,26 +1121,32 @@ def record(
     reported = False
     with state.lock:
         worker.in_flight -= 1
-        if outcome is not _UNUSED and lease.generation == worker.generation:
-            _balance_locked(state, lease, outcome, duration, now)
-        if lease.generation != worker.generation and outcome is not _UNUSED:
+        if outcome is _UNUSED:
+            _count_no_fault_locked(state, lease, outcome)
+        elif lease.generation != worker.generation:
             # An attempt on the worker's old address: it says nothing about the new
             # one (nor about its breaker), so only the slot is given back, and a
             # result still counts as the task's success.
             if kind is Kind.SUCCESS:
                 state.stats.succeeded += 1
             kind = Kind.NOT_HERE
-        elif kind is Kind.SUCCESS:
-            stats = worker.stats
-            stats.attempts += 1
-            worker.breaker.record_success(lease.trial)
-            stats.succeeded += 1
-            stats.observe(now, duration, True)
-            state.stats.succeeded += 1
-        elif kind is Kind.FAILURE:
-            reported = _count_failure_locked(state, lease, outcome, duration, now, defer)
         else:
-            _count_no_fault_locked(state, lease, outcome)
+            # What balancing learns first: the worker's latency, and its adaptive
+            # limit's sample.
+            state.dispatcher.selector.observe(worker, duration, now, kind is Kind.SUCCESS)
+            if worker.limit is not None:
+                _sample_limit_locked(state, lease, outcome, duration)
+            if kind is Kind.SUCCESS:
+                stats = worker.stats
+                stats.attempts += 1
+                worker.breaker.record_success(lease.trial)
+                stats.succeeded += 1
+                stats.observe(now, duration, True)
+                state.stats.succeeded += 1
+            elif kind is Kind.FAILURE:
+                reported = _count_failure_locked(state, lease, outcome, duration, now, defer)
+            else:
+                _count_no_fault_locked(state, lease, outcome)
         if retry:
             state.stats.retries += 1
         state.dispatcher.release_worker_locked(worker, now)
@@ -1127,18 +1163,12 @@ def record(
         worker.transport.close()
 
 
-def _balance_locked(
-    state: PoolState, lease: Lease, outcome: Outcome, duration: float, now: float
-) -> None:
-    """What balancing learns from an attempt: its worker's latency, and its adaptive
-    limit's sample (a success, or an overload answer or timeout: a dropped one)."""
+def _sample_limit_locked(state: PoolState, lease: Lease, outcome: Outcome, duration: float) -> None:
+    """What the worker's adaptive limit learns from an attempt: a success, or an
+    overload answer or timeout (a dropped sample)."""
     worker = lease.worker
     kind = outcome.kind
-    success = kind is Kind.SUCCESS
-    state.dispatcher.selector.observe(worker, duration, now, success)
-    if worker.limit is None:
-        return
-    if success:
+    if kind is Kind.SUCCESS:
         dropped = False
     elif kind is Kind.FAILURE and (
         outcome.status in (429, 503)

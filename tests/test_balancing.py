@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from npu_sync import Task, TaskFailed, WorkerPool
+from npu_sync import NoWorkerAvailable, Task, TaskFailed, WorkerPool
 from npu_sync.config import (
     BalancingConfig,
     BreakerConfig,
@@ -249,6 +249,21 @@ def test_each_task_pays_into_the_budget():
         stats = pool.stats()["balancing"]["retry_budget"]
     assert stats["requests"] == 2
     assert stats["refused"] == 1 and stats["retries"] == 1
+
+
+def test_a_task_refused_a_worker_at_once_still_pays_into_the_budget():
+    """A task pays in with its first request for a worker, whatever the answer: one
+    that no worker can take (the only worker is disabled) is counted too."""
+    clock, net = FakeClock(), FakeNetwork()
+    cfg = config((("a", {"enabled": False}),))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        with pytest.raises(NoWorkerAvailable):
+            pool.execute(OK)
+        with pytest.raises(NoWorkerAvailable):
+            pool.execute(OK)
+        stats = pool.stats()["balancing"]["retry_budget"]
+    assert stats["requests"] == 2
+    assert net.requests("a") == []
 
 
 # -- adaptive concurrency ---------------------------------------------------------------------

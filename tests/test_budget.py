@@ -138,3 +138,20 @@ def test_bad_settings_are_refused(args):
     """A negative ratio or floor, or an empty window, raise ValueError."""
     with pytest.raises(ValueError):
         RetryBudget(*args)
+
+
+def test_a_deposit_under_a_lock_the_caller_holds_counts_as_any_deposit(clock):
+    """Given the pool's lock, the budget guards itself with it: deposits made with that
+    lock held fill the same window as deposit() does, and expire with it."""
+    lock = threading.Lock()
+    budget = RetryBudget(1.0, 0.0, 10.0, clock=clock, lock=lock)
+    with lock:
+        budget.deposit_locked(1000.0)
+        budget.deposit_locked(1005.0)
+    budget.deposit(1005.0)
+    assert not lock.locked()
+    assert budget.balance(1009.9) == 3.0
+    assert budget.balance(1010.0) == 2.0
+    assert budget.stats(1010.0)["requests"] == 3
+    assert budget.try_withdraw(1010.0) and budget.try_withdraw(1010.0)
+    assert not budget.try_withdraw(1010.0)

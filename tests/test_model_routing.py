@@ -359,3 +359,68 @@ def test_tasks_without_a_model_are_not_routed_by_models():
     with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
         pool.check_health()
         assert pool.execute({"input_text": "x"}) == {"worker": "a", "model_id": None}
+
+
+# -- while no worker has a model list, tasks skip the model look-ups ------------------------
+
+
+def test_model_look_ups_start_when_a_health_round_brings_a_list():
+    """No list, no look-ups; the first health round's list turns them on, so tasks
+    for m2 avoid the worker listing only m1 from then on."""
+    net = FakeNetwork()
+    net.route("a", linux(["m1"]))
+    net.route("b", linux(["m2"]))
+    cfg = config(w("a", 0, priority=1), w("b", 1, priority=2))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        assert not pool._state.models_known
+        assert pool.execute({"model_id": "m1"})["worker"] == "a"
+        assert not pool._state.models_known  # a success teaches nothing about models
+        pool.check_health()
+        assert pool._state.models_known
+        for _ in range(5):
+            assert pool.execute({"model_id": "m2"})["worker"] == "b"
+        assert pool.stats()["models"]["corrections"] == 0
+    assert len(tasks_to(net, "a")) == 1
+
+
+def test_model_look_ups_start_with_the_first_not_loaded_answer():
+    """With no list anywhere, a "not loaded" answer turns the look-ups on before the
+    slot is handed on: the next task for that model skips the worker."""
+    net = FakeNetwork()
+    net.route("a", linux(["other"]))
+    net.route("b", linux(["m"]))
+    cfg = config(w("a", 0, priority=1), w("b", 1, priority=2))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        assert pool.execute({"model_id": "other"})["worker"] == "a"
+        assert not pool._state.models_known
+        assert pool.execute({"model_id": "m"})["worker"] == "b"
+        assert pool._state.models_known
+        for _ in range(5):
+            assert pool.execute({"model_id": "m"})["worker"] == "b"
+    assert [r.json()["model_id"] for r in tasks_to(net, "a")] == ["other", "m"]
+
+
+def test_a_reload_works_the_model_look_ups_out_again():
+    """A reload that keeps a listed worker keeps the look-ups on; one that moves the
+    only listed worker (its list forgotten) turns them off, and its next list turns
+    them on again."""
+    net = FakeNetwork()
+    net.route("a", linux(["m1"]))
+    net.route("b", linux(["m2"]))
+    cfg = config(w("a", 0, priority=1), w("b", 1, priority=2))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()
+        pool.reload(config(w("a", 0, priority=1), w("b", 1, priority=2, max_concurrent=4)))
+        assert pool._state.models_known
+        assert pool.execute({"model_id": "m2"})["worker"] == "b"
+        assert tasks_to(net, "a") == []
+        pool.reload(config(w("a", 0, priority=1)))  # b goes; a keeps its list
+        assert pool._state.models_known
+        pool.reload(config(w("a", 5, priority=1)))  # a moves: nothing is known of it
+        assert not pool._state.models_known
+        assert pool.stats()["models"]["unknown"] == 1
+        pool.check_health()
+        assert pool._state.models_known
+        with pytest.raises(TaskRejected, match="no live worker serves model 'm2'"):
+            pool.execute({"model_id": "m2"})
+    assert tasks_to(net, "a") == []
