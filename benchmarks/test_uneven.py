@@ -602,7 +602,7 @@ def measure_setting(shape: Shape, ws: Sequence[LocalWorker], setting: str) -> di
 
 
 def median_of(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in runs)
+    return float(statistics.median(r[key] for r in runs))
 
 
 def span(values: Sequence[float], fmt: str = "{:.3f}") -> str:
@@ -651,7 +651,9 @@ def test_adaptive_limit_against_fixed_max_concurrent(benchmark, shape_name):
     }
     benchmark.extra_info.update({"shape": shape_name, "runs": runs, **summary})
 
-    rows = [("setting", "tasks/s median", "range", "p99 ms median", "range", "capacities after")]
+    rows: list[tuple[str, ...]] = [
+        ("setting", "tasks/s median", "range", "p99 ms median", "range", "capacities after")
+    ]
     for s in settings:
         rows.append(
             (
