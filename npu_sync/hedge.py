@@ -187,11 +187,20 @@ class HedgeTimer:
     Args:
         clock: the time source; due times are on its monotonic clock.
         threads: the most hedges sent at once.
+        initializer: called first on each thread the timer starts (the pool marks
+            them as its own, as it does its task threads).
     """
 
-    def __init__(self, clock: Clock, *, threads: int = 32) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        threads: int = 32,
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
         self._clock = clock
         self._threads = threads
+        self._initializer = initializer
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the timer thread waits on it
         self._work = threading.Condition(lock)  # idle hedge threads wait on it
@@ -325,7 +334,15 @@ class HedgeTimer:
                 log.exception("could not cancel a hedge")
         return workers
 
+    def _start_thread(self) -> None:
+        if self._initializer is not None:
+            try:
+                self._initializer()
+            except Exception:
+                log.exception("hedge thread initializer failed")
+
     def _loop(self) -> None:
+        self._start_thread()
         cond = self._cond
         while True:
             with cond:
@@ -340,6 +357,7 @@ class HedgeTimer:
 
     def _serve(self) -> None:
         """A hedge thread: run hedges until stopped and none is left to run."""
+        self._start_thread()
         work = self._work
         while True:
             with work:
@@ -359,6 +377,8 @@ class HedgeTimer:
             finally:
                 with work:
                     self._running.discard(hedge)
+            # Not kept while idle: a hedge holds its task (payload, body, race).
+            del hedge
 
 
 class _Hedge:

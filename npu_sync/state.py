@@ -75,6 +75,7 @@ class PoolState:
         rng: randomness for selection sampling.
         hooks: callables receiving every event.
         shared: the Redis-backed shared state, or None.
+        hedge_thread_init: called first on each hedge thread (see :class:`HedgeTimer`).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class PoolState:
         rng: random.Random | None,
         hooks: Iterable[Hook],
         shared: Any,
+        hedge_thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.retry = RetryPolicy(config.retry)
@@ -107,7 +109,8 @@ class PoolState:
         self.lock = self.dispatcher.lock
         self.budget = self._new_budget(balancing)
         self.hedge = _hedge_policy(balancing)
-        self.hedger = HedgeTimer(clock, threads=config.pool.threads)
+        self._hedge_thread_init = hedge_thread_init
+        self.hedger = self._new_hedger()
         # Balancing events found under the lock (a ramp begun, a limit moved), announced
         # after it by flush_events(): each built from the wall-clock time then, so that
         # no clock is read under the lock for them.
@@ -164,6 +167,11 @@ class PoolState:
             # The pool's lock: a task pays in under the lock its first request for a
             # worker takes anyway (see Dispatcher.acquire_or_reason).
             lock=self.lock,
+        )
+
+    def _new_hedger(self) -> HedgeTimer:
+        return HedgeTimer(
+            self.clock, threads=self.config.pool.threads, initializer=self._hedge_thread_init
         )
 
     def _budget_changed(self, exhausted: bool) -> None:
@@ -353,7 +361,7 @@ class PoolState:
         self.recovering = []
         self.budget = self._new_budget(self.config.balancing)
         self.hedge = _hedge_policy(self.config.balancing)
-        self.hedger = HedgeTimer(self.clock, threads=self.config.pool.threads)
+        self.hedger = self._new_hedger()
         self.stats = PoolStats()
         self.draining.clear()
         for worker in self.workers.values():

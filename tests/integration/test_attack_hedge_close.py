@@ -112,11 +112,6 @@ def holds(peer: Peer) -> None:
 # -- close() from the hedge's own threads ---------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook on a hedge thread is not the pool's own work: close() there waits for "
-    "the task, the task waits for its hedge, and the hedge's answer is lost",
-)
 def test_close_from_a_hook_on_the_hedge_thread_returns_and_the_hedge_answer_is_returned(
     servers,
 ):
@@ -147,12 +142,6 @@ def test_close_from_a_hook_on_the_hedge_thread_returns_and_the_hedge_answer_is_r
     assert no_npu_threads_left() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook on the hedge timer thread is not the pool's own work: close() there "
-    "blocks the timer, a first attempt that fails then waits for a hedge that never comes "
-    "until a second past the task's deadline",
-)
 def test_close_from_a_hook_on_the_timer_thread_lets_the_hedge_answer(servers):
     """A hook that closes the pool on ``attempt.hedged`` (on the timer thread) returns
     at once; the hedge is then sent, and when the first attempt fails (HTTP 500) the
