@@ -58,12 +58,6 @@ def hedging(delay: float = 0.5, **kw: Any) -> BalancingConfig:
     return BalancingConfig(hedge=HedgeConfig(enabled=True, delay=delay), **kw)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="TaskRun.hedged leaves the hedge timer armed when the first attempt raises "
-    "InvalidTask: the task is sent to a second worker after the caller was told nothing "
-    "was sent, and the hedge is counted as won",
-)
 def test_a_task_refused_as_invalid_is_never_hedged_afterwards():
     """The first attempt raises InvalidTask (nothing was sent): once the hedge's time
     comes, no hedge is sent, no request reaches the other worker, none is counted."""

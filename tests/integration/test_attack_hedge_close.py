@@ -205,11 +205,6 @@ def late_winner_servers(servers: list[Hostile], client: str) -> tuple[Hostile, H
     return serve(servers, slow), serve(servers, says("w1")), hook
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="taskrun.attempt keeps a loser's late success as a success: the caller returns "
-    "the loser's answer, the hedge is counted as won, and the loser is not abandoned",
-)
 @pytest.mark.parametrize("client", ["requests", "urllib3"])
 def test_a_losers_late_success_is_dropped_and_the_winners_answer_returned(servers, client):
     """On a transport that cannot cancel the first attempt, the hedge answers first and
