@@ -908,9 +908,13 @@ class TaskRun:
                         self.clock.time(), self.task.task_id, first.id, lease.worker.id, delay
                     )
                     emit(state.hooks, event)
-                state.hedger.submit(self.run_hedge, race, lease)
-                lease = None
-                return
+                try:
+                    state.hedger.submit(self.run_hedge, race, lease)
+                except RuntimeError:  # close() stopped the hedger: not an error
+                    log.debug("hedge for task %s not sent: the pool closed", self.task.task_id)
+                else:
+                    lease = None
+                    return
         except Exception:
             log.exception("could not send a hedge for task %s", self.task.task_id)
         if lease is not None:

@@ -5,6 +5,7 @@ scrapes, NaN and infinite estimates, and workers removed by a reload."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import replace
 from typing import Any
@@ -19,7 +20,7 @@ from npu_sync.config import (
     HedgeConfig,
     RetryBudgetConfig,
 )
-from npu_sync.events import AttemptFinished
+from npu_sync.events import AttemptFinished, AttemptHedged
 from npu_sync.prometheus import instrument
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from tests.test_prometheus import make_config, multiprocess, scripted  # noqa: F401
@@ -119,6 +120,47 @@ def test_a_hedge_ending_after_a_reload_is_counted():
     assert result == [{"worker_id": "w1"}]
     assert (hedge["hedged"], hedge["won"]) == (1, 1)
     assert get(found, "npu_sync_hedges_total", result="won") == 1
+
+
+def test_a_hedge_refused_because_the_pool_stops_is_skipped_without_an_error(caplog):
+    """The hedger stops while a hedge is being handed over: the hedge is skipped and
+    logged at debug level, not as an error with a traceback; the first attempt's
+    answer is returned."""
+    clock = FakeClock()
+    script = Gated()
+    net = FakeNetwork(script)
+    config = make_config(
+        "w0", "w1", balancing=hedging(retry_budget=GENEROUS), circuit_breaker=BreakerConfig()
+    )
+    pool: WorkerPool
+    handing_over = threading.Event()
+
+    def hook(event: Any) -> None:
+        if isinstance(event, AttemptHedged):
+            pool._state.hedger.stop_soon()  # as close() does, between hand-over and send
+            handing_over.set()
+
+    pool = WorkerPool(config, transport_factory=net.factory, clock=clock, hooks=[hook])
+    result: list[Any] = []
+    caplog.set_level(logging.DEBUG, logger="npu_sync")
+    with pool:
+        caller = threading.Thread(target=lambda: result.append(pool.execute({"kind": "ok"})))
+        caller.start()
+        try:
+            assert script.seen.wait(10)
+            clock.advance(1)
+            pool._state.hedger.run_due()  # or the timer thread does
+            assert handing_over.wait(10)
+        finally:
+            script.gate.set()
+            caller.join(30)
+    # close() joined the timer thread: the skipped hedge is counted.
+    hedge = pool.stats()["balancing"]["hedge"]
+    assert result == [{"worker_id": "w0"}]
+    assert net.requests("w1") == []
+    assert (hedge["hedged"], hedge["skipped"]) == (0, 1)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any("not sent" in r.getMessage() for r in caplog.records)
 
 
 def test_a_cancelled_hedge_whose_worker_fails_late_is_not_charged():
