@@ -4,8 +4,8 @@ Counters count from the pool's start-up: an exporter starts from the totals the 
 has kept since it was built, then follows its events with a hook, so a task pays a
 dictionary update. The retry-budget and hedging counters, which have no event for each
 refusal or skip, follow the pool's totals instead whenever they are read (at a scrape,
-and in multiprocess mode every fleet-monitor sample); a reload that makes the pool
-count those afresh does not take them back. Gauges are read from ``pool.stats()`` and
+and in multiprocess mode every fleet-monitor sample), which the pool keeps for its
+whole life, across reloads. Gauges are read from ``pool.stats()`` and
 ``pool.workers()`` when Prometheus scrapes. This is the only module that imports
 ``prometheus_client``, and ``import npu_sync`` does not import it.
 
@@ -469,11 +469,13 @@ class PrometheusExporter:
         moved: dict[str, int] = {}
         with self._lock:
             for key, total in totals.items():
-                last = c.seen.get(key, 0)
-                # Lower than last read: a reload replaced the budget or the hedging
-                # policy, which count afresh from zero. The counter goes on from where
-                # it was.
-                moved[key] = total - last if total >= last else total
+                # The pool keeps these totals for its life, reloads included, and one
+                # thread at a time applies its reads in order: they only grow, and the
+                # counter moves by exactly what they grew. No reset is guessed from a
+                # lower total (a restart seen only once it has grown back past the last
+                # read would lose what came before); a lower one, from a stand-in that
+                # counts afresh, is just the point to count from.
+                moved[key] = max(0, total - c.seen.get(key, 0))
                 c.seen[key] = total
                 c.balancing[key] += moved[key]
         files = self._files

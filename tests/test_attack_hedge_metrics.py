@@ -80,11 +80,6 @@ def test_a_task_refused_as_invalid_is_never_hedged_afterwards():
     assert pool.stats()["balancing"]["hedge"]["hedged"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a task keeps the HedgePolicy it started with; a reload replaces the pool's, so "
-    "a hedge ending after the reload is counted where neither stats() nor Prometheus look",
-)
 def test_a_hedge_ending_after_a_reload_is_counted():
     """A task is hedged, the hedging policy is replaced by a reload while its hedge is
     out, and the hedge wins: the pool's totals and the Prometheus counter show it."""
@@ -217,15 +212,9 @@ def test_a_cancelled_hedge_whose_worker_fails_late_is_not_charged():
 # -- the counters that follow the pool's totals ------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="prometheus._follow takes a total below the last read for a reset, but one "
-    "that has grown past it by the next scrape is taken for growth: the counts before it "
-    "are lost",
-)
 def test_refusals_after_a_reload_that_outgrow_those_before_are_all_counted():
-    """Two refusals, a scrape, a reload that renews the retry budget (its totals start
-    at zero), then three refusals: the counter reads five, not three."""
+    """Two refusals, a scrape, a reload that renews the retry budget, then three
+    refusals: the pool's total and the counter read five, not three."""
     clock = FakeClock()
     net = FakeNetwork(scripted(clock))
     stingy = BalancingConfig(retry_budget=STINGY)
@@ -245,7 +234,8 @@ def test_refusals_after_a_reload_that_outgrow_those_before_are_all_counted():
             with pytest.raises(TaskFailed, match="retry budget"):
                 pool.execute({"kind": "down"})
         after = refused_total(registry)
-    assert (before, after) == (2, 5)
+        total = pool.stats()["balancing"]["retry_budget"]["refused"]
+    assert (before, after, total) == (2, 5, 5)
 
 
 def test_counters_never_go_back_while_reloads_race_scrapes():
