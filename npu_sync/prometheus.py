@@ -225,7 +225,8 @@ class PrometheusExporter:
         self._lock = threading.Lock()
         self._counts = _Counts()
         self._closed = False
-        self._gauged: set[str] = set()  # workers whose multiprocess gauges were set
+        # Workers whose multiprocess gauges were set, with the share they take at most.
+        self._gauged: dict[str, float] = {}
         self._following = False  # a thread is reading the totals the counters follow
         # remove_hook matches by identity, and each attribute access makes a new bound method.
         self._hook: Hook = self._on_event
@@ -490,17 +491,19 @@ class PrometheusExporter:
         files = self._files
         assert files is not None
         const = self._const
-        current = set()
+        current: dict[str, float] = {}
         for w in workers:
             wid = str(w["id"])
-            current.add(wid)
+            current[wid] = _full_share(w)
             files.declare_worker(const, wid)
             files.set_worker(const, wid, w)
         with self._lock:
-            gone, self._gauged = self._gauged - current, current
-        for wid in gone:
-            # The files keep a series once written: a removed worker reads zero.
-            files.clear_worker(const, wid)
+            last, self._gauged = self._gauged, current
+        for wid, share in last.items():
+            if wid not in current:
+                # The files keep a series once written: a removed worker reads zero
+                # (but for its share, see clear_worker).
+                files.clear_worker(const, wid, share)
         files.set_pool(const, stats)
 
     # -- scrape time (one process) ------------------------------------------------------
@@ -825,8 +828,8 @@ class _Families:
         ]
 
 
-# A removed worker's gauges in the files (one-hot breaker states apart).
-_ZEROED = ("in_flight", "capacity", "healthy", "failure_ratio", "latency_estimate", "share")
+# A removed worker's gauges set to 0 in the files (one-hot breaker states and share apart).
+_ZEROED = ("in_flight", "capacity", "healthy", "failure_ratio", "latency_estimate")
 
 
 class _Files:
@@ -904,10 +907,15 @@ class _Files:
             self._child("latency_estimate", labels).set(balance["latency_estimate_ms"] / 1000)
             self._child("share", labels).set(balance["share"])
 
-    def clear_worker(self, const: tuple[str, ...], wid: str) -> None:
+    def clear_worker(self, const: tuple[str, ...], wid: str, full_share: float) -> None:
+        """A worker this process no longer has: its gauges read 0, but for its share.
+        That is combined by the smallest (``livemin``), so 0 would read 0 fleet-wide
+        while other processes still use the worker; its full share (the weight) leaves
+        theirs to decide."""
         labels = (*const, wid)
         for key in _ZEROED:
             self._child(key, labels).set(0.0)
+        self._child("share", labels).set(full_share)
         for s in BREAKER_STATES:
             self._child("breaker_state", (*labels, s)).set(0.0)
 
@@ -1043,12 +1051,21 @@ def _after_fork_in_child() -> None:
     for exporter in list(_live_exporters):
         exporter._lock = threading.Lock()
         exporter._counts = _Counts()
-        exporter._gauged = set()
+        exporter._gauged = {}
         exporter._following = False
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _full_share(row: Mapping[str, Any]) -> float:
+    """The most share a worker's row can show: its weight (the share of a stand-in row
+    without one)."""
+    balance = row.get("balancing")  # absent from an older pool's rows
+    if balance is None:
+        return 1.0
+    return float(balance.get("weight", balance["share"]))
 
 
 def _check_buckets(buckets: Sequence[float]) -> tuple[float, ...]:

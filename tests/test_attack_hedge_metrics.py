@@ -324,8 +324,9 @@ def test_a_worker_removed_by_a_reload_leaves_the_balancing_gauges():
 def test_multiprocess_a_removed_worker_reads_zero_and_a_live_one_its_values(
     multiprocess,  # noqa: F811
 ):
-    """Multiprocess mode: a worker a reload removed reads 0 for its estimate and share
-    (a series in the files cannot go); the remaining worker reads its own values."""
+    """Multiprocess mode: a worker a reload removed reads 0 for its estimate and its
+    full share, its weight (a series in the files cannot go); the remaining worker
+    reads its own values."""
     clock = FakeClock()
     net = FakeNetwork(scripted(clock))
     config = make_config("a", "b")
@@ -336,6 +337,28 @@ def test_multiprocess_a_removed_worker_reads_zero_and_a_live_one_its_values(
         pool.reload(replace(config, workers=config.workers[:1]))
         found = everyone(pool)
         row = {w["id"]: w["balancing"] for w in pool.workers()}["a"]
-    assert get(found, "npu_sync_worker_share", worker="b") == 0
+    assert get(found, "npu_sync_worker_share", worker="b") == 1  # its weight
     assert get(found, "npu_sync_worker_latency_estimate_seconds", worker="b") == 0
     assert get(found, "npu_sync_worker_share", worker="a") == row["share"]
+
+
+def test_multiprocess_a_worker_one_process_removed_keeps_the_share_others_give_it(
+    multiprocess,  # noqa: F811
+):
+    """Two processes use worker ``b``, one still ramping it up (share 0.4 of weight 2);
+    the other removes it: the fleet's share of ``b`` stays 0.4, not 0."""
+    pids, _ = multiprocess
+    ramping = BalancingPool("a", "b")
+    ramping.rows["b"] = {"latency_estimate_ms": 20.0, "share": 0.4, "weight": 2}
+    with instrument(ramping):  # closed, its files stay: a process still running
+        everyone(ramping)
+
+    pids.pid = 102
+    removing = BalancingPool("a", "b")
+    removing.rows["b"] = {"latency_estimate_ms": 20.0, "share": 2.0, "weight": 2}
+    with instrument(removing):
+        assert get(everyone(removing), "npu_sync_worker_share", worker="b") == 0.4
+        del removing.rows["b"]
+        found = everyone(removing)
+    assert get(found, "npu_sync_worker_share", worker="b") == 0.4
+    assert get(found, "npu_sync_worker_latency_estimate_seconds", worker="b") == 0.02
