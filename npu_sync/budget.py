@@ -33,6 +33,23 @@ from npu_sync.clock import SYSTEM_CLOCK, Clock
 _SCALE = 1000  # tokens per retry: deposits of a fraction of a retry stay integers
 
 
+class BudgetTotals:
+    """Tasks, retries allowed and retries refused over a pool's life.
+
+    Guarded by the lock of the budgets counting into it: a pool keeps one and hands
+    it to each :class:`RetryBudget` a reload puts in place (all of them on the pool's
+    lock), so that a task still drawing on the budget it started with counts where
+    the pool's ``stats()`` looks, and the totals never go down.
+    """
+
+    __slots__ = ("refused", "requests", "retries")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.retries = 0
+        self.refused = 0
+
+
 class RetryBudget:
     """How many retries the pool may send now. Thread-safe; O(1), one lock per call.
 
@@ -51,6 +68,8 @@ class RetryBudget:
             that withdrew. It must not block.
         lock: the lock that guards the budget (not reentrant: no method may be called
             with it held but :meth:`deposit_locked`); a new one if not given.
+        totals: where the running totals are counted (under ``lock``); one of its
+            own if not given.
     """
 
     def __init__(
@@ -63,6 +82,7 @@ class RetryBudget:
         slices: int = 10,
         on_change: Callable[[bool], None] | None = None,
         lock: threading.Lock | None = None,
+        totals: BudgetTotals | None = None,
     ) -> None:
         if not ratio >= 0:
             raise ValueError(f"ratio must be >= 0, got {ratio!r}")
@@ -85,9 +105,7 @@ class RetryBudget:
         self._sum = 0  # of the ring
         self._at = int(clock.monotonic() / self._slice)  # the current slice's number
         self._exhausted = False
-        self.requests = 0
-        self.retries = 0
-        self.refused = 0
+        self.totals = BudgetTotals() if totals is None else totals
 
     def deposit(self, now: float | None = None) -> None:
         """A task was started: it earns ``ratio`` of a retry."""
@@ -98,7 +116,7 @@ class RetryBudget:
 
     def deposit_locked(self, now: float) -> None:
         """:meth:`deposit`, for a caller that holds the budget's lock (see ``lock``)."""
-        self.requests += 1
+        self.totals.requests += 1
         if int(now / self._slice) > self._at:
             self._advance(now)
         ring = self._ring
@@ -113,10 +131,10 @@ class RetryBudget:
             self._advance(now)
             allowed = self._reserve + self._sum >= _SCALE
             if allowed:
-                self.retries += 1
+                self.totals.retries += 1
                 self._add(-_SCALE, now)
             else:
-                self.refused += 1
+                self.totals.refused += 1
             changed = allowed == self._exhausted
             self._exhausted = not allowed
         if changed and self._on_change is not None:
@@ -134,18 +152,20 @@ class RetryBudget:
     def stats(self, now: float | None = None) -> dict[str, float | int | bool]:
         """JSON-serialisable: the settings; ``balance``, the retries allowed now;
         ``exhausted``, whether the last retry asked for was refused; and the running
-        totals ``requests`` (tasks), ``retries`` (allowed) and ``refused``."""
+        totals ``requests`` (tasks), ``retries`` (allowed) and ``refused`` (see
+        ``totals``)."""
         balance = self.balance(now)
         with self._lock:
+            totals = self.totals
             return {
                 "ratio": self.ratio,
                 "min_per_second": self.min_per_second,
                 "window": self.window,
                 "balance": balance,
                 "exhausted": self._exhausted,
-                "requests": self.requests,
-                "retries": self.retries,
-                "refused": self.refused,
+                "requests": totals.requests,
+                "retries": totals.retries,
+                "refused": totals.refused,
             }
 
     # -- internals: call with the lock held ---------------------------------------------

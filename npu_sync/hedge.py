@@ -63,6 +63,23 @@ STOP_TIMEOUT = 5.0
 threads are waited for on close."""
 
 
+class HedgeTotals:
+    """Hedges sent, won and skipped over a pool's life. Thread-safe.
+
+    A pool keeps one and hands it to each :class:`HedgePolicy` a reload puts in place:
+    a task still running with the policy it started with counts where the pool's
+    ``stats()`` looks, and the totals never go down.
+    """
+
+    __slots__ = ("hedged", "lock", "skipped", "won")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.hedged = 0
+        self.won = 0
+        self.skipped = 0
+
+
 class HedgePolicy:
     """When to hedge a task. Thread-safe; :meth:`observe` costs an append.
 
@@ -74,6 +91,7 @@ class HedgePolicy:
         window: how many recent durations the percentile is taken over.
         min_samples: durations needed before a percentile policy hedges.
         refresh_every: new durations after which the percentile is computed again.
+        totals: where hedges are counted; one of its own if not given.
     """
 
     def __init__(
@@ -85,6 +103,7 @@ class HedgePolicy:
         window: int = 512,
         min_samples: int = 32,
         refresh_every: int = 32,
+        totals: HedgeTotals | None = None,
     ) -> None:
         if delay is not None and not delay >= 0:
             raise ValueError(f"delay must be >= 0 seconds, got {delay!r}")
@@ -103,9 +122,7 @@ class HedgePolicy:
         self._count = 0  # durations in the ring
         self._fresh = 0  # durations since the percentile was computed
         self._cached: float | None = None
-        self.hedged = 0
-        self.won = 0
-        self.skipped = 0
+        self.totals = HedgeTotals() if totals is None else totals
 
     def observe(self, duration: float) -> None:
         """A successful attempt (not a hedge) took ``duration`` seconds."""
@@ -141,33 +158,39 @@ class HedgePolicy:
 
     def count_hedge(self, won: bool) -> None:
         """A hedge was sent; ``won``: its answer was the one returned."""
-        with self._lock:
-            self.hedged += 1
+        totals = self.totals
+        with totals.lock:
+            totals.hedged += 1
             if won:
-                self.won += 1
+                totals.won += 1
 
     def count_skipped(self) -> None:
         """A hedge was due but not sent: no retry budget, or no worker free."""
-        with self._lock:
-            self.skipped += 1
+        totals = self.totals
+        with totals.lock:
+            totals.skipped += 1
 
     def stats(self) -> dict[str, float | int | bool | str | None]:
         """JSON-serialisable: ``enabled``, ``mode`` (``"delay"`` or ``"percentile"``),
         ``delay_ms`` (the delay now, None while unknown), ``percentile``, ``samples``,
-        and the totals ``hedged``, ``won`` and ``skipped``."""
+        and the totals ``hedged``, ``won`` and ``skipped`` (see ``totals``)."""
         fixed = self.delay is not None
         delay = self.delay if fixed else self.current()
+        totals = self.totals
+        with totals.lock:
+            hedged, won, skipped = totals.hedged, totals.won, totals.skipped
         with self._lock:
-            return {
-                "enabled": self.enabled,
-                "mode": "delay" if fixed else "percentile",
-                "delay_ms": None if delay is None else delay * 1000.0,
-                "percentile": None if fixed else self.percentile,
-                "samples": self._count,
-                "hedged": self.hedged,
-                "won": self.won,
-                "skipped": self.skipped,
-            }
+            samples = self._count
+        return {
+            "enabled": self.enabled,
+            "mode": "delay" if fixed else "percentile",
+            "delay_ms": None if delay is None else delay * 1000.0,
+            "percentile": None if fixed else self.percentile,
+            "samples": samples,
+            "hedged": hedged,
+            "won": won,
+            "skipped": skipped,
+        }
 
 
 class HedgeTimer:
@@ -187,11 +210,20 @@ class HedgeTimer:
     Args:
         clock: the time source; due times are on its monotonic clock.
         threads: the most hedges sent at once.
+        initializer: called first on each thread the timer starts (the pool marks
+            them as its own, as it does its task threads).
     """
 
-    def __init__(self, clock: Clock, *, threads: int = 32) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        threads: int = 32,
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
         self._clock = clock
         self._threads = threads
+        self._initializer = initializer
         lock = threading.Lock()
         self._cond = threading.Condition(lock)  # the timer thread waits on it
         self._work = threading.Condition(lock)  # idle hedge threads wait on it
@@ -325,7 +357,15 @@ class HedgeTimer:
                 log.exception("could not cancel a hedge")
         return workers
 
+    def _start_thread(self) -> None:
+        if self._initializer is not None:
+            try:
+                self._initializer()
+            except Exception:
+                log.exception("hedge thread initializer failed")
+
     def _loop(self) -> None:
+        self._start_thread()
         cond = self._cond
         while True:
             with cond:
@@ -340,6 +380,7 @@ class HedgeTimer:
 
     def _serve(self) -> None:
         """A hedge thread: run hedges until stopped and none is left to run."""
+        self._start_thread()
         work = self._work
         while True:
             with work:
@@ -359,6 +400,8 @@ class HedgeTimer:
             finally:
                 with work:
                     self._running.discard(hedge)
+            # Not kept while idle: a hedge holds its task (payload, body, race).
+            del hedge
 
 
 class _Hedge:

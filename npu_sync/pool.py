@@ -106,6 +106,9 @@ class WorkerPool:
             rng=rng,
             hooks=hooks,
             shared=shared,
+            # The hedge threads run tasks' attempts and their hooks: the pool's own work,
+            # which close() must not wait on from there (the task waits for its hedge).
+            hedge_thread_init=_weakly(self, WorkerPool._mark_own_thread, None),
         )
         self._idle = threading.Condition(state.lock)
         self._active = 0
@@ -565,6 +568,10 @@ class WorkerPool:
             yield
         finally:
             local.depth -= 1
+
+    def _mark_own_thread(self) -> None:
+        """A thread the pool started for its tasks' work (a hedge thread)."""
+        _mark_pool_thread(self._local)
 
     def __enter__(self) -> WorkerPool:
         return self

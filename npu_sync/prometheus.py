@@ -4,8 +4,8 @@ Counters count from the pool's start-up: an exporter starts from the totals the 
 has kept since it was built, then follows its events with a hook, so a task pays a
 dictionary update. The retry-budget and hedging counters, which have no event for each
 refusal or skip, follow the pool's totals instead whenever they are read (at a scrape,
-and in multiprocess mode every fleet-monitor sample); a reload that makes the pool
-count those afresh does not take them back. Gauges are read from ``pool.stats()`` and
+and in multiprocess mode every fleet-monitor sample), which the pool keeps for its
+whole life, across reloads. Gauges are read from ``pool.stats()`` and
 ``pool.workers()`` when Prometheus scrapes. This is the only module that imports
 ``prometheus_client``, and ``import npu_sync`` does not import it.
 
@@ -225,7 +225,8 @@ class PrometheusExporter:
         self._lock = threading.Lock()
         self._counts = _Counts()
         self._closed = False
-        self._gauged: set[str] = set()  # workers whose multiprocess gauges were set
+        # Workers whose multiprocess gauges were set, with the share they take at most.
+        self._gauged: dict[str, float] = {}
         self._following = False  # a thread is reading the totals the counters follow
         # remove_hook matches by identity, and each attribute access makes a new bound method.
         self._hook: Hook = self._on_event
@@ -469,11 +470,13 @@ class PrometheusExporter:
         moved: dict[str, int] = {}
         with self._lock:
             for key, total in totals.items():
-                last = c.seen.get(key, 0)
-                # Lower than last read: a reload replaced the budget or the hedging
-                # policy, which count afresh from zero. The counter goes on from where
-                # it was.
-                moved[key] = total - last if total >= last else total
+                # The pool keeps these totals for its life, reloads included, and one
+                # thread at a time applies its reads in order: they only grow, and the
+                # counter moves by exactly what they grew. No reset is guessed from a
+                # lower total (a restart seen only once it has grown back past the last
+                # read would lose what came before); a lower one, from a stand-in that
+                # counts afresh, is just the point to count from.
+                moved[key] = max(0, total - c.seen.get(key, 0))
                 c.seen[key] = total
                 c.balancing[key] += moved[key]
         files = self._files
@@ -488,17 +491,19 @@ class PrometheusExporter:
         files = self._files
         assert files is not None
         const = self._const
-        current = set()
+        current: dict[str, float] = {}
         for w in workers:
             wid = str(w["id"])
-            current.add(wid)
+            current[wid] = _full_share(w)
             files.declare_worker(const, wid)
             files.set_worker(const, wid, w)
         with self._lock:
-            gone, self._gauged = self._gauged - current, current
-        for wid in gone:
-            # The files keep a series once written: a removed worker reads zero.
-            files.clear_worker(const, wid)
+            last, self._gauged = self._gauged, current
+        for wid, share in last.items():
+            if wid not in current:
+                # The files keep a series once written: a removed worker reads zero
+                # (but for its share, see clear_worker).
+                files.clear_worker(const, wid, share)
         files.set_pool(const, stats)
 
     # -- scrape time (one process) ------------------------------------------------------
@@ -823,8 +828,8 @@ class _Families:
         ]
 
 
-# A removed worker's gauges in the files (one-hot breaker states apart).
-_ZEROED = ("in_flight", "capacity", "healthy", "failure_ratio", "latency_estimate", "share")
+# A removed worker's gauges set to 0 in the files (one-hot breaker states and share apart).
+_ZEROED = ("in_flight", "capacity", "healthy", "failure_ratio", "latency_estimate")
 
 
 class _Files:
@@ -902,10 +907,15 @@ class _Files:
             self._child("latency_estimate", labels).set(balance["latency_estimate_ms"] / 1000)
             self._child("share", labels).set(balance["share"])
 
-    def clear_worker(self, const: tuple[str, ...], wid: str) -> None:
+    def clear_worker(self, const: tuple[str, ...], wid: str, full_share: float) -> None:
+        """A worker this process no longer has: its gauges read 0, but for its share.
+        That is combined by the smallest (``livemin``), so 0 would read 0 fleet-wide
+        while other processes still use the worker; its full share (the weight) leaves
+        theirs to decide."""
         labels = (*const, wid)
         for key in _ZEROED:
             self._child(key, labels).set(0.0)
+        self._child("share", labels).set(full_share)
         for s in BREAKER_STATES:
             self._child("breaker_state", (*labels, s)).set(0.0)
 
@@ -1041,12 +1051,21 @@ def _after_fork_in_child() -> None:
     for exporter in list(_live_exporters):
         exporter._lock = threading.Lock()
         exporter._counts = _Counts()
-        exporter._gauged = set()
+        exporter._gauged = {}
         exporter._following = False
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _full_share(row: Mapping[str, Any]) -> float:
+    """The most share a worker's row can show: its weight (the share of a stand-in row
+    without one)."""
+    balance = row.get("balancing")  # absent from an older pool's rows
+    if balance is None:
+        return 1.0
+    return float(balance.get("weight", balance["share"]))
 
 
 def _check_buckets(buckets: Sequence[float]) -> tuple[float, ...]:

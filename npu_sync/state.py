@@ -15,7 +15,7 @@ from typing import Any
 
 from npu_sync.admission import Dispatcher
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
-from npu_sync.budget import RetryBudget
+from npu_sync.budget import BudgetTotals, RetryBudget
 from npu_sync.clock import Clock
 from npu_sync.config import BalancingConfig, PoolConfig, WorkerConfig
 from npu_sync.events import (
@@ -30,7 +30,7 @@ from npu_sync.events import (
     emit,
     log_event,
 )
-from npu_sync.hedge import HedgePolicy, HedgeTimer
+from npu_sync.hedge import HedgePolicy, HedgeTimer, HedgeTotals
 from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
@@ -75,6 +75,7 @@ class PoolState:
         rng: randomness for selection sampling.
         hooks: callables receiving every event.
         shared: the Redis-backed shared state, or None.
+        hedge_thread_init: called first on each hedge thread (see :class:`HedgeTimer`).
     """
 
     def __init__(
@@ -86,6 +87,7 @@ class PoolState:
         rng: random.Random | None,
         hooks: Iterable[Hook],
         shared: Any,
+        hedge_thread_init: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.retry = RetryPolicy(config.retry)
@@ -105,9 +107,14 @@ class PoolState:
             ),
         )
         self.lock = self.dispatcher.lock
+        # The pool's totals, kept across reloads that replace the budget or the policy
+        # (a task counts into the one it started with, which shares these).
+        self.budget_totals = BudgetTotals()
+        self.hedge_totals = HedgeTotals()
         self.budget = self._new_budget(balancing)
-        self.hedge = _hedge_policy(balancing)
-        self.hedger = HedgeTimer(clock, threads=config.pool.threads)
+        self.hedge = _hedge_policy(balancing, self.hedge_totals)
+        self._hedge_thread_init = hedge_thread_init
+        self.hedger = self._new_hedger()
         # Balancing events found under the lock (a ramp begun, a limit moved), announced
         # after it by flush_events(): each built from the wall-clock time then, so that
         # no clock is read under the lock for them.
@@ -164,6 +171,12 @@ class PoolState:
             # The pool's lock: a task pays in under the lock its first request for a
             # worker takes anyway (see Dispatcher.acquire_or_reason).
             lock=self.lock,
+            totals=self.budget_totals,
+        )
+
+    def _new_hedger(self) -> HedgeTimer:
+        return HedgeTimer(
+            self.clock, threads=self.config.pool.threads, initializer=self._hedge_thread_init
         )
 
     def _budget_changed(self, exhausted: bool) -> None:
@@ -185,7 +198,7 @@ class PoolState:
         if new.retry_budget != old.retry_budget:
             self.budget = self._new_budget(new)  # a new window: tasks start it afresh
         if new.hedge != old.hedge:
-            self.hedge = _hedge_policy(new)
+            self.hedge = _hedge_policy(new, self.hedge_totals)
         for worker in self.workers.values():
             limit = worker.limit
             if not new.adaptive_concurrency:
@@ -351,9 +364,11 @@ class PoolState:
         self.transitions = []
         self.events = []
         self.recovering = []
+        self.budget_totals = BudgetTotals()  # the child's own, as its other numbers
+        self.hedge_totals = HedgeTotals()
         self.budget = self._new_budget(self.config.balancing)
-        self.hedge = _hedge_policy(self.config.balancing)
-        self.hedger = HedgeTimer(self.clock, threads=self.config.pool.threads)
+        self.hedge = _hedge_policy(self.config.balancing, self.hedge_totals)
+        self.hedger = self._new_hedger()
         self.stats = PoolStats()
         self.draining.clear()
         for worker in self.workers.values():
@@ -365,6 +380,8 @@ class PoolState:
         self.dispatcher.set_workers(self.workers.values())
 
 
-def _hedge_policy(balancing: BalancingConfig) -> HedgePolicy:
+def _hedge_policy(balancing: BalancingConfig, totals: HedgeTotals) -> HedgePolicy:
     hedge = balancing.hedge
-    return HedgePolicy(enabled=hedge.enabled, delay=hedge.delay, percentile=hedge.percentile)
+    return HedgePolicy(
+        enabled=hedge.enabled, delay=hedge.delay, percentile=hedge.percentile, totals=totals
+    )

@@ -86,8 +86,8 @@ _CLOSED = 2  # no hedge will run any more (none was sent, or it ended)
 class _Race:
     """A hedged task's two attempts: which answered first. Thread-safe.
 
-    The first success wins and cancels the other attempt (see :class:`Cancel`); a
-    later failure of the loser is its cancellation, recorded as abandoned.
+    The first success wins and cancels the other attempt (see :class:`Cancel`); the
+    loser's end, whatever it is, is its cancellation, recorded as abandoned.
     """
 
     __slots__ = ("cancels", "cond", "hedge_result", "state", "winner")
@@ -118,6 +118,15 @@ class _Race:
             self.winner = side
         self.cancels[1 - side].cancel()
         return False
+
+    def abandon(self) -> None:
+        """The caller's attempt raised: no hedge is sent any more, and one already out
+        is cancelled and ends as the loser (its answer is never the one returned)."""
+        with self.cond:
+            self.winner = _FIRST
+            if self.state == _WAITING:
+                self.state = _CLOSED
+        self.cancels[_HEDGE].cancel()
 
     def hedge_ended(self, result: tuple[Lease, tuple[Outcome, bool, float, float]] | None) -> None:
         """The hedge ended (``result``) or was never sent (None)."""
@@ -672,8 +681,8 @@ class TaskRun:
 
         From here until :func:`record` takes it back, the lease holds a slot on the
         worker (maybe its one half-open trial): whatever is raised, it is given back.
-        A hedged attempt (``race``) that fails after the other one won was cancelled:
-        it is recorded as abandoned.
+        A hedged attempt (``race``) that ends after the other one won was cancelled:
+        it is recorded as abandoned, even if its answer was a success.
 
         Returns:
             The outcome, whether its charge is deferred (see :meth:`defer_charge`), and
@@ -700,7 +709,9 @@ class TaskRun:
                 outcome = self.send(lease.worker, t0, remaining, side, race.cancels[side])
             t1 = clock.monotonic()
             success = outcome.kind is Kind.SUCCESS
-            if race is not None and race.settle(side, success) and not success:
+            if race is not None and race.settle(side, success):
+                # The other attempt won. A success here came too late (a transport that
+                # cannot cancel): dropped like a failure, credited to nobody.
                 outcome = Outcome(Kind.ABANDONED, error="cancelled: the hedged task was answered")
             elif success and side == _FIRST and self.hedge is not None:
                 self.hedge.observe(t1 - t0)
@@ -841,7 +852,11 @@ class TaskRun:
         state.hedger.schedule(
             self.clock.monotonic() + delay, lambda: self.fire_hedge(race, first, delay)
         )
-        done = self.attempt(lease, race, _FIRST)
+        try:
+            done = self.attempt(lease, race, _FIRST)
+        except BaseException:
+            race.abandon()  # nothing may be sent once the caller is told nothing was
+            raise
         if done is not None and state.hooks:
             self.announce_attempt(first, done[0], done[2], done[3])
         success = done is not None and done[0].kind is Kind.SUCCESS
@@ -893,9 +908,13 @@ class TaskRun:
                         self.clock.time(), self.task.task_id, first.id, lease.worker.id, delay
                     )
                     emit(state.hooks, event)
-                state.hedger.submit(self.run_hedge, race, lease)
-                lease = None
-                return
+                try:
+                    state.hedger.submit(self.run_hedge, race, lease)
+                except RuntimeError:  # close() stopped the hedger: not an error
+                    log.debug("hedge for task %s not sent: the pool closed", self.task.task_id)
+                else:
+                    lease = None
+                    return
         except Exception:
             log.exception("could not send a hedge for task %s", self.task.task_id)
         if lease is not None:

@@ -132,9 +132,10 @@ def test_one_process_shows_every_balancing_series_from_the_pool():
     assert get(found, "npu_sync_hedges_skipped_total") == 1
 
 
-def test_counters_go_on_when_the_pool_counts_afresh():
-    """Totals that drop (a reload replaced the budget and the hedging policy) are new
-    counts from zero: each counter adds them and never goes back."""
+def test_counters_move_by_what_the_totals_grew_and_never_go_back():
+    """Each counter moves by what its total grew since the last read; a total that
+    drops (a stand-in counting afresh: a pool's never do) is not taken for a reset from
+    zero, only as the point to count on from, and the counter never goes back."""
     registry = CollectorRegistry()
     pool = BalancingPool("a")
     pool.refused, pool.hedged, pool.won, pool.skipped = 10, 8, 6, 4
@@ -144,19 +145,19 @@ def test_counters_go_on_when_the_pool_counts_afresh():
         after = single(registry)
         pool.refused, pool.hedged, pool.won, pool.skipped = 5, 4, 2, 3
         later = single(registry)
-    assert get(after, "npu_sync_retry_budget_refused_total") == 12
-    assert get(after, "npu_sync_hedges_total", result="won") == 7
+    assert get(after, "npu_sync_retry_budget_refused_total") == 10
+    assert get(after, "npu_sync_hedges_total", result="won") == 6
     assert get(after, "npu_sync_hedges_total", result="lost") == 2
     assert get(after, "npu_sync_hedges_skipped_total") == 4
-    assert get(later, "npu_sync_retry_budget_refused_total") == 15
-    assert get(later, "npu_sync_hedges_total", result="won") == 8
+    assert get(later, "npu_sync_retry_budget_refused_total") == 13
+    assert get(later, "npu_sync_hedges_total", result="won") == 7
     assert get(later, "npu_sync_hedges_total", result="lost") == 4
     assert get(later, "npu_sync_hedges_skipped_total") == 7
 
 
 def test_a_reload_that_renews_the_retry_budget_does_not_take_refusals_back():
-    """A real pool: refusals counted, then a reload replaces the budget (its totals
-    start again at zero); the counter keeps the refusals from before."""
+    """A real pool: refusals counted, then a reload replaces the budget; the pool's
+    total and the counter keep the refusals from before."""
     clock = FakeClock()
     net = FakeNetwork(scripted(clock))
     stingy = BalancingConfig(retry_budget=RetryBudgetConfig(ratio=0.0, min_per_second=0.0))
@@ -175,7 +176,7 @@ def test_a_reload_that_renews_the_retry_budget_does_not_take_refusals_back():
         pool.reload(replace(config, balancing=renewed))
         with pytest.raises(TaskFailed, match="retry budget"):
             pool.execute({"kind": "down"})
-        assert pool.stats()["balancing"]["retry_budget"]["refused"] == 1
+        assert pool.stats()["balancing"]["retry_budget"]["refused"] == 3
         after = get(single(registry), "npu_sync_retry_budget_refused_total")
     assert (before, after) == (2, 3)
 
@@ -259,16 +260,20 @@ def test_multiprocess_mode_combines_each_series_over_the_processes(multiprocess)
     assert get(after, "npu_sync_hedges_skipped_total") == 2
 
 
-def test_multiprocess_counters_never_go_back_when_the_pool_counts_afresh(multiprocess):  # noqa: F811
-    """In the files too, totals that drop after a reload are added, never subtracted."""
+def test_multiprocess_counters_never_go_back_when_a_total_drops(multiprocess):  # noqa: F811
+    """In the files too, a total that drops is never subtracted, and what it grows
+    afterwards is added."""
     pool = BalancingPool("a")
     pool.refused, pool.skipped = 10, 4
     with instrument(pool):
         assert get(everyone(pool), "npu_sync_retry_budget_refused_total") == 10
         pool.refused, pool.skipped = 2, 1
+        dropped = everyone(pool)
+        pool.refused, pool.skipped = 3, 3
         found = everyone(pool)
-    assert get(found, "npu_sync_retry_budget_refused_total") == 12
-    assert get(found, "npu_sync_hedges_skipped_total") == 5
+    assert get(dropped, "npu_sync_retry_budget_refused_total") == 10
+    assert get(found, "npu_sync_retry_budget_refused_total") == 11
+    assert get(found, "npu_sync_hedges_skipped_total") == 6
 
 
 def test_a_process_never_scraped_writes_its_balancing_series_each_monitor_sample(

@@ -112,11 +112,6 @@ def holds(peer: Peer) -> None:
 # -- close() from the hedge's own threads ---------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook on a hedge thread is not the pool's own work: close() there waits for "
-    "the task, the task waits for its hedge, and the hedge's answer is lost",
-)
 def test_close_from_a_hook_on_the_hedge_thread_returns_and_the_hedge_answer_is_returned(
     servers,
 ):
@@ -147,12 +142,6 @@ def test_close_from_a_hook_on_the_hedge_thread_returns_and_the_hedge_answer_is_r
     assert no_npu_threads_left() == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hook on the hedge timer thread is not the pool's own work: close() there "
-    "blocks the timer, a first attempt that fails then waits for a hedge that never comes "
-    "until a second past the task's deadline",
-)
 def test_close_from_a_hook_on_the_timer_thread_lets_the_hedge_answer(servers):
     """A hook that closes the pool on ``attempt.hedged`` (on the timer thread) returns
     at once; the hedge is then sent, and when the first attempt fails (HTTP 500) the
@@ -216,11 +205,6 @@ def late_winner_servers(servers: list[Hostile], client: str) -> tuple[Hostile, H
     return serve(servers, slow), serve(servers, says("w1")), hook
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="taskrun.attempt keeps a loser's late success as a success: the caller returns "
-    "the loser's answer, the hedge is counted as won, and the loser is not abandoned",
-)
 @pytest.mark.parametrize("client", ["requests", "urllib3"])
 def test_a_losers_late_success_is_dropped_and_the_winners_answer_returned(servers, client):
     """On a transport that cannot cancel the first attempt, the hedge answers first and
