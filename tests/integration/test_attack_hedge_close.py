@@ -112,6 +112,14 @@ def holds(peer: Peer) -> None:
 # -- close() from the hedge's own threads ---------------------------------------------
 
 
+def outcome_of(pool: WorkerPool) -> Any:
+    """The task's result, or the TaskFailed / TaskRejected it ended in."""
+    try:
+        return pool.execute(PAYLOAD)
+    except (TaskFailed, TaskRejected) as exc:
+        return exc
+
+
 def test_close_from_a_hook_on_the_hedge_thread_returns_and_the_hedge_answer_is_returned(
     servers,
 ):
@@ -129,12 +137,8 @@ def test_close_from_a_hook_on_the_hedge_thread_returns_and_the_hedge_answer_is_r
             closed_from_hook.set()
 
     pool = WorkerPool(hedged_config(frozen.url(), fast.url(), task=2.0), hooks=[hook])
-    outcome: list[Any] = []
     try:
-        try:
-            outcome.append(pool.execute(PAYLOAD))
-        except (TaskFailed, TaskRejected) as exc:
-            outcome.append(exc)
+        outcome = [outcome_of(pool)]
     finally:
         pool.close()
     assert closed_from_hook.is_set()
@@ -162,12 +166,8 @@ def test_close_from_a_hook_on_the_timer_thread_lets_the_hedge_answer(servers):
             pool.close()
 
     pool = WorkerPool(hedged_config(first.url(), second.url(), task=2.0), hooks=[hook])
-    outcome: list[Any] = []
     try:
-        try:
-            outcome.append(pool.execute(PAYLOAD))
-        except (TaskFailed, TaskRejected) as exc:
-            outcome.append(exc)
+        outcome = [outcome_of(pool)]
     finally:
         hedged.set()
         pool.close()
