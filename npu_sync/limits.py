@@ -128,8 +128,12 @@ class HillClimbingLimit:
 
     __slots__ = (
         "_backoff",
+        "_confirmed",
+        "_down_next",
+        "_down_turns",
         "_fine",
         "_first_climb",
+        "_gained",
         "_headroom",
         "_held",
         "_hold_rounds",
@@ -142,7 +146,9 @@ class HillClimbingLimit:
         "_previous",
         "_settled",
         "_settled_knee",
+        "_short",
         "_skip",
+        "_start",
         "_sum_in_flight",
         "_sum_rtt",
         "_throughput",
@@ -154,6 +160,7 @@ class HillClimbingLimit:
     )
 
     _FALL = 0.1  # the share of throughput lost at a held knee that makes it probe down
+    _RECHECK = 8  # a confirmed knee probes down on every this many turns down
 
     def __init__(
         self,
@@ -172,6 +179,7 @@ class HillClimbingLimit:
         if not 0 < backoff < 1:
             raise ValueError(f"backoff must be in (0, 1), got {backoff!r}")
         self.ceiling = ceiling
+        self._start = initial
         self.initial = max(1, min(initial, ceiling))
         self._hold_rounds = hold_rounds
         self._min_round = min_round
@@ -204,12 +212,13 @@ class HillClimbingLimit:
         """
         if dropped:
             self.drops += 1
-            # The worker said what it can take: no headroom on top of the cut.
-            self._move(int(self.current * self._backoff), "hold", None)
+            self._cut()
             return self.current
         # Below the knee the worker was app-limited (the pool had no more to give it):
-        # that says nothing about more load. The headroom need not be full.
-        if in_flight < self.limit or not rtt > 0:
+        # that says nothing about more load. The headroom need not be full. Above the
+        # limit in force the task was sent before a move down (or a reset): it describes
+        # a level left behind. An infinite duration is a clock gone wrong.
+        if not self.limit <= in_flight <= self.current or not 0 < rtt < math.inf:
             return self.current
         self.samples += 1
         if self._skip:
@@ -227,6 +236,7 @@ class HillClimbingLimit:
 
     def reset(self) -> None:
         """Start again from the initial limit (a worker back in service, a new address)."""
+        self.initial = max(1, min(self._start, self.ceiling))
         self.limit = self.initial
         self._mode = "start"
         self._padded = False
@@ -239,8 +249,36 @@ class HillClimbingLimit:
         self._settled_knee = 0  # the knee that throughput was measured at
         self._first_climb = False
         self._fine = False
+        self._down_next = False  # the next probe from hold goes down, not up
+        self._down_turns = 0
+        self._confirmed = 0  # the knee a step down from which last lost throughput
+        self._gained = False  # the last probe up from hold gained
+        self._short = False  # the last probe down lost more than twice the linear loss
         self._skip = self.initial  # the worker's queue is not yet what the limit makes it
         self._clear()
+
+    def set_ceiling(self, ceiling: int) -> None:
+        """Apply a new ceiling (a reload changed ``max_concurrent``): the limit, and the
+        initial one a :meth:`reset` returns to, stay within it.
+
+        Raises:
+            ValueError: ``ceiling`` is below 1.
+        """
+        if ceiling < 1:
+            raise ValueError(f"ceiling must be >= 1, got {ceiling!r}")
+        before = self.current
+        self.ceiling = ceiling
+        self.initial = max(1, min(self._start, ceiling))
+        self._previous = min(self._previous, ceiling)
+        if self.limit > ceiling:
+            # The knee no longer fits: hold at the ceiling (or keep starting from it) and
+            # measure it afresh.
+            mode = "start" if self._mode == "start" else "hold"
+            self._move(ceiling, mode, None, padded=self._padded)
+        elif self.current != before:
+            # Only the headroom changed: the round under way measured another level.
+            self._skip = max(before, self.current)
+            self._clear()
 
     def stats(self) -> dict[str, float | int | str | None]:
         """``{"limit", "knee", "headroom", "ceiling", "mode", "throughput", "samples",
@@ -277,6 +315,7 @@ class HillClimbingLimit:
             # Linear scaling would multiply throughput by limit / previous: keep the
             # step if at least half that gain showed.
             if throughput < before * (1 + 0.5 * (limit / previous - 1)):
+                self._gained = False
                 if self._first_climb and previous > 1:
                     # The knee is below the start: measure one under it, against it.
                     self._move(previous - 1, "down", before, came_from=previous)
@@ -287,20 +326,40 @@ class HillClimbingLimit:
                     self._move(previous + 1, "up", before, came_from=previous)
                 else:
                     self._move(previous, "hold", before, padded=True)
+            elif self._padded and not self._gained:
+                # A probe from hold gained, headroom and all. Noise does that now and
+                # then: go back, and believe it when the next probe up gains too.
+                self._gained = True
+                self._move(previous, "hold", before, padded=True)
             elif self._padded:
-                # A probe from hold gained, headroom and all: the worker can do more.
-                # Hold there and probe again after, one step at a time: climbing bare
-                # from here would drop the headroom for rounds, costly if the gain was
-                # noise.
-                self._move(limit, "hold", throughput, padded=True)
+                # Twice: the worker can do more, and its knee may now lie past the
+                # padded level (slots regained, a ceiling raised). Probes of padded
+                # levels would stop once knee plus headroom reach the slots, so search
+                # bare from the level measured: climb, or, if a step up gains nothing,
+                # descend.
+                self._gained = False
+                self.limit, self._padded = self.current, False
+                self._climb(throughput, first=True)
             else:
                 self._climb(throughput, first=False)
         elif throughput >= before * (1 - 0.5 * (1 - limit / previous)):  # down
+            self._gained = False
             if limit > 1:
                 self._move(limit - 1, "down", throughput)
             else:
+                self._confirmed = limit
                 self._move(limit, "hold", throughput, padded=True)
+        elif throughput < before * (1 - 2 * (1 - limit / previous)) and self._short:
+            # Lost more than twice the linear loss, twice running: the level left
+            # (headroom and all, from hold) ran well past what its knee alone reaches,
+            # so the knee lies below the worker's slots, where probes of padded levels
+            # cannot see it (they fill the slots either way). Climb bare from here.
+            self._short = False
+            self._climb(throughput, first=False)
         else:
+            # Once may be noise: back to hold, and probe down again next time.
+            self._short = throughput < before * (1 - 2 * (1 - limit / previous))
+            self._confirmed = 0 if self._short else previous
             self._move(previous, "hold", before, padded=True)
 
     def _hold(self, throughput: float) -> None:
@@ -319,12 +378,29 @@ class HillClimbingLimit:
         limit = self.limit
         settled = self._settled if self._settled_knee == limit else None
         if settled is not None and period < settled * (1 - self._FALL) and limit > 1:
+            # The fall is the new normal whatever the probe down finds: judged against
+            # the old throughput, every later period would fall again, and the limit
+            # would alternate hold and probe down for good.
+            self._settled = period
             self._move(limit - 1, "down", period)
             return
         self._settled = period if settled is None else (settled + period) / 2
         self._settled_knee = limit
-        if self._level(limit + 1, True) > self.current or (
-            not self._padded and limit < self.ceiling
+        # Probes alternate up and down. Noise keeps a probe up now and then, and a knee
+        # that only ever probed up would ratchet toward the ceiling; a bare probe down
+        # is kept when it loses less than half the linear loss, so a knee past the
+        # slots comes back. A bare round under the knee costs throughput: a knee whose
+        # step down lost already is probed down only now and then (its worker may
+        # have slowly lost slots).
+        down, self._down_next = self._down_next, not self._down_next
+        if down:
+            self._down_turns += 1
+            down = limit != self._confirmed or self._down_turns % self._RECHECK == 0
+        if down and limit > 1:
+            self._move(limit - 1, "down", period)
+        elif not down and (
+            self._level(limit + 1, True) > self.current
+            or (not self._padded and limit < self.ceiling)
         ):
             self._first_climb = False
             self._move(limit + 1, "up", period, padded=self._padded)
@@ -335,9 +411,23 @@ class HillClimbingLimit:
         self._first_climb = first
         limit = self.limit
         if limit >= self.ceiling:
-            self._move(limit, "hold", throughput, padded=True)
+            if first and limit > 1:
+                # Started at the ceiling: the knee may lie below it.
+                self._move(limit - 1, "down", throughput)
+            else:
+                self._move(limit, "hold", throughput, padded=True)
         else:
             self._move(limit + (1 if self._fine else max(1, limit // 4)), "up", throughput)
+
+    def _cut(self) -> None:
+        """A dropped attempt: the worker said what it can take. Hold at the largest knee
+        whose level, headroom included, is within the cut: padding a bare cut would
+        leave the worker more than before the drop (11 cut to 9, plus 3)."""
+        cut = max(1, int(self.current * self._backoff))
+        knee = cut
+        while knee > 1 and self._level(knee, True) > cut:
+            knee -= 1
+        self._move(knee, "hold", None, padded=self._level(knee, True) <= cut)
 
     def _move(
         self,
