@@ -51,16 +51,28 @@ fixed value's throughput at 0.86 times its p99, where the default of 8 gets half
 throughput (``docs/benchmarks.md``). The climb and the descent stay bare, so they
 measure the knee and not the queue.
 
-It holds for a few rounds and probes one step up (headroom included, measured over
-two rounds): a gain means the worker can do more, and it holds there. It probes down
-(bare) instead when the held throughput fell by a tenth (the worker lost capacity,
-or got slower). That fall is judged on the whole period held, not on one round:
-rounds of 16 answers are too noisy on a busy machine, and a probe down costs a round
-without the headroom. A *dropped* attempt (429, 503, a timeout) cuts the limit in
-force by ``backoff`` (10 %) at once, with no headroom on top until it settles again,
-since the worker said plainly it is overloaded. Answers sent while the worker had
-fewer tasks than the knee (the pool had no more to give it) say nothing about more
-load and are not counted.
+It holds for a few rounds, then probes, up and down in turn. A probe up goes one
+step up, headroom included, measured over two rounds; a gain is believed when the
+next probe up gains too (noise wins one now and then, and a knee that only moved up
+would ratchet toward the ceiling): the worker can do more, maybe past where padded
+levels can tell (they fill the slots either way), so it searches bare again from the
+level measured. A probe down measures the knee one step down, bare, and tells both
+ways: a loss under half the linear one means the knee was past the slots, so it
+goes on down; a loss over twice the linear one, twice running, means the knee is
+below the slots (the headroom did the work), so it climbs bare. A knee whose step
+down lost is probed down only on every eighth turn, since a bare round under the
+knee costs throughput. It also probes down at once when the held throughput fell by
+a tenth (the worker lost capacity, or got slower), judged on the whole period held,
+not on one round (rounds of 16 answers are too noisy on a busy machine); the fallen
+throughput is the new reference, whatever the probe finds. A *dropped* attempt (429,
+503, a timeout) cuts the limit in force by ``backoff`` (10 %) at once, headroom
+included: it holds at the highest knee whose level with its headroom fits in the
+cut (11 becomes 6 + 3), since the worker said plainly it is overloaded. Answers sent
+while the worker had fewer tasks than the knee (the pool had no more to give it) say
+nothing about more load, and answers sent above the limit in force (before a move
+down or a reset) describe a level left behind: neither is counted. A ceiling at or
+under the start (``max_concurrent`` of 4 or less) is measured down from, like a
+first step up that gains nothing.
 
 Against a simulated worker of ``C`` parallel slots kept busy by more callers than the
 limit (``tests/test_limits.py``) the knee settles at ``C`` or ``C + 1``, from above
@@ -236,7 +248,6 @@ class HillClimbingLimit:
 
     def reset(self) -> None:
         """Start again from the initial limit (a worker back in service, a new address)."""
-        self.initial = max(1, min(self._start, self.ceiling))
         self.limit = self.initial
         self._mode = "start"
         self._padded = False

@@ -1,8 +1,8 @@
 """Attacks on the adaptive concurrency limit: odd samples, small ceilings, drops, noise,
 reloads and resets, against a simulated worker and through a pool.
 
-Tests marked xfail(strict=True) show a contract the limit breaks today; each names the
-behaviour that should hold. The unmarked ones are attacks it withstands.
+Each test names the behaviour that holds and, where it once broke, how: the first
+block pins those breaks, the second attacks the limit withstood from the start.
 """
 
 from __future__ import annotations
@@ -89,6 +89,11 @@ def within_bounds(limit: HillClimbingLimit) -> None:
     assert stats["limit"] == current == stats["knee"] + stats["headroom"]
 
 
+def note_modes(seen: list[str]) -> Callable[[HillClimbingLimit], None]:
+    """A ``watch`` that notes each answer's mode in ``seen``."""
+    return lambda limit: seen.append(str(limit.stats()["mode"]))
+
+
 def lower_ceiling_as_a_reload_does(limit: HillClimbingLimit, ceiling: int) -> None:
     """What ``PoolState.configure_balancing_locked`` does to a limit on a reload."""
     limit.set_ceiling(ceiling)
@@ -98,19 +103,24 @@ def lower_ceiling_as_a_reload_does(limit: HillClimbingLimit, ceiling: int) -> No
 
 
 def test_isolated_drops_do_not_raise_a_settled_limit():
-    """A worker of 8 slots settled at 11 that now and then answers 429 ends no higher
-    than 11: a drop never leaves the worker more tasks than before it."""
+    """A worker of 8 slots settled at 11 that now and then answers 429 never holds
+    higher than 11: a drop never leaves the worker more tasks than before it."""
     limit = HillClimbingLimit(64)
     simulate(limit, 10000, hold=True)
     before = limit.current
     assert before == settled(limit) == 11
+    held: set[int] = set()
+
+    def note_held(limit: HillClimbingLimit) -> None:
+        if limit.stats()["mode"] == "hold":
+            held.add(limit.current)
+
     for cycle in range(6):
         level = limit.current
         assert limit.on_sample(0.5, level, True) < level  # cut at once: that holds
-        simulate(limit, 3000, seed=10 + cycle)
-    # Today each drop leaves a knee of int(0.9 * current) padded with its square root:
-    # 11 -> 9 + 3 = 12 -> 14 -> 17 ... for a worker whose throughput is flat past 8.
-    assert limit.current <= before
+        simulate(limit, 3000, seed=10 + cycle, watch=note_held)
+    # A bare cut padded later would hold at 9 + 3 = 12, for a worker flat past 8.
+    assert max(held) <= before and limit.current <= before
 
 
 @pytest.mark.parametrize(
@@ -129,7 +139,7 @@ def test_noisy_task_times_do_not_ratchet_the_knee_up(duration):
     toward the ceiling that queues dozens of tasks inside the worker."""
     limit = HillClimbingLimit(64)
     simulate(limit, 60000, duration=duration, seed=8)
-    # Today: about 20-30 after 60 000 answers, the ceiling after 150 000 or so.
+    # Probing only up, noise kept it about 20-30 after 60 000 answers, the ceiling later.
     assert limit.limit <= 12
 
 
@@ -137,10 +147,23 @@ def test_noisy_task_times_do_not_ratchet_the_knee_up(duration):
 def test_a_ceiling_at_or_under_the_start_still_finds_the_knee(ceiling, slots):
     """With max_concurrent at or below the initial 4 the knee still settles at the
     worker's slots or one more, as it does for ceilings above the start (ceiling 5
-    with one slot settles at a knee of 1); today it holds at the ceiling unmeasured."""
+    with one slot settles at a knee of 1): it steps down before it first holds, rather
+    than hold at the ceiling unmeasured."""
     limit = HillClimbingLimit(ceiling)
-    simulate(limit, 5000, slots=lambda i: slots)
+    seen: list[str] = []
+    simulate(limit, 5000, slots=lambda i: slots, watch=note_modes(seen))
     assert limit.limit <= slots + 1
+    assert "down" in seen[: seen.index("hold")]  # measured before it first holds
+
+
+def test_a_knee_stopped_short_by_noise_climbs_back():
+    """A climb that noise stopped short of 8 slots (knee 5, whose headroom alone fills
+    the slots, so probes with headroom gain nothing) is found out by probes down that
+    lose far more than one task's worth: the knee ends within one of the slots."""
+    limit = HillClimbingLimit(64)
+    simulate(limit, 60000, duration=lambda rng, i: 0.02 * rng.lognormvariate(0, 0.2), seed=8)
+    simulate(limit, 0, seed=9, hold=True)
+    assert 7 <= limit.limit <= 9
 
 
 def test_a_ceiling_above_the_start_finds_a_knee_below_it():
@@ -187,8 +210,8 @@ def limit_row(pool: WorkerPool) -> tuple[int, int]:
 def test_a_worker_moved_after_its_ceiling_was_lowered_keeps_its_limit_under_it():
     """After a reload lowers max_concurrent to 2 and a later one moves the worker to a
     new address (its limit starts again), workers() shows a limit of at most 2, the
-    one the capacity obeys; today the limit is 4, above its own ceiling, and ignores
-    every answer (never 4 in flight) until drops cut it."""
+    one the capacity obeys, not 4, above its own ceiling, ignoring every answer (never
+    4 in flight) until drops cut it."""
     clock, net = FakeClock(), FakeNetwork()
     net.route("a", lambda req: json_response(200, {"worker_id": "a"}))
     with WorkerPool(config(), transport_factory=net.factory, clock=clock) as pool:
@@ -321,32 +344,40 @@ def test_a_ceiling_lowered_then_raised_mid_probe_stays_in_bounds(lowered):
     assert limit.current >= 8
 
 
-def regain_after_a_lowered_ceiling(limit: HillClimbingLimit) -> int:
+def regain_after_a_lowered_ceiling(limit: HillClimbingLimit, watch: Any) -> tuple[int, int]:
     simulate(limit, 10000)
     lower_ceiling_as_a_reload_does(limit, 3)
     simulate(limit, 2000, seed=2)
     lower_ceiling_as_a_reload_does(limit, 64)
-    simulate(limit, 20000, seed=4, watch=within_bounds)
-    return 8
+    simulate(limit, 20000, seed=4, watch=watch, hold=True)
+    return 8, 400  # slots, and the answers within which the knee holds there
 
 
-def regain_slots(limit: HillClimbingLimit) -> int:
+def regain_slots(limit: HillClimbingLimit, watch: Any) -> tuple[int, int]:
     simulate(limit, 10000)
     simulate(limit, 5000, slots=lambda i: 2, seed=2)
-    simulate(limit, 20000, slots=lambda i: 16, seed=3, watch=within_bounds)
-    return 16
+    simulate(limit, 20000, slots=lambda i: 16, seed=3, watch=watch, hold=True)
+    return 16, 1600
 
 
 @pytest.mark.parametrize("regain", [regain_after_a_lowered_ceiling, regain_slots])
 def test_a_regained_worker_gets_its_headroom_back(regain):
     """A worker whose room comes back (a ceiling raised again after a reload lowered it
     to 3; slots going 8 -> 2 -> 16) ends at the knee a fresh start finds, its slots or
-    one more, with the headroom on top; today the knee stops where knee plus headroom
-    equals the slots (5 + 3 for 8, 12 + 4 for 16), so no task waits at the worker to
-    cover the gap between answer and next task."""
+    one more, with the headroom on top, and promptly: probes with headroom alone would
+    stop where knee plus headroom equals the slots (5 + 3 for 8, 12 + 4 for 16), so no
+    task would wait at the worker to cover the gap between answer and next task."""
     limit = HillClimbingLimit(64)
-    slots = regain(limit)
+    seen: list[tuple[Any, int]] = []  # each answer's mode and knee after the change
+
+    def watch(limit: HillClimbingLimit) -> None:
+        within_bounds(limit)
+        seen.append((limit.stats()["mode"], limit.limit))
+
+    slots, within = regain(limit, watch)
     assert slots <= limit.limit <= slots + 1 and limit.current == settled(limit)
+    # Padded probes one knee at a time, then a bare search: about twice as long.
+    assert any(mode == "hold" and knee >= slots for mode, knee in seen[:within])
 
 
 def slower_then_more_slots(limit: HillClimbingLimit) -> int:
@@ -366,14 +397,34 @@ def ceiling_two_then_raised(limit: HillClimbingLimit) -> int:
     return 8
 
 
+def test_a_worker_slower_for_good_is_still_probed_up():
+    """A worker whose tasks now take twice as long (same slots) is judged against its
+    new throughput: probes up go on, not a probe down after every period held."""
+    limit = HillClimbingLimit(64)
+    simulate(limit, 10000, hold=True)
+    modes: list[str] = []
+    slower = lambda rng, i: 0.04 * rng.uniform(0.95, 1.05)  # noqa: E731
+    simulate(limit, 10000, duration=slower, seed=2, watch=note_modes(modes))
+    assert "up" in modes[5000:]
+    assert 8 <= limit.limit <= 9
+
+
+def test_a_worker_losing_slots_one_at_a_time_is_followed_down():
+    """Slots going 16 -> 12 one every 2000 answers (each a fall of less than a tenth)
+    bring the knee down to 12 or 13 by probes down, not a knee left at 16."""
+    limit = HillClimbingLimit(64)
+    simulate(limit, 10000, slots=lambda i: 16, hold=True)
+    assert 16 <= limit.limit <= 17
+    simulate(limit, 30000, slots=lambda i: max(12, 16 - i // 2000), seed=2, hold=True)
+    assert 12 <= limit.limit <= 13 and limit.current == settled(limit)
+
+
 @pytest.mark.parametrize("scenario", [slower_then_more_slots, ceiling_two_then_raised])
 def test_a_held_throughput_that_fell_for_good_does_not_pin_the_limit(scenario):
     """A worker whose tasks now take twice as long (same slots), then gains slots to 16,
     is followed up; so is one whose ceiling went to 2 (its first period there counted
-    the queued tasks' answers) and back to 64. Today the settled throughput of the
-    faster past is kept when the probe down fails, every later period "falls" against
-    it, and the limit alternates hold and probe down, never up: 7-11 tasks for 16
-    slots, 4 for 8."""
+    the queued tasks' answers) and back to 64, rather than kept at 7-11 tasks for 16
+    slots, 4 for 8, by hold and probe down cycles against the throughput of the past."""
     limit = HillClimbingLimit(64)
     slots = scenario(limit)
     assert limit.current >= slots
@@ -382,19 +433,26 @@ def test_a_held_throughput_that_fell_for_good_does_not_pin_the_limit(scenario):
 def test_a_reset_with_tasks_still_queued_settles_at_the_same_knee():
     """reset() while a probe is under way and a dozen tasks still queue at the worker:
     the limit starts from 4 without headroom and settles at the knee it had (8 or 9).
-    Today the first round at 4 counts the queued tasks' answers (in flight 12), reads
-    the old level's throughput, finds no gain at 5 and descends to a knee of 6 or so,
-    where knee plus headroom only just covers the slots."""
+    Counting the queued tasks' answers (in flight 12) in the first round at 4 would
+    read the old level's throughput, find no gain at 5 and descend to a knee of 4."""
     limit = HillClimbingLimit(64)
     simulate(limit, 10000)
     after: list[tuple[int, Any]] = []
+    first_held: list[int] = []
 
     def reset(limit: HillClimbingLimit) -> None:
         limit.reset()
         after.append((limit.current, limit.stats()["headroom"]))
 
-    simulate(limit, 10000, seed=5, watch=at_first_probe(reset))
+    def watch(limit: HillClimbingLimit) -> None:
+        probe(limit)
+        if after and not first_held and limit.stats()["mode"] == "hold":
+            first_held.append(limit.limit)
+
+    probe = at_first_probe(reset)
+    simulate(limit, 10000, seed=5, watch=watch, hold=True)
     assert after == [(4, 0)]
+    assert 8 <= first_held[0] <= 9  # found at once, not after a detour down
     assert 8 <= limit.limit <= 9 and limit.current == settled(limit)
 
 
