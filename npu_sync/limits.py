@@ -66,8 +66,9 @@ a tenth (the worker lost capacity, or got slower), judged on the whole period he
 not on one round (rounds of 16 answers are too noisy on a busy machine); the fallen
 throughput is the new reference, whatever the probe finds. A *dropped* attempt (429,
 503, a timeout) cuts the limit in force by ``backoff`` (10 %) at once, headroom
-included: it holds at the highest knee whose level with its headroom fits in the
-cut (11 becomes 6 + 3), since the worker said plainly it is overloaded. Answers sent
+included, since the worker said plainly it is overloaded: it holds at the lowest
+knee whose level with its headroom reaches the cut (11 becomes 6 + 3), the headroom
+trimmed to the cut while it holds there. Answers sent
 while the worker had fewer tasks than the knee (the pool had no more to give it) say
 nothing about more load, and answers sent above the limit in force (before a move
 down or a reset) describe a level left behind: neither is counted. A ceiling at or
@@ -140,6 +141,8 @@ class HillClimbingLimit:
 
     __slots__ = (
         "_backoff",
+        "_cap",
+        "_cap_knee",
         "_confirmed",
         "_down_next",
         "_down_turns",
@@ -204,7 +207,10 @@ class HillClimbingLimit:
     @property
     def current(self) -> int:
         """The worker's capacity: the knee, plus the headroom once settled."""
-        return self._level(self.limit, self._padded)
+        level = self._level(self.limit, self._padded)
+        if self.limit == self._cap_knee and self._mode == "hold":
+            return min(level, self._cap)
+        return level
 
     def on_sample(self, rtt: float, in_flight: int, dropped: bool) -> int:
         """Count one attempt.
@@ -250,6 +256,8 @@ class HillClimbingLimit:
         """Start again from the initial limit (a worker back in service, a new address)."""
         self.limit = self.initial
         self._mode = "start"
+        self._cap_knee = 0  # the knee a drop left, whose level stays within ``_cap``
+        self._cap = 0
         self._padded = False
         self._previous = self.initial
         self._throughput: float | None = None
@@ -420,6 +428,7 @@ class HillClimbingLimit:
 
     def _climb(self, throughput: float, *, first: bool) -> None:
         self._first_climb = first
+        self._cap_knee = 0  # the worker has room again: a drop's cut no longer holds
         limit = self.limit
         if limit >= self.ceiling:
             if first and limit > 1:
@@ -431,14 +440,16 @@ class HillClimbingLimit:
             self._move(limit + (1 if self._fine else max(1, limit // 4)), "up", throughput)
 
     def _cut(self) -> None:
-        """A dropped attempt: the worker said what it can take. Hold at the largest knee
-        whose level, headroom included, is within the cut: padding a bare cut would
-        leave the worker more than before the drop (11 cut to 9, plus 3)."""
+        """A dropped attempt: the worker said what it can take. Hold at the smallest knee
+        whose level, headroom included, reaches the cut, held to the cut while it holds
+        there: padding a bare cut would leave the worker more than before the drop (11
+        cut to 9, plus 3)."""
         cut = max(1, int(self.current * self._backoff))
         knee = cut
-        while knee > 1 and self._level(knee, True) > cut:
+        while knee > 1 and self._level(knee - 1, True) >= cut:
             knee -= 1
-        self._move(knee, "hold", None, padded=self._level(knee, True) <= cut)
+        self._move(knee, "hold", None, padded=True)
+        self._cap, self._cap_knee = cut, knee
 
     def _move(
         self,

@@ -213,15 +213,15 @@ def test_a_drop_cuts_the_limit_at_once_and_never_below_one():
 
 def test_a_drop_cuts_a_settled_limit_headroom_and_all():
     """A drop while settled cuts what the worker was given (knee plus headroom) by a
-    tenth at once: it holds at the highest knee whose headroom fits within the cut."""
+    tenth at once: it holds at the lowest knee whose headroom reaches the cut."""
     limit = HillClimbingLimit(64, initial=4)
     run(limit, 16, 0.02, 10000, hold=True)
     before, knee = limit.current, limit.limit
     assert before == settled(limit) > knee
     after = limit.on_sample(0.5, before, True)
     cut = int(before * 0.9)
-    assert after == limit.current == settled(limit) <= cut
-    assert limit.limit + 1 + square_root_headroom(limit.limit + 1) > cut
+    assert after == limit.current == cut and settled(limit) >= cut
+    assert limit.limit - 1 + square_root_headroom(limit.limit - 1) < cut
     assert limit.stats()["headroom"] > 0 and limit.stats()["mode"] == "hold"
 
 
