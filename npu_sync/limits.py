@@ -51,16 +51,29 @@ fixed value's throughput at 0.86 times its p99, where the default of 8 gets half
 throughput (``docs/benchmarks.md``). The climb and the descent stay bare, so they
 measure the knee and not the queue.
 
-It holds for a few rounds and probes one step up (headroom included, measured over
-two rounds): a gain means the worker can do more, and it holds there. It probes down
-(bare) instead when the held throughput fell by a tenth (the worker lost capacity,
-or got slower). That fall is judged on the whole period held, not on one round:
-rounds of 16 answers are too noisy on a busy machine, and a probe down costs a round
-without the headroom. A *dropped* attempt (429, 503, a timeout) cuts the limit in
-force by ``backoff`` (10 %) at once, with no headroom on top until it settles again,
-since the worker said plainly it is overloaded. Answers sent while the worker had
-fewer tasks than the knee (the pool had no more to give it) say nothing about more
-load and are not counted.
+It holds for a few rounds, then probes, up and down in turn. A probe up goes one
+step up, headroom included, measured over two rounds; a gain is believed when the
+next probe up gains too (noise wins one now and then, and a knee that only moved up
+would ratchet toward the ceiling): the worker can do more, maybe past where padded
+levels can tell (they fill the slots either way), so it searches bare again from the
+level measured. A probe down measures the knee one step down, bare, and tells both
+ways: a loss under half the linear one means the knee was past the slots, so it
+goes on down; a loss over twice the linear one, twice running, means the knee is
+below the slots (the headroom did the work), so it climbs bare. A knee whose step
+down lost is probed down only on every eighth turn, since a bare round under the
+knee costs throughput. It also probes down at once when the held throughput fell by
+a tenth (the worker lost capacity, or got slower), judged on the whole period held,
+not on one round (rounds of 16 answers are too noisy on a busy machine); the fallen
+throughput is the new reference, whatever the probe finds. A *dropped* attempt (429,
+503, a timeout) cuts the limit in force by ``backoff`` (10 %) at once, headroom
+included, since the worker said plainly it is overloaded: it holds at the lowest
+knee whose level with its headroom reaches the cut (11 becomes 6 + 3), the headroom
+trimmed to the cut while it holds there. Answers sent
+while the worker had fewer tasks than the knee (the pool had no more to give it) say
+nothing about more load, and answers sent above the limit in force (before a move
+down or a reset) describe a level left behind: neither is counted. A ceiling at or
+under the start (``max_concurrent`` of 4 or less) is measured down from, like a
+first step up that gains nothing.
 
 Against a simulated worker of ``C`` parallel slots kept busy by more callers than the
 limit (``tests/test_limits.py``) the knee settles at ``C`` or ``C + 1``, from above
@@ -128,8 +141,14 @@ class HillClimbingLimit:
 
     __slots__ = (
         "_backoff",
+        "_cap",
+        "_cap_knee",
+        "_confirmed",
+        "_down_next",
+        "_down_turns",
         "_fine",
         "_first_climb",
+        "_gained",
         "_headroom",
         "_held",
         "_hold_rounds",
@@ -142,7 +161,9 @@ class HillClimbingLimit:
         "_previous",
         "_settled",
         "_settled_knee",
+        "_short",
         "_skip",
+        "_start",
         "_sum_in_flight",
         "_sum_rtt",
         "_throughput",
@@ -154,6 +175,7 @@ class HillClimbingLimit:
     )
 
     _FALL = 0.1  # the share of throughput lost at a held knee that makes it probe down
+    _RECHECK = 8  # a confirmed knee probes down on every this many turns down
 
     def __init__(
         self,
@@ -172,6 +194,7 @@ class HillClimbingLimit:
         if not 0 < backoff < 1:
             raise ValueError(f"backoff must be in (0, 1), got {backoff!r}")
         self.ceiling = ceiling
+        self._start = initial
         self.initial = max(1, min(initial, ceiling))
         self._hold_rounds = hold_rounds
         self._min_round = min_round
@@ -184,7 +207,10 @@ class HillClimbingLimit:
     @property
     def current(self) -> int:
         """The worker's capacity: the knee, plus the headroom once settled."""
-        return self._level(self.limit, self._padded)
+        level = self._level(self.limit, self._padded)
+        if self.limit == self._cap_knee and self._mode == "hold":
+            return min(level, self._cap)
+        return level
 
     def on_sample(self, rtt: float, in_flight: int, dropped: bool) -> int:
         """Count one attempt.
@@ -204,12 +230,13 @@ class HillClimbingLimit:
         """
         if dropped:
             self.drops += 1
-            # The worker said what it can take: no headroom on top of the cut.
-            self._move(int(self.current * self._backoff), "hold", None)
+            self._cut()
             return self.current
         # Below the knee the worker was app-limited (the pool had no more to give it):
-        # that says nothing about more load. The headroom need not be full.
-        if in_flight < self.limit or not rtt > 0:
+        # that says nothing about more load. The headroom need not be full. Above the
+        # limit in force the task was sent before a move down (or a reset): it describes
+        # a level left behind. An infinite duration is a clock gone wrong.
+        if not self.limit <= in_flight <= self.current or not 0 < rtt < math.inf:
             return self.current
         self.samples += 1
         if self._skip:
@@ -229,6 +256,8 @@ class HillClimbingLimit:
         """Start again from the initial limit (a worker back in service, a new address)."""
         self.limit = self.initial
         self._mode = "start"
+        self._cap_knee = 0  # the knee a drop left, whose level stays within ``_cap``
+        self._cap = 0
         self._padded = False
         self._previous = self.initial
         self._throughput: float | None = None
@@ -239,8 +268,36 @@ class HillClimbingLimit:
         self._settled_knee = 0  # the knee that throughput was measured at
         self._first_climb = False
         self._fine = False
+        self._down_next = False  # the next probe from hold goes down, not up
+        self._down_turns = 0
+        self._confirmed = 0  # the knee a step down from which last lost throughput
+        self._gained = False  # the last probe up from hold gained
+        self._short = False  # the last probe down lost more than twice the linear loss
         self._skip = self.initial  # the worker's queue is not yet what the limit makes it
         self._clear()
+
+    def set_ceiling(self, ceiling: int) -> None:
+        """Apply a new ceiling (a reload changed ``max_concurrent``): the limit, and the
+        initial one a :meth:`reset` returns to, stay within it.
+
+        Raises:
+            ValueError: ``ceiling`` is below 1.
+        """
+        if ceiling < 1:
+            raise ValueError(f"ceiling must be >= 1, got {ceiling!r}")
+        before = self.current
+        self.ceiling = ceiling
+        self.initial = max(1, min(self._start, ceiling))
+        self._previous = min(self._previous, ceiling)
+        if self.limit > ceiling:
+            # The knee no longer fits: hold at the ceiling (or keep starting from it) and
+            # measure it afresh.
+            mode = "start" if self._mode == "start" else "hold"
+            self._move(ceiling, mode, None, padded=self._padded)
+        elif self.current != before:
+            # Only the headroom changed: the round under way measured another level.
+            self._skip = max(before, self.current)
+            self._clear()
 
     def stats(self) -> dict[str, float | int | str | None]:
         """``{"limit", "knee", "headroom", "ceiling", "mode", "throughput", "samples",
@@ -277,6 +334,7 @@ class HillClimbingLimit:
             # Linear scaling would multiply throughput by limit / previous: keep the
             # step if at least half that gain showed.
             if throughput < before * (1 + 0.5 * (limit / previous - 1)):
+                self._gained = False
                 if self._first_climb and previous > 1:
                     # The knee is below the start: measure one under it, against it.
                     self._move(previous - 1, "down", before, came_from=previous)
@@ -287,20 +345,40 @@ class HillClimbingLimit:
                     self._move(previous + 1, "up", before, came_from=previous)
                 else:
                     self._move(previous, "hold", before, padded=True)
+            elif self._padded and not self._gained:
+                # A probe from hold gained, headroom and all. Noise does that now and
+                # then: go back, and believe it when the next probe up gains too.
+                self._gained = True
+                self._move(previous, "hold", before, padded=True)
             elif self._padded:
-                # A probe from hold gained, headroom and all: the worker can do more.
-                # Hold there and probe again after, one step at a time: climbing bare
-                # from here would drop the headroom for rounds, costly if the gain was
-                # noise.
-                self._move(limit, "hold", throughput, padded=True)
+                # Twice: the worker can do more, and its knee may now lie past the
+                # padded level (slots regained, a ceiling raised). Probes of padded
+                # levels would stop once knee plus headroom reach the slots, so search
+                # bare from the level measured: climb, or, if a step up gains nothing,
+                # descend.
+                self._gained = False
+                self.limit, self._padded = self.current, False
+                self._climb(throughput, first=True)
             else:
                 self._climb(throughput, first=False)
         elif throughput >= before * (1 - 0.5 * (1 - limit / previous)):  # down
+            self._gained = False
             if limit > 1:
                 self._move(limit - 1, "down", throughput)
             else:
+                self._confirmed = limit
                 self._move(limit, "hold", throughput, padded=True)
+        elif throughput < before * (1 - 2 * (1 - limit / previous)) and self._short:
+            # Lost more than twice the linear loss, twice running: the level left
+            # (headroom and all, from hold) ran well past what its knee alone reaches,
+            # so the knee lies below the worker's slots, where probes of padded levels
+            # cannot see it (they fill the slots either way). Climb bare from here.
+            self._short = False
+            self._climb(throughput, first=False)
         else:
+            # Once may be noise: back to hold, and probe down again next time.
+            self._short = throughput < before * (1 - 2 * (1 - limit / previous))
+            self._confirmed = 0 if self._short else previous
             self._move(previous, "hold", before, padded=True)
 
     def _hold(self, throughput: float) -> None:
@@ -319,12 +397,29 @@ class HillClimbingLimit:
         limit = self.limit
         settled = self._settled if self._settled_knee == limit else None
         if settled is not None and period < settled * (1 - self._FALL) and limit > 1:
+            # The fall is the new normal whatever the probe down finds: judged against
+            # the old throughput, every later period would fall again, and the limit
+            # would alternate hold and probe down for good.
+            self._settled = period
             self._move(limit - 1, "down", period)
             return
         self._settled = period if settled is None else (settled + period) / 2
         self._settled_knee = limit
-        if self._level(limit + 1, True) > self.current or (
-            not self._padded and limit < self.ceiling
+        # Probes alternate up and down. Noise keeps a probe up now and then, and a knee
+        # that only ever probed up would ratchet toward the ceiling; a bare probe down
+        # is kept when it loses less than half the linear loss, so a knee past the
+        # slots comes back. A bare round under the knee costs throughput: a knee whose
+        # step down lost already is probed down only now and then (its worker may
+        # have slowly lost slots).
+        down, self._down_next = self._down_next, not self._down_next
+        if down:
+            self._down_turns += 1
+            down = limit != self._confirmed or self._down_turns % self._RECHECK == 0
+        if down and limit > 1:
+            self._move(limit - 1, "down", period)
+        elif not down and (
+            self._level(limit + 1, True) > self.current
+            or (not self._padded and limit < self.ceiling)
         ):
             self._first_climb = False
             self._move(limit + 1, "up", period, padded=self._padded)
@@ -333,11 +428,28 @@ class HillClimbingLimit:
 
     def _climb(self, throughput: float, *, first: bool) -> None:
         self._first_climb = first
+        self._cap_knee = 0  # the worker has room again: a drop's cut no longer holds
         limit = self.limit
         if limit >= self.ceiling:
-            self._move(limit, "hold", throughput, padded=True)
+            if first and limit > 1:
+                # Started at the ceiling: the knee may lie below it.
+                self._move(limit - 1, "down", throughput)
+            else:
+                self._move(limit, "hold", throughput, padded=True)
         else:
             self._move(limit + (1 if self._fine else max(1, limit // 4)), "up", throughput)
+
+    def _cut(self) -> None:
+        """A dropped attempt: the worker said what it can take. Hold at the smallest knee
+        whose level, headroom included, reaches the cut, held to the cut while it holds
+        there: padding a bare cut would leave the worker more than before the drop (11
+        cut to 9, plus 3)."""
+        cut = max(1, int(self.current * self._backoff))
+        knee = cut
+        while knee > 1 and self._level(knee - 1, True) >= cut:
+            knee -= 1
+        self._move(knee, "hold", None, padded=True)
+        self._cap, self._cap_knee = cut, knee
 
     def _move(
         self,

@@ -207,8 +207,7 @@ class PoolState:
             elif not isinstance(limit, HillClimbingLimit):
                 worker.set_limit(HillClimbingLimit(ceiling=worker.config.max_concurrent))
             elif limit.ceiling != worker.config.max_concurrent:
-                limit.ceiling = worker.config.max_concurrent
-                limit.limit = min(limit.limit, limit.ceiling)
+                limit.set_ceiling(worker.config.max_concurrent)
                 worker.set_limit(limit)
         self.dispatcher.release_locked(now)
 

@@ -1,8 +1,8 @@
 """Attacks on the adaptive concurrency limit: odd samples, small ceilings, drops, noise,
 reloads and resets, against a simulated worker and through a pool.
 
-Tests marked xfail(strict=True) show a contract the limit breaks today; each names the
-behaviour that should hold. The unmarked ones are attacks it withstands.
+Each test names the behaviour that holds and, where it once broke, how: the first
+block pins those breaks, the second attacks the limit withstood from the start.
 """
 
 from __future__ import annotations
@@ -36,11 +36,13 @@ def simulate(
     duration: Callable[[random.Random, int], float] | None = None,
     seed: int = 1,
     watch: Callable[[HillClimbingLimit], None] | None = None,
+    hold: bool = False,
 ) -> None:
     """Feed ``limit`` the answers of a worker kept full by more callers than the limit
     (as ``tests/test_limits.py`` does), where the worker's parallel slots after ``i``
     answers are ``slots(i)`` and a task started then takes ``duration(rng, i)`` seconds
-    in its slot. ``watch`` sees the limit after each answer."""
+    in its slot. ``watch`` sees the limit after each answer. With ``hold``, go on past
+    ``answers`` until the limit holds (not in the middle of a probe)."""
     if duration is None:
         duration = steady
     rng = random.Random(seed)
@@ -61,7 +63,8 @@ def simulate(
 
     for _ in range(limit.current):
         heapq.heappush(in_flight, start(0))
-    for i in range(answers):
+    i = 0
+    while i < answers or (hold and limit.stats()["mode"] != "hold"):
         ends, started, level = heapq.heappop(in_flight)
         now = ends
         limit.on_sample(ends - started, level, False)
@@ -69,6 +72,7 @@ def simulate(
             watch(limit)
         while len(in_flight) < limit.current:
             heapq.heappush(in_flight, start(i))
+        i += 1
 
 
 def settled(limit: HillClimbingLimit) -> int:
@@ -85,38 +89,40 @@ def within_bounds(limit: HillClimbingLimit) -> None:
     assert stats["limit"] == current == stats["knee"] + stats["headroom"]
 
 
+def note_modes(seen: list[str]) -> Callable[[HillClimbingLimit], None]:
+    """A ``watch`` that notes each answer's mode in ``seen``."""
+    return lambda limit: seen.append(str(limit.stats()["mode"]))
+
+
 def lower_ceiling_as_a_reload_does(limit: HillClimbingLimit, ceiling: int) -> None:
     """What ``PoolState.configure_balancing_locked`` does to a limit on a reload."""
-    limit.ceiling = ceiling
-    limit.limit = min(limit.limit, ceiling)
+    limit.set_ceiling(ceiling)
 
 
 # -- breaks ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a drop cuts the padded level to a new bare knee above the old one, then pads it",
-)
 def test_isolated_drops_do_not_raise_a_settled_limit():
-    """A worker of 8 slots settled at 11 that now and then answers 429 ends no higher
-    than 11: a drop never leaves the worker more tasks than before it."""
+    """A worker of 8 slots settled at 11 that now and then answers 429 never holds
+    higher than 11: a drop never leaves the worker more tasks than before it."""
     limit = HillClimbingLimit(64)
-    simulate(limit, 10000)
+    simulate(limit, 10000, hold=True)
     before = limit.current
     assert before == settled(limit) == 11
+    held: set[int] = set()
+
+    def note_held(limit: HillClimbingLimit) -> None:
+        if limit.stats()["mode"] == "hold":
+            held.add(limit.current)
+
     for cycle in range(6):
         level = limit.current
         assert limit.on_sample(0.5, level, True) < level  # cut at once: that holds
-        simulate(limit, 3000, seed=10 + cycle)
-    # Today each drop leaves a knee of int(0.9 * current) padded with its square root:
-    # 11 -> 9 + 3 = 12 -> 14 -> 17 ... for a worker whose throughput is flat past 8.
-    assert limit.current <= before
+        simulate(limit, 3000, seed=10 + cycle, watch=note_held)
+    # A bare cut padded later would hold at 9 + 3 = 12, for a worker flat past 8.
+    assert max(held) <= before and limit.current <= before
 
 
-@pytest.mark.xfail(
-    strict=True, reason="probes up are kept on noise; a held knee never probes down: ratchet"
-)
 @pytest.mark.parametrize(
     "duration",
     [
@@ -133,21 +139,31 @@ def test_noisy_task_times_do_not_ratchet_the_knee_up(duration):
     toward the ceiling that queues dozens of tasks inside the worker."""
     limit = HillClimbingLimit(64)
     simulate(limit, 60000, duration=duration, seed=8)
-    # Today: about 20-30 after 60 000 answers, the ceiling after 150 000 or so.
+    # Probing only up, noise kept it about 20-30 after 60 000 answers, the ceiling later.
     assert limit.limit <= 12
 
 
-@pytest.mark.xfail(
-    strict=True, reason="starting at the ceiling, the first climb holds before any descent"
-)
 @pytest.mark.parametrize(("ceiling", "slots"), [(3, 1), (4, 1), (4, 2)])
 def test_a_ceiling_at_or_under_the_start_still_finds_the_knee(ceiling, slots):
     """With max_concurrent at or below the initial 4 the knee still settles at the
     worker's slots or one more, as it does for ceilings above the start (ceiling 5
-    with one slot settles at a knee of 1); today it holds at the ceiling unmeasured."""
+    with one slot settles at a knee of 1): it steps down before it first holds, rather
+    than hold at the ceiling unmeasured."""
     limit = HillClimbingLimit(ceiling)
-    simulate(limit, 5000, slots=lambda i: slots)
+    seen: list[str] = []
+    simulate(limit, 5000, slots=lambda i: slots, watch=note_modes(seen))
     assert limit.limit <= slots + 1
+    assert "down" in seen[: seen.index("hold")]  # measured before it first holds
+
+
+def test_a_knee_stopped_short_by_noise_climbs_back():
+    """A climb that noise stopped short of 8 slots (knee 5, whose headroom alone fills
+    the slots, so probes with headroom gain nothing) is found out by probes down that
+    lose far more than one task's worth: the knee ends within one of the slots."""
+    limit = HillClimbingLimit(64)
+    simulate(limit, 60000, duration=lambda rng, i: 0.02 * rng.lognormvariate(0, 0.2), seed=8)
+    simulate(limit, 0, seed=9, hold=True)
+    assert 7 <= limit.limit <= 9
 
 
 def test_a_ceiling_above_the_start_finds_a_knee_below_it():
@@ -157,23 +173,24 @@ def test_a_ceiling_above_the_start_finds_a_knee_below_it():
     assert limit.limit == 1 and limit.current == 2
 
 
-@pytest.mark.xfail(strict=True, reason="rtt inf passes `not rtt > 0`: the period reads 0/s")
 def test_an_infinite_rtt_is_ignored_like_a_nan_one():
     """One answer with an infinite duration (a clock gone wrong) is ignored as a NaN one
     is: it does not make a held limit's whole period read zero and probe down."""
-    limit = HillClimbingLimit(4, initial=4, min_round=16)  # holds at once: no probes up
+    limit = HillClimbingLimit(4, initial=4, min_round=16)  # at the ceiling: no probes up
 
     def feed(answers: int, rtt: float) -> None:
         for _ in range(answers):
             limit.on_sample(rtt, limit.current, False)
 
     feed(4 + 16, 0.02)
+    feed(4 + 16, 0.02)  # one step down loses: it holds at 4
     feed(4 + 64, 0.02)  # a period: the settled throughput
     assert limit.stats()["mode"] == "hold"
     feed(4 + 32, 0.02)
     feed(1, math.inf)
-    feed(31, 0.02)  # the rest of the period
+    feed(32, 0.02)  # the rest of the period, judged on its last answer
     assert limit.stats()["mode"] == "hold" and limit.limit == 4
+    assert limit.samples == 20 + 20 + 68 + 36 + 32  # all but the infinite one
 
 
 def config(**worker: Any) -> PoolConfig:
@@ -190,14 +207,11 @@ def limit_row(pool: WorkerPool) -> tuple[int, int]:
     return row["capacity"], row["balancing"]["limit"]
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a reload changes ceiling but not initial; reset() returns to 4"
-)
 def test_a_worker_moved_after_its_ceiling_was_lowered_keeps_its_limit_under_it():
     """After a reload lowers max_concurrent to 2 and a later one moves the worker to a
     new address (its limit starts again), workers() shows a limit of at most 2, the
-    one the capacity obeys; today the limit is 4, above its own ceiling, and ignores
-    every answer (never 4 in flight) until drops cut it."""
+    one the capacity obeys, not 4, above its own ceiling, ignoring every answer (never
+    4 in flight) until drops cut it."""
     clock, net = FakeClock(), FakeNetwork()
     net.route("a", lambda req: json_response(200, {"worker_id": "a"}))
     with WorkerPool(config(), transport_factory=net.factory, clock=clock) as pool:
@@ -330,36 +344,40 @@ def test_a_ceiling_lowered_then_raised_mid_probe_stays_in_bounds(lowered):
     assert limit.current >= 8
 
 
-def regain_after_a_lowered_ceiling(limit: HillClimbingLimit) -> int:
+def regain_after_a_lowered_ceiling(limit: HillClimbingLimit, watch: Any) -> tuple[int, int]:
     simulate(limit, 10000)
     lower_ceiling_as_a_reload_does(limit, 3)
     simulate(limit, 2000, seed=2)
     lower_ceiling_as_a_reload_does(limit, 64)
-    simulate(limit, 20000, seed=4, watch=within_bounds)
-    return 8
+    simulate(limit, 20000, seed=4, watch=watch, hold=True)
+    return 8, 400  # slots, and the answers within which the knee holds there
 
 
-def regain_slots(limit: HillClimbingLimit) -> int:
+def regain_slots(limit: HillClimbingLimit, watch: Any) -> tuple[int, int]:
     simulate(limit, 10000)
     simulate(limit, 5000, slots=lambda i: 2, seed=2)
-    simulate(limit, 20000, slots=lambda i: 16, seed=3, watch=within_bounds)
-    return 16
+    simulate(limit, 20000, slots=lambda i: 16, seed=3, watch=watch, hold=True)
+    return 16, 1600
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="probes from hold compare padded levels: the climb stops once knee+headroom=slots",
-)
 @pytest.mark.parametrize("regain", [regain_after_a_lowered_ceiling, regain_slots])
 def test_a_regained_worker_gets_its_headroom_back(regain):
     """A worker whose room comes back (a ceiling raised again after a reload lowered it
     to 3; slots going 8 -> 2 -> 16) ends at the knee a fresh start finds, its slots or
-    one more, with the headroom on top; today the knee stops where knee plus headroom
-    equals the slots (5 + 3 for 8, 12 + 4 for 16), so no task waits at the worker to
-    cover the gap between answer and next task."""
+    one more, with the headroom on top, and promptly: probes with headroom alone would
+    stop where knee plus headroom equals the slots (5 + 3 for 8, 12 + 4 for 16), so no
+    task would wait at the worker to cover the gap between answer and next task."""
     limit = HillClimbingLimit(64)
-    slots = regain(limit)
+    seen: list[tuple[Any, int]] = []  # each answer's mode and knee after the change
+
+    def watch(limit: HillClimbingLimit) -> None:
+        within_bounds(limit)
+        seen.append((limit.stats()["mode"], limit.limit))
+
+    slots, within = regain(limit, watch)
     assert slots <= limit.limit <= slots + 1 and limit.current == settled(limit)
+    # Padded probes one knee at a time, then a bare search: about twice as long.
+    assert any(mode == "hold" and knee >= slots for mode, knee in seen[:within])
 
 
 def slower_then_more_slots(limit: HillClimbingLimit) -> int:
@@ -379,42 +397,62 @@ def ceiling_two_then_raised(limit: HillClimbingLimit) -> int:
     return 8
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a fall whose probe down fails keeps the old settled throughput: probes down forever",
-)
+def test_a_worker_slower_for_good_is_still_probed_up():
+    """A worker whose tasks now take twice as long (same slots) is judged against its
+    new throughput: probes up go on, not a probe down after every period held."""
+    limit = HillClimbingLimit(64)
+    simulate(limit, 10000, hold=True)
+    modes: list[str] = []
+    slower = lambda rng, i: 0.04 * rng.uniform(0.95, 1.05)  # noqa: E731
+    simulate(limit, 10000, duration=slower, seed=2, watch=note_modes(modes))
+    assert "up" in modes[5000:]
+    assert 8 <= limit.limit <= 9
+
+
+def test_a_worker_losing_slots_one_at_a_time_is_followed_down():
+    """Slots going 16 -> 12 one every 2000 answers (each a fall of less than a tenth)
+    bring the knee down to 12 or 13 by probes down, not a knee left at 16."""
+    limit = HillClimbingLimit(64)
+    simulate(limit, 10000, slots=lambda i: 16, hold=True)
+    assert 16 <= limit.limit <= 17
+    simulate(limit, 30000, slots=lambda i: max(12, 16 - i // 2000), seed=2, hold=True)
+    assert 12 <= limit.limit <= 13 and limit.current == settled(limit)
+
+
 @pytest.mark.parametrize("scenario", [slower_then_more_slots, ceiling_two_then_raised])
 def test_a_held_throughput_that_fell_for_good_does_not_pin_the_limit(scenario):
     """A worker whose tasks now take twice as long (same slots), then gains slots to 16,
     is followed up; so is one whose ceiling went to 2 (its first period there counted
-    the queued tasks' answers) and back to 64. Today the settled throughput of the
-    faster past is kept when the probe down fails, every later period "falls" against
-    it, and the limit alternates hold and probe down, never up: 7-11 tasks for 16
-    slots, 4 for 8."""
+    the queued tasks' answers) and back to 64, rather than kept at 7-11 tasks for 16
+    slots, 4 for 8, by hold and probe down cycles against the throughput of the past."""
     limit = HillClimbingLimit(64)
     slots = scenario(limit)
     assert limit.current >= slots
 
 
-@pytest.mark.xfail(
-    strict=True, reason="after reset() answers sent at the old, higher level are counted"
-)
 def test_a_reset_with_tasks_still_queued_settles_at_the_same_knee():
     """reset() while a probe is under way and a dozen tasks still queue at the worker:
     the limit starts from 4 without headroom and settles at the knee it had (8 or 9).
-    Today the first round at 4 counts the queued tasks' answers (in flight 12), reads
-    the old level's throughput, finds no gain at 5 and descends to a knee of 6 or so,
-    where knee plus headroom only just covers the slots."""
+    Counting the queued tasks' answers (in flight 12) in the first round at 4 would
+    read the old level's throughput, find no gain at 5 and descend to a knee of 4."""
     limit = HillClimbingLimit(64)
     simulate(limit, 10000)
     after: list[tuple[int, Any]] = []
+    first_held: list[int] = []
 
     def reset(limit: HillClimbingLimit) -> None:
         limit.reset()
         after.append((limit.current, limit.stats()["headroom"]))
 
-    simulate(limit, 10000, seed=5, watch=at_first_probe(reset))
+    def watch(limit: HillClimbingLimit) -> None:
+        probe(limit)
+        if after and not first_held and limit.stats()["mode"] == "hold":
+            first_held.append(limit.limit)
+
+    probe = at_first_probe(reset)
+    simulate(limit, 10000, seed=5, watch=watch, hold=True)
     assert after == [(4, 0)]
+    assert 8 <= first_held[0] <= 9  # found at once, not after a detour down
     assert 8 <= limit.limit <= 9 and limit.current == settled(limit)
 
 

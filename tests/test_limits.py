@@ -35,13 +35,15 @@ def run(
     seed: int = 1,
     gap: float = 0.0,
     watch: Callable[[Any], None] | None = None,
+    hold: bool = False,
 ) -> float:
     """Feed ``limit`` the answers of a worker with ``slots`` parallel slots, each task
     taking ``base`` seconds (±5 %), kept full by more callers than the limit: every
     task is sent at the limit and waits for a slot inside the worker. With ``gap``,
     a task reaches the worker a random time after it is sent (exponential, mean
     ``gap``), as a real pool's tasks do after a slot frees (answer, parse, wake a
-    caller, send). ``watch`` sees the limit after each answer. Returns the worker's
+    caller, send). ``watch`` sees the limit after each answer; with ``hold``, answers
+    go on until the limit holds (not in the middle of a probe). Returns the worker's
     throughput over the second half of the answers, in tasks a second."""
     rng = random.Random(seed)
     now = 0.0
@@ -50,7 +52,8 @@ def run(
     for _ in range(limit.current):
         heapq.heappush(in_flight, _start(now, free_at, base, rng, limit.current, gap))
     half = 0.0
-    for i in range(answers):
+    i = 0
+    while i < answers or (hold and isinstance(limit, HillClimbingLimit) and not held(limit)):
         ends, started, level = heapq.heappop(in_flight)
         now = ends
         if i == answers // 2:
@@ -60,7 +63,13 @@ def run(
             watch(limit)
         while len(in_flight) < limit.current:
             heapq.heappush(in_flight, _start(now, free_at, base, rng, len(in_flight) + 1, gap))
-    return (answers - answers // 2) / (now - half)
+        i += 1
+    return (i - answers // 2) / (now - half)
+
+
+def held(limit: HillClimbingLimit) -> bool:
+    """Whether ``limit`` holds, between probes."""
+    return limit.stats()["mode"] == "hold"
 
 
 def _start(
@@ -159,14 +168,16 @@ def test_one_slow_round_does_not_make_a_held_limit_probe_down():
     """A fall is judged on a whole hold period against the settled throughput: one
     round a quarter slower (noise on a busy machine) keeps the knee; a period a fifth
     slower (the worker lost capacity) sends it down, without headroom."""
-    limit = HillClimbingLimit(4, initial=4, min_round=16)  # holds at once: no probes up
+    limit = HillClimbingLimit(4, initial=4, min_round=16)  # at the ceiling: no probes up
 
     def feed(answers: int, rtt: float) -> None:
         for _ in range(answers):
             limit.on_sample(rtt, limit.current, False)
 
     feed(4 + 16, 0.02)  # the turnover skipped after a move, then the first round
-    assert limit.stats()["mode"] == "hold"
+    assert limit.stats()["mode"] == "down" and limit.current == 3  # no room to climb
+    feed(4 + 16, 0.02)  # 3 in flight lose a quarter: the knee is 4, a step down lost
+    assert limit.stats()["mode"] == "hold" and limit.current == 4
     feed(4 + 64, 0.02)  # a period of four rounds: the settled throughput
     feed(4 + 48, 0.02)
     feed(16, 0.02 / 0.75)  # its last round a quarter slower
@@ -202,14 +213,16 @@ def test_a_drop_cuts_the_limit_at_once_and_never_below_one():
 
 def test_a_drop_cuts_a_settled_limit_headroom_and_all():
     """A drop while settled cuts what the worker was given (knee plus headroom) by a
-    tenth at once, and no headroom is added on top of the cut."""
+    tenth at once: it holds at the lowest knee whose headroom reaches the cut."""
     limit = HillClimbingLimit(64, initial=4)
-    run(limit, 16, 0.02, 10000)
-    before = limit.current
-    assert before == settled(limit) > limit.limit
+    run(limit, 16, 0.02, 10000, hold=True)
+    before, knee = limit.current, limit.limit
+    assert before == settled(limit) > knee
     after = limit.on_sample(0.5, before, True)
-    assert after == int(before * 0.9) == limit.limit
-    assert limit.stats()["headroom"] == 0 and limit.stats()["mode"] == "hold"
+    cut = int(before * 0.9)
+    assert after == limit.current == cut and settled(limit) >= cut
+    assert limit.limit - 1 + square_root_headroom(limit.limit - 1) < cut
+    assert limit.stats()["headroom"] > 0 and limit.stats()["mode"] == "hold"
 
 
 def test_the_limit_stays_within_one_and_the_ceiling():
