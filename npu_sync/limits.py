@@ -68,7 +68,8 @@ throughput is the new reference, whatever the probe finds. A *dropped* attempt (
 503, a timeout) cuts the limit in force by ``backoff`` (10 %) at once, headroom
 included, since the worker said plainly it is overloaded: it holds at the lowest
 knee whose level with its headroom reaches the cut (11 becomes 6 + 3), the headroom
-trimmed to the cut while it holds there. Answers sent
+trimmed to the cut while it holds there; during a probe up from hold the cut is taken
+from the level held before the probe, never from the probe's. Answers sent
 while the worker had fewer tasks than the knee (the pool had no more to give it) say
 nothing about more load, and answers sent above the limit in force (before a move
 down or a reset) describe a level left behind: neither is counted. A ceiling at or
@@ -443,8 +444,16 @@ class HillClimbingLimit:
         """A dropped attempt: the worker said what it can take. Hold at the smallest knee
         whose level, headroom included, reaches the cut, held to the cut while it holds
         there: padding a bare cut would leave the worker more than before the drop (11
-        cut to 9, plus 3)."""
-        cut = max(1, int(self.current * self._backoff))
+        cut to 9, plus 3). During a probe up from hold the cut is taken from the level
+        held before the probe: the probe's extra task is what the worker refused, and 10 %
+        off the probe's level can leave more than was held (4 cut to 3 after holding 2)."""
+        level = self.current
+        if self._mode == "up" and self._padded:
+            held = self._level(self._previous, True)
+            if self._previous == self._cap_knee:
+                held = min(held, self._cap)
+            level = min(level, held)
+        cut = max(1, int(level * self._backoff))
         knee = cut
         while knee > 1 and self._level(knee - 1, True) >= cut:
             knee -= 1

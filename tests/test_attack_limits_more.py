@@ -96,7 +96,6 @@ def at_first_probe_up(act: Callable[[HillClimbingLimit], None]) -> Callable[...,
 # -- breaks ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a drop during a probe up holds above the level before it")
 @pytest.mark.parametrize("slots", [1, 4])
 def test_a_drop_during_a_probe_up_holds_no_higher_than_before_the_probe(slots):
     """A worker settled at 2 (one slot) or 6 (four) that answers 429 to the first probe up
