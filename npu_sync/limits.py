@@ -64,7 +64,9 @@ down lost is probed down only on every eighth turn, since a bare round under the
 knee costs throughput. It also probes down at once when the held throughput fell by
 a tenth (the worker lost capacity, or got slower), judged on the whole period held,
 not on one round (rounds of 16 answers are too noisy on a busy machine); the fallen
-throughput is the new reference, whatever the probe finds. A *dropped* attempt (429,
+throughput is the new reference, whatever the probe finds, and a loss of that first
+step does not mark the knee as one whose step down lost (it was judged against a
+period that still counted answers from before the fall). A *dropped* attempt (429,
 503, a timeout) cuts the limit in force by ``backoff`` (10 %) at once, headroom
 included, since the worker said plainly it is overloaded: it holds at the lowest
 knee whose level with its headroom reaches the cut (11 becomes 6 + 3), the headroom
@@ -147,6 +149,7 @@ class HillClimbingLimit:
         "_confirmed",
         "_down_next",
         "_down_turns",
+        "_fall",
         "_fine",
         "_first_climb",
         "_gained",
@@ -272,6 +275,7 @@ class HillClimbingLimit:
         self._down_next = False  # the next probe from hold goes down, not up
         self._down_turns = 0
         self._confirmed = 0  # the knee a step down from which last lost throughput
+        self._fall = False  # the probe down under way was started by a fall in throughput
         self._gained = False  # the last probe up from hold gained
         self._short = False  # the last probe down lost more than twice the linear loss
         self._skip = self.initial  # the worker's queue is not yet what the limit makes it
@@ -379,7 +383,9 @@ class HillClimbingLimit:
         else:
             # Once may be noise: back to hold, and probe down again next time.
             self._short = throughput < before * (1 - 2 * (1 - limit / previous))
-            self._confirmed = 0 if self._short else previous
+            # A probe down a fall started is judged against a period that may still
+            # count answers from before the fall: its loss says nothing of the knee.
+            self._confirmed = 0 if self._short or self._fall else previous
             self._move(previous, "hold", before, padded=True)
 
     def _hold(self, throughput: float) -> None:
@@ -403,6 +409,7 @@ class HillClimbingLimit:
             # would alternate hold and probe down for good.
             self._settled = period
             self._move(limit - 1, "down", period)
+            self._fall = True
             return
         self._settled = period if settled is None else (settled + period) / 2
         self._settled_knee = limit
@@ -480,6 +487,7 @@ class HillClimbingLimit:
         self._skip = max(before, self.current)
         self._mode = mode
         self._throughput = throughput
+        self._fall = False
         if mode == "hold":
             self._fine = False
             self._held = 0
