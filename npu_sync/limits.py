@@ -51,32 +51,34 @@ fixed value's throughput at 0.99 times its p99, where the default of 8 gets half
 throughput (``docs/benchmarks.md``). The climb and the descent stay bare, so they
 measure the knee and not the queue.
 
-It holds for a few rounds, then probes, up and down in turn. A probe up goes one
-step up, headroom included, measured over two rounds; a gain is believed when the
-next probe up gains too (noise wins one now and then, and a knee that only moved up
-would ratchet toward the ceiling): the worker can do more, maybe past where padded
-levels can tell (they fill the slots either way), so it searches bare again from the
-level measured. A probe down measures the knee one step down, bare, and tells both
-ways: a loss under half the linear one means the knee was past the slots, so it
-goes on down; a loss over twice the linear one, twice running, means the knee is
-below the slots (the headroom did the work), so it climbs bare. A knee whose step
-down lost is probed down only on every eighth turn, since a bare round under the
-knee costs throughput. It also probes down at once when the held throughput fell by
-a tenth (the worker lost capacity, or got slower), judged on the whole period held,
-not on one round (rounds of 16 answers are too noisy on a busy machine); the fallen
-throughput is the new reference, whatever the probe finds, and a loss of that first
-step does not mark the knee as one whose step down lost (it was judged against a
-period that still counted answers from before the fall). A *dropped* attempt (429,
-503, a timeout) cuts the limit in force by ``backoff`` (10 %) at once, headroom
-included, since the worker said plainly it is overloaded: it holds at the lowest
-knee whose level with its headroom reaches the cut (11 becomes 6 + 3), the headroom
-trimmed to the cut while it holds there; during a probe up from hold the cut is taken
-from the level held before the probe, never from the probe's. Answers sent
-while the worker had fewer tasks than the knee (the pool had no more to give it) say
-nothing about more load, and answers sent above the limit in force (before a move
-down or a reset) describe a level left behind: neither is counted. A ceiling at or
-under the start (``max_concurrent`` of 4 or less) is measured down from, like a
-first step up that gains nothing.
+It holds for a few rounds, then probes, up and down in turn. A probe up goes one step
+up, headroom included, measured over two rounds; a gain is believed when the next
+probe up gains too (noise wins one now and then, and a knee that only moved up would
+ratchet toward the ceiling): the worker can do more, maybe past where padded levels
+can tell (they fill the slots either way), so it searches bare again from the level
+measured; if its first step up gains nothing, the gains proved the probe's knee and no
+more, and it holds there (descending from the padded level one at a time would stop
+wherever noise first shows a loss, and keep part of the headroom in the knee). A probe
+down measures the knee one step down, bare, and tells both ways: a loss under half the
+linear one means the knee was past the slots, so it goes on down; a loss over twice
+the linear one, twice running, means the knee is below the slots (the headroom did the
+work), so it climbs bare. A knee whose step down lost is probed down only on every
+eighth turn, since a bare round under the knee costs throughput. It also probes down
+at once when the held throughput fell by a tenth (the worker lost capacity, or got
+slower), judged on the whole period held, not on one round (rounds of 16 answers are
+too noisy on a busy machine); the fallen throughput is the new reference, whatever the
+probe finds, and a loss of that first step does not mark the knee as one whose step
+down lost (it was judged against a period that still counted answers from before the
+fall). A *dropped* attempt (429, 503, a timeout) cuts the limit in force by
+``backoff`` (10 %) at once, headroom included, since the worker said plainly it is
+overloaded: it holds at the lowest knee whose level with its headroom reaches the cut
+(11 becomes 6 + 3), the headroom trimmed to the cut while it holds there; during a
+probe up from hold the cut is taken from the level held before the probe, never from
+the probe's. Answers sent while the worker had fewer tasks than the knee (the pool had
+no more to give it) say nothing about more load, and answers sent above the limit in
+force (before a move down or a reset) describe a level left behind: neither is
+counted. A ceiling at or under the start (``max_concurrent`` of 4 or less) is measured
+down from, like a first step up that gains nothing.
 
 Against a simulated worker of ``C`` parallel slots kept busy by more callers than the
 limit (``tests/test_limits.py``) the knee settles at ``C`` or ``C + 1``, from above
@@ -163,6 +165,7 @@ class HillClimbingLimit:
         "_period_in_flight",
         "_period_rtt",
         "_previous",
+        "_probe_knee",
         "_settled",
         "_settled_knee",
         "_short",
@@ -276,6 +279,7 @@ class HillClimbingLimit:
         self._down_turns = 0
         self._confirmed = 0  # the knee a step down from which last lost throughput
         self._fall = False  # the probe down under way was started by a fall in throughput
+        self._probe_knee = 0  # the knee of the probe up whose two gains started a climb
         self._gained = False  # the last probe up from hold gained
         self._short = False  # the last probe down lost more than twice the linear loss
         self._skip = self.initial  # the worker's queue is not yet what the limit makes it
@@ -340,7 +344,13 @@ class HillClimbingLimit:
             # step if at least half that gain showed.
             if throughput < before * (1 + 0.5 * (limit / previous - 1)):
                 self._gained = False
-                if self._first_climb and previous > 1:
+                if self._probe_knee:
+                    # Two padded gains, and a step past the padded level gains nothing:
+                    # the gains proved the probe's knee, no more. Descending one at a
+                    # time from the padded level would stop wherever noise first shows
+                    # a loss, and keep part of the headroom in the knee each time.
+                    self._move(self._probe_knee, "hold", before, padded=True)
+                elif self._first_climb and previous > 1:
                     # The knee is below the start: measure one under it, against it.
                     self._move(previous - 1, "down", before, came_from=previous)
                 elif limit - previous > 1 and not self._padded:
@@ -360,10 +370,11 @@ class HillClimbingLimit:
                 # padded level (slots regained, a ceiling raised). Probes of padded
                 # levels would stop once knee plus headroom reach the slots, so search
                 # bare from the level measured: climb, or, if a step up gains nothing,
-                # descend.
+                # hold at the probe's knee.
                 self._gained = False
                 self.limit, self._padded = self.current, False
                 self._climb(throughput, first=True)
+                self._probe_knee = limit
             else:
                 self._climb(throughput, first=False)
         elif throughput >= before * (1 - 0.5 * (1 - limit / previous)):  # down
@@ -488,6 +499,7 @@ class HillClimbingLimit:
         self._mode = mode
         self._throughput = throughput
         self._fall = False
+        self._probe_knee = 0
         if mode == "hold":
             self._fine = False
             self._held = 0
