@@ -88,6 +88,11 @@ couple of milliseconds to reach the worker, the headroom keeps its throughput wi
 also sends answers below the knee, which are not counted, so rounds take longer
 there.
 
+A limit of its design: a worker whose capacity swings faster than it measures (slots
+going 16 <-> 32 every 200 answers, when a probe up takes twice 64 answers and a hold
+four times) is misread, a rise in slots counted as a probe's or a climb's gain, and
+its knee ratchets to the ceiling; it follows swings slower than a few of its periods.
+
 Events for the pool to emit once it uses a limit: ``worker.limit_changed`` (worker id,
 old and new capacity) when :meth:`HillClimbingLimit.on_sample` moves :attr:`current`.
 """
