@@ -44,10 +44,10 @@ turnover. A few tasks queued at the worker fill it. Measured with
 ``benchmarks/test_uneven.py`` (3 workers of 8 slots at 20 ms, 32 callers), the bare
 knee settled at 8 and reached 0.99 of the throughput of the best fixed
 ``max_concurrent`` (12 or 16) on a quiet machine, 0.94 on a loaded one; with the
-headroom it holds at 11 or 12 and, over interleaved rounds, reaches 0.997 of it with
-a p99 0.996 times the best's (run-to-run noise). On 2 workers of 16 slots with 64
-callers, where every fixed value is reached, it holds at 20-24: 0.993 of the best
-fixed value's throughput at 0.99 times its p99, where the default of 8 gets half the
+headroom it holds at 11 or 12 and, over interleaved rounds, reaches 0.996 of it with
+a p99 0.96 times the best's. On 2 workers of 16 slots with 64 callers, where every
+fixed value is reached, it holds at 20-24: 0.993 of the best fixed value's throughput
+at 0.99-1.01 times its p99 (run-to-run noise), where the default of 8 gets half the
 throughput (``docs/benchmarks.md``). The climb and the descent stay bare, so they
 measure the knee and not the queue.
 
