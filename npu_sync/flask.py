@@ -1,6 +1,7 @@
 """Flask integration: the ``NpuSync`` extension, its JSON endpoints and the status page.
 
-The only module that imports Flask (``pip install npu_sync[flask]``). See docs/flask.md.
+The only module that imports Flask (the ``flask`` extra: ``pip install -e '.[flask]'``
+from a clone). See docs/flask.md.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ _PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
 _NO_STORE = {"Cache-Control": "no-store"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
+# npu_sync is not on PyPI: installing the extra by name would fail, or fetch whatever
+# someone published under that name. Say what works from a clone or a built wheel.
+_PROMETHEUS_HINT = (
+    "pip install -e '.[prometheus]' from the root of a clone of npu_sync, or "
+    "pip install 'dist/npu_sync-<version>-py3-none-any.whl[prometheus]' "
+    "(see Installing in README.md)"
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -115,7 +123,7 @@ class NpuSync:
             except ImportError as exc:
                 raise ImportError(
                     "NPU_SYNC_PROMETHEUS is on but prometheus_client is not installed: "
-                    "pip install 'npu_sync[prometheus]'"
+                    + _PROMETHEUS_HINT
                 ) from exc
         pool, owned = self._pool, False
         if pool is None:
@@ -426,7 +434,7 @@ def _replay() -> Response:
 
 
 def _metrics() -> Response:
-    unavailable = "Prometheus metrics need prometheus_client: pip install 'npu_sync[prometheus]'"
+    unavailable = "Prometheus metrics need prometheus_client: " + _PROMETHEUS_HINT
     try:
         from npu_sync.prometheus import metrics_text
     except ImportError:

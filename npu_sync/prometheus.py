@@ -1,4 +1,4 @@
-"""Prometheus metrics for a pool (``pip install npu_sync[prometheus]``).
+"""Prometheus metrics for a pool (the ``prometheus`` extra: ``pip install -e '.[prometheus]'``).
 
 Counters count from the pool's start-up: an exporter starts from the totals the pool
 has kept since it was built, then follows its events with a hook, so a task pays a
@@ -59,7 +59,9 @@ try:
     from prometheus_client.utils import floatToGoString
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        "npu_sync.prometheus needs prometheus_client: pip install 'npu_sync[prometheus]'"
+        "npu_sync.prometheus needs prometheus_client: pip install -e '.[prometheus]' from "
+        "the root of a clone of npu_sync, or pip install "
+        "'dist/npu_sync-<version>-py3-none-any.whl[prometheus]' (see Installing in README.md)"
     ) from exc
 
 from npu_sync.events import (

@@ -19,6 +19,7 @@ from npu_sync import Task, TaskFailed, WorkerPool, npu_task
 from npu_sync.config import HealthConfig, PoolConfig, RetryConfig, worker_config
 from npu_sync.flask import NpuSync, current_pool
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
+from tests.test_install_hints import bare_installs
 
 TOKEN = "admin-t0ken-for-tests"
 SECRET = "s3cret"
@@ -228,10 +229,12 @@ def test_an_unusable_npu_sync_prometheus_fails_at_init_app(pool):
 
 
 def test_npu_sync_prometheus_without_the_client_fails_at_init_app(pool, monkeypatch):
-    """Asked for metrics without prometheus_client installed: an ImportError naming the extra."""
+    """Asked for metrics without prometheus_client installed: an ImportError naming the extra,
+    to install from a clone."""
     monkeypatch.setitem(sys.modules, "npu_sync.prometheus", None)
-    with pytest.raises(ImportError, match="npu_sync\\[prometheus\\]"):
+    with pytest.raises(ImportError, match=re.escape("pip install -e '.[prometheus]'")) as caught:
         make_app(pool, NPU_SYNC_PROMETHEUS=True)
+    assert bare_installs(str(caught.value)) == []
 
 
 def test_views_reach_the_pool_through_current_pool(pool, net):
@@ -466,11 +469,15 @@ def test_metrics_serves_prometheus_text_when_installed(client, pool):
 
 
 def test_metrics_is_a_501_when_prometheus_is_not_installed(client, monkeypatch):
-    """Without the exporter module importable, /metrics says what to install."""
+    """Without the exporter module importable, /metrics says what to install, in a form that
+    works from a clone or a built wheel: npu_sync is not on PyPI, so never by name."""
     monkeypatch.setitem(sys.modules, "npu_sync.prometheus", None)
     response = client.get(f"{PREFIX}/metrics")
     assert response.status_code == 501
-    assert "npu_sync[prometheus]" in response.get_json()["error"]
+    error = response.get_json()["error"]
+    assert "pip install -e '.[prometheus]' from the root of a clone of npu_sync" in error
+    assert "pip install 'dist/npu_sync-<version>-py3-none-any.whl[prometheus]'" in error
+    assert bare_installs(error) == []
 
 
 def test_metrics_is_a_501_when_the_exporter_cannot_import_its_client(client, monkeypatch):
@@ -482,7 +489,9 @@ def test_metrics_is_a_501_when_the_exporter_cannot_import_its_client(client, mon
 
     fake.metrics_text = metrics_text
     monkeypatch.setitem(sys.modules, "npu_sync.prometheus", fake)
-    assert client.get(f"{PREFIX}/metrics").status_code == 501
+    response = client.get(f"{PREFIX}/metrics")
+    assert response.status_code == 501
+    assert "pip install -e '.[prometheus]'" in response.get_json()["error"]
 
 
 # -- errors, prefix, registration ----------------------------------------------------------

@@ -32,6 +32,7 @@ from npu_sync.events import (
 from npu_sync.prometheus import PrometheusExporter, instrument, metrics_text
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
+from tests.test_install_hints import bare_installs
 
 OK_SECONDS = 0.2  # in the le="0.25" bucket
 BAD_SECONDS = 0.003  # in the le="0.005" bucket
@@ -614,7 +615,8 @@ def test_the_default_registry_is_used_when_none_is_given():
 
 
 def test_import_npu_sync_does_not_need_or_load_prometheus_client():
-    """npu_sync imports without prometheus_client; npu_sync.prometheus names the extra."""
+    """npu_sync imports without prometheus_client; npu_sync.prometheus names the extra, to
+    install from a clone."""
     code = (
         "import sys\n"
         "sys.modules['prometheus_client'] = None\n"  # makes any import of it fail
@@ -628,7 +630,8 @@ def test_import_npu_sync_does_not_need_or_load_prometheus_client():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     )
-    assert "refused:" in out.stdout and "npu_sync[prometheus]" in out.stdout
+    assert "refused:" in out.stdout and "pip install -e '.[prometheus]'" in out.stdout
+    assert bare_installs(out.stdout) == []
 
     code = "import sys, npu_sync; print('prometheus_client' in sys.modules)"
     out = subprocess.run(
