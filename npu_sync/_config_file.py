@@ -179,7 +179,9 @@ class _StrictLoader(yaml.SafeLoader):
         self._depth = 0
         self._nodes = 0
         self._merged = 0
-        self._flattened: set[int] = set()  # nodes live as long as the loader: ids stay theirs
+        # Pairs each flattened mapping stands for, merges expanded; nodes live as long
+        # as the loader, so their ids stay theirs.
+        self._expanded: dict[int, int] = {}
 
     # The signatures follow types-PyYAML's stubs; at run time index is a key node or
     # an int, and anchor a string or None.
@@ -209,19 +211,24 @@ class _StrictLoader(yaml.SafeLoader):
     def flatten_mapping(self, node: yaml.MappingNode) -> None:
         # A merge key (<<) copies the merged mapping's pairs into this one, and a merged
         # mapping may merge others in turn: 600 bytes of "<<: [*a, *a, ...]" nested a few
-        # levels deep expand to billions of pairs. Count the pairs before PyYAML copies
-        # them; each merged mapping is flattened (and counted) first, once.
-        if id(node) in self._flattened:
+        # levels deep expand to billions of pairs. Count the pairs the merges name before
+        # PyYAML copies them; each merged mapping is flattened (and counted) first, once.
+        # The count is the merge as YAML 1.1 writes it, every alias copied in full, not
+        # what a given PyYAML keeps: 6.0.4 drops repeated keys while it copies, earlier
+        # versions copy them all, and such a file is refused for its size under either.
+        if id(node) in self._expanded:
             return  # its merge keys are gone already: nothing left to copy
         merged = 0
+        own = 0
         for key, value in node.value:
             if key.tag != _MERGE_TAG:
+                own += 1
                 continue
             sources = value.value if isinstance(value, yaml.SequenceNode) else [value]
             for source in sources:
                 if isinstance(source, yaml.MappingNode):
                     self.flatten_mapping(source)
-                    merged += len(source.value)
+                    merged += self._expanded[id(source)]
         self._merged += merged
         if self._merged > MAX_NODES:
             raise _TooLarge(
@@ -229,7 +236,7 @@ class _StrictLoader(yaml.SafeLoader):
                 "has far fewer"
             )
         super().flatten_mapping(node)
-        self._flattened.add(id(node))
+        self._expanded[id(node)] = own + merged
 
     def compose_mapping_node(self, anchor: dict[Any, yaml.Node]) -> yaml.MappingNode:
         node = super().compose_mapping_node(anchor)
