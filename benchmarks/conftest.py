@@ -11,6 +11,14 @@ import pytest
 from npu_sync.worker_server import LocalWorker
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The project's pytest settings run tests on every core (pytest-xdist); a benchmark
+    # measures timings, so it runs alone in one process whatever the settings say.
+    if hasattr(config.option, "numprocesses"):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--json",

@@ -102,6 +102,7 @@ def test_errors_and_task_import_each_other_no_more():
     assert "npu_sync.errors" in graph["npu_sync.task"]
 
 
+@pytest.mark.slow
 def test_every_module_imports_in_a_fresh_interpreter():
     """Each module imports first thing in a new process: no import order is needed."""
     names = sorted(n for n in modules() if not n.endswith("__main__"))  # that one runs the CLI

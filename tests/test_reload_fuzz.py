@@ -75,6 +75,7 @@ def wait_for(condition, what: str, timeout: float = 20.0) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
+@pytest.mark.slow
 def test_broken_files_through_the_watcher_never_touch_a_loaded_pool(tmp_path):
     """Every broken file is refused and counted; no task fails; the workers stay."""
 

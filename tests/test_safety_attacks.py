@@ -108,6 +108,7 @@ def test_plain_merge_keys_still_load():
     ]
 
 
+@pytest.mark.slow
 def test_a_file_with_countless_errors_gives_a_bounded_error(tmp_path):
     """90,000 aliases of one broken worker make one short ConfigError, and stats() and
     the log carry that short text, not megabytes of it."""

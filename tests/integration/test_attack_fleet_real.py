@@ -92,6 +92,7 @@ def manual(monkeypatch):
     monkeypatch.setenv("NPU_SYNC_FLEET", "manual")
 
 
+@pytest.mark.slow
 def test_a_hostile_fleet_renders_escaped_and_fits_1280_and_800_px(
     redis_server, tmp_path
 ):  # fmt: skip

@@ -145,6 +145,7 @@ def test_a_thousand_callers_at_once(three):
         assert pool.stats()["tasks"]["waiting"] == 0
 
 
+@pytest.mark.slow
 def test_map_over_ten_thousand_tasks(three):
     """pool.map() over 10,000 tasks yields every result, in order."""
     tasks = [

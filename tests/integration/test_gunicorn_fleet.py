@@ -25,7 +25,7 @@ import pytest
 
 import npu_sync
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = pathlib.Path(npu_sync.__file__).resolve().parent.parent
 CONF = ROOT / "contrib" / "gunicorn.conf.py"

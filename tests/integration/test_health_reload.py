@@ -137,6 +137,7 @@ class Load:
             t.join(30)
 
 
+@pytest.mark.slow
 def test_yaml_rewrites_under_load_add_remove_and_survive_a_broken_file(start_worker, tmp_path):
     """Add a worker, remove one, then save a syntax error: no task fails or is lost."""
     ws = [start_worker(worker_id=f"w{i}", latency_ms=10) for i in range(4)]

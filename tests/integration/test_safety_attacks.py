@@ -151,6 +151,7 @@ def test_three_processes_replaying_200_records_run_each_once(start_worker, tmp_p
     store.close()
 
 
+@pytest.mark.slow
 def test_a_replayer_killed_mid_replay_leaves_records_for_another_once_its_claims_end(
     start_worker, tmp_path
 ):

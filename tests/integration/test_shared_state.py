@@ -107,6 +107,7 @@ def run_processes(config_path, n: int, tasks: int, threads: int, before_go) -> l
             p.stdout.close()
 
 
+@pytest.mark.slow
 def test_a_dead_worker_costs_fail_max_attempts_across_processes_not_per_process(
     start_worker, redis_server, tmp_path
 ):
@@ -186,6 +187,7 @@ def test_dead_letters_written_by_one_process_are_replayed_by_another(
     assert result == {"listed": [f"dl-{i}" for i in range(5)], "succeeded": 5, "left": 0}
 
 
+@pytest.mark.slow
 def test_a_replaying_process_killed_midway_loses_no_record(start_worker, redis_server, tmp_path):
     """Every record ends replayed (the worker saw it) or still stored (at-least-once)."""
     worker = start_worker(worker_id="w0")

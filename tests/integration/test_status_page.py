@@ -21,7 +21,7 @@ from npu_sync.config import BreakerConfig, HealthConfig, PoolConfig, RetryConfig
 from npu_sync.flask import NpuSync
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
