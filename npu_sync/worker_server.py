@@ -1640,7 +1640,7 @@ class LocalWorker:
         tls_cert: str | os.PathLike[str] | None = None,
         tls_key: str | os.PathLike[str] | None = None,
         extra_args: Sequence[str] = (),
-        startup_timeout: float = 10.0,
+        startup_timeout: float = 60.0,
         client_ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if isinstance(models, str):

@@ -65,12 +65,18 @@ class RedisServer:
         import redis
 
         client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=0.5)
-        deadline = time.monotonic() + 10
+        # Generous: on a loaded machine a server can take seconds to answer its first
+        # ping; one that exits is reported by the wait on its process below.
+        deadline = time.monotonic() + 60
         while True:
             try:
                 client.ping()
                 break
             except redis.RedisError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server exited with code {self.proc.returncode}"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise RuntimeError("redis-server did not start") from None
                 threading.Event().wait(0.02)
