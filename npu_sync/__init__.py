@@ -1,8 +1,6 @@
 """npu_sync: spread inference tasks over a pool of NPU workers from synchronous code."""
 
-from importlib.metadata import PackageNotFoundError as _PackageNotFoundError
-from importlib.metadata import version as _version
-
+from npu_sync._version import installed_version as _installed_version
 from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
 from npu_sync.decorator import NpuTask, npu_task
@@ -19,10 +17,22 @@ from npu_sync.pool import ReloadResult, WorkerPool, get_pool
 from npu_sync.stats_types import PoolStatsDict, WorkerRow
 from npu_sync.task import Attempt, Task
 
-try:
-    __version__ = _version("npu_sync")
-except _PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
+__version__: str  # declared only: __getattr__ below reads it when first asked for
+
+
+def __getattr__(name: str) -> str:
+    # The version comes from the package metadata, read on first use: importing
+    # importlib.metadata costs more than most of the package's own modules.
+    if name == "__version__":
+        version = _installed_version() or "0.0.0"  # "0.0.0": a source tree, not installed
+        globals()["__version__"] = version
+        return version
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), "__version__"})
+
 
 __all__ = [
     "Attempt",

@@ -7,26 +7,41 @@ one half-open trial), does its request outside any lock, then *records* the outc
 pybreaker holds the state (closed / open / half-open), the consecutive-failure counter
 and the listeners, through its storage object; timing comes from npu_sync's injectable
 clock so tests drive reset timeouts without sleeping.
+
+pybreaker is imported when the first breaker is built, not with this module: pybreaker
+imports redis (and through it asyncio) whenever redis is installed, whether or not a
+Redis storage is ever used, and importing redis takes three quarters as long as the
+whole of ``import npu_sync`` without it. Hiding redis from pybreaker while it loads would take a
+``sys.modules`` trick, and would leave pybreaker without the ``CircuitRedisStorage``
+that :mod:`npu_sync.shared` uses; deferring the import keeps pybreaker whole and
+``import npu_sync`` light. A pool built with redis installed still pays for redis,
+once, when it builds its breakers; without redis (it is an optional extra) pybreaker
+alone is cheap. A breaker is built once per worker, never on a task's path.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
-from typing import Any
-
-import pybreaker
+from typing import TYPE_CHECKING, Any, Final
 
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import BreakerConfig
 
+if TYPE_CHECKING:
+    import pybreaker
+
 log = logging.getLogger(__name__)
 
-CLOSED = pybreaker.STATE_CLOSED
-OPEN = pybreaker.STATE_OPEN
-HALF_OPEN = pybreaker.STATE_HALF_OPEN
+# pybreaker's state names (its STATE_CLOSED, STATE_OPEN, STATE_HALF_OPEN), spelled out
+# so that reading a state does not need pybreaker imported.
+CLOSED: Final = "closed"
+OPEN: Final = "open"
+HALF_OPEN: Final = "half-open"
 
 StateListener = Callable[[str, str, str], None]
+"""Called as ``listener(name, old_state, new_state)`` on every transition."""
 
 
 def redis_storage(client: Any, namespace: str) -> Any:
@@ -35,23 +50,30 @@ def redis_storage(client: Any, namespace: str) -> Any:
     Used by :mod:`npu_sync.shared`, outside any lock: every call is a Redis round trip.
     Raises redis' errors when Redis cannot be reached while it initialises its keys.
     """
+    import pybreaker
+
     return pybreaker.CircuitRedisStorage(CLOSED, client, namespace=namespace)
 
 
-"""Called as ``listener(name, old_state, new_state)`` on every transition."""
+@functools.cache
+def _forward_class() -> Callable[[StateListener], pybreaker.CircuitBreakerListener]:
+    """The listener that forwards pybreaker's transitions, built on first use since its
+    base class is pybreaker's."""
+    import pybreaker
 
+    class _Forward(pybreaker.CircuitBreakerListener):
+        def __init__(self, listener: StateListener) -> None:
+            self._listener = listener
 
-class _Forward(pybreaker.CircuitBreakerListener):
-    def __init__(self, listener: StateListener) -> None:
-        self._listener = listener
+        def state_change(
+            self, cb: pybreaker.CircuitBreaker, old_state: object, new_state: object
+        ) -> None:
+            old = getattr(old_state, "name", None) or CLOSED
+            new = getattr(new_state, "name", None) or CLOSED
+            if old != new:
+                self._listener(cb.name or "", old, new)
 
-    def state_change(
-        self, cb: pybreaker.CircuitBreaker, old_state: object, new_state: object
-    ) -> None:
-        old = getattr(old_state, "name", None) or CLOSED
-        new = getattr(new_state, "name", None) or CLOSED
-        if old != new:
-            self._listener(cb.name or "", old, new)
+    return _Forward
 
 
 class WorkerBreaker:
@@ -77,6 +99,8 @@ class WorkerBreaker:
         storage: pybreaker.CircuitBreakerStorage | None = None,
         listener: StateListener | None = None,
     ) -> None:
+        import pybreaker
+
         self.name = name
         self._clock = clock
         self._config = config
@@ -86,7 +110,7 @@ class WorkerBreaker:
             reset_timeout=config.reset_timeout,
             state_storage=self._storage,
             name=name,
-            listeners=[_Forward(listener)] if listener else None,
+            listeners=[_forward_class()(listener)] if listener else None,
         )
         # The state as last set through this object: reading pybreaker's property
         # chain costs more than the rest of admission on the hot path.

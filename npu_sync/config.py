@@ -10,16 +10,16 @@ describes every key.
 This module is the public face. Behind it: the dataclasses, each key declared once on
 its field (``_config_types``); reading a file and its YAML strictly (``_config_file``);
 reading a document of any layout into the dataclasses (``_config_reader``).
+
+``_config_file`` is imported when a file is first read or parsed, not with this
+module: it imports PyYAML, which would add about 15 % to ``import npu_sync``, and
+a pool built from Python objects never needs it.
 """
 
 from __future__ import annotations
 
 import os
 
-from npu_sync._config_file import (
-    parse_yaml,
-    read_config_text,
-)
 from npu_sync._config_reader import (
     parse_config,
     worker_config,
@@ -87,6 +87,30 @@ __all__ = [
     "read_config_text",
     "worker_config",
 ]
+
+
+def read_config_text(path: str | os.PathLike[str]) -> str:
+    """The text of a configuration file: a regular file of at most
+    :data:`MAX_FILE_BYTES`, in UTF-8.
+
+    Raises:
+        ConfigError: the file cannot be read, is not a regular file, is too large or
+            is not UTF-8.
+    """
+    from npu_sync import _config_file
+
+    return _config_file.read_config_text(path)
+
+
+def parse_yaml(text: str, *, source: str) -> PoolConfig:
+    """Validate the YAML text of the configuration file at ``source``.
+
+    Raises:
+        ConfigError: the text is not valid YAML or fails validation.
+    """
+    from npu_sync import _config_file
+
+    return _config_file.parse_yaml(text, source=source)
 
 
 def load_config(path: str | os.PathLike[str]) -> PoolConfig:

@@ -14,20 +14,26 @@ is an empty pool). So the callback gets the file's text only once it is *stable*
 wait the debounce, read again, and only two equal reads in a row count. A writer
 slower than that is caught by the pool's own reload rules (see
 :func:`npu_sync.config.check_reload`).
+
+watchdog is imported when a watcher starts, not with this module: it would add about
+15 % to ``import npu_sync``, and a pool that does not watch a file never needs it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 from collections.abc import Callable
-
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
+from typing import TYPE_CHECKING
 
 from npu_sync.config import read_config_text
 from npu_sync.errors import ConfigError
+
+if TYPE_CHECKING:
+    from watchdog.events import FileSystemEvent, FileSystemEventHandler
+    from watchdog.observers import Observer
 
 log = logging.getLogger(__name__)
 
@@ -35,24 +41,32 @@ log = logging.getLogger(__name__)
 _IGNORED = frozenset({"opened", "closed_no_write"})
 
 
-class _Flag(FileSystemEventHandler):
-    def __init__(self, names: frozenset[str], event: threading.Event) -> None:
-        self._names = names
-        self._event = event
+@functools.cache
+def _flag_handler() -> Callable[[frozenset[str], threading.Event], FileSystemEventHandler]:
+    """The watchdog handler class that sets an event when one of ``names`` may have
+    changed; built on first use, its base class being watchdog's."""
+    from watchdog.events import FileSystemEventHandler
 
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        # watchdog also reports opening a file and closing it unwritten: the pool's own
-        # read of the config would otherwise trigger the next reload, for ever.
-        if event.event_type in _IGNORED:
-            return
-        try:
-            for path in (event.src_path, getattr(event, "dest_path", "")):
-                name = os.path.basename(os.fsdecode(path))
-                if name in self._names or name.startswith(".."):
-                    self._event.set()
-                    return
-        except Exception:  # never let the observer thread die
-            log.exception("error while filtering a file-system event")
+    class _Flag(FileSystemEventHandler):
+        def __init__(self, names: frozenset[str], event: threading.Event) -> None:
+            self._names = names
+            self._event = event
+
+        def on_any_event(self, event: FileSystemEvent) -> None:
+            # watchdog also reports opening a file and closing it unwritten: the pool's
+            # own read of the config would otherwise trigger the next reload, for ever.
+            if event.event_type in _IGNORED:
+                return
+            try:
+                for path in (event.src_path, getattr(event, "dest_path", "")):
+                    name = os.path.basename(os.fsdecode(path))
+                    if name in self._names or name.startswith(".."):
+                        self._event.set()
+                        return
+            except Exception:  # never let the observer thread die
+                log.exception("error while filtering a file-system event")
+
+    return _Flag
 
 
 class ConfigWatcher:
@@ -96,11 +110,14 @@ class ConfigWatcher:
         with self._lock:
             if self._thread is not None or self._stopping.is_set():
                 return
+            from watchdog.observers import Observer
+
             observer = Observer()
             observer.name = "npu-sync-watchdog"
             observer.daemon = True
             names = frozenset({os.path.basename(self.path)})
-            observer.schedule(_Flag(names, self._changed), self.directory, recursive=False)
+            handler = _flag_handler()(names, self._changed)
+            observer.schedule(handler, self.directory, recursive=False)
             observer.start()
             self._observer = observer
             self._thread = threading.Thread(target=self._run, name="npu-sync-reload", daemon=True)

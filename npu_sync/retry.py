@@ -8,15 +8,12 @@ task costs ~30 µs even when nothing is retried, which the hot path cannot affor
 
 from __future__ import annotations
 
-import email.utils
 import enum
 import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
-
-import tenacity
 
 from npu_sync.config import RetryConfig
 from npu_sync.errors import printable
@@ -128,6 +125,10 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     try:
         seconds = float(value)
     except ValueError:
+        # An HTTP date is rare (workers send seconds): email.utils, which parses it,
+        # is imported only then.
+        import email.utils
+
         try:
             when = email.utils.parsedate_to_datetime(value)
         except (TypeError, ValueError):
@@ -184,6 +185,10 @@ class RetryPolicy:
     """
 
     def __init__(self, config: RetryConfig) -> None:
+        # tenacity is imported with the first policy (a pool being built), not with this
+        # module, to keep it out of `import npu_sync`; next_wait uses what is kept here.
+        import tenacity
+
         self.config = config
         self.max_attempts = config.max_retries + 1
         self._stop = tenacity.stop_after_attempt(self.max_attempts)
@@ -192,10 +197,11 @@ class RetryPolicy:
             max=config.backoff_max,
             jitter=config.backoff_initial,
         )
+        self._call_state = tenacity.RetryCallState
 
     def next_wait(self, failures: int, elapsed: float) -> float | None:
         """Seconds to wait after the ``failures``-th failed attempt, or None to stop."""
-        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        state = self._call_state(None, None, (), {})  # type: ignore[arg-type]
         state.attempt_number = failures
         state.start_time = 0.0
         state.outcome_timestamp = elapsed

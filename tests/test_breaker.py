@@ -182,3 +182,20 @@ def test_a_failed_regular_trial_earns_the_next_opening_an_early_trial():
     breaker.record_failure(True)  # fails too: a new opening
     breaker.allow_trial()  # the worker is fixed and its check passes
     assert breaker.admit(clock.monotonic()) is True
+
+
+def test_state_names_are_pybreakers_own():
+    """The state names spelled out in breaker.py (so reading a state needs no pybreaker
+    import) are the ones pybreaker sets, in its storage and in Redis."""
+    import pybreaker
+
+    assert (CLOSED, OPEN, HALF_OPEN) == (
+        pybreaker.STATE_CLOSED,
+        pybreaker.STATE_OPEN,
+        pybreaker.STATE_HALF_OPEN,
+    )
+    breaker, clock = make(fail_max=1)
+    trial = breaker.admit(clock.monotonic())
+    assert trial is False  # an ordinary call on a closed breaker
+    breaker.record_failure(trial)
+    assert breaker.state == breaker._cb.current_state == OPEN

@@ -225,10 +225,10 @@ def test_watcher_ignores_other_files_in_the_directory(tmp_path):
     """Events for unrelated files (a dead-letter database beside the config) set no flag."""
     from watchdog.events import FileModifiedEvent, FileMovedEvent
 
-    from npu_sync.reload import _Flag
+    from npu_sync.reload import _flag_handler
 
     flag = threading.Event()
-    handler = _Flag(frozenset({"pool.yaml"}), flag)
+    handler = _flag_handler()(frozenset({"pool.yaml"}), flag)
     handler.on_any_event(FileModifiedEvent(str(tmp_path / "npu_dead_letters.sqlite3")))
     handler.on_any_event(FileModifiedEvent(str(tmp_path / "pool.yaml.bak")))
     assert not flag.is_set()

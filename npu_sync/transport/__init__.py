@@ -8,6 +8,10 @@ leanest, and the one whose deadlines hold whatever the worker does), ``urllib3``
 (:class:`Urllib3Transport`) or ``requests`` (:class:`RequestsTransport`). All three
 keep the same contract: one budget per call, the same errors, the same limits; see
 ``docs/transport.md``.
+
+urllib3 and requests are imported when a transport that uses them is built (or when
+one of their classes is named), never by ``import npu_sync``: together they cost about
+as much to import as the rest of the package, and the default client needs neither.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ from npu_sync.transport._base import (
     TransportError,
 )
 from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT, BuiltinTransport
-from npu_sync.transport._urllib3 import RequestsTransport, Urllib3Transport
 
 if TYPE_CHECKING:
     from npu_sync.config import TransportConfig, WorkerConfig
+    from npu_sync.transport._requests import RequestsTransport
+    from npu_sync.transport._urllib3 import Urllib3Transport
 
 __all__ = [
     "TRANSPORT_ERROR_KINDS",
@@ -71,11 +76,28 @@ def make_transport(
             idle_timeout=idle_timeout,
         )
     if transport.client == "urllib3":
+        from npu_sync.transport._urllib3 import Urllib3Transport
+
         return Urllib3Transport(
             worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
         )
     if transport.client == "requests":
+        from npu_sync.transport._requests import RequestsTransport
+
         return RequestsTransport(
             worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
         )
     raise ValueError(f"unknown transport client {transport.client!r}")
+
+
+def __getattr__(name: str) -> object:
+    """``Urllib3Transport`` and ``RequestsTransport``, imported when first named."""
+    if name == "Urllib3Transport":
+        from npu_sync.transport._urllib3 import Urllib3Transport
+
+        return Urllib3Transport
+    if name == "RequestsTransport":
+        from npu_sync.transport._requests import RequestsTransport
+
+        return RequestsTransport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

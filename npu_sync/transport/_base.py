@@ -13,9 +13,9 @@ import socket
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import metadata
 from typing import TYPE_CHECKING, Any, Protocol
 
+from npu_sync._version import installed_version
 from npu_sync.errors import NpuSyncError
 
 if TYPE_CHECKING:
@@ -23,11 +23,6 @@ if TYPE_CHECKING:
 
 TRANSPORT_ERROR_KINDS = frozenset({"connect", "timeout", "reset", "too_large", "protocol", "tls"})
 """Every value :attr:`TransportError.kind` can take."""
-
-try:
-    USER_AGENT = f"npu-sync/{metadata.version('npu_sync')}"
-except metadata.PackageNotFoundError:  # running from a source tree
-    USER_AGENT = "npu-sync"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,8 +176,14 @@ def merge_headers(
     return merged
 
 
+def user_agent() -> str:
+    """``npu-sync/<version>``; the version is read when the first transport is built."""
+    version = installed_version()
+    return "npu-sync" if version is None else f"npu-sync/{version}"
+
+
 def base_headers(worker: WorkerConfig) -> dict[str, str]:
-    return merge_headers({"User-Agent": USER_AGENT}, {"user-agent": "User-Agent"}, worker.headers)
+    return merge_headers({"User-Agent": user_agent()}, {"user-agent": "User-Agent"}, worker.headers)
 
 
 def with_content_type(headers: dict[str, str]) -> dict[str, str]:
