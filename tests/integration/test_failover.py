@@ -55,9 +55,13 @@ def test_one_of_three_killed_under_load_loses_no_task(start_worker):
     done = 0
     done_lock = threading.Lock()
     third = threading.Event()
+    killed = threading.Event()
 
     def run(i: int) -> dict:
         nonlocal done
+        if i >= 200:
+            # However the machine schedules the callers, 300 tasks start after the kill.
+            assert killed.wait(60)
         task = Task(payload(i), task_id=f"task-{i}")
         result = pool.execute(task)
         with done_lock:
@@ -69,8 +73,9 @@ def test_one_of_three_killed_under_load_loses_no_task(start_worker):
     with WorkerPool(pool_config(workers)) as pool:
         with concurrent.futures.ThreadPoolExecutor(32) as callers:
             futures = [callers.submit(run, i) for i in range(500)]
-            assert third.wait(30)
+            assert third.wait(60)
             victim.kill()
+            killed.set()
             results = [f.result(timeout=60) for f in futures]
         ids = [r["task_id"] for r in results]
         assert ids == [f"task-{i}" for i in range(500)]  # every task, once, in its place
@@ -83,7 +88,7 @@ def test_one_of_three_killed_under_load_loses_no_task(start_worker):
         assert list(pool.map(payload(i) for i in range(200)))
         assert {w["id"]: w for w in pool.workers()}["w1"]["tasks"]["attempts"] == attempts_on_dead
     served = sum(w.stats()["inference_count"] for w in workers if w is not victim)
-    assert served >= 500 + 200 - 166  # the survivors served everything after the kill
+    assert served >= 500 + 200 - 200  # the survivors served everything after the kill
 
 
 def test_restarted_worker_is_used_again_after_reset_timeout(start_worker):
