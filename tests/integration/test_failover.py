@@ -118,13 +118,12 @@ def test_breakers_do_not_serialise_calls_to_one_worker(start_worker):
         return pool.execute(payload(i))
 
     with WorkerPool(pool_config([w], capacity=16)) as pool:
-        started = time.monotonic()
         with concurrent.futures.ThreadPoolExecutor(16) as callers:
             results = list(callers.map(run, range(16)))
-        elapsed = time.monotonic() - started
     assert len(results) == 16
+    # All 16 were at the worker at once: had a breaker serialised them, it would have
+    # seen one at a time (and the run would take 16 x 0.2 s).
     assert w.stats()["max_in_flight"] >= 16
-    assert elapsed < 16 * 0.2 / 2, f"16 tasks took {elapsed:.2f}s"
 
 
 def test_half_open_admits_exactly_one_trial_while_others_wait(start_worker):
@@ -252,4 +251,5 @@ def test_a_worker_dripping_its_answer_cannot_hold_a_task_past_its_deadline():
             started = time.monotonic()
             with pytest.raises(TaskFailed, match="timeout"):
                 pool.execute({"input_text": "x"}, timeout=0.5)
-            assert time.monotonic() - started < 0.5 + 0.3
+            # The drip never ends: any bound on a busy machine's overshoot proves it.
+            assert time.monotonic() - started < 0.5 + 2.0
