@@ -117,9 +117,11 @@ def test_breakers_do_not_serialise_calls_to_one_worker(start_worker):
         barrier.wait(10)
         return pool.execute(payload(i))
 
-    with WorkerPool(pool_config([w], capacity=16)) as pool:
-        with concurrent.futures.ThreadPoolExecutor(16) as callers:
-            results = list(callers.map(run, range(16)))
+    with (
+        WorkerPool(pool_config([w], capacity=16)) as pool,
+        concurrent.futures.ThreadPoolExecutor(16) as callers,
+    ):
+        results = list(callers.map(run, range(16)))
     assert len(results) == 16
     # All 16 were at the worker at once: had a breaker serialised them, it would have
     # seen one at a time (and the run would take 16 x 0.2 s).
