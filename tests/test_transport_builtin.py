@@ -268,6 +268,24 @@ def test_bare_lf_line_ends_are_read(client, servers):
     )
 
 
+@pytest.mark.parametrize("keep_open", [False, True], ids=["then-close", "kept-open"])
+def test_a_bare_lf_head_ends_before_a_crlf_pair_in_its_body(client, servers, keep_open):
+    """A head ended by LF LF is not read past into a body that holds CR LF CR LF (valid
+    JSON whitespace): the answer is read whole, not taken for a longer head and then
+    waited on until the timeout."""
+    body = b'{"response":\r\n\r\n"ok"}'
+    data = b"HTTP/1.1 200 OK\nContent-Type: application/json\nContent-Length: %d\n\n%s" % (
+        len(body),
+        body,
+    )
+    behaviour = keep_answering(lambda seen: data) if keep_open else raw_then_close(data)
+    server = serve(servers, behaviour)
+    transport = client(server.url())
+    for _ in range(2 if keep_open else 1):
+        resp = transport.request("GET", "/x", **TIMEOUTS)
+        assert (resp.status, json.loads(resp.body)) == (200, {"response": "ok"})
+
+
 def test_an_unknown_content_coding_is_returned_as_sent(client, servers):
     """A body in a coding the transport cannot undo (br) is left as the worker sent it."""
     server = serve(servers, raw_then_close(answer(200, b"\x8b\x00", {"Content-Encoding": "br"})))

@@ -823,11 +823,14 @@ class _Reader:
         scan = self.start
         while True:
             at = buf.find(b"\r\n\r\n", scan, self.end)
-            if at >= 0:
+            # A head ended by LF LF comes before any CR LF CR LF found further on, which
+            # is then in the body (JSON may hold it as whitespace): look for the LF end
+            # only up to the CRLF one.
+            lf = buf.find(b"\n\n", scan, at if at >= 0 else self.end)
+            if at >= 0 and lf < 0:
                 text = str(memoryview(buf)[self.start : at], "latin-1")
                 self.start = at + 4
                 break
-            lf = buf.find(b"\n\n", scan, self.end)
             if lf >= 0:
                 text = h11.head_text(memoryview(buf)[self.start : lf], lf_only=True)
                 self.start = lf + 2
