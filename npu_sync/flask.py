@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import difflib
 import functools
 import hashlib
 import hmac
@@ -108,6 +109,7 @@ class NpuSync:
                 "npu_sync is already registered on this app: call NpuSync(app) or "
                 "init_app(app) once per app"
             )
+        _warn_unknown_settings(app.config)
         prefix = _url_prefix(app.config.get("NPU_SYNC_URL_PREFIX", DEFAULT_URL_PREFIX))
         refresh_ms = _refresh_ms(app.config.get("NPU_SYNC_REFRESH_MS", DEFAULT_REFRESH_MS))
         token = app.config.get("NPU_SYNC_ADMIN_TOKEN")
@@ -147,6 +149,34 @@ class NpuSync:
             # never scraped must still write its metrics, and the histogram counts from here.
             exporter_for(state.get_pool())
         app.extensions[EXTENSION_KEY] = state
+
+
+SETTINGS: frozenset[str] = frozenset(
+    {
+        "NPU_SYNC_CONFIG",
+        "NPU_SYNC_WATCH",
+        "NPU_SYNC_URL_PREFIX",
+        "NPU_SYNC_REFRESH_MS",
+        "NPU_SYNC_ADMIN_TOKEN",
+        "NPU_SYNC_PROMETHEUS",
+    }
+)
+"""The ``app.config`` keys the extension reads."""
+
+
+def _warn_unknown_settings(config: Mapping[str, object]) -> None:
+    # A misspelt key is otherwise silently ignored: NPU_SYNC_CONFG runs the app on the
+    # process-wide default pool instead of the file it names.
+    for key in sorted(k for k in config if isinstance(k, str) and k.startswith("NPU_SYNC_")):
+        if key in SETTINGS:
+            continue
+        close = difflib.get_close_matches(key, sorted(SETTINGS), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(SETTINGS))}"
+        log.warning("unknown Flask setting %s is ignored (%s)", _printable(key), hint)
+
+
+def _printable(text: str) -> str:
+    return text if text.isprintable() and len(text) <= 80 else repr(text[:80])
 
 
 def current_pool() -> WorkerPool:

@@ -725,3 +725,23 @@ def test_the_prefix_without_a_slash_redirects_to_the_page(client):
     response = client.get(PREFIX)
     assert response.status_code in (301, 308)
     assert response.headers["Location"].endswith(f"{PREFIX}/")
+
+
+def test_a_misspelt_setting_is_warned_about_with_a_suggestion(pool, caplog):
+    """NPU_SYNC_CONFG is not silently ignored: a warning names it and suggests the key."""
+    caplog.set_level(logging.WARNING, logger="npu_sync.flask")
+    make_app(pool, NPU_SYNC_CONFG="/etc/npu_workers.yaml", NPU_SYNC_REFRESH_MS=1000)
+    warned = [r.getMessage() for r in caplog.records if r.name == "npu_sync.flask"]
+    assert warned == [
+        "unknown Flask setting NPU_SYNC_CONFG is ignored (did you mean NPU_SYNC_CONFIG?)"
+    ]
+
+
+def test_known_settings_and_other_keys_are_not_warned_about(pool, caplog):
+    """Every setting the extension reads, and keys of other extensions, pass quietly."""
+    caplog.set_level(logging.WARNING, logger="npu_sync.flask")
+    settings = {key: None for key in npu_flask.SETTINGS if key != "NPU_SYNC_ADMIN_TOKEN"}
+    settings.update(NPU_SYNC_URL_PREFIX="/npu", NPU_SYNC_REFRESH_MS=1000, SQLALCHEMY_URI="x")
+    settings.pop("NPU_SYNC_CONFIG")
+    make_app(pool, **settings)
+    assert not [r for r in caplog.records if r.name == "npu_sync.flask"]
