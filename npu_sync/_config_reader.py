@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import ipaddress
 import logging
 import os
@@ -20,7 +21,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from npu_sync._config_types import (
     _AUTH_HEADERS,
@@ -46,7 +47,7 @@ from npu_sync._schema import (
     show,
     specs,
 )
-from npu_sync.errors import ConfigError
+from npu_sync.errors import ConfigError, install_hint, printable
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +273,11 @@ class _Reader:
                 read(raw, item_path) if read else self.section_of(raw, item_path, spec.section)
             )
         dead_letter, shared = found["dead_letter"], found["shared_state"]
+        if shared.backend == "redis" and not _installed("redis"):
+            self.error(
+                f"{prefix}shared_state.backend",
+                f"'redis' needs the redis package, which is not installed: {install_hint('redis')}",
+            )
         if dead_letter.backend == "redis" and shared.backend != "redis":
             self.error(
                 f"{prefix}dead_letter.backend",
@@ -1004,6 +1010,14 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
 _BASE_PATH = re.compile(r"(?:/(?!\.{1,2}(?:/|$))(?:[A-Za-z0-9\-._~]|%[0-9A-Fa-f]{2})+)+")
 
 
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be imported, found without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def _redis_url_problem(text: str) -> str | None:
     """What is wrong with a Redis URL, without quoting it; None when usable."""
     if not text.startswith(("redis://", "rediss://", "unix://")):
@@ -1022,6 +1036,37 @@ def _redis_url_problem(text: str) -> str | None:
     db = parts.path.strip("/")
     if db and not db.isdigit():
         return "has a database that is not a number (the path is the database, e.g. /0)"
+    return _redis_query_problem(parts.scheme, parts.query)
+
+
+# The query parameters redis-py reads from a URL that npu_sync leaves to the URL. Any
+# other name reaches redis-py's connection as a keyword it does not take (a TypeError
+# at start-up, after `npu-sync check` said the file was fine).
+_REDIS_QUERY: Final = frozenset({"db", "client_name"})
+_REDISS_QUERY: Final = frozenset(
+    {"ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path", "ssl_certfile", "ssl_keyfile",
+     "ssl_check_hostname"}
+)  # fmt: skip
+# Timeouts and retries npu_sync sets itself, from shared_state.timeout: one bounds every
+# Redis call a task may wait on, which a URL's own would undo.
+_REDIS_OWN_QUERY: Final = frozenset(
+    {"socket_timeout", "socket_connect_timeout", "timeout", "health_check_interval",
+     "retry_on_timeout", "retry_on_error", "socket_keepalive", "max_connections"}
+)  # fmt: skip
+
+
+def _redis_query_problem(scheme: str, query: str) -> str | None:
+    """What is wrong with a Redis URL's query parameters; values are never quoted."""
+    for name, _ in parse_qsl(query, keep_blank_values=True):
+        shown = printable(name[:40])
+        if name in _REDIS_QUERY or (scheme == "rediss" and name in _REDISS_QUERY):
+            continue
+        if name in _REDISS_QUERY:
+            return f"has TLS parameter {shown!r}, which only a rediss:// URL takes"
+        if name in _REDIS_OWN_QUERY:
+            return f"sets {shown!r}: npu_sync sets it from shared_state.timeout"
+        known = sorted(_REDIS_QUERY | (_REDISS_QUERY if scheme == "rediss" else frozenset()))
+        return f"has an unknown query parameter {shown!r} (known: {', '.join(known)})"
     return None
 
 

@@ -72,6 +72,19 @@ def printable(text: str) -> str:
     )
 
 
+def install_hint(extra: str) -> str:
+    """How to install one of npu_sync's extras, in a form that works from a clone.
+
+    npu_sync is not on PyPI: installing an extra by the package's name would fail, or
+    fetch whatever someone published under that name.
+    """
+    return (
+        f"pip install -e '.[{extra}]' from the root of a clone of npu_sync, or "
+        f"pip install 'dist/npu_sync-<version>-py3-none-any.whl[{extra}]' "
+        "(see Installing in README.md)"
+    )
+
+
 class NpuSyncError(Exception):
     """Root of every exception npu_sync raises on purpose."""
 

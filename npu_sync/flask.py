@@ -21,10 +21,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NoReturn, ParamSpec, TypeVar
 
-from flask import Blueprint, Flask, Response, current_app, jsonify, request
-from werkzeug.exceptions import HTTPException
+from npu_sync.errors import ConfigError, NpuSyncError, PoolClosed, install_hint, printable
 
-from npu_sync.errors import ConfigError, NpuSyncError, PoolClosed
+try:
+    from flask import Blueprint, Flask, Response, current_app, jsonify, request
+    from werkzeug.exceptions import HTTPException
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(f"npu_sync.flask needs Flask: {install_hint('flask')}") from exc
 from npu_sync.fleet import monitor_of
 from npu_sync.pool import WorkerPool, get_pool
 
@@ -45,13 +48,7 @@ _PREFIX = re.compile(r"(/[A-Za-z0-9._~-]+)+")
 _NO_STORE = {"Cache-Control": "no-store"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
-# npu_sync is not on PyPI: installing the extra by name would fail, or fetch whatever
-# someone published under that name. Say what works from a clone or a built wheel.
-_PROMETHEUS_HINT = (
-    "pip install -e '.[prometheus]' from the root of a clone of npu_sync, or "
-    "pip install 'dist/npu_sync-<version>-py3-none-any.whl[prometheus]' "
-    "(see Installing in README.md)"
-)
+_PROMETHEUS_HINT = install_hint("prometheus")
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -172,11 +169,7 @@ def _warn_unknown_settings(config: Mapping[str, object]) -> None:
             continue
         close = difflib.get_close_matches(key, sorted(SETTINGS), n=1)
         hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(SETTINGS))}"
-        log.warning("unknown Flask setting %s is ignored (%s)", _printable(key), hint)
-
-
-def _printable(text: str) -> str:
-    return text if text.isprintable() and len(text) <= 80 else repr(text[:80])
+        log.warning("unknown Flask setting %s is ignored (%s)", printable(key[:80]), hint)
 
 
 def current_pool() -> WorkerPool:

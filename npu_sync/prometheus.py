@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Protocol, cast
 
+from npu_sync.errors import install_hint
+
 try:
     from prometheus_client import (
         CONTENT_TYPE_LATEST,
@@ -59,9 +61,7 @@ try:
     from prometheus_client.utils import floatToGoString
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
-        "npu_sync.prometheus needs prometheus_client: pip install -e '.[prometheus]' from "
-        "the root of a clone of npu_sync, or pip install "
-        "'dist/npu_sync-<version>-py3-none-any.whl[prometheus]' (see Installing in README.md)"
+        f"npu_sync.prometheus needs prometheus_client: {install_hint('prometheus')}"
     ) from exc
 
 from npu_sync.events import (

@@ -1319,6 +1319,51 @@ def test_a_bad_redis_url_is_refused_at_load_without_quoting_it(url: str, problem
     )
 
 
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        (
+            f"redis://:{SECRET}@127.0.0.1:6379/0?foo={SECRET}",
+            "has an unknown query parameter 'foo' (known: client_name, db)",
+        ),
+        (
+            f"redis://:{SECRET}@127.0.0.1:6379/0?ssl_ca_certs=/ca.pem",
+            "has TLS parameter 'ssl_ca_certs', which only a rediss:// URL takes",
+        ),
+        (
+            f"rediss://:{SECRET}@127.0.0.1:6379/0?socket_timeout=30",
+            "sets 'socket_timeout': npu_sync sets it from shared_state.timeout",
+        ),
+    ],
+)
+def test_a_redis_url_query_redis_py_would_choke_on_is_refused_at_load(url, problem) -> None:
+    """A query parameter redis-py passes on as a keyword its connection does not take (a
+    TypeError at start-up) is a ConfigError naming the parameter, never its value."""
+    assert errors_of(native(shared_state={"backend": "redis", "url": url})) == (
+        f"npu_workers.shared_state.url: {problem}",
+    )
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0?db=2&client_name=web",
+        "rediss://127.0.0.1:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/ca.pem"
+        "&ssl_check_hostname=true",
+        "unix:///run/redis.sock?db=1",
+    ],
+)
+def test_redis_url_queries_redis_py_takes_still_load(url) -> None:
+    """The parameters left to the URL (database, client name, TLS files) load, and
+    redis-py builds a client from them without complaint."""
+    redis = pytest.importorskip("redis")
+    config = parse_config(native(shared_state={"backend": "redis", "url": url}))
+    assert config.shared_state.url == url
+    client = redis.Redis.from_url(url, socket_timeout=0.1)
+    client.connection_pool.make_connection().disconnect()  # built, never connected
+    client.close()
+
+
 def test_repr_of_a_config_never_shows_the_redis_password() -> None:
     """repr(PoolConfig) and repr(SharedStateConfig) mask the URL's userinfo."""
     shared = SharedStateConfig(backend="redis", url=f"redis://user:{SECRET}@127.0.0.1:6379/0")
