@@ -29,7 +29,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(f"npu_sync.flask needs Flask: {install_hint('flask')}") from exc
 from npu_sync.fleet import monitor_of
-from npu_sync.pool import WorkerPool, get_pool
+from npu_sync.pool import WorkerPool, adopt_default_pool, get_pool
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,9 @@ class NpuSync:
                 watch = bool(app.config.get("NPU_SYNC_WATCH", True))
                 pool = WorkerPool.from_yaml(path, watch=watch)
                 owned = True
+                # @npu_task() and get_pool() in this process then use this same pool,
+                # the one the endpoints, the status page and /metrics show.
+                adopt_default_pool(pool, f"NPU_SYNC_CONFIG ({printable(str(path))})")
         try:
             app.register_blueprint(_blueprint(), url_prefix=prefix)
         except BaseException:

@@ -898,6 +898,33 @@ def get_pool() -> WorkerPool:
         return _default_pool
 
 
+def adopt_default_pool(pool: WorkerPool, source: str) -> bool:
+    """Make ``pool`` the process-wide default, unless a live default exists already.
+
+    The Flask extension calls this with the pool it builds from ``NPU_SYNC_CONFIG``, so
+    that ``@npu_task()`` and :func:`get_pool` in that process use the pool the app's
+    endpoints, status page and metrics show, instead of building a second one. The
+    caller keeps closing ``pool``; a closed default is rebuilt on next use.
+
+    Returns:
+        Whether ``pool`` is now the default. When another live pool is, a warning says
+        so: tasks sent through the default would not show with the app's pool.
+    """
+    global _default_pool
+    with _default_lock:
+        current = _default_pool
+        if current is None or current.closed or current is pool:
+            _default_pool = pool
+            return True
+    log.warning(
+        "this process has two pools: get_pool() and @npu_task() without a pool use the "
+        "default pool built before %s was loaded, not the pool built from it; pass the "
+        "pool to npu_task() or build the default first",
+        source,
+    )
+    return False
+
+
 def _build_default(env: Mapping[str, str]) -> WorkerPool:
     path = env.get("NPU_SYNC_CONFIG")
     if path:
