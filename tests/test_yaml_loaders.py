@@ -1,0 +1,95 @@
+"""libyaml's parser under the strict checks reads every file as PyYAML's own parser does:
+same data, same duplicates, same refusals; only the cost differs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from npu_sync import _config_file
+from npu_sync.config import parse_yaml
+from npu_sync.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(not yaml.__with_libyaml__, reason="PyYAML without libyaml")
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BLOCK = re.compile(r"^```yaml\n(.*?)^```$", re.S | re.M)
+
+TRICKY = [
+    "a: &x {k: 1}\nb: {<<: *x, j: 2}\n",
+    "a: &x {k: 1}\nb:\n  <<: [*x, {k: 3, m: 4}]\n  k: 9\n",
+    "workers: 1\nworkers: 2\n",
+    "a:\n  b: 1\n  b: 2\nc: [1, 2, {d: 1, d: 2}]\n",
+    "x: 'quoted: ${ENV}'\ny: \"esc \\t \\u00e9\"\nz: |\n  block\n  text\n",
+    "n: [0x1f, 0o17, 1_000, .inf, -.nan, ~, null, yes, No, 2024-01-02]\n",
+    "? complex key\n: value\n",
+    "---\na: 1\n...\n",
+    "",
+    "# only a comment\n",
+]
+BROKEN = [
+    "a: [1, 2\n",
+    "a: b: c\n",
+    "\tkey: tab-indented\n",
+    "a: *nowhere\n",
+    "a: !!python/object:os.system {}\n",
+    "- a\nb: c\n",
+    "a: '\x07'\n",
+]
+
+
+def load(loader_class: type, text: str) -> tuple[str, Any, list[str]]:
+    loader = None
+    try:
+        loader = loader_class(text)  # the reader checks characters as it is built
+        return "ok", loader.get_single_data(), sorted(loader.duplicates)
+    except yaml.YAMLError as exc:
+        return "error", type(exc).__mro__[1].__name__, []
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def documented_yaml() -> list[str]:
+    return [
+        m.group(1) for path in sorted(DOCS.glob("*.md")) for m in BLOCK.finditer(path.read_text())
+    ]
+
+
+@pytest.mark.parametrize("text", TRICKY + documented_yaml())
+def test_both_parsers_read_the_same_data_and_duplicates(text):
+    """Anchors, merges, duplicates, tags, scalars and every YAML block of the docs."""
+    fast = load(_config_file._FastStrictLoader, text)
+    pure = load(_config_file._StrictLoader, text)
+    assert fast == pure
+
+
+@pytest.mark.parametrize("text", BROKEN)
+def test_both_parsers_refuse_the_same_broken_files(text):
+    """A file either parser refuses, the other refuses too."""
+    assert load(_config_file._FastStrictLoader, text)[0] == "error"
+    assert load(_config_file._StrictLoader, text)[0] == "error"
+
+
+def test_a_configuration_is_read_without_pythons_scanner(monkeypatch):
+    """With libyaml, PyYAML's pure-Python scanner never runs: the costly part is in C."""
+    scanned = []
+    real = yaml.scanner.Scanner.fetch_more_tokens
+
+    def counting(self):
+        scanned.append(1)
+        return real(self)
+
+    monkeypatch.setattr(yaml.scanner.Scanner, "fetch_more_tokens", counting)
+    config = parse_yaml(
+        "npu_workers:\n  workers:\n    - {id: a, url: 'http://127.0.0.1:9'}\n", source="/x.yaml"
+    )
+    assert [w.id for w in config.workers] == ["a"] and scanned == []
+    with pytest.raises(ConfigError, match="nested deeper than 32 levels"):
+        # Past libyaml's own nesting limit, PyYAML's parser names where it is too deep.
+        parse_yaml("npu_workers:\n  workers: " + "[" * 2000 + "]" * 2000 + "\n", source="/x.yaml")
+    assert scanned
