@@ -148,11 +148,6 @@ class BearerAuth:
     def headers(self, method: str, path: str) -> Mapping[str, str]:
         return self._headers
 
-    def redact(self, text: str) -> str:
-        """``text`` with the token written as ``***``: a worker refusing it may quote it."""
-        token = self._headers["Authorization"][len("Bearer ") :]
-        return text.replace(token, "***") if token in text else text
-
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented

@@ -114,7 +114,14 @@ class ConfigError(NpuSyncError, ValueError):
 
 
 class InvalidTask(NpuSyncError, ValueError):
-    """A task could not be built: its payload, endpoint or options are unusable."""
+    """A task could not be built: its payload, endpoint or options are unusable.
+
+    The message is passed through :func:`printable`: it may quote a caller's path or
+    header, whose control characters must not reach a terminal.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(printable(message))
 
 
 class TaskRejected(NpuSyncError):
@@ -133,7 +140,9 @@ class TaskRejected(NpuSyncError):
         body: object = None,
         model: str | None = None,
     ) -> None:
-        super().__init__(message)
+        # A worker's words and a caller's model name are quoted here: escaped again,
+        # whoever built the message (escaping is idempotent).
+        super().__init__(printable(message))
         self.task_id = task_id
         self.status = status
         self.worker_id = worker_id
@@ -157,7 +166,7 @@ class TaskFailed(NpuSyncError):
         dead_letter_id: str | None,
         attempts: Sequence[Attempt] = (),
     ) -> None:
-        super().__init__(message)
+        super().__init__(printable(message))
         self.task_id = task_id
         self.dead_letter_id = dead_letter_id
         self.attempts: tuple[Attempt, ...] = tuple(attempts)

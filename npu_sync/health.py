@@ -12,6 +12,11 @@ Each probe speaks the worker's protocol and carries its auth headers. A passed c
 of a worker whose protocol lists models apart (``models_path``, AutoBot's Linux
 ``GET /models``) reads that list too, on the same connection and within the same
 ``health.timeout``, when the pool asks for model lists.
+
+A probe's error text is what the worker said: it is scrubbed of the configuration's
+secrets and bounded (:class:`~npu_sync.redact.Scrubber`) before the result leaves the
+probe, so neither ``workers()``, ``npu-sync status`` nor a log line shows a credential
+the worker quoted back.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from npu_sync.auth import RequestAuth
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
 from npu_sync.protocols import LINUX, WorkerProtocol
+from npu_sync.redact import NO_SCRUBBER, Scrubber
 from npu_sync.transport import Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -98,12 +104,33 @@ def probe(
     auth: RequestAuth | None = None,
     base_path: str = "",
     models: bool = False,
+    scrubber: Scrubber = NO_SCRUBBER,
 ) -> HealthResult:
     """Check one worker once: GET the health endpoint and read its verdict and hints;
-    with ``models``, read its model list too (see the module's docstring).
+    with ``models``, read its model list too (see the module's docstring). The error
+    text is passed through ``scrubber``.
 
     Never raises: whatever goes wrong is a failed check of this worker.
     """
+    result = _probe(
+        worker_id, transport, config, clock, protocol, auth, base_path, models, scrubber
+    )
+    if result.error is not None:
+        result = dataclasses.replace(result, error=scrubber(result.error))
+    return result
+
+
+def _probe(
+    worker_id: str,
+    transport: Transport,
+    config: HealthConfig,
+    clock: Clock,
+    protocol: WorkerProtocol,
+    auth: RequestAuth | None,
+    base_path: str,
+    models: bool,
+    scrubber: Scrubber,
+) -> HealthResult:
     checked_at = clock.time()
     started = clock.monotonic()
     path = config.endpoint
@@ -137,7 +164,9 @@ def probe(
     if models and result.ok and models_path is not None:
         left = config.timeout - (clock.monotonic() - started)
         if left > 0.001:
-            result = _with_models(result, transport, protocol, auth, base_path, left, clock)
+            result = _with_models(
+                result, transport, protocol, auth, base_path, left, clock, scrubber
+            )
     return result
 
 
@@ -149,6 +178,7 @@ def _with_models(
     base_path: str,
     timeout: float,
     clock: Clock,
+    scrubber: Scrubber = NO_SCRUBBER,
 ) -> HealthResult:
     """``result`` with the worker's model list, when it can be read in ``timeout``;
     a list that cannot be read leaves the last one standing (never a failed check)."""
@@ -166,7 +196,7 @@ def _with_models(
             raise ValueError(f"HTTP {response.status}")
         info = protocol.parse_models(response.json())
     except (TransportError, ValueError, RecursionError) as exc:
-        log.debug("model list of worker %s not read: %s", result.worker_id, exc)
+        log.debug("model list of worker %s not read: %s", result.worker_id, scrubber(str(exc)))
         return result
     except Exception:
         log.exception("model list of worker %s could not be read", result.worker_id)
@@ -306,6 +336,8 @@ class HealthChecker:
         apply: receives each round's results; the pool updates worker state with them.
         config: returns the health settings in force (they are hot-reloadable).
         models: returns whether passed checks read the workers' model lists too.
+        scrubber: returns the scrubber that keeps secrets out of the probes' error
+            texts (read once per round).
     """
 
     def __init__(
@@ -317,8 +349,10 @@ class HealthChecker:
         clock: Clock = SYSTEM_CLOCK,
         rng: random.Random | None = None,
         models: Callable[[], bool] = lambda: False,
+        scrubber: Callable[[], Scrubber] = lambda: NO_SCRUBBER,
     ) -> None:
         self._models = models
+        self._scrubber = scrubber
         self._targets = targets
         self._apply = apply
         self._config = config
@@ -399,6 +433,7 @@ class HealthChecker:
         busy: dict[concurrent.futures.Future[HealthResult], str] = {}
         generations = {t.id: getattr(t, "generation", 0) for t in targets}
         models = bool(self._models())
+        scrubber = self._scrubber()
         with self._lock:
             if self._stop.is_set():
                 return {}
@@ -407,7 +442,7 @@ class HealthChecker:
                 if previous is not None and not previous[0].done():
                     busy[previous[0]] = t.id
                     continue
-                future = self._start_probe(t, config, generations[t.id], models)
+                future = self._start_probe(t, config, generations[t.id], models, scrubber)
                 if future is not None:
                     futures[future] = t.id
             for worker_id in [w for w in self._running if w not in generations]:
@@ -449,7 +484,7 @@ class HealthChecker:
                     worker_id,
                     False,
                     now,
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=scrubber(f"{type(exc).__name__}: {exc}"),
                     generation=generations[worker_id],
                 )
         self.rounds += 1
@@ -457,7 +492,12 @@ class HealthChecker:
         return {**results, **shared}
 
     def _start_probe(
-        self, target: Target, config: HealthConfig, generation: int, models: bool = False
+        self,
+        target: Target,
+        config: HealthConfig,
+        generation: int,
+        models: bool = False,
+        scrubber: Scrubber = NO_SCRUBBER,
     ) -> concurrent.futures.Future[HealthResult] | None:
         """Start one probe on a thread of its own; None if no thread could be started.
 
@@ -473,6 +513,7 @@ class HealthChecker:
             "auth": getattr(target, "auth", None),
             "base_path": getattr(target, "base_path", ""),
             "models": models,
+            "scrubber": scrubber,
         }
         thread = threading.Thread(
             target=_run_probe,

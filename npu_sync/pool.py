@@ -49,6 +49,7 @@ from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
+from npu_sync.redact import NO_SCRUBBER, Scrubber
 from npu_sync.reload import ConfigWatcher
 from npu_sync.state import PoolState
 from npu_sync.state import TransportFactory as TransportFactory
@@ -679,6 +680,7 @@ class WorkerPool:
             clock=self._state.clock,
             rng=self._rng,
             models=_weakly(self, _refresh_models, False),
+            scrubber=_weakly(self, _scrubber, NO_SCRUBBER),
         )
 
     def _health_targets(self) -> list[Worker]:
@@ -857,6 +859,10 @@ def _weakly(pool: WorkerPool, method: Callable[..., Any], dead: Any) -> Callable
 
 def _health_config(pool: WorkerPool) -> HealthConfig:
     return pool._state.config.health
+
+
+def _scrubber(pool: WorkerPool) -> Scrubber:
+    return pool._state.scrubber
 
 
 def _refresh_models(pool: WorkerPool) -> bool:

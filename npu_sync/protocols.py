@@ -25,7 +25,6 @@ parsers return a value (``None`` or an unhealthy verdict for garbage).
 
 from __future__ import annotations
 
-import re
 import reprlib
 import threading
 from collections.abc import Mapping
@@ -35,7 +34,8 @@ from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote
 
 from npu_sync.errors import printable
-from npu_sync.retry import Kind, Outcome, classify_response
+from npu_sync.retry import MAX_MODEL_ID as _MAX_MODEL_ID
+from npu_sync.retry import Kind, Outcome, classify_response, not_loaded_model
 from npu_sync.transport import Response
 
 __all__ = [
@@ -59,11 +59,10 @@ __all__ = [
 MAX_MODELS = 1000
 """A model list longer than this is not believed: the worker's models count as unknown."""
 
-MAX_MODEL_ID = 256
+MAX_MODEL_ID = _MAX_MODEL_ID
 """Model ids longer than this (or not printable) are left out of a worker's model list."""
 
 _MAX_DEVICE = 100
-_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
 _WINDOWS_FAILED = frozenset({"failed", "error"})
 _NO_DEVICES: Mapping[str, str] = MappingProxyType({})
 _REPR = reprlib.Repr()
@@ -309,15 +308,10 @@ class WindowsProtocol(WorkerProtocol):
             return outcome
         error = body.get("error")
         if isinstance(error, str):
-            match = _NOT_LOADED.match(error)
-            if match is not None:
+            named = not_loaded_model(error)
+            if named is not None:
                 return Outcome(
-                    Kind.NOT_HERE,
-                    body,
-                    response.status,
-                    printable(error[:300]),
-                    model=match["model"],
-                    processed=False,
+                    Kind.NOT_HERE, body, response.status, named[0], model=named[1], processed=False
                 )
         # The worker's own words, escaped where they enter npu_sync. A failed task is
         # most often the task's doing (an unknown task_type, bad input): suspect.

@@ -33,6 +33,7 @@ from npu_sync.config import (
 )
 from npu_sync.errors import ConfigError, PoolClosed
 from npu_sync.events import ConfigReloaded, ConfigReloadFailed, WorkerSlowStart
+from npu_sync.redact import Scrubber
 from npu_sync.retry import RetryPolicy
 from npu_sync.state import PoolState
 from npu_sync.transport import Transport
@@ -263,12 +264,15 @@ class Reconfigurer:
         updated = [wid for wid in wanted if wid in current and current[wid].config != wanted[wid]]
         unchanged = [wid for wid in wanted if wid in current and wid not in updated]
         built = self._build(current, wanted, added, updated)
+        scrubber = state.new_scrubber(new, state.scrubber)
         with state.lock:
             closed_meanwhile = state.closed
         if closed_meanwhile:
             built.close()
             raise PoolClosed("the pool is closed")
-        to_close, worker_ids = self._install(new, built, wanted, removed, updated, drain=drain)
+        to_close, worker_ids = self._install(
+            new, built, wanted, removed, updated, drain=drain, scrubber=scrubber
+        )
         if state.events:
             state.flush_events()
         if state.shared is not None:
@@ -325,6 +329,7 @@ class Reconfigurer:
         updated: list[str],
         *,
         drain: bool,
+        scrubber: Scrubber,
     ) -> tuple[list[Transport], list[str]]:
         """Swap the change in under the pool's lock. Returns the transports it replaced,
         to be closed once the lock is released, and the ids of the pool's workers."""
@@ -359,6 +364,7 @@ class Reconfigurer:
                 for worker in state.workers.values():
                     worker.breaker.configure(new.circuit_breaker)
             state.config = new
+            state.scrubber = scrubber
             if new.retry != old.retry:
                 state.retry = RetryPolicy(new.retry)
             state.dispatcher.set_workers_locked(state.workers.values())

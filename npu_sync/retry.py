@@ -32,6 +32,24 @@ class Kind(enum.Enum):
 
 
 _MODEL_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
+
+MAX_MODEL_ID = 256
+"""Model ids longer than this (or not printable) are not believed from a worker."""
+
+
+def not_loaded_model(detail: str) -> tuple[str, str | None] | None:
+    """Whether ``detail`` is a "Model X not loaded" answer: its escaped, bounded text
+    and the model it names, or None when it is not one. A name longer than
+    :data:`MAX_MODEL_ID` or not printable is not kept (``None``): a worker's words
+    are stored per worker, and must not grow without bound."""
+    match = _MODEL_NOT_LOADED.match(detail)
+    if match is None:
+        return None
+    model = match["model"]
+    kept = model if len(model) <= MAX_MODEL_ID and model.isprintable() else None
+    return printable(detail[:300]), kept
+
+
 _NOT_PROCESSED = frozenset({429, 503})
 # Credentials the worker refuses say nothing about the task: the worker (or its
 # configuration here) is at fault, it ran nothing, and another worker may take it.
@@ -75,16 +93,9 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
     if 400 <= status < 500 and status not in (408, 429):
         return Outcome(Kind.REJECTED, body, status, _describe(status, detail))
     if status == 500 and isinstance(detail, str):
-        match = _MODEL_NOT_LOADED.match(detail)
-        if match:
-            return Outcome(
-                Kind.NOT_HERE,
-                body,
-                status,
-                printable(detail[:300]),
-                model=match["model"],
-                processed=False,
-            )
+        named = not_loaded_model(detail)
+        if named is not None:
+            return Outcome(Kind.NOT_HERE, body, status, named[0], model=named[1], processed=False)
     return Outcome(
         Kind.FAILURE,
         body,

@@ -8,6 +8,7 @@ neither reaches back into the pool, and the pool's façade reads it for ``stats(
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 from collections.abc import Callable, Iterable
@@ -34,11 +35,14 @@ from npu_sync.hedge import HedgePolicy, HedgeTimer, HedgeTotals
 from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
+from npu_sync.redact import MIN_SECRET_LENGTH, Scrubber
 from npu_sync.retry import RetryPolicy
 from npu_sync.selector import Selector
 from npu_sync.slowstart import SlowStart
 from npu_sync.transport import Transport
 from npu_sync.worker import Worker
+
+log = logging.getLogger(__name__)
 
 TransportFactory = Callable[..., Transport]
 """Builds one worker's transport: ``factory(worker_config, transport_config, maxsize=n)``."""
@@ -64,9 +68,9 @@ class PoolState:
     Thread-safe as used: ``lock`` (the dispatcher's) guards every worker's mutable
     state, ``workers``, ``draining``, ``stats``, ``closed``, the queue of breaker
     transitions and the retry budget's counts (the budget takes it itself, but for a
-    task's deposit, made in a lock round of the dispatcher's). ``config``, ``retry``
-    and ``hooks`` are immutable values replaced whole, so a task reads them without
-    the lock and keeps what it read.
+    task's deposit, made in a lock round of the dispatcher's). ``config``, ``retry``,
+    ``scrubber`` and ``hooks`` are immutable values replaced whole, so a task reads
+    them without the lock and keeps what it read.
 
     Args:
         config: the configuration in force.
@@ -91,6 +95,8 @@ class PoolState:
     ) -> None:
         self.config = config
         self.retry = RetryPolicy(config.retry)
+        # Keeps the configuration's secrets out of what workers say (redact.py).
+        self.scrubber = self.new_scrubber(config)
         self.clock = clock
         self.transport_factory = transport_factory
         balancing = config.balancing
@@ -148,6 +154,20 @@ class PoolState:
         self._protocols_for: PoolConfig | None = None
         self.placements: dict[str, Placement] = {}  # models being loaded right now
         self.model_counts = {"corrections": 0, "placements": 0, "placement_failures": 0}
+
+    def new_scrubber(self, config: PoolConfig, previous: Scrubber | None = None) -> Scrubber:
+        """The scrubber for ``config`` (still covering ``previous``'s secrets); warns
+        once per configuration of each secret too short to be looked for."""
+        scrubber = Scrubber.from_config(config, previous)
+        if previous is None or scrubber.too_short != previous.too_short:
+            for where in scrubber.too_short:
+                log.warning(
+                    "%s is shorter than %d characters: a worker quoting it back cannot be "
+                    "told from ordinary text, so it is not redacted from what workers say",
+                    where,
+                    MIN_SECRET_LENGTH,
+                )
+        return scrubber
 
     def build_worker(self, cfg: WorkerConfig) -> Worker:
         """A new worker: its transports and a closed breaker reporting to this state."""

@@ -53,6 +53,7 @@ from npu_sync.events import (
 )
 from npu_sync.hedge import HedgePolicy
 from npu_sync.protocols import WorkerProtocol
+from npu_sync.redact import Scrubber
 from npu_sync.retry import Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
 from npu_sync.task import Task
@@ -640,7 +641,9 @@ class TaskRun:
                 connect_timeout=timeouts.connect,
             )
         except TransportError as exc:
-            return printable(f"loading it on {worker.id} failed: {exc.kind}: {exc}")
+            # The worker's words enter the pool here too: scrubbed, bounded.
+            why = self.state.scrubber(printable(f"{exc.kind}: {exc}"))
+            return f"loading it on {worker.id} failed: {why}"
         except Exception as exc:  # a bug of ours, or of a custom transport
             log.exception("unexpected error loading model on worker %s", worker.id)
             return f"loading it on {worker.id} failed: {type(exc).__name__}"
@@ -649,7 +652,7 @@ class TaskRun:
             value = outcome.value
             if not (type(value) is dict and value.get("status") in ("failed", "error")):
                 return None
-        why = outcome.error or f"HTTP {response.status}"
+        why = self.state.scrubber(outcome.error or f"HTTP {response.status}")
         return f"loading it on {worker.id} failed: {why}"
 
     def reject_model(self, model: str, detail: str) -> TaskRejected:
@@ -736,6 +739,10 @@ class TaskRun:
     ) -> Outcome:
         """POST the task to ``worker``, no lock held, and classify what came back.
 
+        What the worker said enters the pool here: its text is scrubbed of the
+        configuration's secrets and bounded (``PoolState.scrubber``) before anything
+        stores or shows it.
+
         One budget covers the whole exchange: ``timeouts.read`` cut to what is left of
         the deadline, of which connecting may take at most ``timeouts.connect``. A
         hedge (``side``) is ``X-NPU-Attempt: 2`` and may be cancelled (``cancel``) by
@@ -746,6 +753,11 @@ class TaskRun:
                 encoded): the task's fault, so no worker is charged and nothing is
                 retried.
         """
+        return _scrubbed(self._exchange(worker, t0, remaining, side, cancel), self.state.scrubber)
+
+    def _exchange(
+        self, worker: Worker, t0: float, remaining: float, side: int, cancel: Cancel | None
+    ) -> Outcome:
         timeouts = self.config.timeouts
         connect_timeout = timeouts.connect
         read_timeout = timeouts.read
@@ -789,11 +801,6 @@ class TaskRun:
                     replayable=self.task.idempotent,
                 )
             outcome = protocol.classify(response, now=t0 + self.wall)
-            if auth is not None and outcome.error:
-                redact = getattr(auth, "redact", None)
-                if redact is not None:
-                    # The worker's words go to errors, stats, logs and dead letters.
-                    outcome.error = redact(outcome.error)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:
                 outcome = _checked(check, outcome)
@@ -1326,3 +1333,17 @@ def _check_timeout(timeout: float | None) -> None:
         raise InvalidTask(
             f"timeout must be a number of seconds > 0 and <= {_MAX_TIMEOUT}, got {timeout!r}"
         )
+
+
+def _scrubbed(outcome: Outcome, scrubber: Scrubber) -> Outcome:
+    """``outcome`` with what the worker said scrubbed of secrets and bounded: its error
+    text, the model a "not loaded" answer named (dropped if it held a secret) and, for
+    a rejection, the body ``TaskRejected.body`` carries."""
+    if outcome.error is not None:
+        outcome.error = scrubber(outcome.error)
+    model = outcome.model
+    if model is not None and scrubber(model) != model:
+        outcome.model = None
+    if outcome.kind is Kind.REJECTED and scrubber:
+        outcome.value = scrubber.value(outcome.value)
+    return outcome

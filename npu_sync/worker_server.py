@@ -143,6 +143,10 @@ class WorkerBehaviour:
             has "fallen back to CPU" and names :data:`CPU_DEVICE` as its device.
         load_delay_ms: time loading a model takes (``/models/load``,
             ``/model/optimize``, or a first use under ``"*"``).
+        echo_header: the name of a request header this worker quotes, value and all,
+            in every error it answers (``detail``, a failed task's ``error``, an
+            unhealthy ``/health``'s ``status``): a careless worker that leaks the
+            credentials it was sent back into its error texts.
     """
 
     latency_ms: float = 0.0
@@ -156,6 +160,7 @@ class WorkerBehaviour:
     retry_after: float | None = None
     npu_available: bool = True
     load_delay_ms: float = 0.0
+    echo_header: str | None = None
 
     def __post_init__(self) -> None:
         _check_number("latency_ms", self.latency_ms)
@@ -177,6 +182,12 @@ class WorkerBehaviour:
             raise ValueError(f"status_code: must be null or 400..599, got {self.status_code!r}")
         if self.retry_after is not None:
             _check_number("retry_after", self.retry_after)
+        if self.echo_header is not None and (
+            not isinstance(self.echo_header, str) or not self.echo_header.strip()
+        ):
+            raise ValueError(
+                f"echo_header: must be null or a header name, got {self.echo_header!r}"
+            )
 
     @property
     def device(self) -> str:
@@ -704,6 +715,9 @@ class _Handler(BaseHTTPRequestHandler):
         headers: Mapping[str, str] | None = None,
         close: bool = False,
     ) -> None:
+        echo = self.server.state.behaviour.echo_header
+        if echo is not None and isinstance(payload, dict):
+            payload = _echoed(payload, status, f"({echo}: {self.headers.get(echo)})")
         data = json.dumps(payload, separators=(",", ":")).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -962,6 +976,21 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(422, {"detail": str(exc)})
             return
         self._send_json(200, {**behaviour.to_dict(), "models": self.server.state.models()})
+
+
+def _echoed(payload: dict[str, Any], status: int, quote: str) -> dict[str, Any]:
+    """``payload`` with ``quote`` added to each error text it carries (see
+    ``WorkerBehaviour.echo_header``)."""
+    failed = status >= 400 or payload.get("status") in ("failed", "error")
+    if not failed:
+        return payload
+    echoed = dict(payload)
+    for key in ("detail", "error"):
+        if isinstance(echoed.get(key), str):
+            echoed[key] = f"{echoed[key]} {quote}"
+    if status >= 400 and isinstance(echoed.get("status"), str):  # an unhealthy /health
+        echoed["status"] = f"{echoed['status']} {quote}"
+    return echoed
 
 
 _Action = Callable[[_Handler, bytes], None]

@@ -1,0 +1,178 @@
+"""The Scrubber: configured secrets taken out of what a worker says."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from urllib.parse import quote
+
+from npu_sync.config import parse_config
+from npu_sync.redact import MAX_WORKER_TEXT, MIN_SECRET_LENGTH, REDACTED, Scrubber
+
+TOKEN = "tok-3f9a1c77e2b54d08"
+
+
+def config(workers: str, extra: str = "") -> object:
+    return parse_config(
+        {"npu_workers": {"workers": json.loads(workers), **json.loads(extra or "{}")}}
+    )
+
+
+def test_a_secret_is_replaced_wherever_it_appears():
+    """Every occurrence of the secret becomes [redacted]; the rest of the text stays."""
+    scrub = Scrubber([TOKEN])
+    assert scrub(f"HTTP 401: bad token {TOKEN}, again {TOKEN}.") == (
+        f"HTTP 401: bad token {REDACTED}, again {REDACTED}."
+    )
+
+
+def test_a_text_without_secrets_is_unchanged():
+    """Ordinary text, and a secret-free scrubber, leave a text as it was."""
+    assert Scrubber([TOKEN])("HTTP 500: simulated failure") == "HTTP 500: simulated failure"
+    assert Scrubber()("HTTP 500: " + TOKEN) == "HTTP 500: " + TOKEN
+
+
+def test_a_secret_cut_short_or_quoted_in_part_is_redacted():
+    """Any run of MIN_SECRET_LENGTH characters of a secret goes: a prefix, a middle."""
+    scrub = Scrubber([TOKEN])
+    assert scrub(f"token {TOKEN[:MIN_SECRET_LENGTH]}") == f"token {REDACTED}"
+    assert TOKEN[3:14] not in scrub(f"saw ...{TOKEN[3:14]}...")
+    # Shorter than that is not looked for: it cannot be told from ordinary text.
+    assert (
+        scrub(f"token {TOKEN[: MIN_SECRET_LENGTH - 1]}")
+        == f"token {TOKEN[: MIN_SECRET_LENGTH - 1]}"
+    )
+
+
+def test_url_encoded_and_json_escaped_forms_are_redacted():
+    """A secret written URL-encoded or JSON-escaped by the worker is caught too."""
+    secret = 'p@ss/w"rd\\+1 2'
+    scrub = Scrubber([secret])
+    for form in (quote(secret, safe=""), json.dumps(secret)[1:-1]):
+        assert secret not in scrub(f"got {form}") and REDACTED in scrub(f"got {form}")
+
+
+def test_secrets_shorter_than_the_minimum_are_ignored():
+    """A 3-character secret would redact every 'abc' of every message: it is not used."""
+    assert Scrubber(["abc"])("abc abcabc") == "abc abcabc"
+
+
+def test_a_long_text_is_capped():
+    """What is kept of one worker text is at most MAX_WORKER_TEXT characters."""
+    text = Scrubber([TOKEN])("x" * 100_000)
+    assert len(text) == MAX_WORKER_TEXT and text.endswith("...")
+
+
+def test_from_config_takes_header_values_but_not_plain_headers():
+    """Authorization's token, X-Api-Key and a custom header are secrets; Content-Type is not."""
+    cfg = config(
+        json.dumps(
+            [
+                {
+                    "id": "a",
+                    "url": "http://127.0.0.1:9",
+                    "headers": {
+                        "Authorization": f"Bearer {TOKEN}",
+                        "X-Api-Key": "key-0123456789",
+                        "X-Tenant": "tenant-secretish",
+                        "Content-Type": "application/json",
+                    },
+                }
+            ]
+        )
+    )
+    scrub = Scrubber.from_config(cfg)
+    text = scrub(f"{TOKEN} key-0123456789 tenant-secretish application/json")
+    assert text == f"{REDACTED} {REDACTED} {REDACTED} application/json"
+
+
+def test_from_config_decodes_basic_credentials():
+    """For Basic auth, the base64 value, the decoded user:password and the password go."""
+    pair = "admin:hunter2-long-pw"
+    encoded = base64.b64encode(pair.encode()).decode()
+    cfg = config(
+        json.dumps(
+            [
+                {
+                    "id": "a",
+                    "url": "http://127.0.0.1:9",
+                    "headers": {"Authorization": f"Basic {encoded}"},
+                }
+            ]
+        )
+    )
+    scrub = Scrubber.from_config(cfg)
+    for shown in (encoded, pair, "hunter2-long-pw"):
+        assert scrub(f"echo {shown}") == f"echo {REDACTED}"
+
+
+def test_from_config_takes_auth_secrets_and_the_redis_password(monkeypatch):
+    """The bearer token, the HMAC secret, and the Redis URL's password (raw, decoded and
+    as Basic base64) are secrets."""
+    monkeypatch.setenv("TOK", TOKEN)
+    monkeypatch.setenv("SEC", "hmac-key-9c2e71d0")
+    cfg = config(
+        json.dumps(
+            [
+                {
+                    "id": "a",
+                    "url": "http://127.0.0.1:9",
+                    "auth": {"type": "bearer", "token": "${TOK}"},
+                },
+                {
+                    "id": "b",
+                    "url": "http://127.0.0.1:10",
+                    "auth": {"type": "hmac", "service_id": "svc", "secret": "${SEC}"},
+                },
+            ]
+        ),
+        json.dumps({"shared_state": {"url": "redis://user:r%40dis-pass-77@h:6379/0"}}),
+    )
+    scrub = Scrubber.from_config(cfg)
+    basic = base64.b64encode(b"user:r@dis-pass-77").decode()
+    for shown in (TOKEN, "hmac-key-9c2e71d0", "r%40dis-pass-77", "r@dis-pass-77", basic):
+        assert scrub(f"echo {shown}") == f"echo {REDACTED}", shown
+
+
+def test_after_a_reload_the_previous_secrets_are_still_redacted_one_generation_only():
+    """An answer to a request sent with the old secret may arrive after the reload."""
+    first = Scrubber.from_config(
+        config('[{"id": "a", "url": "http://h:1", "headers": {"X-K": "alpha-token-1111"}}]')
+    )
+    second = Scrubber.from_config(
+        config('[{"id": "a", "url": "http://h:1", "headers": {"X-K": "bravo-key-22222"}}]'), first
+    )
+    third = Scrubber.from_config(
+        config('[{"id": "a", "url": "http://h:1", "headers": {"X-K": "charlie-pass-333"}}]'), second
+    )
+    assert second("alpha-token-1111 bravo-key-22222") == f"{REDACTED} {REDACTED}"
+    assert third("alpha-token-1111") == "alpha-token-1111"
+
+
+def test_short_secrets_are_named_never_shown(caplog):
+    """A configured secret too short to look for is reported by place, when a pool starts."""
+    from npu_sync import WorkerPool
+    from npu_sync.testing import FakeNetwork
+
+    caplog.set_level(logging.WARNING)
+    cfg = config(
+        '[{"id": "a", "url": "http://h:1", "headers": {"X-Api-Key": "k3y"}}]',
+        '{"health": {"enabled": false}}',
+    )
+    with WorkerPool(cfg, transport_factory=FakeNetwork().factory):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("worker a: header X-Api-Key is shorter than" in w for w in warnings)
+    assert not any("k3y" in w for w in warnings)
+
+
+def test_value_redacts_inside_a_json_answer():
+    """A rejected answer's body keeps its shape with the secret's text replaced."""
+    scrub = Scrubber([TOKEN])
+    body = {"detail": [{"msg": "bad", "input": {"auth": f"Bearer {TOKEN}"}}]}
+    assert scrub.value(body) == {
+        "detail": [{"msg": "bad", "input": {"auth": f"Bearer {REDACTED}"}}]
+    }
+    clean = {"detail": "fine"}
+    assert scrub.value(clean) is clean
