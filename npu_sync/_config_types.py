@@ -25,6 +25,7 @@ from npu_sync._schema import (
     endpoint,
     integer,
     number,
+    optional_boolean,
     optional_number,
     section,
 )
@@ -574,24 +575,36 @@ class ReloadConfig:
     """What a reload of the file may do to a running pool. Immutable, so thread-safe.
 
     A file read mid-edit, or with a duplicated or mistyped key, can be valid YAML that
-    names far fewer workers. A reload that would leave no enabled worker is refused
-    unless ``allow_empty``; one that would remove or disable more than
-    ``max_removed_share`` of the enabled workers is refused too. Both rules are read
-    from the *new* file, so the file itself must say a drastic change is meant.
+    names far fewer workers. The rules (:class:`npu_sync.guard.ReloadGuard`) judge the
+    pool a reload would leave: no enabled worker, or fewer than the running pool's
+    enabled workers by more than ``max_removed_share``, is refused. A key left out
+    (None) takes the pool's own setting: the ``reload_guard`` argument of the pool,
+    else the ``NPU_SYNC_RELOAD_*`` environment, else the built-in default; a key the
+    new file gives wins for that reload.
     """
 
-    allow_empty: bool = boolean(
-        False,
+    allow_empty: bool | None = optional_boolean(
         "let a reload of the file leave the pool with no enabled worker; without it such a "
         "reload is refused (see [operations.md](operations.md#what-a-reload-refuses))",
+        default_text="the pool's setting, else `false`",
     )
-    max_removed_share: float = number(
-        0.5,
+    max_removed_share: float | None = optional_number(
         0,
         1,
-        "the largest share of the running pool's enabled workers (those the file named) "
-        "one reload of the file may remove or disable; more is refused. `0` refuses any "
-        "removal, `1` allows any",
+        "the largest share by which one reload of the file may shrink the running pool's "
+        "enabled workers (those the file named); more is refused. Replacing a worker by "
+        "another is no loss. `0` refuses any shrinking, `1` allows any",
+        default_text="the pool's setting, else `0.5`",
+    )
+    handover_timeout: float | None = optional_number(
+        0,
+        86400,
+        "how long workers a reload removed keep taking tasks while none of the workers it "
+        "added has passed a health check; after it, the removed workers drain as soon as "
+        "one new worker passes (see [operations.md](operations.md#replacing-workers))",
+        above=True,
+        unit="s",
+        default_text="the pool's setting, else `120`",
     )
 
     def __post_init__(self) -> None:

@@ -140,6 +140,11 @@ def number(
     return cast(float, _field(default, Spec("number", doc, limit=Range(lo, hi, above), **options)))
 
 
+def optional_boolean(doc: str, **options: Any) -> bool | None:
+    """A ``true``/``false`` key that defaults to None (``null`` in YAML) when not given."""
+    return cast("bool | None", _field(None, Spec("bool", doc, nullable=True, **options)))
+
+
 def optional_number(
     lo: float, hi: float, doc: str, *, above: bool = False, **options: Any
 ) -> float | None:

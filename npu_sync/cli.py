@@ -345,7 +345,15 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _pool_problems(config: PoolConfig) -> list[str]:
-    if any(w.enabled for w in config.workers) or config.reload.allow_empty:
+    if any(w.enabled for w in config.workers):
+        return []
+    from npu_sync.guard import ReloadGuard
+
+    try:
+        allowed = ReloadGuard.from_env(os.environ).under(config.reload).allow_empty
+    except ConfigError as exc:
+        return list(exc.errors)
+    if allowed:
         return []
     what = "no worker" if not config.workers else "no enabled worker"
     return [
