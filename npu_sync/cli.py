@@ -336,6 +336,8 @@ def _check(args: argparse.Namespace) -> int:
     problems = _pool_problems(config) + check_store(config) + _tls_problems(config)
     if problems:
         raise ConfigError(problems, source=config.source)
+    for warning in config.warnings:
+        print(f"{args.config}: warning: {printable(warning)}")
     tiers = sorted({w.priority for w in config.workers})
     print(
         f"{args.config}: ok — {len(config.workers)} worker(s) in {len(tiers)} priority "

@@ -163,6 +163,8 @@ class WorkerPool:
             store = open_store(config.dead_letter)
         self._runner = Runner(state, store, result_check=result_check, hold=self._replaying)
         self.dead_letters = self._runner.dead_letters
+        for warning in config.warnings:  # keys of the file that have no effect
+            log.warning("%s", warning)
         for worker_cfg in config.workers:
             state.workers[worker_cfg.id] = state.build_worker(worker_cfg)
         state.dispatcher.set_workers(state.workers.values())

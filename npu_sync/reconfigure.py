@@ -257,6 +257,8 @@ class Reconfigurer:
                 failure = exc
             else:
                 self._source_digest = digest
+                for warning in new.warnings:  # keys of the file that have no effect
+                    log.warning("%s", warning)
                 self._file_workers = frozenset(w.id for w in new.workers)
                 # Should the file go back to that broken content, it is a new failure.
                 self._rejected_digest = None

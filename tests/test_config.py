@@ -573,6 +573,7 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("shared_state.timeout", "> 0 and <= 60", 60, {}),
     ("shared_state.sync_interval", "> 0 and <= 3600", 3600, {}),
     ("reload.max_removed_share", ">= 0 and <= 1", 1, {}),
+    ("reload.handover_timeout", "> 0 and <= 86400", 86400, {}),
     ("balancing.latency_decay", "> 0 and <= 3600", 3600, {}),
     ("balancing.slow_start", ">= 0 and <= 3600", 3600, {}),
     ("fleet.interval", ">= 0.05 and <= 3600", 3600, {}),
