@@ -17,7 +17,7 @@ import ipaddress
 import logging
 import os
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Final, TypeVar
@@ -42,6 +42,7 @@ from npu_sync._config_types import (
 from npu_sync._schema import (
     Range,
     Spec,
+    autobot_sources,
     default_of,
     keys,
     show,
@@ -166,21 +167,49 @@ def _worker_limit(name: str) -> Range:
 _SECTION_KEYS: Final = _key_names(PoolConfig)
 
 
-def _load_balancing_keys() -> Mapping[str, tuple[str, Spec]]:
-    """AutoBot's ``load_balancing`` keys: the npu_sync key each maps to, and its spec."""
-    found = {}
+def _autobot_section_keys() -> Mapping[str, Mapping[str, tuple[str, Spec]]]:
+    """AutoBot's pool-level keys by section (``load_balancing``, ``health_monitoring``,
+    ``circuit_breaker``): the npu_sync key each maps to, and its spec."""
+    found: dict[str, dict[str, tuple[str, Spec]]] = {}
     for key in keys(PoolConfig):
-        section_name, _, name = key.spec.autobot.partition(".")
-        if section_name == "load_balancing":
-            found[name] = (key.path, key.spec)
-    return MappingProxyType(found)
+        for source, _ in autobot_sources(key.spec):
+            section_name, _, name = source.partition(".")
+            if name:
+                found.setdefault(section_name, {})[name] = (key.path, key.spec)
+    return MappingProxyType({name: MappingProxyType(m) for name, m in found.items()})
 
 
-_LOAD_BALANCING: Final = _load_balancing_keys()
-_NO_EFFECT: Final = "retry_failed_workers"
+_AUTOBOT_SECTIONS: Final = _autobot_section_keys()
+# AutoBot keys that are read and checked but change nothing in npu_sync (see
+# docs/configuration.md): the spec each is checked by, and, for the values that ask for
+# something npu_sync does not do, the one warning line saying why.
+_NO_EFFECT: Final[Mapping[str, Mapping[str, tuple[Spec, Callable[[object], str | None]]]]] = {
+    "load_balancing": {"retry_failed_workers": (Spec("bool", ""), lambda value: None)},
+    "circuit_breaker": {
+        "enabled": (
+            Spec("bool", ""),
+            lambda value: (
+                None
+                if value
+                else "false has no effect: npu_sync keeps a circuit breaker on every worker "
+                "(without one a dead worker costs every task an attempt); tune "
+                "circuit_breaker.fail_max and reset_timeout instead"
+            ),
+        ),
+        "success_threshold": (
+            Spec("int", "", limit=Range(1, 100, integer=True)),
+            lambda value: (
+                None
+                if value == 1
+                else f"{value} has no effect: one successful trial task closes an npu_sync "
+                "breaker (a trial is a real task, and health checks vouch for the worker too)"
+            ),
+        ),
+    },
+}
 # The AutoBot layouts (under npu:, or at the top level as the admin UI writes it) take
-# AutoBot's load_balancing section next to npu_sync's own.
-_ADMIN_KEYS: Final = _SECTION_KEYS | {"load_balancing"}
+# AutoBot's load_balancing and health_monitoring sections next to npu_sync's own.
+_ADMIN_KEYS: Final = _SECTION_KEYS | set(_AUTOBOT_SECTIONS)
 _WORKER_KEYS: Final = _key_names(WorkerConfig)
 # AutoBot spells capacity max_concurrent_tasks.
 _AUTOBOT_WORKER_KEYS: Final = _WORKER_KEYS | {"max_concurrent_tasks"}
@@ -210,6 +239,7 @@ class _Reader:
 
     def __init__(self, *, expand: bool, base_dir: str | None) -> None:
         self.errors: list[str] = []
+        self.warnings: list[str] = []
         self.expand = expand
         self.base_dir = base_dir
 
@@ -248,7 +278,7 @@ class _Reader:
         prefix = f"{layout}." if layout else ""
         autobot = layout != "npu_workers"
         if autobot:
-            section = self.load_balancing(section, prefix)
+            section = self.autobot_sections(section, prefix)
 
         # Workers inherit verify from transport.tls, so it is read first; its errors are
         # moved after the sections before it so messages follow the usual key order.
@@ -283,24 +313,52 @@ class _Reader:
                 f"{prefix}dead_letter.backend",
                 "'redis' needs shared_state.backend: redis (it uses that connection)",
             )
-        return PoolConfig(**found, layout=layout)
+        return PoolConfig(**found, layout=layout, warnings=tuple(self.warnings))
 
-    def load_balancing(self, section: Mapping[Any, Any], prefix: str) -> Mapping[Any, Any]:
-        """``section`` with AutoBot's ``load_balancing:`` keys moved to the npu_sync keys
-        they map to (each npu_sync key names its AutoBot key in the schema).
+    def autobot_sections(self, section: Mapping[Any, Any], prefix: str) -> Mapping[Any, Any]:
+        """``section`` with AutoBot's own keys (``load_balancing:``,
+        ``health_monitoring:``, and its keys in ``circuit_breaker:``) moved to the
+        npu_sync keys they map to (each npu_sync key names its AutoBot keys in the
+        schema).
 
         Each value is checked here, under its AutoBot key path, by the npu_sync key's
         spec; a valid one is handed on as if the file had given the npu_sync key.
         """
-        path = f"{prefix}load_balancing"
-        m = self.section(section.get("load_balancing"), path, [*_LOAD_BALANCING, _NO_EFFECT])
-        if not m:
-            return section
-        # AutoBot declares it but acts on it nowhere; npu_sync always retries a failed
-        # worker after the cool-down (circuit_breaker.reset_timeout).
-        self.boolean(m, _NO_EFFECT, path, True)
-        out = {key: value for key, value in section.items() if key != "load_balancing"}
-        for key, (target, spec) in _LOAD_BALANCING.items():
+        out = dict(section)
+        for name, table in _AUTOBOT_SECTIONS.items():
+            path = f"{prefix}{name}"
+            no_effect = _NO_EFFECT.get(name, {})
+            raw = out.get(name)
+            if name in _SECTION_KEYS:
+                # npu_sync's own section, holding AutoBot's keys beside its own.
+                if not isinstance(raw, Mapping):
+                    continue  # that section's own reader reports what is wrong
+                mine = {k: v for k, v in raw.items() if k in table or k in no_effect}
+                out[name] = {k: v for k, v in raw.items() if k not in mine}
+                m: Mapping[Any, Any] | None = mine
+            else:
+                out.pop(name, None)
+                m = self.section(raw, path, [*table, *no_effect])
+            if m:
+                self.autobot_keys(m, path, table, no_effect, out)
+        return out
+
+    def autobot_keys(
+        self,
+        m: Mapping[Any, Any],
+        path: str,
+        table: Mapping[str, tuple[str, Spec]],
+        no_effect: Mapping[str, tuple[Spec, Callable[[object], str | None]]],
+        out: dict[Any, Any],
+    ) -> None:
+        """Move the AutoBot keys of one section, ``m``, into ``out``'s npu_sync keys."""
+        for key, (spec, why) in no_effect.items():
+            if key in m:
+                value = self.value_of(m, key, path, spec)
+                note = None if value is _INVALID else why(value)
+                if note:
+                    self.warnings.append(f"{path}.{key}: {note}")
+        for key, (target, spec) in table.items():
             if key not in m:
                 continue
             name, _, field_name = target.partition(".")
@@ -316,7 +374,6 @@ class _Reader:
             value = self.value_of(m, key, path, spec)
             if value is not _INVALID:
                 out[name] = {**(own or {}), field_name: value}
-        return out
 
     # -- sections --------------------------------------------------------------------
 

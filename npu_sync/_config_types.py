@@ -25,6 +25,7 @@ from npu_sync._schema import (
     endpoint,
     integer,
     number,
+    optional_boolean,
     optional_number,
     section,
 )
@@ -339,7 +340,10 @@ class HealthConfig:
     """The health checker's settings. Immutable, so thread-safe."""
 
     enabled: bool = boolean(
-        True, "run the background health checker (a reload can turn it on or off)"
+        True,
+        "run the background health checker (a reload can turn it on or off)",
+        autobot="health_monitoring.enabled",
+        autobot_note="as is",
     )
     interval: float = number(
         30.0,
@@ -350,6 +354,7 @@ class HealthConfig:
         unit="s",
         autobot="load_balancing.health_check_interval",
         autobot_note="as is (seconds)",
+        autobot_also=(("health_monitoring.check_interval", "as is (seconds)"),),
     )
     timeout: float = number(
         2.0,
@@ -360,9 +365,15 @@ class HealthConfig:
         unit="s",
         autobot="load_balancing.timeout_seconds",
         autobot_note="as is: AutoBot uses it as its health-check timeout",
+        autobot_also=(("health_monitoring.timeout", "as is (seconds)"),),
     )
     unhealthy_threshold: int = integer(
-        2, 1, 1000, "consecutive failed checks that mark a worker unhealthy"
+        2,
+        1,
+        1000,
+        "consecutive failed checks that mark a worker unhealthy",
+        autobot="health_monitoring.failure_threshold",
+        autobot_note="as is: consecutive failed checks",
     )
     healthy_threshold: int = integer(
         1, 1, 1000, "consecutive passed checks that mark it healthy again"
@@ -378,7 +389,12 @@ class BreakerConfig:
     """Per-worker circuit breaker settings. Immutable, so thread-safe."""
 
     fail_max: int = integer(
-        5, 1, 10_000, "consecutive worker failures that open a worker's breaker"
+        5,
+        1,
+        10_000,
+        "consecutive worker failures that open a worker's breaker",
+        autobot="circuit_breaker.failure_threshold",
+        autobot_note="as is: consecutive failures that open the breaker",
     )
     reset_timeout: float = number(
         60.0,
@@ -389,6 +405,9 @@ class BreakerConfig:
         unit="s",
         autobot="load_balancing.retry_cooldown_seconds",
         autobot_note="as is: the rest a failed worker gets before one trial task",
+        autobot_also=(
+            ("circuit_breaker.retry_timeout", "as is: the time open before a trial task"),
+        ),
     )
     max_reset_timeout: float = number(
         600.0,
@@ -409,7 +428,12 @@ class RetryConfig:
     """Retry settings; ``max_retries`` counts attempts after the first. Immutable."""
 
     max_retries: int = integer(
-        3, 0, 100, "attempts after the first, each on a worker not yet tried"
+        3,
+        0,
+        100,
+        "attempts after the first, each on a worker not yet tried",
+        autobot="load_balancing.max_retries",
+        autobot_note="as is: retries when a worker fails, each on another worker",
     )
     backoff_initial: float = number(
         0.05,
@@ -455,6 +479,9 @@ class TimeoutConfig:
         "`timeouts.task`",
         above=True,
         unit="s",
+        autobot="load_balancing.request_timeout",
+        autobot_note="as is: the budget of one request to a worker. A task's whole deadline "
+        "is still `timeouts.task` (25 s by default): raise it too for longer requests",
     )
     task: float = number(
         25.0,
@@ -574,24 +601,36 @@ class ReloadConfig:
     """What a reload of the file may do to a running pool. Immutable, so thread-safe.
 
     A file read mid-edit, or with a duplicated or mistyped key, can be valid YAML that
-    names far fewer workers. A reload that would leave no enabled worker is refused
-    unless ``allow_empty``; one that would remove or disable more than
-    ``max_removed_share`` of the enabled workers is refused too. Both rules are read
-    from the *new* file, so the file itself must say a drastic change is meant.
+    names far fewer workers. The rules (:class:`npu_sync.guard.ReloadGuard`) judge the
+    pool a reload would leave: no enabled worker, or fewer than the running pool's
+    enabled workers by more than ``max_removed_share``, is refused. A key left out
+    (None) takes the pool's own setting: the ``reload_guard`` argument of the pool,
+    else the ``NPU_SYNC_RELOAD_*`` environment, else the built-in default; a key the
+    new file gives wins for that reload.
     """
 
-    allow_empty: bool = boolean(
-        False,
+    allow_empty: bool | None = optional_boolean(
         "let a reload of the file leave the pool with no enabled worker; without it such a "
         "reload is refused (see [operations.md](operations.md#what-a-reload-refuses))",
+        default_text="the pool's setting, else `false`",
     )
-    max_removed_share: float = number(
-        0.5,
+    max_removed_share: float | None = optional_number(
         0,
         1,
-        "the largest share of the running pool's enabled workers (those the file named) "
-        "one reload of the file may remove or disable; more is refused. `0` refuses any "
-        "removal, `1` allows any",
+        "the largest share by which one reload of the file may shrink the running pool's "
+        "enabled workers (those the file named); more is refused. Replacing a worker by "
+        "another is no loss. `0` refuses any shrinking, `1` allows any",
+        default_text="the pool's setting, else `0.5`",
+    )
+    handover_timeout: float | None = optional_number(
+        0,
+        86400,
+        "how long workers a reload removed keep taking tasks while none of the workers it "
+        "added has passed a health check; after it, the removed workers drain as soon as "
+        "one new worker passes (see [operations.md](operations.md#replacing-workers))",
+        above=True,
+        unit="s",
+        default_text="the pool's setting, else `120`",
     )
 
     def __post_init__(self) -> None:
@@ -660,7 +699,14 @@ class PoolSettings:
         check_fields(self, "pool")
 
 
-_STRATEGIES: Final = ("least-loaded", "round-robin", "weighted", "priority")
+_STRATEGIES: Final = (
+    "least-loaded",
+    "round-robin",
+    "weighted",
+    "priority",
+    "weighted-random",
+    "priority-failover",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -718,7 +764,9 @@ class BalancingConfig:
         _STRATEGIES,
         "how a worker is chosen within the preferred tier",
         autobot="load_balancing.strategy",
-        autobot_note="as is: the same four words",
+        autobot_note="as is: AutoBot's `least-loaded`, `round-robin`, `priority`, `weighted`, "
+        "and the example file's `weighted-random` and `priority-failover` (see "
+        "[balancing.md](balancing.md#strategies))",
     )
     latency_aware: bool = boolean(
         True, "weigh each worker's tasks in flight by its recent latency (peak-EWMA)"
@@ -827,6 +875,9 @@ class PoolConfig:
     # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
     # which has none), for key paths in messages: see key_path().
     layout: str = field(default="npu_workers", compare=False)
+    # Keys read and without effect, one line each saying why: logged when a pool is
+    # built or reloaded from the file, and shown by npu-sync check.
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def key_path(self, key: str) -> str:
         """``key`` as this configuration's file writes it, for messages:

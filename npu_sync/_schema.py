@@ -100,6 +100,8 @@ class Spec:
     # The AutoBot key it maps from, as docs/configuration.md writes it, and how.
     autobot: str = ""
     autobot_note: str = ""
+    # More AutoBot keys that map to it, each with its note (AutoBot's files differ).
+    autobot_also: tuple[tuple[str, str], ...] = ()
     # Documentation: the unit of a number, and overrides of the generated cells.
     unit: str = ""
     type_text: str = ""
@@ -138,6 +140,11 @@ def number(
 ) -> float:
     """A finite number key in ``lo..hi`` (``lo`` excluded when ``above``), kept as a float."""
     return cast(float, _field(default, Spec("number", doc, limit=Range(lo, hi, above), **options)))
+
+
+def optional_boolean(doc: str, **options: Any) -> bool | None:
+    """A ``true``/``false`` key that defaults to None (``null`` in YAML) when not given."""
+    return cast("bool | None", _field(None, Spec("bool", doc, nullable=True, **options)))
 
 
 def optional_number(
@@ -335,8 +342,14 @@ def autobot_table(root: type, worker: type) -> str:
     rows = [(key, f"workers[].{key.path}") for key in keys(worker) if key.spec.autobot]
     rows += [(key, key.path) for key in keys(root) if key.spec.autobot]
     for key, target in rows:
-        source = key.spec.autobot
-        source = source if "." in source else f"workers[].{source}"
-        how = key.spec.autobot_note or "as is"
-        lines.append(_row([f"`{source}`", f"`{target}`", how]))
+        for source, how in autobot_sources(key.spec):
+            source = source if "." in source else f"workers[].{source}"
+            lines.append(_row([f"`{source}`", f"`{target}`", how or "as is"]))
     return "\n".join(lines)
+
+
+def autobot_sources(spec: Spec) -> list[tuple[str, str]]:
+    """Every AutoBot key that maps to the key of ``spec``, with its note."""
+    if not spec.autobot:
+        return []
+    return [(spec.autobot, spec.autobot_note), *spec.autobot_also]

@@ -336,6 +336,8 @@ def _check(args: argparse.Namespace) -> int:
     problems = _pool_problems(config) + check_store(config) + _tls_problems(config)
     if problems:
         raise ConfigError(problems, source=config.source)
+    for warning in config.warnings:
+        print(f"{args.config}: warning: {printable(warning)}")
     tiers = sorted({w.priority for w in config.workers})
     print(
         f"{args.config}: ok — {len(config.workers)} worker(s) in {len(tiers)} priority "
@@ -345,7 +347,15 @@ def _check(args: argparse.Namespace) -> int:
 
 
 def _pool_problems(config: PoolConfig) -> list[str]:
-    if any(w.enabled for w in config.workers) or config.reload.allow_empty:
+    if any(w.enabled for w in config.workers):
+        return []
+    from npu_sync.guard import ReloadGuard
+
+    try:
+        allowed = ReloadGuard.from_env(os.environ).under(config.reload).allow_empty
+    except ConfigError as exc:
+        return list(exc.errors)
+    if allowed:
         return []
     what = "no worker" if not config.workers else "no enabled worker"
     return [

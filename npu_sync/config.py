@@ -51,7 +51,7 @@ from npu_sync._config_types import (
     WorkerConfig,
     default_protocol,
 )
-from npu_sync.errors import ConfigError
+from npu_sync.guard import ReloadGuard
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENT",
@@ -131,43 +131,18 @@ def load_config(path: str | os.PathLike[str]) -> PoolConfig:
     return parse_yaml(read_config_text(path), source=source)
 
 
-def check_reload(old: PoolConfig, new: PoolConfig) -> None:
-    """Refuse a reload that would empty a working pool or remove most of it.
+def check_reload(old: PoolConfig, new: PoolConfig, guard: ReloadGuard | None = None) -> None:
+    """Refuse a reload that would empty a working pool or shrink most of it.
 
-    The limits come from the new file's ``reload`` section (see :class:`ReloadConfig`):
-    a half-written file, or one whose ``workers:`` key is duplicated, reads as valid
-    YAML naming fewer workers, and must not take the running pool down with it.
+    The rules are :class:`~npu_sync.guard.ReloadGuard`'s, judged on the pool ``new``
+    leaves; ``guard`` holds the pool's own settings (the defaults when None), and the
+    keys the new file's ``reload`` section gives win over them.
 
     Raises:
         ConfigError: naming ``<layout>.workers``, what would be lost and the key that
             allows it.
     """
-    before = [w.id for w in old.workers if w.enabled]
-    if not before:
-        return  # nothing working to protect
-    after = {w.id for w in new.workers if w.enabled}
-    path = new.key_path("workers")
-    if not after:
-        if new.reload.allow_empty:
-            return
-        raise ConfigError(
-            f"{path}: the new configuration has no enabled worker (the running one has "
-            f"{len(before)}); refused so that a half-written or mistyped file cannot empty "
-            "the pool: set reload.allow_empty: true if that is what you mean",
-            source=new.source,
-        )
-    lost = [wid for wid in before if wid not in after]
-    share = len(lost) / len(before)
-    limit = new.reload.max_removed_share
-    if share > limit:
-        shown = ", ".join(lost[:5]) + (", ..." if len(lost) > 5 else "")
-        raise ConfigError(
-            f"{path}: the new configuration removes or disables {len(lost)} of the "
-            f"{len(before)} enabled workers ({shown}), more than reload.max_removed_share "
-            f"({limit:g}) allows; refused: raise reload.max_removed_share if that is what "
-            "you mean",
-            source=new.source,
-        )
+    (guard or ReloadGuard()).under(new.reload).check(old, new)
 
 
 def config_for_url(url: str) -> PoolConfig:

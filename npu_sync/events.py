@@ -180,6 +180,42 @@ class ConfigReloadFailed(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class HandoverStarted(Event):
+    """A reload replaced workers: the ``retiring`` ones keep taking tasks until the
+    ``awaited`` ones pass a health check (make before break)."""
+
+    name: ClassVar[str] = "reload.handover_started"
+    level: ClassVar[int] = logging.INFO
+    retiring: tuple[str, ...]
+    awaited: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverDone(Event):
+    """The workers that replace the ``retired`` ones answer (``joined``): the retired
+    ones take no new task and drain. ``unanswered``: added workers that had not passed
+    a health check when the bound passed."""
+
+    name: ClassVar[str] = "reload.handover_done"
+    level: ClassVar[int] = logging.INFO
+    retired: tuple[str, ...]
+    joined: tuple[str, ...]
+    unanswered: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HandoverOverdue(Event):
+    """None of the workers a reload added has passed a health check within
+    ``reload.handover_timeout``: the ``retiring`` ones keep serving until one does."""
+
+    name: ClassVar[str] = "reload.handover_overdue"
+    level: ClassVar[int] = logging.WARNING
+    retiring: tuple[str, ...]
+    awaited: tuple[str, ...]
+    waited: float
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerSlowStart(Event):
     """A worker back in service (``reason``: ``recovered``, ``healthy``, ``moved``,
     ``added``) ramps up its share of tasks over the next ``window`` seconds."""

@@ -360,6 +360,7 @@ class HealthChecker:
         self._rng = rng or random.Random()
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._soon = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         # Each worker's latest probe, and the thread running it.
@@ -387,6 +388,12 @@ class HealthChecker:
 
     def wake(self) -> None:
         """The settings changed: start the next wait over with the new interval."""
+        self._wake.set()
+
+    def check_soon(self) -> None:
+        """Run a round now rather than at the end of the current wait (new workers to
+        hear from); a thread that is not running is left so."""
+        self._soon.set()
         self._wake.set()
 
     def stop_soon(self) -> None:
@@ -546,7 +553,11 @@ class HealthChecker:
             try:
                 if self._wake.wait(delay):
                     self._wake.clear()
-                    delay = self._next_delay()  # new settings: wait the new interval
+                    if self._soon.is_set():
+                        self._soon.clear()
+                        delay = 0.0
+                    else:
+                        delay = self._next_delay()  # new settings: wait the new interval
                     continue
                 if self._stop.is_set():
                     return

@@ -46,6 +46,7 @@ from npu_sync.deadletter import DeadLetterStore, open_store
 from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
 from npu_sync.events import Hook, WorkerHealthChanged, WorkerModelsChanged
 from npu_sync.fleet import FleetSettings, Monitor
+from npu_sync.guard import ReloadGuard
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
@@ -86,6 +87,13 @@ class WorkerPool:
         result_check: called with every 2xx answer's decoded JSON before it is
             returned; if it raises, the answer counts as that worker's failure (and the
             task is retried elsewhere). By default any JSON answer is a result.
+        reload_guard: what a reload of the pool's file may do (see
+            docs/operations.md); the keys of the new file's ``reload:`` section win
+            over it. Default: the ``NPU_SYNC_RELOAD_*`` environment variables, else
+            the built-in rules.
+
+    Raises:
+        ConfigError: an ``NPU_SYNC_RELOAD_*`` variable is invalid.
     """
 
     def __init__(
@@ -98,7 +106,10 @@ class WorkerPool:
         rng: random.Random | None = None,
         hooks: Iterable[Hook] = (),
         result_check: Callable[[Any], object] | None = None,
+        reload_guard: ReloadGuard | None = None,
     ) -> None:
+        # Read first: a bad NPU_SYNC_RELOAD_* value fails before anything is started.
+        guard = reload_guard if reload_guard is not None else ReloadGuard.from_env(os.environ)
         shared = _shared_state(config, _weakly(self, WorkerPool._apply_remote, None))
         state = self._state = PoolState(
             config,
@@ -125,7 +136,12 @@ class WorkerPool:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._started = clock.monotonic()
         self._rng = rng or random.Random()
-        self._reconfigurer = Reconfigurer(state, on_health=self._health_settings_changed)
+        self._reconfigurer = Reconfigurer(
+            state,
+            on_health=self._health_settings_changed,
+            guard=guard,
+            check_soon=_weakly(self, WorkerPool._check_soon, None),
+        )
         # History and fleet snapshot; sampled from the start when there is other
         # background work (health checks, shared state), else from the first look.
         self._monitor = Monitor(
@@ -148,6 +164,8 @@ class WorkerPool:
             store = open_store(config.dead_letter)
         self._runner = Runner(state, store, result_check=result_check, hold=self._replaying)
         self.dead_letters = self._runner.dead_letters
+        for warning in config.warnings:  # keys of the file that have no effect
+            log.warning("%s", warning)
         for worker_cfg in config.workers:
             state.workers[worker_cfg.id] = state.build_worker(worker_cfg)
         state.dispatcher.set_workers(state.workers.values())
@@ -385,7 +403,10 @@ class WorkerPool:
                     "pending": stored,
                     "dropped": dropped,
                 },
-                "reloads": cast(ReloadStats, self._reconfigurer.counts()),
+                "reloads": cast(
+                    ReloadStats,
+                    {**self._reconfigurer.counts(), "handover": self._reconfigurer.handover()},
+                ),
                 "shared_state": cast(SharedStateStats, shared),
                 "health": {
                     "enabled": self._state.config.health.enabled,
@@ -733,6 +754,11 @@ class WorkerPool:
                 self._state.notify(event)
             if self._state.events:
                 self._state.flush_events()
+            # New workers that answer now take over from those a reload removed.
+            self._reconfigurer.health_checked()
+
+    def _check_soon(self) -> None:
+        self._health.check_soon()
 
     def _health_settings_changed(self, old: HealthConfig, new: HealthConfig) -> None:
         """A change was applied: start health checks it turned on, or have the health

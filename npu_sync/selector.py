@@ -69,7 +69,13 @@ another way to pick within a tier (tiers always come first):
   smooth weighted round robin (nginx's), whatever the load or latency; a worker of
   weight 3 gets three tasks for every one of a worker of weight 1, spread out;
 * ``priority``: the first worker with room in configuration order: fill one worker up
-  to its capacity before the next gets any.
+  to its capacity before the next gets any;
+* ``weighted-random`` (AutoBot's name): a random worker with room, each drawn with
+  probability proportional to its share (weight times slow start);
+* ``priority-failover`` (AutoBot's name): only the single most preferred live worker
+  (first tier, then configuration order) gets tasks; while it is busy a task waits for
+  it. The next one is used only when it is down (disabled, draining, unhealthy, breaker
+  open) or already failed this task.
 
 These scan the tier's workers with room on every selection (no sampling).
 
@@ -115,7 +121,14 @@ _RAMP_STEPS = 100
 _STALL_RESCANS = 4
 """Stalled winners one selection may pass over before it takes the cheapest anyway."""
 
-STRATEGIES = ("least-loaded", "round-robin", "weighted", "priority")
+STRATEGIES = (
+    "least-loaded",
+    "round-robin",
+    "weighted",
+    "priority",
+    "weighted-random",
+    "priority-failover",
+)
 """The ways to pick a worker within a tier (``balancing.strategy``)."""
 
 
@@ -480,7 +493,11 @@ class Selector:
         """:meth:`select` for the strategies other than least-loaded."""
         if now >= self._ramp_due:
             self._refresh_ramps(now)
-        pick = self._weighted if self._strategy == "weighted" else self._first
+        if self._strategy == "priority-failover":
+            return self._failover(excluded, now)
+        pick = {"weighted": self._weighted, "weighted-random": self._weighted_random}.get(
+            self._strategy, self._first
+        )
         for tier in self._tiers:
             if tier.ready:
                 chosen = pick(tier, excluded, now)
@@ -508,6 +525,37 @@ class Selector:
                 break  # the list changed: start again
             else:
                 return None
+
+    def _failover(self, excluded: Collection[str], now: float) -> Worker | None:
+        """The most preferred live worker not yet tried, if it can take a task now;
+        else None (the task waits for it): busy is not down."""
+        for worker in self.workers:
+            if worker.id in excluded or worker.down_reason(now) is not None:
+                continue
+            if not worker.eligible(now):
+                return None
+            slot = self._slots[worker]
+            if slot.state != _READY:
+                self._classify(slot, now)  # parked before it had room again
+            return worker if slot.state == _READY else None
+        return None
+
+    def _weighted_random(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
+        """A random worker with room, drawn in proportion to its share."""
+        while True:
+            candidates = [w for w in tier.ready if w.id not in excluded]
+            if not candidates:
+                return None
+            point = self._random() * sum(w.share for w in candidates)
+            chosen = candidates[-1]
+            for worker in candidates:
+                point -= worker.share
+                if point < 0:
+                    chosen = worker
+                    break
+            if chosen.eligible(now):
+                return chosen
+            self._classify(self._slots[chosen], now)  # leaves the ready list
 
     def _weighted(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
         """Smooth weighted round robin over the tier's workers with room: each gains

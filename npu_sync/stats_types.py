@@ -15,6 +15,7 @@ __all__ = [
     "FleetStatsDict",
     "FleetTotals",
     "FleetWorkerTotals",
+    "HandoverDict",
     "HealthCheckDict",
     "HealthStats",
     "HedgeStats",
@@ -80,6 +81,18 @@ class ReloadChangeDict(TypedDict):
     unchanged: list[str]
     settings_changed: bool
     restart_required: list[str]
+    retiring: list[str]
+
+
+class HandoverDict(TypedDict):
+    """``stats()["reloads"]["handover"]``: removed workers still serving until the
+    workers a reload added pass a health check."""
+
+    retiring: list[str]
+    awaited: list[str]
+    joined: list[str]
+    seconds: float  # since the handover began
+    overdue: bool
 
 
 class ReloadStats(TypedDict):
@@ -90,6 +103,7 @@ class ReloadStats(TypedDict):
     last_error: str | None
     last_at: float | None
     last_change: ReloadChangeDict | None
+    handover: HandoverDict | None
 
 
 class _SharedStateBackend(TypedDict):

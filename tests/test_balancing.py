@@ -5,6 +5,7 @@ network and a fake clock."""
 from __future__ import annotations
 
 import collections
+import random
 import socket
 import threading
 from typing import Any
@@ -483,3 +484,50 @@ def test_a_cancel_after_the_answer_leaves_the_connection_reusable():
     assert cancel.attach(None)  # nothing attached: a cancel has nothing to shut down
     cancel.cancel()
     assert not cancel.attach(None) and cancel.cancelled
+
+
+def test_weighted_random_draws_in_proportion_to_weight_at_random():
+    """weighted-random: about 3:1 for weights 3 and 1, drawn at random (runs of the
+    light worker happen), unlike smooth weighted round robin."""
+    net = FakeNetwork()
+    specs = (("a", {"weight": 3}), ("b", {"weight": 1}))
+    balancing = BalancingConfig(strategy="weighted-random", slow_start=0)
+    with WorkerPool(
+        config(specs, balancing=balancing),
+        transport_factory=net.factory,
+        clock=FakeClock(),
+        rng=random.Random(7),
+    ) as pool:
+        order = "".join(pool.execute(OK)["worker_id"] for _ in range(2000))
+    assert 0.70 < order.count("a") / len(order) < 0.80
+    assert "bb" in order  # random, not interleaved
+
+
+def test_priority_failover_uses_only_the_preferred_worker_while_it_is_up():
+    """priority-failover: a busy preferred worker makes the task wait rather than go to
+    another; a worker that fails a task hands it to the next; a down one is skipped."""
+    clock, net = FakeClock(), FakeNetwork()
+    specs = (("a", {"max_concurrent": 1}), ("b", {}))
+    balancing = BalancingConfig(strategy="priority-failover", slow_start=0)
+    with WorkerPool(
+        config(specs, balancing=balancing), transport_factory=net.factory, clock=clock
+    ) as pool:
+        assert dict(served(pool, 20)) == {"a": 20}
+        dispatcher = pool._state.dispatcher
+        with pool._state.lock:
+            held = dispatcher.selector.select((), clock.monotonic())
+            assert held is not None and held.id == "a"
+            held.in_flight += 1  # a is at capacity: nothing else is offered
+            assert dispatcher.selector.select((), clock.monotonic()) is None
+            held.in_flight -= 1
+            dispatcher.selector.taken(held, clock.monotonic())
+            # a failed this task already: the next one takes it.
+            other = dispatcher.selector.select(("a",), clock.monotonic())
+            assert other is not None and other.id == "b"
+        net.route("a", lambda req: json_response(503, {"detail": "down"}))
+        assert pool.execute(OK)["worker_id"] == "b"
+        for _ in range(10):  # a's breaker opens: a is down
+            pool.execute(OK)
+        failed = rows(pool)["a"]["tasks"]["failed"]
+        assert dict(served(pool, 10)) == {"b": 10}
+        assert rows(pool)["a"]["tasks"]["failed"] == failed  # not even tried

@@ -32,6 +32,30 @@ def test_check_accepts_a_valid_file(tmp_path, capsys):
     assert "ok" in out and "2 worker(s)" in out and "2 priority tier(s)" in out
 
 
+def test_check_says_in_one_line_why_an_autobot_key_has_no_effect(tmp_path, capsys):
+    """AutoBot's circuit_breaker.success_threshold loads, with one warning line."""
+    path = tmp_path / "npu_workers.yaml"
+    path.write_text(
+        "npu:\n  circuit_breaker: {enabled: true, success_threshold: 3, retry_timeout: 30}\n"
+        "  health_monitoring: {enabled: true, check_interval: 20}\n"
+        "  workers:\n    - {id: a, host: 127.0.0.1, port: 8081, tags: {site: lab}}\n"
+    )
+    assert main(["check", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "ok" in lines[1]
+    assert lines[0].startswith(
+        f"{path}: warning: npu.circuit_breaker.success_threshold: 3 has no effect: "
+    )
+
+
+def test_check_allows_an_empty_pool_when_the_environment_says_so(tmp_path, capsys, monkeypatch):
+    """NPU_SYNC_RELOAD_ALLOW_EMPTY=true is the pool's rule: check accepts no worker."""
+    monkeypatch.setenv("NPU_SYNC_RELOAD_ALLOW_EMPTY", "true")
+    path = tmp_path / "pool.yaml"
+    path.write_text("npu_workers:\n  workers: []\n")
+    assert main(["check", str(path)]) == 0
+
+
 def test_check_lists_every_error_with_its_key_path(tmp_path, capsys):
     """'check' exits 2 and names each bad key, without a traceback."""
     path = tmp_path / "bad.yaml"

@@ -573,6 +573,7 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("shared_state.timeout", "> 0 and <= 60", 60, {}),
     ("shared_state.sync_interval", "> 0 and <= 3600", 3600, {}),
     ("reload.max_removed_share", ">= 0 and <= 1", 1, {}),
+    ("reload.handover_timeout", "> 0 and <= 86400", 86400, {}),
     ("balancing.latency_decay", "> 0 and <= 3600", 3600, {}),
     ("balancing.slow_start", ">= 0 and <= 3600", 3600, {}),
     ("fleet.interval", ">= 0.05 and <= 3600", 3600, {}),
@@ -1423,9 +1424,10 @@ def test_a_reload_removing_more_than_the_share_is_refused() -> None:
     with pytest.raises(ConfigError) as info:
         check_reload(old, pool_of(1))
     assert info.value.errors == (
-        "npu_workers.workers: the new configuration removes or disables 3 of the 4 enabled "
-        "workers (w1, w2, w3), more than reload.max_removed_share (0.5) allows; refused: "
-        "raise reload.max_removed_share if that is what you mean",
+        "npu_workers.workers: the new configuration leaves 1 of the 4 enabled workers "
+        "(without w1, w2, w3), a loss of more than reload.max_removed_share (0.5); refused "
+        "so that a file cut short cannot shrink the pool: raise reload.max_removed_share "
+        "if that is what you mean",
     )
     check_reload(old, pool_of(2))
     check_reload(old, pool_of(1, max_removed_share=0.75))

@@ -98,7 +98,7 @@ def test_balancing_errors_name_the_nested_key_path() -> None:
     }
     assert errors_of(data) == (
         "npu_workers.balancing.strategy: must be one of 'least-loaded', 'round-robin', "
-        "'weighted', 'priority', got 'fastest'",
+        "'weighted', 'priority', 'weighted-random', 'priority-failover', got 'fastest'",
         "npu_workers.balancing.retry_budget.min_per_sec: unknown key "
         "(did you mean 'min_per_second'?)",
         "npu_workers.balancing.retry_budget.ratio: must be >= 0 and <= 1, got 1.5",

@@ -93,7 +93,7 @@ def test_the_admin_ui_file_loads_and_maps_every_key(tmp_path: Path) -> None:
 def test_admin_ui_errors_name_autobots_own_keys() -> None:
     """A bad value in the admin-UI layout is reported under the key the file used."""
     data = yaml.safe_load(ADMIN_UI)
-    data["load_balancing"].update(strategy="weighted-random", timeout_seconds=0)
+    data["load_balancing"].update(strategy="fastest", timeout_seconds=0)
     data["load_balancing"]["retry_failed_workers"] = "sometimes"
     data["workers"][1]["weight"] = 101
     data["workers"][0]["colour"] = "red"
@@ -103,7 +103,7 @@ def test_admin_ui_errors_name_autobots_own_keys() -> None:
         "load_balancing.retry_failed_workers: must be true or false, got 'sometimes'",
         "load_balancing.timeout_seconds: must be > 0 and <= 3600, got 0",
         "load_balancing.strategy: must be one of 'least-loaded', 'round-robin', 'weighted', "
-        "'priority', got 'weighted-random'",
+        "'priority', 'weighted-random', 'priority-failover', got 'fastest'",
         "workers[0].colour: unknown key",
         "workers[1].weight: must be 1..100, got 101",
     )
@@ -252,3 +252,104 @@ def test_the_admin_ui_shape_is_what_autobot_writes() -> None:
         }
     # The mapping test would prove nothing if these were npu_sync's defaults anyway.
     assert HealthConfig().interval != 45 and BreakerConfig().reset_timeout != 90
+
+
+# AutoBot's committed example file (npu: layout, with health_monitoring and its own
+# circuit_breaker and load_balancing keys), reproduced in shape with values of our own.
+EXAMPLE_FILE = """\
+npu:
+  load_balancing:
+    strategy: "weighted-random"
+    max_retries: 2
+    request_timeout: 120
+  health_monitoring:
+    enabled: true
+    check_interval: 15
+    timeout: 4
+    failure_threshold: 3
+  circuit_breaker:
+    enabled: true
+    failure_threshold: 6
+    success_threshold: 2
+    retry_timeout: 45
+  workers:
+    - id: "lab-npu-1"
+      name: "Lab NPU Worker"
+      host: "10.9.8.7"
+      port: 8081
+      enabled: true
+      priority: 9
+      weight: 60
+      max_concurrent: 6
+      capabilities: ["llm", "vision"]
+      tags: {site: "lab", cost: "low"}
+    - id: "lab-npu-2"
+      name: "Lab NPU Worker Two"
+      host: "10.9.8.8"
+      port: 8082
+      enabled: false
+      priority: 3
+      weight: 15
+      max_concurrent: 2
+      capabilities: ["llm"]
+      tags: {site: "lab"}
+"""
+
+
+def test_autobots_example_file_loads_and_maps_every_key(tmp_path: Path) -> None:
+    """health_monitoring.*, load_balancing.max_retries/request_timeout and AutoBot's
+    circuit_breaker keys become npu_sync's; success_threshold 2 is one warning line."""
+    path = tmp_path / "npu_workers.yaml"
+    path.write_text(EXAMPLE_FILE)
+    cfg = load_config(path)
+    assert cfg.balancing.strategy == "weighted-random"
+    assert (cfg.retry.max_retries, cfg.timeouts.read) == (2, 120.0)
+    health = cfg.health
+    assert (health.enabled, health.interval, health.timeout, health.unhealthy_threshold) == (
+        True,
+        15.0,
+        4.0,
+        3,
+    )
+    assert (cfg.circuit_breaker.fail_max, cfg.circuit_breaker.reset_timeout) == (6, 45.0)
+    assert [(w.id, w.priority, w.weight, w.max_concurrent, w.enabled) for w in cfg.workers] == [
+        ("lab-npu-1", 1, 60, 6, True),
+        ("lab-npu-2", 2, 15, 2, False),
+    ]
+    (warning,) = cfg.warnings
+    assert warning.startswith("npu.circuit_breaker.success_threshold: 2 has no effect: ")
+
+
+def test_autobots_example_keys_are_checked_under_their_own_paths() -> None:
+    """A bad AutoBot value names its AutoBot key; giving one and its npu_sync key is refused."""
+    data = yaml.safe_load(EXAMPLE_FILE)
+    data["npu"]["health_monitoring"]["check_interval"] = 0
+    data["npu"]["circuit_breaker"]["fail_max"] = 3
+    data["npu"]["circuit_breaker"]["enabled"] = "yes"
+    data["npu"]["load_balancing"]["strategy"] = "fastest"
+    errors = errors_of(data)
+    assert "npu.health_monitoring.check_interval: must be > 0 and <= 86400, got 0" in errors
+    assert (
+        "npu.circuit_breaker.failure_threshold: sets circuit_breaker.fail_max, which the file "
+        "gives too: keep one"
+    ) in errors
+    assert "npu.circuit_breaker.enabled: must be true or false, got 'yes'" in errors
+    assert any(e.startswith("npu.load_balancing.strategy: must be one of") for e in errors)
+
+
+def test_a_breaker_turned_off_is_a_warning_not_an_error() -> None:
+    """circuit_breaker.enabled: false loads, with the one line saying why it does nothing."""
+    data = yaml.safe_load(EXAMPLE_FILE)
+    data["npu"]["circuit_breaker"] = {"enabled": False}
+    (warning,) = parse_config(data).warnings
+    assert warning.startswith("npu.circuit_breaker.enabled: false has no effect: ")
+
+
+@pytest.mark.parametrize("strategy", ["weighted-random", "priority-failover"])
+def test_the_admin_ui_layout_takes_autobots_documented_strategies(strategy: str) -> None:
+    """Both strategy names of AutoBot's example are accepted in the admin-UI layout too."""
+    data = {
+        "workers": [{"id": "a", "url": "http://h:8081"}],
+        "load_balancing": {"strategy": strategy},
+    }
+    assert parse_config(data).balancing.strategy == strategy

@@ -581,11 +581,42 @@ def test_removing_more_than_the_allowed_share_is_refused(tmp_path):
     net = FakeNetwork(echo)
     with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
         path.write_text(one)
-        with pytest.raises(ConfigError, match=r"removes or disables 3 of the 4"):
+        with pytest.raises(ConfigError, match=r"leaves 1 of the 4 enabled workers"):
             pool.reload()
         assert len(pool.workers()) == 4
         path.write_text(one + "  reload: {max_removed_share: 0.75}\n")
         assert pool.reload().removed == ("w1", "w2", "w3")
+
+
+def test_the_pools_rules_come_from_the_environment_unless_the_file_says(tmp_path, monkeypatch):
+    """NPU_SYNC_RELOAD_MAX_REMOVED_SHARE=0 refuses dropping one of two workers from a
+    file without a reload section; a file that gives the key wins; replacing passes."""
+    monkeypatch.setenv("NPU_SYNC_RELOAD_MAX_REMOVED_SHARE", "0")
+    two = "npu_workers:\n  health: {enabled: false}\n  workers:\n" + "".join(
+        f"    - {{id: {wid}, url: 'http://127.0.0.1:{port}'}}\n"
+        for wid, port in (("a", 9920), ("b", 9921))
+    )
+    path = tmp_path / "pool.yaml"
+    path.write_text(two)
+    net = FakeNetwork(echo)
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        path.write_text(
+            two.replace("b, url: 'http://127.0.0.1:9921'", "c, url: 'http://127.0.0.1:9922'")
+        )
+        assert pool.reload().removed == ("b",)  # replaced, so no loss
+        one = two.split("    - {id: b")[0]
+        path.write_text(one)
+        with pytest.raises(ConfigError, match=r"leaves 1 of the 2 enabled workers"):
+            pool.reload()
+        path.write_text(one + "  reload: {max_removed_share: 0.5}\n")
+        assert pool.reload().removed == ("c",)
+
+
+def test_a_bad_environment_rule_fails_the_pool_naming_the_variable(monkeypatch):
+    """An invalid NPU_SYNC_RELOAD_* value is a ConfigError when the pool is built."""
+    monkeypatch.setenv("NPU_SYNC_RELOAD_ALLOW_EMPTY", "perhaps")
+    with pytest.raises(ConfigError, match="NPU_SYNC_RELOAD_ALLOW_EMPTY: must be true or false"):
+        WorkerPool(config(A), transport_factory=FakeNetwork(echo).factory)
 
 
 def test_a_reload_with_a_config_object_is_taken_as_meant():

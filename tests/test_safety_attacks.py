@@ -199,7 +199,7 @@ def test_the_old_files_reload_rules_do_not_let_a_new_file_empty_the_pool(tmp_pat
     inherit that: its own (default) rules refuse to empty the pool."""
     path = tmp_path / "pool.yaml"
     permissive = workers_yaml(
-        ["a", "b"], extra="  reload: {allow_empty: true, max_removed_share: 1}\n"
+        ["a", "b", "c", "d"], extra="  reload: {allow_empty: true, max_removed_share: 1}\n"
     )
     with WorkerPool.from_yaml(
         path_with(path, permissive), watch=False, transport_factory=FakeNetwork(echo).factory
@@ -208,9 +208,9 @@ def test_the_old_files_reload_rules_do_not_let_a_new_file_empty_the_pool(tmp_pat
         with pytest.raises(ConfigError, match="no enabled worker"):
             pool.reload()
         path.write_text(workers_yaml(["z"], port0=9700))
-        with pytest.raises(ConfigError, match="removes or disables 2 of the 2"):
+        with pytest.raises(ConfigError, match="leaves 1 of the 4 enabled workers"):
             pool.reload()
-        assert [w["id"] for w in pool.workers()] == ["a", "b"]
+        assert [w["id"] for w in pool.workers()] == ["a", "b", "c", "d"]
 
 
 @pytest.mark.parametrize(
@@ -220,7 +220,7 @@ def test_the_old_files_reload_rules_do_not_let_a_new_file_empty_the_pool(tmp_pat
             workers_yaml(["a", "b", "c", "d", "e"]).replace("'}", "', enabled: false}"),
             "no enabled worker",
         ),
-        (workers_yaml(["a", "b"]), "removes or disables 3 of the 5"),
+        (workers_yaml(["a", "b"]), "leaves 2 of the 5 enabled workers"),
     ],
     ids=["all-disabled", "sixty-percent-removed"],
 )
@@ -621,7 +621,7 @@ def test_workers_added_in_code_do_not_make_an_unchanged_worker_list_a_removal(tm
         path.write_text(workers_yaml(["a", "d", "e"], port0=9800))
         pool.reload()
         path.write_text(workers_yaml(["a"]))
-        with pytest.raises(ConfigError, match="removes or disables 2 of the 3"):
+        with pytest.raises(ConfigError, match="leaves 1 of the 3 enabled workers"):
             pool.reload()
 
 

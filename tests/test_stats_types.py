@@ -3,6 +3,7 @@ returns and docs/metrics.md name the same keys, recursively."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import types
@@ -145,7 +146,19 @@ def _exercise(pool: WorkerPool) -> tuple[PoolStatsDict, list[WorkerRow]]:
         assert pool.execute({"n": n}) == {"ok": True}
     pool.check_health()
     pool.reload(pool.config)
-    return pool.stats(), pool.workers()
+    rows = pool.workers()
+    # A replacement awaiting its first health check: reloads.handover is filled.
+    cfg = pool.config
+    spare = worker_config("spare", "http://127.0.0.1:9103")
+    pool.reload(dataclasses.replace(cfg, workers=(*cfg.workers, spare)))
+    pool.reload(
+        dataclasses.replace(
+            cfg,
+            health=HealthConfig(interval=3600),
+            workers=(*cfg.workers, worker_config("spare2", "http://127.0.0.1:9104")),
+        )
+    )
+    return pool.stats(), rows
 
 
 @pytest.fixture

@@ -204,3 +204,87 @@ def test_retry_settings_follow_the_file(start_worker, tmp_path):
         with pytest.raises(Exception) as second:
             pool.execute({"input_text": "x"})
         assert len(second.value.attempts) == 3
+
+
+# -- replacing workers: make before break -------------------------------------------
+
+
+def _one_worker_file(worker_id: str, url: str, extra: str = "") -> str:
+    return (
+        "npu_workers:\n"
+        "  health: {interval: 3600, timeout: 1, healthy_threshold: 1}\n"
+        f"{extra}"
+        "  workers:\n"
+        f"    - {{id: {worker_id}, url: '{url}'}}\n"
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_replacing_the_only_worker_hands_tasks_over_make_before_break(start_worker, tmp_path):
+    """w1 replaced by w4: accepted; w1 serves until w4 passes a health check, its task
+    in flight then finishes on it, and every later task goes to w4."""
+    w1, w4 = start_worker(worker_id="w1"), start_worker(worker_id="w4")
+    w4.control(health_status="unhealthy")  # not ready yet when the file is saved
+    path = tmp_path / "npu_workers.yaml"
+    path.write_text(_one_worker_file("w1", w1.url))
+    events: list = []
+    with WorkerPool.from_yaml(path, watch=False, hooks=[events.append]) as pool:
+        path.write_text(_one_worker_file("w4", w4.url))
+        result = pool.reload()
+        assert (result.added, result.removed, result.retiring) == (("w4",), ("w1",), ("w1",))
+        pool.check_health()
+        assert pool.stats()["reloads"]["handover"]["awaited"] == ["w4"]
+        assert {pool.execute({"input_text": str(i)})["worker_id"] for i in range(10)} == {"w1"}
+        # A repeated save of the same fleet is accepted too, and changes nothing.
+        path.write_text(_one_worker_file("w4", w4.url) + "  retry: {max_retries: 2}\n")
+        assert pool.reload().retiring == ("w1",)
+
+        w1.control(latency_ms=1500)
+        slow = pool.submit({"input_text": "in flight"})
+        wait_until(lambda: by_id(pool)["w1"]["in_flight"] == 1, 10, "a task in flight on w1")
+        w4.control(health_status="healthy")
+        pool.check_health()
+        assert pool.stats()["reloads"]["handover"] is None
+        assert {pool.execute({"input_text": str(i)})["worker_id"] for i in range(10)} == {"w4"}
+        assert slow.result(timeout=20)["worker_id"] == "w1"
+        wait_until(lambda: "w1" not in by_id(pool), 10, "w1 to drain and go")
+    names = [e.name for e in events if e.name.startswith("reload.handover")]
+    assert names == ["reload.handover_started", "reload.handover_done"]
+
+
+def test_a_new_worker_that_never_answers_leaves_the_old_one_serving(start_worker, tmp_path):
+    """w4 at a port nobody listens on: past the bound w1 still serves (one warning);
+    saving the old file again ends the handover and keeps w1 as it was."""
+    from npu_sync.guard import ReloadGuard
+
+    w1 = start_worker(worker_id="w1")
+    dead = f"http://127.0.0.1:{_free_port()}"
+    path = tmp_path / "npu_workers.yaml"
+    old = _one_worker_file("w1", w1.url)
+    path.write_text(old)
+    events: list = []
+    guard = ReloadGuard(handover_timeout=0.001)  # from code: the file says nothing
+    with WorkerPool.from_yaml(path, watch=False, hooks=[events.append], reload_guard=guard) as pool:
+        pool.execute({"input_text": "before"})
+        path.write_text(_one_worker_file("w4", dead))
+        pool.reload()
+        for _ in range(3):
+            pool.check_health()
+        overdue = [e for e in events if e.name == "reload.handover_overdue"]
+        assert [(e.retiring, e.awaited) for e in overdue] == [(("w1",), ("w4",))]
+        assert {pool.execute({"input_text": str(i)})["worker_id"] for i in range(10)} == {"w1"}
+        assert pool.stats()["reloads"]["handover"]["overdue"] is True
+
+        path.write_text(old)
+        result = pool.reload()
+        assert (result.removed, result.unchanged, result.retiring) == (("w4",), ("w1",), ())
+        assert pool.stats()["reloads"]["handover"] is None
+        assert list(by_id(pool)) == ["w1"]
+        assert by_id(pool)["w1"]["tasks"]["succeeded"] == 11  # its statistics were kept
