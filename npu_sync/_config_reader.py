@@ -30,6 +30,7 @@ from npu_sync._config_types import (
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_PORT,
     DEFAULT_TLS_PORT,
+    DEFAULT_WINDOWS_PORT,
     AuthConfig,
     DeadLetterConfig,
     PoolConfig,
@@ -259,6 +260,12 @@ class _Reader:
             # AutoBot's admin UI writes workers: and load_balancing: at the top level.
             layout = ""
             section = self.section(data, "", _ADMIN_KEYS)
+            if section is not None and "workers" not in section:
+                # The admin UI always writes the list: a file of settings alone is a
+                # fragment, or a file cut short, not a fleet of no workers.
+                keys = ", ".join(sorted(str(key) for key in section))
+                self.error("workers", f"required: the file has only {keys}; {_EXPECTED_TOP}")
+                return PoolConfig()
         else:
             for key in data:
                 if key not in _LAYOUTS:
@@ -608,7 +615,7 @@ class _Reader:
         elif not autobot:
             self.error(f"{path}.id", "required")
 
-        url, address_key = self.address(m, path)
+        url, address_key = self.address(m, path, windows=_speaks_windows(m))
         if not worker_id and autobot and "id" not in m and "name" not in m and url:
             worker_id = urlsplit(url).netloc
 
@@ -725,7 +732,7 @@ class _Reader:
             return ""
         return value
 
-    def address(self, m: Mapping[Any, Any], path: str) -> tuple[str, str]:
+    def address(self, m: Mapping[Any, Any], path: str, *, windows: bool) -> tuple[str, str]:
         """The worker's normalised URL ('' when invalid) and the key it came from."""
         if "url" in m and "host" in m:
             self.error(path, "give url or host (with port), not both")
@@ -753,8 +760,11 @@ class _Reader:
                     scheme = self.choice(
                         value.lower(), m["scheme"], f"{path}.scheme", ("http", "https")
                     )
-            # AutoBot's worker serves plain HTTP on 8081 and TLS on 8444.
-            default_port = DEFAULT_TLS_PORT if scheme == "https" else DEFAULT_PORT
+            # AutoBot's Linux worker serves plain HTTP on 8081 and TLS on 8444, its
+            # Windows worker plain HTTP on 8082.
+            default_port = DEFAULT_WINDOWS_PORT if windows else DEFAULT_PORT
+            if scheme == "https":
+                default_port = DEFAULT_TLS_PORT
             port = self.integer(m, "port", path, default_port, limit=_PORT)
             if host is None:
                 return "", "host"
@@ -1065,6 +1075,16 @@ def _normalise_url(text: str) -> tuple[str, str | None]:
 # A base path is sent as it is, ahead of every request path: nothing a worker or a
 # proxy could read two ways (no empty, . or .. segments, nothing to escape).
 _BASE_PATH = re.compile(r"(?:/(?!\.{1,2}(?:/|$))(?:[A-Za-z0-9\-._~]|%[0-9A-Fa-f]{2})+)+")
+
+
+def _speaks_windows(m: Mapping[Any, Any]) -> bool:
+    """Whether a worker's entry names AutoBot's Windows protocol, as WorkerConfig will
+    settle it: ``protocol`` if given, else ``platform``."""
+    protocol = m.get("protocol")
+    if isinstance(protocol, str) and protocol:
+        return protocol.strip().lower() == "autobot-windows"
+    platform = m.get("platform")
+    return isinstance(platform, str) and platform.strip().lower() == "windows"
 
 
 def _installed(package: str) -> bool:

@@ -35,6 +35,7 @@ DEFAULT_PORT: Final = 8081
 """The port a worker given by ``host`` listens on unless ``port`` says otherwise."""
 
 DEFAULT_TLS_PORT: Final = 8444
+DEFAULT_WINDOWS_PORT: Final = 8082  # AutoBot's Windows worker
 """The port of a worker given by ``host`` with ``scheme: https`` and no ``port``:
 AutoBot's worker serves TLS there."""
 
@@ -207,7 +208,9 @@ class WorkerConfig:
                     "int",
                     "the worker's port",
                     limit=_PORT,
-                    default_text="`8081`; `8444` with `scheme: https`",
+                    default_text=(
+                        "`8081`; `8082` for the Windows protocol; `8444` with `scheme: https`"
+                    ),
                     allowed_text="only with `host`",
                 ),
                 None,

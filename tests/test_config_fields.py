@@ -176,10 +176,17 @@ def test_worker_field_errors_name_key_and_value() -> None:
         ({"host": "h"}, "http://h:8081"),
         ({"host": "h", "scheme": "https", "port": 9443}, "https://h:9443"),
         ({"url": "https://h"}, "https://h:443"),
+        ({"host": "h", "platform": "windows"}, "http://h:8082"),
+        ({"host": "h", "protocol": "autobot-windows"}, "http://h:8082"),
+        ({"host": "h", "platform": "windows", "protocol": "autobot-linux"}, "http://h:8081"),
+        ({"host": "h", "platform": "windows", "scheme": "https"}, "https://h:8444"),
+        ({"host": "h", "platform": "windows", "port": 9000}, "http://h:9000"),
     ],
 )
 def test_https_host_without_port_gets_autobots_tls_port(entry: dict[str, Any], url: str) -> None:
-    """host with scheme https and no port means 8444; http stays 8081; urls keep theirs."""
+    """host with scheme https and no port means 8444; http stays 8081, or 8082 for a
+    worker speaking AutoBot's Windows protocol (where its Windows worker listens); urls
+    keep theirs."""
     data = {"npu_workers": {"workers": [{"id": "w", **entry}]}}
     assert parse_config(data).workers[0].url == url
     assert worker_config("w", **entry).url == url

@@ -353,3 +353,23 @@ def test_the_admin_ui_layout_takes_autobots_documented_strategies(strategy: str)
         "load_balancing": {"strategy": strategy},
     }
     assert parse_config(data).balancing.strategy == strategy
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"load_balancing": {"strategy": "round_robin"}},
+        {"health_monitoring": {"enabled": True}, "circuit_breaker": {"failure_threshold": 3}},
+    ],
+    ids=["load_balancing only", "settings only"],
+)
+def test_an_admin_ui_file_without_its_workers_list_is_refused(data: dict[str, Any]) -> None:
+    """AutoBot's admin UI always writes workers:; a file of its settings alone (a fragment,
+    or a save cut short) is refused naming the missing key, not loaded as an empty pool."""
+    (error,) = errors_of(data)
+    assert error.startswith("workers: required: the file has only ")
+
+
+def test_an_admin_ui_file_with_an_empty_workers_list_still_loads() -> None:
+    """An explicit workers: [] is a fleet of none, for the reload guard to judge."""
+    assert parse_config({"workers": [], "load_balancing": {}}).workers == ()
