@@ -178,6 +178,13 @@ def _parser() -> argparse.ArgumentParser:
         "and its key path.",
     )
     check.add_argument("config", help="path to the YAML file")
+    check.add_argument(
+        "--probe",
+        action="store_true",
+        help="also ask every enabled worker, once: its health check, and whether its "
+        "inference path is an NPU worker's (an empty task that no worker runs); a "
+        "worker that is not one (404/405: a wrong port or base path) is an error",
+    )
     check.set_defaults(run=_check)
 
     _add_status_parser(sub)
@@ -334,6 +341,8 @@ def _check(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     # What start-up would fail on, or run without: checked without creating anything.
     problems = _pool_problems(config) + check_store(config) + _tls_problems(config)
+    if args.probe and not problems:
+        problems = _probe_problems(config)
     if problems:
         raise ConfigError(problems, source=config.source)
     for warning in config.warnings:
@@ -362,6 +371,43 @@ def _pool_problems(config: PoolConfig) -> list[str]:
         f"{config.layout}.workers: {what}: the pool could run no task (set "
         "reload.allow_empty: true if an empty pool is meant)"
     ]
+
+
+def _probe_problems(config: PoolConfig) -> list[str]:
+    """What the enabled workers answer that no NPU worker would, by key path: a health
+    check that fails, or an inference path that is not a worker's (404/405)."""
+    from npu_sync.config import RetryConfig
+    from npu_sync.errors import NpuSyncError
+    from npu_sync.retry import NOT_A_WORKER
+    from npu_sync.task import Task
+
+    problems = []
+    with _probe_pool(config) as probing:
+        health = _probe(probing, config)
+    checked = {row["id"]: row for row in health}
+    timeout = config.timeouts.connect + config.health.timeout
+    for i, entry in enumerate(config.workers):
+        if not entry.enabled:
+            continue
+        where = f"{config.layout}.workers[{i}] ({entry.id}, {entry.url})"
+        row = checked.get(entry.id)
+        if row is not None and not row["ok"]:
+            problems.append(f"{where}: health check failed: {row['error']}")
+        # An empty task: a worker refuses it (400/422) without running anything; only
+        # something that is not a worker answers 404 or 405 to the inference path.
+        alone = dataclasses.replace(config, workers=(entry,), retry=RetryConfig(max_retries=0))
+        pool = _probe_pool(alone)
+        try:
+            pool.execute(Task({}), timeout=timeout)
+        except NpuSyncError:
+            pass  # refused, or failed: the health check above says why it may be down
+        finally:
+            (worker,) = pool.workers()
+            pool.close()
+        error = worker["last_error"]
+        if isinstance(error, str) and error.startswith(NOT_A_WORKER):
+            problems.append(f"{where}: {error}")
+    return problems
 
 
 def _tls_problems(config: PoolConfig) -> list[str]:

@@ -37,6 +37,7 @@ from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
 from npu_sync.protocols import LINUX, WorkerProtocol
 from npu_sync.redact import NO_SCRUBBER, Scrubber
+from npu_sync.retry import NOT_A_WORKER
 from npu_sync.transport import Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class HealthResult:
     max_concurrent: int | None = None
     active_tasks: int | None = None
     generation: int = 0  # which address of the worker was checked (bumped on a move)
+    # The answer is not a worker's (404/405, a body that is not the protocol's): the
+    # entry points at something else, and the worker is taken out at once.
+    not_a_worker: bool = False
     # What the worker says of itself, when the answers said it (never in to_dict()).
     models: frozenset[str] | None = None  # None: no list read this time
     models_at: float = 0.0  # monotonic time the list was asked for
@@ -149,7 +153,9 @@ def _probe(
         return HealthResult(worker_id, False, checked_at, error=f"{type(exc).__name__}: {exc}")
     latency = clock.monotonic() - started
     try:
-        result = _verdict(worker_id, response, checked_at, latency, protocol, started)
+        result = _verdict(
+            worker_id, response, checked_at, latency, protocol, started, base_path + path
+        )
     except Exception as exc:  # an answer no rule foresaw fails this check, nothing more
         log.exception("health answer of worker %s could not be read", worker_id)
         return HealthResult(
@@ -223,6 +229,7 @@ def _verdict(
     latency: float,
     protocol: WorkerProtocol = LINUX,
     started: float = 0.0,
+    path: str = "/health",
 ) -> HealthResult:
     if len(response.body) > MAX_BODY_BYTES:
         return HealthResult(
@@ -238,6 +245,17 @@ def _verdict(
     except (ValueError, RecursionError):
         # RecursionError: JSON nested deeper than the interpreter's recursion limit.
         body = None
+    misrouted = _not_a_worker(response.status, body)
+    if misrouted is not None:
+        return HealthResult(
+            worker_id,
+            False,
+            checked_at,
+            latency,
+            response.status,
+            f"{NOT_A_WORKER}: GET {path} → {misrouted}",
+            not_a_worker=True,
+        )
     if not isinstance(body, dict):
         return HealthResult(
             worker_id, False, checked_at, latency, response.status, "body is not a JSON object"
@@ -261,6 +279,21 @@ def _verdict(
         npu_available=info.npu_available,
         device=info.device,
     )
+
+
+def _not_a_worker(status: int, body: object) -> str | None:
+    """What shows that a health answer is not an NPU worker's, or None.
+
+    A worker answers its health path (even when sick: 503 with a status), so a 404 or
+    405 there means the URL points elsewhere; so does a 2xx whose body is not a JSON
+    object with a ``status`` (an HTML page, another service's JSON).
+    """
+    if status in (404, 405):
+        return str(status)
+    if 200 <= status < 300 and not (isinstance(body, dict) and "status" in body):
+        what = "a JSON object without a status" if isinstance(body, dict) else "not a JSON object"
+        return f"{status}, {what}"
+    return None
 
 
 def _short(value: object) -> str:

@@ -116,7 +116,8 @@ BREAKER_STATES = ("closed", "open", "half-open")
 HEDGE_RESULTS = ("won", "lost")
 BALANCING_TOTALS = ("refused", "won", "lost", "skipped")
 # The events say "success" and "failure"; every metric says succeeded and failed.
-_EVENT_OUTCOMES = {"success": "succeeded", "failure": "failed"}
+# A misconfigured worker's attempt (not an NPU worker at that URL) counts as failed.
+_EVENT_OUTCOMES = {"success": "succeeded", "failure": "failed", "misconfigured": "failed"}
 _OWN_LABELS = frozenset({"worker", "outcome", "result", "state", "le", "quantile", "pid"})
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")

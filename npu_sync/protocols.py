@@ -25,6 +25,7 @@ parsers return a value (``None`` or an unhealthy verdict for garbage).
 
 from __future__ import annotations
 
+import re
 import reprlib
 import threading
 from collections.abc import Mapping
@@ -141,6 +142,12 @@ class WorkerProtocol:
     loads_on_demand: bool = False
     """The worker loads a model the first time a task names it: the pool counts it as
     able to serve any model but those it answered "not loaded" for."""
+
+    task_faults: tuple[re.Pattern[str], ...] = ()
+    """Error texts of failed-task answers that are the task's fault whatever worker
+    runs it (a task type the worker does not know): such an answer is ``REJECTED``,
+    not suspect, so the task ends at once in ``TaskRejected`` and nobody is charged.
+    Failures no pattern matches are suspect: a second worker's answer decides."""
 
     # Whether the class keeps this base class's request_body (the payload sent as
     # it is): the pool then skips calling it on every attempt. Set for each subclass
@@ -264,6 +271,9 @@ class WindowsProtocol(WorkerProtocol):
     name = "autobot-windows"
     models_path = None
     loads_on_demand = True
+    # AutoBot's worker raises ValueError(f"Unsupported task type: {task_type}") for a
+    # task_type it does not handle, and answers it as a failed task.
+    task_faults = (re.compile(r"^Unsupported task type\b", re.IGNORECASE),)
 
     def task_model(self, payload: Any) -> str | None:
         if type(payload) is dict:
@@ -313,17 +323,16 @@ class WindowsProtocol(WorkerProtocol):
                 return Outcome(
                     Kind.NOT_HERE, body, response.status, named[0], model=named[1], processed=False
                 )
-        # The worker's own words, escaped where they enter npu_sync. A failed task is
-        # most often the task's doing (an unknown task_type, bad input): suspect.
+        # The worker's own words, escaped where they enter npu_sync.
         described = _describe_error(error)
-        return Outcome(
-            Kind.FAILURE,
-            body,
-            response.status,
-            f"HTTP {response.status}, status {printable(status[:40])}"
-            + (f": {described}" if described else ""),
-            suspect=True,
+        text = f"HTTP {response.status}, status {printable(status[:40])}" + (
+            f": {described}" if described else ""
         )
+        if isinstance(error, str) and any(p.match(error) for p in self.task_faults):
+            return Outcome(Kind.REJECTED, body, response.status, text, processed=False)
+        # Any other failed task may be the task's doing (bad input) as much as the
+        # worker's: suspect, a second worker decides (npu_sync.blame).
+        return Outcome(Kind.FAILURE, body, response.status, text, suspect=True)
 
     def load_request(self, model_id: str) -> LoadRequest:
         return LoadRequest("POST", "/model/optimize?model_name=" + quote(model_id, safe=""), None)

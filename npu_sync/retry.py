@@ -22,14 +22,24 @@ from npu_sync.transport import Response, TransportError
 
 class Kind(enum.Enum):
     SUCCESS = "success"
-    REJECTED = "rejected"  # the task is bad: 4xx other than 401/403/408/429
+    # The task is bad: 4xx other than 401/403/408/429, or a protocol's "cannot run
+    # this task". A 4xx is *suspect*: it is the task's only if a second worker says so.
+    REJECTED = "rejected"
     NOT_HERE = "not_here"  # the worker does not serve this model: try another, no blame
     FAILURE = "failure"  # the worker failed: counts against it, retried elsewhere
     # No answer, and nobody to blame on the worker's side: the caller's deadline cut the
     # attempt short, a reused keep-alive connection was found closed, or npu_sync itself
     # failed. Never counts against the worker.
     ABANDONED = "abandoned"
+    # The operator's: the entry is not an NPU worker (404/405 on the inference path).
+    # The worker is taken out, nobody's breaker counts it, the task goes elsewhere.
+    MISCONFIGURED = "misconfigured"
 
+
+NOT_A_WORKER = "not an NPU worker at this URL"
+"""How the error of a worker entry that points at something else begins: a task or
+health answer that no NPU worker gives (404/405 on its own paths, another service's
+page). The operator's to fix: the worker is taken out, no breaker counts it."""
 
 _MODEL_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
 
@@ -67,8 +77,8 @@ class Outcome:
     retry_after: float | None = None
     model: str | None = None  # the model a NOT_HERE answer named
     processed: bool = True  # False when the worker provably did not run the task
-    # The same answer from every worker would be the task's doing (HTTP 500, an answer
-    # over the size limit): only the first such failure is charged at once.
+    # The answer may be the task's doing as much as the worker's (HTTP 500, a 4xx, an
+    # answer over the size limit): see npu_sync.blame for who is charged.
     suspect: bool = False
 
 
@@ -91,7 +101,11 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
             processed=False,
         )
     if 400 <= status < 500 and status not in (408, 429):
-        return Outcome(Kind.REJECTED, body, status, _describe(status, detail))
+        # Refused before running: the task may go to another worker, which says
+        # whether the refusal was the task's (npu_sync.blame).
+        return Outcome(
+            Kind.REJECTED, body, status, _describe(status, detail), processed=False, suspect=True
+        )
     if status == 500 and isinstance(detail, str):
         named = not_loaded_model(detail)
         if named is not None:

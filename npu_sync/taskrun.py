@@ -36,6 +36,8 @@ from typing import Any, NoReturn
 
 from npu_sync.admission import Lease, Refusal
 from npu_sync.attempt import Attempt
+from npu_sync.blame import Blame, Held, Verdict, misrouted
+from npu_sync.breaker import HALF_OPEN
 from npu_sync.budget import RetryBudget
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
 from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected, printable
@@ -48,6 +50,7 @@ from npu_sync.events import (
     TaskRejectedEvent,
     TaskStarted,
     TaskSucceeded,
+    WorkerHealthChanged,
     WorkerModelsChanged,
     emit,
 )
@@ -352,10 +355,10 @@ class TaskRun:
 
     __slots__ = (
         "attempts",
+        "blame",
         "bodies",
         "body",
         "budget",
-        "charged_suspect",
         "check",
         "clock",
         "config",
@@ -375,9 +378,7 @@ class TaskRun:
         "reason",
         "start",
         "state",
-        "suspects",
         "task",
-        "too_large",
         "wall",
     )
 
@@ -402,10 +403,8 @@ class TaskRun:
         self.not_here: set[str] = set()  # do not serve the task's model: never again
         self.failures = 0  # the attempts counted against retry.max_retries
         self.missing_model: str | None = None
-        # Who is charged when the task itself may be at fault: see defer_charge().
-        self.charged_suspect = False
-        self.suspects: list[Worker] = []
-        self.too_large = 0
+        # Who is charged when the task itself may be at fault (npu_sync.blame).
+        self.blame = Blame()
         self.reason = ""  # why the task gives up, once it does
         # The model the task names (only workers that may hold it are chosen), read
         # when first needed: not at all while no worker is known to lack any model.
@@ -453,8 +452,8 @@ class TaskRun:
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
-                if self.suspects or state.hooks:
-                    return self.succeeded(worker, outcome, t1)
+                if self.blame.held or state.hooks:
+                    return self.succeeded(worker, outcome, t1, t1 - t0)
                 return outcome.value
             if not self.failed(worker, outcome, deferred, t0, t1):
                 break
@@ -688,7 +687,7 @@ class TaskRun:
         it is recorded as abandoned, even if its answer was a success.
 
         Returns:
-            The outcome, whether its charge is deferred (see :meth:`defer_charge`), and
+            The outcome, whether its charge is held (see :mod:`npu_sync.blame`), and
             when the attempt started and ended; None when too little time is left to
             start one (``self.reason`` says so).
         """
@@ -711,6 +710,7 @@ class TaskRun:
             else:
                 outcome = self.send(lease.worker, t0, remaining, side, race.cancels[side])
             t1 = clock.monotonic()
+            wid = lease.worker.id
             success = outcome.kind is Kind.SUCCESS
             if race is not None and race.settle(side, success):
                 # The other attempt won. A success here came too late (a transport that
@@ -721,7 +721,17 @@ class TaskRun:
             if outcome.kind is Kind.NOT_HERE:
                 # Before record() hands the slot on: the next task must know.
                 self.not_loaded(lease.worker, outcome)
-            deferred = outcome.suspect and side == _FIRST and self.defer_charge()
+            # An answer that may be the task's fault: is its charge held?
+            # Asked on the caller's side only: the hedge's thread never touches it.
+            deferred = (
+                outcome.suspect
+                and side == _FIRST
+                and self.blame.hold(
+                    wid,
+                    outcome,
+                    lambda: untried_left(state, self.excluded | {wid}, self.deadline),
+                )
+            )
             recorded = True
             record(state, lease, outcome, t1 - t0, t1, retry=self.failures > 0, defer=deferred)
         finally:
@@ -801,6 +811,8 @@ class TaskRun:
                     replayable=self.task.idempotent,
                 )
             outcome = protocol.classify(response, now=t0 + self.wall)
+            if outcome.kind is Kind.REJECTED and self.path == self.config.pool.default_endpoint:
+                outcome = misrouted(outcome, "POST", worker.base_path + self.path)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:
                 outcome = _checked(check, outcome)
@@ -886,11 +898,13 @@ class TaskRun:
     def note(self, worker: Worker, done: tuple[Outcome, bool, float, float]) -> None:
         """A hedged attempt that failed while the other goes on: remembered, its worker
         not tried again, counted as a retry."""
-        outcome, _, t0, t1 = done
+        outcome, deferred, t0, t1 = done
         self.attempts.append(
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
         self.excluded.add(worker.id)
+        if outcome.suspect:
+            self.blame.judge(worker, outcome, t1 - t0, deferred)
         if outcome.kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
             self.missing_model = self.named_model() or outcome.model
@@ -945,18 +959,6 @@ class TaskRun:
         finally:
             race.hedge_ended((lease, done) if done is not None else None)
 
-    def defer_charge(self) -> bool:
-        """Whether a failure the task itself may have caused waits to be charged.
-
-        A task that gets HTTP 500 (or an answer over the size limit) from every worker
-        may be the one at fault (a poison payload). Its first such failure is charged
-        at once, as any worker failure; further ones only if the task then succeeds
-        elsewhere (see :meth:`succeeded`), so one bad task cannot count against every
-        breaker.
-        """
-        deferred, self.charged_suspect = self.charged_suspect, True
-        return deferred
-
     def announce_attempt(
         self, worker: Worker, outcome: Outcome, t0: float, t1: float, number: int | None = None
     ) -> None:
@@ -975,11 +977,11 @@ class TaskRun:
             ),
         )
 
-    def succeeded(self, worker: Worker, outcome: Outcome, t1: float) -> Any:
-        """The task's result. The failures deferred as maybe the task's own fault were
-        the workers' after all: they are charged now."""
-        if self.suspects:
-            charge(self.state, self.suspects)
+    def succeeded(self, worker: Worker, outcome: Outcome, t1: float, took: float) -> Any:
+        """The task's result. The answers held as maybe the task's own fault were the
+        workers' after all: they are charged now (``took``: this attempt's time)."""
+        if self.blame.held:
+            charge(self.state, self.blame.proven(), took, t1)
         hooks = self.state.hooks
         if hooks:
             emit(
@@ -1011,13 +1013,22 @@ class TaskRun:
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
         kind = outcome.kind
-        if kind is Kind.REJECTED:
-            self.reject(worker, outcome, t1)
+        if outcome.suspect and self.blame.judge(worker, outcome, t1 - t0, deferred) is Verdict.TASK:
+            return self.tasks_fault(worker, outcome, t1)
+        if kind is Kind.REJECTED and not outcome.suspect:
+            self.reject(worker, outcome, t1)  # the protocol says the task is bad
         self.excluded.add(worker.id)
-        if kind is Kind.NOT_HERE:
-            self.not_here.add(worker.id)
-            self.missing_model = self.named_model() or outcome.model
+        if kind is Kind.NOT_HERE or kind is Kind.MISCONFIGURED:
+            self.not_here.add(worker.id)  # never again for this task
+            if kind is Kind.NOT_HERE:
+                self.missing_model = self.named_model() or outcome.model
             return True
+        if kind is Kind.REJECTED:
+            # Refused: another worker tells whether the task or this worker is at
+            # fault. With no other worker, this one's word stands.
+            if untried_left(self.state, self.excluded, self.deadline):
+                return True
+            self.reject(worker, outcome, t1)
         if not task.idempotent and outcome.processed:
             self.reason = f"worker {worker.id} failed a non-idempotent task that may have run"
             return False
@@ -1026,14 +1037,6 @@ class TaskRun:
         # An abandoned attempt with no other worker left (a stale connection on the
         # only worker) is retried like a failure: after a backoff, within max_retries.
         self.failures += 1
-        if deferred:
-            self.suspects.append(worker)
-        if outcome.error is not None and outcome.error.startswith("too_large"):
-            self.too_large += 1
-            if self.too_large >= 2:
-                # Two workers answered beyond the limit: the task asks for too much.
-                self.reason = "two workers answered beyond transport.max_response_bytes"
-                return False
         wait = self.backoff(t1)
         if wait is None:
             return False
@@ -1045,10 +1048,29 @@ class TaskRun:
         self.clock.sleep(wait)
         return True
 
+    def tasks_fault(self, worker: Worker, outcome: Outcome, t1: float) -> bool:
+        """A second worker answered this task as another already had: the task is at
+        fault, not they. Nobody is charged; a refusal raises ``TaskRejected``, a
+        failure ends the task (False, the reason in ``self.reason``)."""
+        if outcome.kind is Kind.REJECTED:
+            self.reject(worker, outcome, t1)
+        first, second = self.blame.same or ("?", worker.id)
+        if outcome.error is not None and outcome.error.startswith("too_large"):
+            self.reason = "two workers answered beyond transport.max_response_bytes"
+        else:
+            self.reason = (
+                f"workers {first} and {second} failed the task the same way, so it is taken "
+                "as the task's fault (no worker charged)"
+            )
+        return False
+
     def reject(self, worker: Worker, outcome: Outcome, t1: float) -> NoReturn:
-        """The worker said the task is bad (4xx): no retry, no worker charged."""
+        """The task is bad (a 4xx, or the protocol says so): no retry, nobody charged."""
         task_id = self.task.task_id
         at = t1 + self.wall
+        state = self.state
+        with state.lock:
+            state.stats.rejected += 1
         event = TaskRejectedEvent(at, task_id, worker.id, outcome.status, outcome.error or "")
         self.state.notify(event)
         raise TaskRejected(
@@ -1101,12 +1123,26 @@ class TaskRun:
             return TaskRejected(
                 f"{message} (task {task_id})", task_id=task_id, status=500, model=model
             )
-        if self.suspects:
+        held = self.blame.held
+        if not self.failures and self.blame.refused_only():
+            # Refused, and no other worker could be asked: the refusal stands.
+            last = self.attempts[-1]
+            state = self.state
+            with state.lock:
+                state.stats.rejected += 1
+            message = f"worker {last.worker_id} rejected task {task_id}: {last.error}"
+            state.notify(
+                TaskRejectedEvent(state.clock.time(), task_id, last.worker_id, last.status, message)
+            )
+            return TaskRejected(
+                message, task_id=task_id, status=last.status, worker_id=last.worker_id
+            )
+        if held:
             log.info(
-                "task %s failed the same way on %d more worker(s) (HTTP 500 or an answer "
-                "too large) and never succeeded: only its first failure was charged",
+                "task %s never succeeded: the %d answer(s) that may have been its own fault "
+                "(a 4xx, HTTP 500, a failed task, an answer too large) charged nobody",
                 task_id,
-                len(self.suspects),
+                len(held),
             )
         attempts = self.attempts
         last_error = attempts[-1].error if attempts else None
@@ -1140,7 +1176,7 @@ def record(
 
     Args:
         retry: the attempt retried the task (counted in ``stats()``).
-        defer: a failure whose charge waits (see :meth:`TaskRun.defer_charge`).
+        defer: a failure whose charge is held (see :mod:`npu_sync.blame`).
     """
     worker = lease.worker
     kind = outcome.kind
@@ -1249,12 +1285,25 @@ def _count_no_fault_locked(state: PoolState, lease: Lease, outcome: Outcome) -> 
     stats.attempts += 1
     kind = outcome.kind
     if kind is Kind.REJECTED:
-        stats.rejected += 1
-        state.stats.rejected += 1
+        stats.rejected += 1  # the task's count is the task life's (TaskRun.reject)
+    elif kind is Kind.MISCONFIGURED:
+        _take_out_locked(state, worker, outcome.error or "misconfigured")
     elif kind is Kind.ABANDONED:
         stats.abandoned += 1
     else:
         stats.not_here += 1
+
+
+def _take_out_locked(state: PoolState, worker: Worker, reason: str) -> None:
+    """The operator's fault: the worker is not what its entry says. Out of service
+    (not its breaker: it is not sick) until a health check that is a worker's answer
+    passes, or a reload moves it; the event waits in ``state.events``."""
+    stats = worker.stats
+    stats.failed += 1
+    stats.last_error_at = state.clock.time()
+    if worker.take_out(reason):
+        wid = worker.id
+        state.events.append(lambda at: WorkerHealthChanged(at, wid, False, reason))
 
 
 def _tell_other_processes(state: PoolState, worker: Worker, kind: Kind, reported: bool) -> None:
@@ -1275,11 +1324,25 @@ def _tell_other_processes(state: PoolState, worker: Worker, kind: Kind, reported
         shared.report_success(worker.id)
 
 
-def charge(state: PoolState, workers: list[Worker]) -> None:
-    """Count deferred failures against workers that failed where another succeeded."""
+def charge(state: PoolState, held: list[Held], took: float, now: float) -> None:
+    """Charge the held answers of a task that then succeeded elsewhere (in ``took``
+    seconds): each was its worker's fault. A refusal also raises the worker's latency
+    estimate to what the task cost there, refusal and real work: a worker that refuses
+    fast must not look like the fastest."""
+    selector = state.dispatcher.selector
     with state.lock:
-        for worker in workers:
-            worker.breaker.record_failure(False)
+        for entry in held:
+            worker = entry.worker
+            if worker.removed:
+                continue
+            # A held answer to a half-open trial is the trial's failure: it reopens.
+            worker.breaker.record_failure(worker.breaker.state == HALF_OPEN)
+            if entry.refusal:
+                worker.stats.rejected -= 1  # counted as a rejection when it came
+                worker.stats.failed += 1
+                worker.stats.last_error = f"refused a task another worker ran: {entry.error}"
+                worker.stats.last_error_at = state.clock.time()
+                selector.observe(worker, entry.duration + took, now, False)
         state.dispatcher.wake_all_locked()
     if state.transitions:
         state.flush_transitions()

@@ -165,9 +165,22 @@ class Worker:
         else:
             self.health_passes = 0
             self.health_failures += 1
-            if was and self.health_failures >= unhealthy_after:
+            # An answer that is not a worker's (a 404, another service's page) is the
+            # operator's to fix: no point waiting for more checks to agree.
+            if was and (self.health_failures >= unhealthy_after or result.not_a_worker):
                 self.healthy = False
         return self.healthy != was
+
+    def take_out(self, reason: str) -> bool:
+        """Take the worker out of service: it is misconfigured (``reason`` says how),
+        not sick, so its breaker is left alone. It comes back as an unhealthy worker
+        does, after ``health.healthy_threshold`` passed checks, or when a reload moves
+        it to a new address. Returns whether it was in service."""
+        self.stats.last_error = reason
+        self.health_passes = 0
+        was = self.healthy
+        self.healthy = False
+        return was
 
     def moved(self, transport: Transport, health_transport: Transport) -> None:
         """The worker's address changed: new connections, and nothing learnt about the

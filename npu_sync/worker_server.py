@@ -98,6 +98,12 @@ worker does)."""
 
 _MAX_MODEL_ID = 200
 _WINDOWS_TASK_TYPES = frozenset({"embedding_generation"})
+# Task types AutoBot's Windows worker routes but cannot run, with the error it answers:
+# its semantic_search calls a method the worker does not have, so every such task
+# fails the same way on every Windows worker.
+_WINDOWS_BROKEN_TASK_TYPES = {
+    "semantic_search": "'WindowsNPUWorker' object has no attribute 'process_search_task'"
+}
 _EMBEDDING_DIM = 8
 # Paths that never require authentication: test hooks, not part of any real worker.
 _OPEN_PATHS = frozenset({"/_control", "/stats"})
@@ -837,6 +843,10 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             if not ready:
                 self._task_failed(task_id, f"Model {model} not loaded")
+                return
+            broken = _WINDOWS_BROKEN_TASK_TYPES.get(task_type)
+            if broken is not None:
+                self._task_failed(task_id, broken)
                 return
             if task_type not in _WINDOWS_TASK_TYPES:
                 self._task_failed(task_id, f"Unsupported task type: {task_type}")

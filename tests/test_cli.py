@@ -912,3 +912,26 @@ def test_dlq_purge_asks_on_a_terminal(tmp_path, capsys, monkeypatch, answer, cod
     assert main(["dlq", "purge", "--config", str(config)]) == code
     assert "purge 2 records? [y/N]" in capsys.readouterr().out
     assert len(_stored_ids(store)) == left
+
+
+def test_check_probe_reports_an_entry_that_is_not_an_npu_worker(tmp_path, capsys):
+    """'check --probe': a wrong base path is named, with both answers; a good entry is not."""
+    with LocalWorker(worker_id="a").start() as worker:
+        path = tmp_path / "fleet.yaml"
+        path.write_text(
+            "npu_workers:\n  workers:\n"
+            f"    - {{id: good, url: '{worker.url}'}}\n"
+            f"    - {{id: wrong, url: '{worker.url}/npu'}}\n"
+        )
+        assert main(["check", str(path)]) == 0  # the file itself is fine
+        capsys.readouterr()
+        assert main(["check", "--probe", str(path)]) == 2
+        worker_stats = worker.stats()
+    err = capsys.readouterr().err
+    wrong = f"npu_workers.workers[1] (wrong, {worker.url}/npu): "
+    assert (
+        f"{wrong}health check failed: not an NPU worker at this URL: GET /npu/health → 404" in err
+    )
+    assert f"{wrong}not an NPU worker at this URL: POST /npu/inference → 404" in err
+    assert "workers[0]" not in err
+    assert worker_stats["inference_count"] == 0  # the probe's empty task runs nothing

@@ -518,3 +518,23 @@ def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_on
         assert len(probes) == 1
         worker = pool._state.workers["a"]
         assert worker.health_passes == 1 and worker.healthy
+
+
+@pytest.mark.parametrize(
+    ("code", "body", "shown"),
+    [
+        (404, {"detail": "Not Found"}, "GET /health → 404"),
+        (405, {"detail": "Method Not Allowed"}, "GET /health → 405"),
+        (200, {"service": "grafana", "version": "10"}, "200, a JSON object without a status"),
+    ],
+)
+def test_a_health_answer_that_is_not_a_workers_takes_the_worker_out_at_once(code, body, shown):
+    """404/405 or another service's JSON on /health: out after one check, saying why."""
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(code, body))
+    net.route("b", lambda req: json_response(200, {"status": "healthy"}))
+    with make_pool(net, fail=3) as pool:
+        result = pool.check_health()["a"]
+        row = {w["id"]: w for w in pool.workers()}["a"]
+    assert result["error"].startswith("not an NPU worker at this URL: GET /health → ")
+    assert shown in result["error"] and row["healthy"] is False

@@ -115,7 +115,8 @@ SCENARIOS: dict[str, tuple[dict[str, Callable[..., Any]], Any, Any]] = {
     "retried": ({"a": status(503), "b": ok}, None, {"by": "b"}),
     "dead-lettered": ({"a": status(503), "b": status(503)}, None, TaskFailed),
     "falls-back": ({"a": status(503), "b": status(503)}, local_answer, {"local": True}),
-    "rejected": ({"a": status(422)}, None, TaskRejected),
+    # Refused by both: a second worker's refusal makes it the task's.
+    "rejected": ({"a": status(422), "b": status(422)}, None, TaskRejected),
 }
 
 HOOK_CASES = [

@@ -84,8 +84,8 @@ def test_each_retry_goes_to_a_worker_not_yet_tried_with_the_same_task_id(net):
     assert [r.headers["X-NPU-Attempt"] for r in reqs] == ["1", "2", "3", "4"]
 
 
-def test_4xx_rejects_after_one_attempt_without_touching_the_breaker(net):
-    """A 422 raises TaskRejected at once; no retry, breaker closed, no dead letter."""
+def test_4xx_from_two_workers_rejects_after_two_attempts_without_touching_the_breaker(net):
+    """A 422 from two workers is the task's: TaskRejected, breakers closed, no dead letter."""
     for wid in "ab":
         net.route(wid, failing(422, "input_text missing"))
     with make_pool(net, "a", "b") as pool:
@@ -100,7 +100,8 @@ def test_4xx_rejects_after_one_attempt_without_touching_the_breaker(net):
         )
         assert len(pool.dead_letters) == 0
         assert pool.stats()["tasks"]["rejected"] == 5
-    assert len(net.requests()) == 5
+    # A second worker is asked once: its agreement makes the refusal the task's.
+    assert len(net.requests("a")) == len(net.requests("b")) == 5
 
 
 def test_model_not_loaded_anywhere_is_rejected_and_blames_no_worker(net):

@@ -104,7 +104,8 @@ def names(samples: dict) -> set[str]:
 
 
 def run_mixed_load(pool: WorkerPool) -> None:
-    """Three successes, one 422 rejection, one task that fails on all three workers."""
+    """Three successes, one 422 rejection (from a, confirmed by b), one task that fails
+    on all three workers."""
     for _ in range(3):
         pool.execute({"kind": "ok"})
     with pytest.raises(TaskRejected):
@@ -164,6 +165,7 @@ def test_counters_and_histogram_count_attempts_and_tasks_by_worker_and_outcome(
     expected_attempts = {
         ("a", "succeeded"): 3,
         ("a", "rejected"): 1,
+        ("b", "rejected"): 1,  # a second worker's refusal makes it the task's
         ("a", "failed"): 1,
         ("b", "failed"): 1,
         ("c", "failed"): 1,
@@ -207,8 +209,8 @@ def test_histogram_buckets_count_and_sum_match_the_attempts(net, clock, registry
     assert value(samples, f"{hist}_sum", worker="a") == pytest.approx(
         3 * OK_SECONDS + BAD_SECONDS + DOWN_SECONDS
     )
-    assert value(samples, f"{hist}_sum", worker="b") == pytest.approx(DOWN_SECONDS)
-    assert value(samples, f"{hist}_bucket", worker="b", le="1.0") == 0
+    assert value(samples, f"{hist}_sum", worker="b") == pytest.approx(BAD_SECONDS + DOWN_SECONDS)
+    assert value(samples, f"{hist}_bucket", worker="b", le="1.0") == 1  # its refusal
 
 
 def test_gauges_are_read_from_workers_and_stats_at_scrape_time(net, clock, registry):

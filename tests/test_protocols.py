@@ -193,13 +193,31 @@ def test_linux_classifies_as_the_worker_protocol_says(response: Response) -> Non
 
 def test_windows_200_failed_is_a_suspect_failure_with_the_workers_error() -> None:
     """HTTP 200 {"status": "failed"} is a FAILURE, suspect, carrying the error text."""
-    body = {"task_id": "t", "status": "failed", "error": "Unsupported task type: x"}
+    body = {"task_id": "t", "status": "failed", "error": "out of device memory"}
     outcome = WINDOWS.classify(json_response(200, body))
     assert outcome.kind is Kind.FAILURE
     assert outcome.suspect is True and outcome.processed is True
     assert outcome.status == 200 and outcome.value == body
-    assert outcome.error == "HTTP 200, status failed: Unsupported task type: x"
+    assert outcome.error == "HTTP 200, status failed: out of device memory"
     assert outcome.retry_after is None
+
+
+@pytest.mark.parametrize(
+    "error", ["Unsupported task type: semantic_similarity", "unsupported task type: None"]
+)
+def test_windows_unsupported_task_type_is_the_tasks_fault(error: str) -> None:
+    """The Windows protocol declares "Unsupported task type" a task fault: REJECTED, sure."""
+    body = {"task_id": "t", "status": "failed", "error": error}
+    outcome = WINDOWS.classify(json_response(200, body))
+    assert outcome.kind is Kind.REJECTED and outcome.suspect is False
+    assert outcome.processed is False and outcome.error == f"HTTP 200, status failed: {error}"
+
+
+def test_only_the_windows_protocol_declares_task_faults() -> None:
+    """Linux has no error-text task faults; Windows matches at the start of the text only."""
+    assert LINUX.task_faults == ()
+    body = {"status": "failed", "error": "model said: Unsupported task type"}
+    assert WINDOWS.classify(json_response(200, body)).kind is Kind.FAILURE
 
 
 @pytest.mark.parametrize("status", ["error", "FAILED", " Failed ", "ERROR"])

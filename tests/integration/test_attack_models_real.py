@@ -112,20 +112,19 @@ def test_a_bad_task_on_three_windows_workers_opens_no_breaker(
     start_worker: Callable[..., LocalWorker],
 ) -> None:
     """A task every Windows worker fails with HTTP 200 (an unsupported task type) is
-    dead-lettered; it charges one failure in all, so no breaker opens and good tasks
-    keep running everywhere."""
+    rejected on its first attempt, the protocol's declared task fault: it charges
+    nobody, so no breaker opens and good tasks keep running everywhere."""
     workers = [
         start_worker(worker_id=f"win{n}", protocol="windows", models=("m",)) for n in range(3)
     ]
     with WorkerPool(pool_config(*(as_config(w) for w in workers))) as pool:
         bad = {"model_id": "m", "input_text": "x", "task_type": "no_such_type"}
-        with pytest.raises(TaskFailed) as info:
+        with pytest.raises(TaskRejected, match="Unsupported task type: no_such_type"):
             pool.execute(bad)
-        assert {a.worker_id for a in info.value.attempts} == {"win0", "win1", "win2"}
-        assert pool.dead_letters.get(info.value.dead_letter_id) is not None
+        assert sum(w.stats()["failed_tasks"] for w in workers) == 1
         rows = pool.workers()
         assert all(row["breaker"]["state"] == "closed" for row in rows)
-        assert sum(row["breaker"]["failures"] for row in rows) == 1
+        assert sum(row["breaker"]["failures"] for row in rows) == 0
         for n in range(6):
             assert pool.execute({"model_id": "m", "input_text": str(n)})["status"] == "completed"
 

@@ -65,3 +65,62 @@ def test_answers_over_the_limit_from_every_worker_charge_one_and_stop_after_two(
         small = pool.execute(Task({"n": "small"}, endpoint="/echo"))
         assert small["echo"] == {"n": "small"}
     assert sum(w.stats()["requests"].get("/echo", 0) for w in workers) == 11
+
+
+def run_many(pool: WorkerPool, n: int, threads: int = 8) -> list[str]:
+    """Run ``n`` valid tasks from ``threads`` callers; what each ended in."""
+
+    def one(i: int) -> str:
+        try:
+            pool.execute({"model_id": "default", "input_text": f"task {i}"}, timeout=10)
+        except TaskFailed as exc:
+            return f"failed: {exc}"
+        except Exception as exc:  # TaskRejected and anything else: the valid task was lost
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    with concurrent.futures.ThreadPoolExecutor(threads) as callers:
+        return list(callers.map(one, range(n)))
+
+
+def test_a_worker_entry_at_the_wrong_path_is_taken_out_and_no_task_fails(start_worker):
+    """One entry with a wrong base path among three: 400 tasks succeed, the entry is out."""
+    workers = [start_worker(worker_id=f"w{i}") for i in range(3)]
+    entries = [worker_config(w.worker_id, w.url) for w in workers[:2]]
+    entries.append(worker_config("misrouted", workers[2].url + "/npu"))  # no such base path
+    config = pool_config([], **{})
+    config = PoolConfig(
+        workers=tuple(entries),
+        health=config.health,
+        circuit_breaker=config.circuit_breaker,
+        retry=config.retry,
+        timeouts=config.timeouts,
+    )
+    with WorkerPool(config) as pool:
+        results = run_many(pool, 400)
+        row = {r["id"]: r for r in pool.workers()}["misrouted"]
+        health = pool.check_health()["misrouted"]
+    assert results == ["ok"] * 400
+    assert row["healthy"] is False and row["breaker"]["state"] == "closed"
+    assert row["last_error"].startswith("not an NPU worker at this URL: POST /npu/inference → 404")
+    assert row["tasks"]["failed"] <= 8  # the attempts in flight when it first answered
+    assert health["error"] == "not an NPU worker at this URL: GET /npu/health → 404"
+
+
+@pytest.mark.parametrize("status", [413, 404])
+def test_a_worker_refusing_every_task_is_taken_out_and_no_task_fails(start_worker, status):
+    """A healthy worker answering 413 (or 404) to every task among three: all 300 succeed."""
+    refuser = start_worker(worker_id="refuser")
+    refuser.control(status_code=status)
+    workers = [refuser] + [start_worker(worker_id=f"ok{i}") for i in range(2)]
+    with WorkerPool(pool_config(workers)) as pool:
+        results = run_many(pool, 300)
+        row = {r["id"]: r for r in pool.workers()}["refuser"]
+    assert results == ["ok"] * 300
+    if status == 413:  # the worker's fault, proven by the others: charged, opened
+        assert row["breaker"]["state"] == "open" and row["healthy"] is True
+        assert row["last_error"].startswith("refused a task another worker ran: HTTP 413")
+    else:  # 404 to the inference path: not a worker at this URL, taken out
+        assert row["breaker"]["state"] == "closed" and row["healthy"] is False
+        assert row["last_error"].startswith("not an NPU worker at this URL: POST /inference → 404")
+    assert refuser.stats()["requests"].get("/inference", 0) < 30  # out, not drawing tasks

@@ -103,15 +103,89 @@ def test_models_are_learned_placed_and_unloaded_mid_run(
 
 
 def test_windows_failures_classify_as_suspect_failures(client: Callable[..., Client]) -> None:
-    """A Windows worker's HTTP 200 failures are FAILURE outcomes, suspect, with its error."""
+    """A Windows worker's HTTP 200 failures are suspect FAILUREs; an unknown type REJECTED."""
     c = client("windows", failure_rate=1.0)
     outcome = c.run({"model_id": "default", "input_text": "x"})
     assert outcome.kind is Kind.FAILURE and outcome.suspect
     assert outcome.status == 200 and outcome.error == "HTTP 200, status failed: simulated failure"
     unknown = c.run({"model_id": "default", "input_text": "x", "task_type": "poetry"})
-    assert unknown.kind is Kind.FAILURE
+    assert unknown.kind is Kind.REJECTED and not unknown.suspect
     assert unknown.error == "HTTP 200, status failed: Unsupported task type: poetry"
-    assert c.worker.stats()["failed_tasks"] == 2
+    search = c.run({"model_id": "default", "input_text": "x", "task_type": "semantic_search"})
+    assert search.kind is Kind.FAILURE and search.suspect
+    assert search.error == (
+        "HTTP 200, status failed: 'WindowsNPUWorker' object has no attribute 'process_search_task'"
+    )
+    assert c.worker.stats()["failed_tasks"] == 3
+
+
+def test_bad_tasks_mixed_with_good_ones_open_no_windows_breaker(start_worker) -> None:
+    """50 bad tasks among 500 over two Windows workers: no breaker opens, no good task fails."""
+    import concurrent.futures
+    import random
+
+    from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool
+    from npu_sync.config import BreakerConfig, HealthConfig, PoolConfig, RetryConfig
+
+    workers = [start_worker(worker_id=f"win{i}", protocol="windows") for i in range(2)]
+    config = PoolConfig(
+        workers=tuple(
+            worker_config(w.worker_id, w.url, protocol="autobot-windows") for w in workers
+        ),
+        health=HealthConfig(enabled=False),
+        circuit_breaker=BreakerConfig(fail_max=5, reset_timeout=60),
+        retry=RetryConfig(max_retries=3, backoff_initial=0.01, backoff_max=0.05),
+    )
+    good = [
+        Task({"model_id": "default", "input_text": f"good {n}"}, task_id=f"good-{n}")
+        for n in range(500)
+    ]
+    bad = [
+        Task(
+            {"model_id": "default", "input_text": f"{n}", "task_type": kind},
+            task_id=f"bad-{kind}-{n}",
+        )
+        for n in range(25)
+        for kind in ("poetry", "semantic_search")
+    ]
+    tasks = good + bad
+    random.Random(22).shuffle(tasks)
+    # The bad ones in a burst too: the breaker counts consecutive failures.
+    tasks = bad[:12] + tasks
+    outcomes: dict[str, list[str]] = {"good": [], "bad": []}
+    trips: list[str] = []
+    attempts: dict[str, int] = {}
+
+    def hook(event: Any) -> None:
+        name = getattr(event, "name", "")
+        if name == "breaker.state_changed" and event.new == "open":
+            trips.append(event.worker_id)
+        elif name == "attempt.finished":
+            attempts[event.task_id] = attempts.get(event.task_id, 0) + 1
+
+    with WorkerPool(config) as pool:
+        pool.add_hook(hook)
+
+        def run(task: Task) -> tuple[str, str]:
+            kind = task.task_id.split("-")[0]
+            try:
+                pool.execute(task, timeout=10)
+            except TaskRejected:
+                return kind, "rejected"
+            except TaskFailed as exc:
+                return kind, "failed: " + str(exc)
+            return kind, "ok"
+
+        with concurrent.futures.ThreadPoolExecutor(8) as callers:
+            for kind, result in callers.map(run, tasks):
+                outcomes[kind].append(result)
+        rows = pool.workers()
+    assert outcomes["good"] == ["ok"] * 500
+    # No good task bounced or waited for a worker: each ran on its first attempt.
+    assert all(attempts[t.task_id] == 1 for t in good)
+    assert all(r == "rejected" or "taken as the task's fault" in r for r in outcomes["bad"])
+    assert trips == [] and [r["breaker"]["state"] for r in rows] == ["closed", "closed"]
+    assert all(r["breaker"]["failures"] == 0 for r in rows)
 
 
 def test_cpu_fallback_shows_in_health_and_models(client: Callable[..., Client]) -> None:
