@@ -205,9 +205,10 @@ from npu_sync.testing import FakeNetwork, json_response
 gate, started = threading.Event(), threading.Event()
 
 def handler(req):
-    if req.path != "/health":
-        started.set()
-        gate.wait(30)
+    if req.path == "/health":
+        return json_response(200, {"status": "healthy"})
+    started.set()
+    gate.wait(30)
     return json_response(200, {"ok": True})
 
 net = FakeNetwork(handler)
