@@ -407,14 +407,22 @@ def register_protocol(protocol: WorkerProtocol, *, replace: bool = False) -> Non
 
 def _model_ids(value: object) -> frozenset[str] | None:
     """The model ids a ``loaded_models`` list or map names; None when it is neither
-    (a count, say) or too long to believe."""
+    (a count, say), too long to believe, or names models in no form npu_sync reads.
+
+    Entries that are not usable ids (numbers, unprintable strings) are left out; but a
+    non-empty list with no usable id at all (``[{"id": "m"}]``) is unknown, not empty:
+    read as "holds nothing" it would reject every task that names a model. Unknown, the
+    worker is tried for any model and its "not loaded" answers teach the pool what it
+    lacks.
+    """
     if not isinstance(value, (dict, list)) or len(value) > MAX_MODELS:
         return None
-    return frozenset(
+    models = frozenset(
         model
         for model in value
         if type(model) is str and 0 < len(model) <= MAX_MODEL_ID and model.isprintable()
     )
+    return None if value and not models else models
 
 
 def _device(*values: object) -> str | None:

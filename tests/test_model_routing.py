@@ -424,3 +424,25 @@ def test_a_reload_works_the_model_look_ups_out_again():
         with pytest.raises(TaskRejected, match="no live worker serves model 'm2'"):
             pool.execute({"model_id": "m2"})
     assert tasks_to(net, "a") == []
+
+
+def test_a_worker_listing_its_models_as_objects_still_gets_their_tasks(servers):
+    """Over a real socket: a worker whose /health lists models as objects (no string
+    ids) is not taken to hold nothing; tasks naming its model run on it."""
+    from tests.hostile import answer, keep_answering, serve
+
+    def reply(seen) -> bytes:
+        if seen.path == "/health":
+            body = {"status": "healthy", "loaded_models": [{"id": "default"}]}
+        else:
+            body = {"model_id": "default", "response": "ok"}
+        return answer(200, json.dumps(body).encode())
+
+    server = serve(servers, keep_answering(reply))
+    config = PoolConfig(
+        workers=(worker_config("w", server.url()),), health=HealthConfig(enabled=False)
+    )
+    with WorkerPool(config) as pool:
+        pool.check_health()
+        assert pool.workers()[0]["models"] is None  # unknown, not "none"
+        assert pool.execute({"model_id": "default", "input_text": "x"})["response"] == "ok"

@@ -362,6 +362,19 @@ def test_health_model_ids_that_are_not_usable_are_left_out() -> None:
     assert info.models == frozenset({"ok"})
 
 
+@pytest.mark.parametrize(
+    "loaded",
+    [[{"id": "m1"}, {"id": "m2"}], [1, 2], {"": {"device": "NPU"}}],
+    ids=["objects", "numbers", "empty-name"],
+)
+def test_a_model_list_with_no_usable_id_is_unknown_not_empty(loaded: object) -> None:
+    """A list naming its models in a form npu_sync does not read knows no models (None),
+    rather than claiming the worker holds none; an empty list still means none."""
+    assert LINUX.parse_health({"status": "healthy", "loaded_models": loaded}).models is None
+    assert LINUX.parse_models({"loaded_models": loaded}) is None
+    assert LINUX.parse_health({"status": "healthy", "loaded_models": []}).models == frozenset()
+
+
 def test_health_with_a_huge_model_list_knows_no_models() -> None:
     """A model list over MAX_MODELS is not believed: models is None, the rest is read."""
     info = WINDOWS.parse_health(
