@@ -43,6 +43,7 @@ import builtins
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,14 +56,9 @@ from redis.retry import Retry
 
 from npu_sync.breaker import CLOSED, OPEN, redis_storage
 from npu_sync.config import SharedStateConfig
-from npu_sync.deadletter import (
-    CLAIM_SECONDS,
-    DeadLetter,
-    SQLiteDeadLetterStore,
-    default_spool_path,
-    prepare_default_spool,
-)
+from npu_sync.deadletter import CLAIM_SECONDS, DeadLetter, SQLiteDeadLetterStore
 from npu_sync.errors import ConfigError, NpuSyncError, scrub
+from npu_sync.spool import ProcessSpool, default_base
 
 log = logging.getLogger(__name__)
 
@@ -552,6 +548,8 @@ class RedisDeadLetterStore:
     """
 
     CLAIM_SECONDS = CLAIM_SECONDS
+    FLUSH_WAIT = 10.0
+    """Seconds a listing waits for a flush under way (an operator's call, never a task's)."""
 
     def __init__(
         self, shared: SharedState, *, max_records: int = 10000, spool_path: str | None = None
@@ -565,22 +563,36 @@ class RedisDeadLetterStore:
         self._claims = f"{ns}:dlq:claim:"
         self._max = max_records
         self._lock = threading.Lock()
-        self.spool_path = spool_path or default_spool_path(ns)
+        # One flush at a time per store (the sync thread, close(), a listing): taken
+        # without waiting, never waited on, so a task's add() never waits behind it.
+        self._flushing = threading.Lock()
+        self._legacy: SQLiteDeadLetterStore | None = None
         try:
-            if spool_path is None:
-                prepare_default_spool(self.spool_path)
-            self._spool = SQLiteDeadLetterStore(self.spool_path, max_records=max_records)
+            base = spool_path or default_base(ns, shared.config.url)
+            self._spool = ProcessSpool(base, max_records=max_records)
+            if spool_path is not None and os.path.exists(spool_path):
+                # The one file every process of a host shared before: its records are
+                # moved to Redis like any spool's, claimed one by one.
+                self._legacy = SQLiteDeadLetterStore(spool_path, max_records=max_records)
         except (OSError, NpuSyncError) as exc:
             raise ConfigError(f"dead_letter.spool_path: {exc}") from exc
 
+    @property
+    def spool_path(self) -> str:
+        """This process's own spool file."""
+        return self._spool.own.path
+
     def after_fork(self) -> None:
-        """In a child process: a fresh lock and a connection of its own to the spool."""
+        """In a child process: fresh locks and a spool file of its own."""
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._spool.after_fork()
+        if self._legacy is not None:
+            self._legacy.after_fork()
 
     def held_count(self) -> int:
-        """Records waiting in the spool for Redis (the last known number if busy)."""
-        return self._spool.counts()[0] or 0
+        """Records waiting in this process's spool for Redis (the last known number if busy)."""
+        return self._spool.own.store.counts()[0] or 0
 
     def _write(self, record: DeadLetter) -> None:
         pipe = self._client.pipeline(transaction=True)
@@ -610,38 +622,83 @@ class RedisDeadLetterStore:
                 return
             except RedisError as exc:
                 self._shared.lost(exc)
-        self._spool.add(record, timeout=timeout)
+        self._spool.own.store.add(record, timeout=timeout)
 
-    def flush(self, batch: int = 100) -> None:
-        """Move spooled records to Redis, oldest first (called by the sync thread).
+    def flush(self, batch: int = 100, *, wait: float = 0.0) -> None:
+        """Move spooled records to Redis, oldest first: this process's own, then those of
+        processes that ended (their files are deleted once empty). Called by the sync
+        thread, by ``close()`` and before a listing; one call at a time per store: a
+        second one waits up to ``wait`` seconds for the first to end, then returns.
 
-        Several processes may share the spool file: each record is claimed in the file
-        before it is written, and removed from the file once Redis has it, so none is
-        written twice (and resurrected after a replay removed it).
+        A record is removed from a spool only once Redis has it, so a process killed in
+        between leaves it in both: whoever moves it next writes it again under the same
+        id, which Redis keeps once.
         """
+        if not self._flushing.acquire(timeout=wait):
+            return
+        try:
+            if not self._move_all(self._spool.own.store, batch):
+                return
+            for orphan in self._spool.orphans():
+                try:
+                    moved = self._move_all(orphan.store, batch)
+                finally:
+                    deleted = orphan.discard_if_empty()
+                if deleted:
+                    log.info("moved the dead letters of ended process spool %s", orphan.path)
+                if not moved:
+                    return
+            if self._legacy is not None:
+                self._flush_shared(self._legacy, batch)
+        finally:
+            self._flushing.release()
+
+    def _move_all(self, spool: SQLiteDeadLetterStore, batch: int) -> bool:
+        """Move every record of a spool only this process uses; False when Redis failed."""
+        while self._shared.available:
+            try:
+                waiting = spool.list(limit=batch)
+            except NpuSyncError:
+                log.exception("cannot read the dead-letter spool %s", spool.path)
+                return False
+            if not waiting:
+                return True
+            for record in waiting:
+                try:
+                    self._write(record)
+                except RedisError as exc:
+                    self._shared.lost(exc)
+                    return False
+                spool.remove(record.id)
+        return False
+
+    def _flush_shared(self, spool: SQLiteDeadLetterStore, batch: int) -> None:
+        """Move the records of a spool file other processes may be moving too (the
+        shared file of earlier versions): each is claimed in the file first, so none is
+        written twice (and resurrected after a replay removed it)."""
         skipped = 0  # records another process is moving: passed over, not waited for
         while self._shared.available:
             try:
-                waiting = self._spool.list(limit=batch, offset=skipped)
+                waiting = spool.list(limit=batch, offset=skipped)
             except NpuSyncError:
-                log.exception("cannot read the dead-letter spool %s", self.spool_path)
+                log.exception("cannot read the dead-letter spool %s", spool.path)
                 return
             if not waiting:
                 return
             for record in waiting:
-                moved = self._flush_one(record.id)
+                moved = self._flush_one(spool, record.id)
                 if moved is None:
                     return
                 if not moved:
                     skipped += 1
 
-    def _flush_one(self, record_id: str) -> bool | None:
+    def _flush_one(self, spool: SQLiteDeadLetterStore, record_id: str) -> bool | None:
         """Move one spooled record to Redis: True when moved (by us or already by
         another process), False when another process holds it, None when Redis failed."""
-        if not self._spool.claim(record_id):
+        if not spool.claim(record_id):
             return False
         try:
-            record = self._spool.get(record_id)
+            record = spool.get(record_id)
             if record is None:
                 return True  # moved already
             try:
@@ -649,10 +706,10 @@ class RedisDeadLetterStore:
             except RedisError as exc:
                 self._shared.lost(exc)
                 return None
-            self._spool.remove(record_id)
+            spool.remove(record_id)
             return True
         finally:
-            self._spool.release_claim(record_id)
+            spool.release_claim(record_id)
 
     def _strict(self, fn: Callable[[], Any]) -> Any:
         """Operator calls (list, remove, purge …) fail loudly while Redis is away:
@@ -669,13 +726,17 @@ class RedisDeadLetterStore:
             raise NpuSyncError(f"shared state unavailable ({exc})") from exc
 
     def get(self, record_id: str) -> DeadLetter | None:
-        spooled = self._spool.get(record_id)
+        spooled = self._spool.own.store.get(record_id)
         if spooled is not None:
             return spooled
         raw = self._strict(lambda: self._client.hget(self._records, record_id))
         return None if raw is None else DeadLetter.from_dict(json.loads(raw))
 
     def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
+        """Records in Redis, oldest first, after moving there what the spools of this
+        process and of ended ones hold, so a record is listed once, from Redis. A flush
+        already under way (the sync thread's) is waited for, up to ``FLUSH_WAIT``."""
+        self.flush(wait=self.FLUSH_WAIT)
         end = -1 if limit is None else offset + limit - 1
         ids = self._strict(lambda: self._client.zrange(self._order, offset, end)) or []
         if not ids:
@@ -692,7 +753,7 @@ class RedisDeadLetterStore:
         self._strict(write)
 
     def remove(self, record_id: str) -> bool:
-        held = self._spool.remove(record_id)
+        held = self._spool.own.store.remove(record_id)
 
         def drop() -> bool:
             pipe = self._client.pipeline(transaction=True)
@@ -710,20 +771,22 @@ class RedisDeadLetterStore:
             return int(pipe.execute()[0])
 
         removed = int(self._strict(drop) or 0)
-        return removed + self._spool.purge()
+        return removed + self._spool.own.store.purge()
 
     def __len__(self) -> int:
-        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(self._spool)
+        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(
+            self._spool.own.store
+        )
 
     @property
     def dropped(self) -> int:
         stored = self._strict(lambda: self._client.get(self._dropped_key))
-        return int(stored or 0) + self._spool.dropped
+        return int(stored or 0) + self._spool.own.store.dropped
 
     def counts(self) -> tuple[int | None, int | None]:
         """``(records, dropped)`` for ``stats()``: one short Redis round trip while it is
         available (bounded by ``shared_state.timeout``), the spool alone otherwise."""
-        spooled, spool_dropped = self._spool.counts()
+        spooled, spool_dropped = self._spool.own.store.counts()
         if not self._shared.available:
             return None, None
         try:
@@ -760,5 +823,9 @@ class RedisDeadLetterStore:
         self._shared._call(lambda: self._client.transaction(compare_and_delete, key))
 
     def close(self) -> None:
-        """Close the spool; the connection belongs to the shared state, which closes it."""
+        """Close the spool, deleting this process's file when empty (one holding records
+        is left for the next process, or ``npu-sync dlq``, to move). The connection
+        belongs to the shared state, which closes it."""
         self._spool.close()
+        if self._legacy is not None:
+            self._legacy.close()

@@ -237,19 +237,20 @@ def test_records_spooled_during_an_outage_survive_the_process_and_reach_redis_la
     server.connected = False
     store.add(record(1))
     assert store.held_count() == 1
-    # The process is killed here: no flush, no close. Redis comes back; a new process
-    # starts with the same spool file.
+    # The process is killed here: no flush, no close; the kernel lets go of its lock.
+    # Redis comes back; a new process starts with the same spool setting.
+    store._spool.own._lock.release()
     server.connected = True
     later = SharedState(config, Changes(), client=fakeredis.FakeRedis(server=server))
     fresh = later.dead_letter_store(10, spool_path=spool)
-    assert fresh.held_count() == 1
+    assert fresh.held_count() == 0  # a file of its own
     later._flush_stores()
-    assert fresh.held_count() == 0
     assert [r.task_id for r in fresh.list()] == ["task-1"]
+    assert not os.path.exists(store.spool_path)  # the ended process's file, taken over
 
 
-def test_a_record_another_process_is_flushing_is_left_to_it(tmp_path):
-    """Two processes sharing a spool never both write one record to Redis."""
+def test_a_live_processs_spool_is_never_taken_over(tmp_path):
+    """A record in the spool of a process that still runs is moved by that process only."""
     server = fakeredis.FakeServer()
     one, two, _, _ = pair(server)
     spool = str(tmp_path / "spool.sqlite3")
@@ -258,14 +259,35 @@ def test_a_record_another_process_is_flushing_is_left_to_it(tmp_path):
     server.connected = False
     store_one.add(record(1))
     server.connected = True
-    assert one._probe()
-    rid = store_one._spool.list()[0].id
-    assert store_two._spool.claim(rid)  # the other process is moving it right now
+    assert one._probe() and two._probe()
+    store_two.flush()
+    assert store_one.held_count() == 1 and store_two.list() == []  # only in one's spool
     store_one.flush()
-    assert store_one.held_count() == 1 and len(store_two) == 1  # still only in the spool
-    store_two._spool.release_claim(rid)
+    assert store_one.held_count() == 0 and [r.task_id for r in store_two.list()] == ["task-1"]
+
+
+def test_a_record_another_process_is_flushing_from_the_old_shared_spool_is_left_to_it(
+    tmp_path,
+):
+    """The one spool file earlier versions shared: two processes never both write one
+    of its records to Redis."""
+    from npu_sync.deadletter import SQLiteDeadLetterStore
+
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    spool = str(tmp_path / "spool.sqlite3")
+    old = SQLiteDeadLetterStore(spool)
+    old.add(record(1))
+    old.close()
+    store_one = one.dead_letter_store(10, spool_path=spool)
+    store_two = two.dead_letter_store(10, spool_path=spool)
+    rid = store_one._legacy.list()[0].id
+    assert store_two._legacy.claim(rid)  # the other process is moving it right now
     store_one.flush()
-    assert store_one.held_count() == 0 and [r.id for r in store_two.list()] == [rid]
+    assert one._client.zcard("t:dlq:order") == 0  # still only in the old spool
+    store_two._legacy.release_claim(rid)
+    store_one.flush()
+    assert [r.id for r in store_two.list()] == [rid] and len(store_one._legacy) == 0
 
 
 def test_a_spool_that_cannot_be_opened_is_a_config_error_naming_its_key(tmp_path):
@@ -288,7 +310,8 @@ def test_the_default_spool_directory_must_be_private(tmp_path):
     with pytest.raises(ConfigError, match="others may write to it"):
         one.dead_letter_store(10)
     os.chmod(directory, 0o700)
-    assert one.dead_letter_store(10).spool_path == default_spool_path("t")
+    base = default_spool_path("t", one.config.url)
+    assert one.dead_letter_store(10).spool_path.startswith(base + ".")
 
 
 def test_a_claim_is_released_only_if_still_ours_even_when_it_changes_meanwhile():
