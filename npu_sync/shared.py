@@ -80,6 +80,68 @@ class _ErrorSink:
         self._shared.lost(sys.exc_info()[1])
 
 
+class EvictionPolicy:
+    """What Redis does with keys once it reaches ``maxmemory``, and what that risks for
+    ours. Immutable.
+
+    Read as Sidekiq does: ``CONFIG GET maxmemory-policy``, else (CONFIG renamed away or
+    refused by an ACL) the ``maxmemory_policy`` line of ``INFO memory``. ``name`` is None
+    when neither answers.
+
+    - ``noeviction``: nothing is ever evicted; a full Redis refuses writes, and a dead
+      letter it refuses is spooled like in any outage. The only safe policy.
+    - ``volatile-*``: only keys with a TTL go. Dead letters and breaker states have
+      none; replay claims and fleet snapshots do (a claim evicted early may let a record
+      be replayed twice): :attr:`risky`.
+    - ``allkeys-*``: any key may go, dead letters included, with no error to anyone:
+      :attr:`evicts_records`.
+    """
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+
+    @classmethod
+    def read(cls, client: Any) -> EvictionPolicy:
+        try:
+            found = client.config_get("maxmemory-policy")
+            name = found.get("maxmemory-policy") if isinstance(found, dict) else None
+            if name:
+                return cls(str(name))
+        except ResponseError:
+            pass  # CONFIG disabled or not allowed: INFO says it too
+        try:
+            info = client.info("memory")
+        except ResponseError:
+            return cls(None)
+        name = info.get("maxmemory_policy") if isinstance(info, dict) else None
+        return cls(str(name) if name else None)
+
+    @property
+    def evicts_records(self) -> bool:
+        """Redis may drop keys without a TTL: dead letters, breaker states."""
+        return self.name is not None and self.name.startswith("allkeys-")
+
+    @property
+    def risky(self) -> bool:
+        """Redis may drop some of our keys: any policy but ``noeviction``."""
+        return self.name is not None and self.name != "noeviction"
+
+    def refuse_dead_letters(self) -> None:
+        """Refuse to acknowledge dead letters into a Redis that may evict them.
+
+        Raises:
+            ConfigError: the policy is ``allkeys-*``.
+        """
+        if self.evicts_records:
+            raise ConfigError(
+                f"shared_state.url: Redis may evict dead letters (maxmemory-policy "
+                f"{self.name}): a record could vanish after TaskFailed named it. Set "
+                "maxmemory-policy noeviction on that Redis (CONFIG SET maxmemory-policy "
+                "noeviction, and in redis.conf), or keep dead letters elsewhere "
+                "(dead_letter.backend: sqlite); see docs/deployment.md, Redis requirements"
+            )
+
+
 class SharedState:
     """One pool's view of the shared Redis state. Thread-safe.
 
@@ -126,7 +188,11 @@ class SharedState:
         self._stores: list[RedisDeadLetterStore] = []
         self._channel = f"{self.namespace}:breakers"
         self._origin = f"{id(self):x}-{time.time_ns():x}"
+        self.eviction = EvictionPolicy(None)
+        self.eviction_warnings = 0
         self._check_credentials()
+        if self.available:
+            self._check_eviction()
 
     def _check_credentials(self) -> None:
         """One PING at start: a wrong password, or a database number the server does not
@@ -152,6 +218,37 @@ class SharedState:
             ) from None
         except RedisError as exc:
             self.lost(exc)
+
+    def _check_eviction(self) -> None:
+        """Read Redis's eviction policy (at start and whenever Redis answers again: it may
+        have been restarted with another configuration); warn loudly and count when it
+        may drop our keys."""
+        try:
+            policy = EvictionPolicy.read(self._client)
+        except RedisError as exc:
+            self.lost(exc)
+            return
+        self.eviction = policy
+        if policy.name is None:
+            log.warning(
+                "cannot read Redis's maxmemory-policy (CONFIG GET and INFO refused): make "
+                "sure it is noeviction, or dead letters may vanish (docs/deployment.md)"
+            )
+        elif policy.risky:
+            with self._lock:
+                self.eviction_warnings += 1
+            lost = (
+                "dead letters and breaker states"
+                if policy.evicts_records
+                else ("replay claims and fleet snapshots")
+            )
+            log.warning(
+                "Redis evicts keys when full (maxmemory-policy %s): %s stored there may "
+                "vanish without an error. Set maxmemory-policy noeviction "
+                "(docs/deployment.md, Redis requirements)",
+                policy.name,
+                lost,
+            )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -365,6 +462,7 @@ class SharedState:
         with self._lock:
             self.available = True
         log.warning("shared state available again: sharing resumes")
+        self._check_eviction()
         if self.on_resume is not None:
             # Breakers opened here during the outage were never written: write them now,
             # before reading, so the re-read does not close them again.
@@ -528,6 +626,8 @@ class SharedState:
             "published": self.published,
             "received": self.received,
             "dead_letters_held_locally": sum(s.held_count() for s in self._stores),
+            "eviction_policy": self.eviction.name,
+            "eviction_warnings": self.eviction_warnings,
         }
 
 

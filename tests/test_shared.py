@@ -379,3 +379,76 @@ def test_start_reads_the_shared_breakers_before_returning():
         assert seen.seen[0] == ("w1", "open")
     finally:
         two.stop()
+
+
+# -- Redis's eviction policy ----------------------------------------------------------------
+
+
+class PolicyClient:
+    """Answers CONFIG GET and INFO as a Redis configured with ``policy`` would; either
+    may be refused, as a renamed command or an ACL refuses it."""
+
+    def __init__(self, policy: str | None, *, config: bool = True, info: bool = True) -> None:
+        self.policy, self.config, self.info_allowed = policy, config, info
+
+    def config_get(self, name: str) -> dict:
+        if not self.config:
+            raise redis.ResponseError("unknown command 'config get'")
+        return {name: self.policy}
+
+    def info(self, section: str) -> dict:
+        if not self.info_allowed:
+            raise redis.ResponseError("NOPERM this user has no permissions to run 'info'")
+        return {"used_memory": 1, "maxmemory_policy": self.policy}
+
+
+def test_the_eviction_policy_is_read_from_config_else_from_info():
+    """CONFIG GET first; with CONFIG disabled, INFO memory; with both refused, unknown."""
+    from npu_sync.shared import EvictionPolicy
+
+    assert EvictionPolicy.read(PolicyClient("allkeys-lru")).name == "allkeys-lru"
+    assert EvictionPolicy.read(PolicyClient("volatile-lru", config=False)).name == "volatile-lru"
+    assert EvictionPolicy.read(PolicyClient("noeviction", config=False, info=False)).name is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "refused", "risky"),
+    [
+        ("noeviction", False, False),
+        ("volatile-lru", False, True),
+        ("volatile-ttl", False, True),
+        ("allkeys-lru", True, True),
+        ("allkeys-random", True, True),
+        (None, False, False),
+    ],
+)
+def test_only_a_policy_that_evicts_keys_without_ttl_refuses_dead_letters(policy, refused, risky):
+    """allkeys-* may drop dead letters: refused; volatile-* only drops keys with a TTL."""
+    from npu_sync.shared import EvictionPolicy
+
+    checked = EvictionPolicy(policy)
+    assert checked.risky is risky
+    if refused:
+        with pytest.raises(ConfigError, match=r"maxmemory-policy allkeys-.*noeviction"):
+            checked.refuse_dead_letters()
+    else:
+        checked.refuse_dead_letters()
+
+
+def test_a_risky_policy_found_at_start_or_after_an_outage_is_warned_and_counted(caplog):
+    """Each time Redis is found with a policy that may evict, a WARNING and a count."""
+    client = fakeredis.FakeRedis()
+    policy = PolicyClient("volatile-lru")
+    client.config_get = policy.config_get  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="npu_sync.shared"):
+        shared = SharedState(
+            SharedStateConfig(backend="redis", namespace="t"), Changes(), client=client
+        )
+    assert shared.stats()["eviction_policy"] == "volatile-lru"
+    assert shared.stats()["eviction_warnings"] == 1
+    assert any("maxmemory-policy volatile-lru" in r.getMessage() for r in caplog.records)
+    shared.lost(None)
+    policy.policy = "noeviction"
+    assert shared._probe()
+    assert shared.stats()["eviction_policy"] == "noeviction"
+    assert shared.stats()["eviction_warnings"] == 1
