@@ -93,7 +93,8 @@ class WorkerPool:
             the built-in rules.
 
     Raises:
-        ConfigError: an ``NPU_SYNC_RELOAD_*`` variable is invalid.
+        ConfigError: an ``NPU_SYNC_RELOAD_*`` variable is invalid; dead letters
+            would go to a Redis whose ``maxmemory-policy`` may evict them.
     """
 
     def __init__(
