@@ -23,8 +23,13 @@ can stall a call for seconds). The first error marks Redis unavailable: from the
 no call is made (each process works on its local state), the outage is logged once
 and counted, and the sync thread probes Redis until it answers, then re-reads the
 shared state and resumes. Dead letters written meanwhile are kept in a local SQLite
-file (the *spool*, ``dead_letter.spool_path``), which survives the process being
-killed, and are pushed to Redis once it is back, by this or any later process.
+file of this process's own (the *spool*, :mod:`npu_sync.spool`), which survives the
+process being killed, and are pushed to Redis once it is back, by this process or,
+once it has ended, by any other of the same app.
+
+Redis's ``maxmemory-policy`` is read at start and after each outage
+(:class:`EvictionPolicy`): dead letters are refused a Redis that may evict them, and
+any other policy but ``noeviction`` is warned about and counted.
 
 Redis refusing the credentials (or the database number) is not an outage but a
 configuration error, raised when the state is built. A new process reads the shared
@@ -602,7 +607,7 @@ class SharedState:
     def dead_letter_store(
         self, max_records: int, *, spool_path: str | None = None
     ) -> RedisDeadLetterStore:
-        """The shared dead-letter store, spooling to ``spool_path`` (default
+        """The shared dead-letter store, spooling beside ``spool_path`` (default
         :func:`~npu_sync.deadletter.default_spool_path`) while Redis is away.
 
         Raises:
@@ -635,10 +640,11 @@ class RedisDeadLetterStore:
     """Dead letters in Redis, shared by every process. Thread-safe.
 
     Records are a hash (``<ns>:dlq:records``, id → JSON) ordered by a sorted set
-    (``<ns>:dlq:order``). While Redis is unavailable new records go to the *spool*, a
-    local SQLite file (``spool_path``), and are written to Redis once it is back, by
-    this process or any later one using the same file: a Redis outage loses no record,
-    not even if the process is killed meanwhile. ``claim``/``release_claim`` give a
+    (``<ns>:dlq:order``). While Redis cannot take a record it goes to the *spool*, a
+    local SQLite file of this process's own (:class:`~npu_sync.spool.ProcessSpool`),
+    and is written to Redis once it is back, by this process or, once it has ended,
+    any other of the same app: a Redis outage loses no record, not even if the
+    process is killed meanwhile. ``claim``/``release_claim`` give a
     replay exclusive use of a record across processes, with a lease that expires if
     the process dies mid-replay; the release deletes the claim only if it is still
     this process's, atomically (WATCH/MULTI).

@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 
@@ -242,3 +243,75 @@ def test_every_task_failed_has_its_record_listed_once_whatever_redis_does(
     assert not lost and not missing and not twice, figures
     # A SIGKILLed process may have stored a record and died before writing its line.
     assert len(set(listed) - set(acknowledged)) <= KILLED * THREADS, figures
+
+
+BUSY_NEIGHBOUR = """
+import sqlite3, sys
+from npu_sync import WorkerPool
+pool = WorkerPool.from_yaml(sys.argv[1], watch=False)
+# This process is in the middle of a long write to its spool (a slow disk, a big move).
+conn = sqlite3.connect(pool.dead_letters.store.spool_path, isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+print("writing", flush=True)
+sys.stdin.readline()
+conn.execute("ROLLBACK")
+pool.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_task_out_of_time_stores_its_record_while_another_process_writes_its_spool(
+    durable_redis, blackhole, tmp_path, monkeypatch
+):
+    """Redis down, another process of the same app holding its spool's write lock: a
+    task that ran out of time still gets its record stored and listed."""
+    from npu_sync import Task, TaskFailed, WorkerPool
+
+    config = tmp_path / "npu_workers.yaml"
+    config.write_text(
+        "npu_workers:\n"
+        f"  workers: [{{id: hole, url: '{blackhole}'}}]\n"
+        "  health: {enabled: false}\n"
+        "  retry: {max_retries: 0}\n"
+        f"  shared_state: {{backend: redis, url: '{durable_redis.url}', namespace: busy}}\n"
+        "  dead_letter: {backend: redis}\n"
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "TMPDIR": str(tmp_path),
+        "NPU_SYNC_FLEET": "off",
+    }
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # this process's default spool too
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    durable_redis.kill()
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", BUSY_NEIGHBOUR, str(config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert neighbour.stdout.readline().strip() == "writing"
+        with (
+            WorkerPool.from_yaml(str(config), watch=False) as pool,
+            pytest.raises(TaskFailed) as failure,
+        ):
+            pool.execute(Task({"input_text": "x"}, timeout=0.3))
+    finally:
+        neighbour.stdin.write("\n")
+        neighbour.stdin.close()
+        neighbour.wait(30)
+        neighbour.stdout.close()
+    assert failure.value.dead_letter_id is not None, str(failure.value)
+    durable_redis.start()
+    listing = subprocess.run(
+        [sys.executable, "-m", "npu_sync", "dlq", "--config", str(config), "list", "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
+    assert [r["id"] for r in json.loads(listing.stdout)] == [failure.value.dead_letter_id]
