@@ -14,19 +14,30 @@ Each gunicorn worker is a process with a pool of its own. Two things make them o
   process publishes a snapshot of its pool, and the status page, GET .../fleet and
   ``npu-sync status`` show every process.
 
+Each app on a host gets a metrics directory of its own, named by NPU_SYNC_APP when set,
+else by its configuration file's absolute path (NPU_SYNC_CONFIG, else
+./npu_workers.yaml): a second app starting on the host must not remove the first one's
+counters, nor have them summed with its own.
+
 Override any of it from the environment (GUNICORN_BIND, GUNICORN_WORKERS,
-GUNICORN_THREADS, PROMETHEUS_MULTIPROC_DIR) or on the command line.
+GUNICORN_THREADS, PROMETHEUS_MULTIPROC_DIR, NPU_SYNC_APP) or on the command line.
 """
 
 import glob
+import hashlib
 import os
 import tempfile
 
-# Before anything imports prometheus_client. One directory per user: the files of
-# another user's server must not be summed with ours (nor removed by us).
+# Before anything imports prometheus_client. One directory per user and app: the files
+# of another user's server, or of another app, must not be summed with ours (nor
+# removed by us).
+app = os.environ.get("NPU_SYNC_APP") or os.path.abspath(
+    os.environ.get("NPU_SYNC_CONFIG", "npu_workers.yaml")
+)
+user_dir = os.path.join(tempfile.gettempdir(), f"npu_sync_prometheus_{os.getuid()}")
 prometheus_dir = os.environ.setdefault(
     "PROMETHEUS_MULTIPROC_DIR",
-    os.path.join(tempfile.gettempdir(), f"npu_sync_prometheus_{os.getuid()}"),
+    os.path.join(user_dir, hashlib.sha256(app.encode()).hexdigest()[:16]),
 )
 os.environ.setdefault("NPU_SYNC_PROMETHEUS", "1")
 
@@ -42,6 +53,8 @@ timeout = 30
 def on_starting(server):
     """In the master, once: start from empty metric files. A previous run's counters
     would otherwise be added to this run's."""
+    if os.path.dirname(prometheus_dir) == user_dir:
+        os.makedirs(user_dir, mode=0o700, exist_ok=True)  # private, not the umask's
     os.makedirs(prometheus_dir, mode=0o700, exist_ok=True)
     for path in glob.glob(os.path.join(prometheus_dir, "*.db")):
         os.remove(path)

@@ -522,16 +522,19 @@ class DeadLetterConfig:
         allowed_text="required for `sqlite`, rejected for `memory`",
     )
     max_records: int = integer(10000, 1, 10_000_000, "most records kept", hot=False)
-    # redis only: the local SQLite file holding records while Redis is unreachable;
-    # None puts it under the system's temporary directory (see docs/deployment.md).
+    # redis only: the base path of the local SQLite files (one per process) holding
+    # records while Redis cannot take them; None puts them under the system's temporary
+    # directory, keyed by the Redis address and namespace (see docs/deployment.md).
     spool_path: str | None = custom(
         None,
-        "the local SQLite file where records wait, durably, while Redis is unreachable; "
-        "shared by the processes of one host; see "
+        "where records wait, durably, while Redis cannot take them: each process writes "
+        "the SQLite file `<spool_path>.<32 hex>` of its own beside this path (and moves "
+        "a file here left by earlier versions); see "
         "[deployment.md](deployment.md#when-redis-fails)",
         hot=False,
         type_text=_FILE,
-        default_text="`<tmp>/npu_sync-<uid>/<namespace>.spool.sqlite3`",
+        default_text="`<tmp>/npu_sync-<uid>/<namespace>-<key>.spool`, `key` a hash of "
+        "the Redis address and namespace",
         allowed_text="`redis` only",
     )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import dataclasses
+import hashlib
 import inspect
 import json
 import logging
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import parse_qs, urlsplit
 
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.errors import (
@@ -897,7 +899,9 @@ def check_store(config: PoolConfig) -> builtins.list[str]:
     if settings.backend == "sqlite" and settings.path and settings.path != ":memory:":
         return [f"{key}.path: {p}" for p in _file_problems(settings.path)]
     if settings.backend == "redis":
-        spool = settings.spool_path or default_spool_path(config.shared_state.namespace)
+        spool = settings.spool_path or default_spool_path(
+            config.shared_state.namespace, config.shared_state.url
+        )
         problems = _file_problems(spool, creates_directory=settings.spool_path is None)
         if settings.spool_path is None and not problems:
             shared = _shared_directory_problem(os.path.dirname(os.path.abspath(spool)))
@@ -960,12 +964,28 @@ def _file_problems(path: str, *, creates_directory: bool = False) -> builtins.li
     return []
 
 
-def default_spool_path(namespace: str) -> str:
-    """Where a Redis store keeps records while Redis is unreachable, by default:
-    ``<temp dir>/npu_sync-<user>/<namespace>.spool.sqlite3``, one file per host, user
-    and namespace, shared by that user's processes."""
+def redis_destination(url: str) -> str:
+    """Where a Redis URL's records go, without its credentials: scheme, host, port,
+    socket path and database. Two URLs with the same destination share records."""
+    parts = urlsplit(url)
+    db = parse_qs(parts.query).get("db", [""])[0]
+    try:
+        port: int | str = parts.port or ""
+    except ValueError:
+        port = ""
+    return f"{parts.scheme}://{parts.hostname or ''}:{port}{parts.path}?db={db}"
+
+
+def default_spool_path(namespace: str, url: str = "") -> str:
+    """The base path of a Redis store's spool files, by default:
+    ``<temp dir>/npu_sync-<user>/<namespace>-<key>.spool``, where ``key`` is a hash of
+    the Redis destination (:func:`redis_destination`, never the password) and the
+    namespace. Each process's file is this path with a suffix of its own (see
+    :mod:`npu_sync.spool`). Apps sharing a Redis and a namespace share their dead
+    letters anyway; the spools of any other two apps on one host never mix."""
     user = str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
-    return os.path.join(tempfile.gettempdir(), f"npu_sync-{user}", f"{namespace}.spool.sqlite3")
+    key = hashlib.sha256(f"{redis_destination(url)}\0{namespace}".encode()).hexdigest()[:16]
+    return os.path.join(tempfile.gettempdir(), f"npu_sync-{user}", f"{namespace}-{key}.spool")
 
 
 def prepare_default_spool(path: str) -> None:

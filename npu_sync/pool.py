@@ -93,7 +93,8 @@ class WorkerPool:
             the built-in rules.
 
     Raises:
-        ConfigError: an ``NPU_SYNC_RELOAD_*`` variable is invalid.
+        ConfigError: an ``NPU_SYNC_RELOAD_*`` variable is invalid; dead letters
+            would go to a Redis whose ``maxmemory-policy`` may evict them.
     """
 
     def __init__(
@@ -157,6 +158,12 @@ class WorkerPool:
         if dead_letter_store is not None:
             store: DeadLetterStore = dead_letter_store
         elif config.dead_letter.backend == "redis" and shared is not None:
+            # Redis that may evict them is no place to acknowledge dead letters in.
+            try:
+                shared.eviction.refuse_dead_letters()
+            except ConfigError:
+                shared.stop()
+                raise
             store = shared.dead_letter_store(
                 config.dead_letter.max_records, spool_path=config.dead_letter.spool_path
             )

@@ -23,8 +23,13 @@ can stall a call for seconds). The first error marks Redis unavailable: from the
 no call is made (each process works on its local state), the outage is logged once
 and counted, and the sync thread probes Redis until it answers, then re-reads the
 shared state and resumes. Dead letters written meanwhile are kept in a local SQLite
-file (the *spool*, ``dead_letter.spool_path``), which survives the process being
-killed, and are pushed to Redis once it is back, by this or any later process.
+file of this process's own (the *spool*, :mod:`npu_sync.spool`), which survives the
+process being killed, and are pushed to Redis once it is back, by this process or,
+once it has ended, by any other of the same app.
+
+Redis's ``maxmemory-policy`` is read at start and after each outage
+(:class:`EvictionPolicy`): dead letters are refused a Redis that may evict them, and
+any other policy but ``noeviction`` is warned about and counted.
 
 Redis refusing the credentials (or the database number) is not an outage but a
 configuration error, raised when the state is built. A new process reads the shared
@@ -43,6 +48,7 @@ import builtins
 import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -55,14 +61,9 @@ from redis.retry import Retry
 
 from npu_sync.breaker import CLOSED, OPEN, redis_storage
 from npu_sync.config import SharedStateConfig
-from npu_sync.deadletter import (
-    CLAIM_SECONDS,
-    DeadLetter,
-    SQLiteDeadLetterStore,
-    default_spool_path,
-    prepare_default_spool,
-)
+from npu_sync.deadletter import CLAIM_SECONDS, DeadLetter, SQLiteDeadLetterStore
 from npu_sync.errors import ConfigError, NpuSyncError, scrub
+from npu_sync.spool import ProcessSpool, default_base
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,68 @@ class _ErrorSink:
         import sys
 
         self._shared.lost(sys.exc_info()[1])
+
+
+class EvictionPolicy:
+    """What Redis does with keys once it reaches ``maxmemory``, and what that risks for
+    ours. Immutable.
+
+    Read as Sidekiq does: ``CONFIG GET maxmemory-policy``, else (CONFIG renamed away or
+    refused by an ACL) the ``maxmemory_policy`` line of ``INFO memory``. ``name`` is None
+    when neither answers.
+
+    - ``noeviction``: nothing is ever evicted; a full Redis refuses writes, and a dead
+      letter it refuses is spooled like in any outage. The only safe policy.
+    - ``volatile-*``: only keys with a TTL go. Dead letters and breaker states have
+      none; replay claims and fleet snapshots do (a claim evicted early may let a record
+      be replayed twice): :attr:`risky`.
+    - ``allkeys-*``: any key may go, dead letters included, with no error to anyone:
+      :attr:`evicts_records`.
+    """
+
+    def __init__(self, name: str | None) -> None:
+        self.name = name
+
+    @classmethod
+    def read(cls, client: Any) -> EvictionPolicy:
+        try:
+            found = client.config_get("maxmemory-policy")
+            name = found.get("maxmemory-policy") if isinstance(found, dict) else None
+            if name:
+                return cls(str(name))
+        except ResponseError:
+            pass  # CONFIG disabled or not allowed: INFO says it too
+        try:
+            info = client.info("memory")
+        except ResponseError:
+            return cls(None)
+        name = info.get("maxmemory_policy") if isinstance(info, dict) else None
+        return cls(str(name) if name else None)
+
+    @property
+    def evicts_records(self) -> bool:
+        """Redis may drop keys without a TTL: dead letters, breaker states."""
+        return self.name is not None and self.name.startswith("allkeys-")
+
+    @property
+    def risky(self) -> bool:
+        """Redis may drop some of our keys: any policy but ``noeviction``."""
+        return self.name is not None and self.name != "noeviction"
+
+    def refuse_dead_letters(self) -> None:
+        """Refuse to acknowledge dead letters into a Redis that may evict them.
+
+        Raises:
+            ConfigError: the policy is ``allkeys-*``.
+        """
+        if self.evicts_records:
+            raise ConfigError(
+                f"shared_state.url: Redis may evict dead letters (maxmemory-policy "
+                f"{self.name}): a record could vanish after TaskFailed named it. Set "
+                "maxmemory-policy noeviction on that Redis (CONFIG SET maxmemory-policy "
+                "noeviction, and in redis.conf), or keep dead letters elsewhere "
+                "(dead_letter.backend: sqlite); see docs/deployment.md, Redis requirements"
+            )
 
 
 class SharedState:
@@ -130,7 +193,11 @@ class SharedState:
         self._stores: list[RedisDeadLetterStore] = []
         self._channel = f"{self.namespace}:breakers"
         self._origin = f"{id(self):x}-{time.time_ns():x}"
+        self.eviction = EvictionPolicy(None)
+        self.eviction_warnings = 0
         self._check_credentials()
+        if self.available:
+            self._check_eviction()
 
     def _check_credentials(self) -> None:
         """One PING at start: a wrong password, or a database number the server does not
@@ -156,6 +223,37 @@ class SharedState:
             ) from None
         except RedisError as exc:
             self.lost(exc)
+
+    def _check_eviction(self) -> None:
+        """Read Redis's eviction policy (at start and whenever Redis answers again: it may
+        have been restarted with another configuration); warn loudly and count when it
+        may drop our keys."""
+        try:
+            policy = EvictionPolicy.read(self._client)
+        except RedisError as exc:
+            self.lost(exc)
+            return
+        self.eviction = policy
+        if policy.name is None:
+            log.warning(
+                "cannot read Redis's maxmemory-policy (CONFIG GET and INFO refused): make "
+                "sure it is noeviction, or dead letters may vanish (docs/deployment.md)"
+            )
+        elif policy.risky:
+            with self._lock:
+                self.eviction_warnings += 1
+            lost = (
+                "dead letters and breaker states"
+                if policy.evicts_records
+                else ("replay claims and fleet snapshots")
+            )
+            log.warning(
+                "Redis evicts keys when full (maxmemory-policy %s): %s stored there may "
+                "vanish without an error. Set maxmemory-policy noeviction "
+                "(docs/deployment.md, Redis requirements)",
+                policy.name,
+                lost,
+            )
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -369,6 +467,7 @@ class SharedState:
         with self._lock:
             self.available = True
         log.warning("shared state available again: sharing resumes")
+        self._check_eviction()
         if self.on_resume is not None:
             # Breakers opened here during the outage were never written: write them now,
             # before reading, so the re-read does not close them again.
@@ -508,7 +607,7 @@ class SharedState:
     def dead_letter_store(
         self, max_records: int, *, spool_path: str | None = None
     ) -> RedisDeadLetterStore:
-        """The shared dead-letter store, spooling to ``spool_path`` (default
+        """The shared dead-letter store, spooling beside ``spool_path`` (default
         :func:`~npu_sync.deadletter.default_spool_path`) while Redis is away.
 
         Raises:
@@ -532,6 +631,8 @@ class SharedState:
             "published": self.published,
             "received": self.received,
             "dead_letters_held_locally": sum(s.held_count() for s in self._stores),
+            "eviction_policy": self.eviction.name,
+            "eviction_warnings": self.eviction_warnings,
         }
 
 
@@ -539,10 +640,11 @@ class RedisDeadLetterStore:
     """Dead letters in Redis, shared by every process. Thread-safe.
 
     Records are a hash (``<ns>:dlq:records``, id → JSON) ordered by a sorted set
-    (``<ns>:dlq:order``). While Redis is unavailable new records go to the *spool*, a
-    local SQLite file (``spool_path``), and are written to Redis once it is back, by
-    this process or any later one using the same file: a Redis outage loses no record,
-    not even if the process is killed meanwhile. ``claim``/``release_claim`` give a
+    (``<ns>:dlq:order``). While Redis cannot take a record it goes to the *spool*, a
+    local SQLite file of this process's own (:class:`~npu_sync.spool.ProcessSpool`),
+    and is written to Redis once it is back, by this process or, once it has ended,
+    any other of the same app: a Redis outage loses no record, not even if the
+    process is killed meanwhile. ``claim``/``release_claim`` give a
     replay exclusive use of a record across processes, with a lease that expires if
     the process dies mid-replay; the release deletes the claim only if it is still
     this process's, atomically (WATCH/MULTI).
@@ -552,6 +654,8 @@ class RedisDeadLetterStore:
     """
 
     CLAIM_SECONDS = CLAIM_SECONDS
+    FLUSH_WAIT = 10.0
+    """Seconds a listing waits for a flush under way (an operator's call, never a task's)."""
 
     def __init__(
         self, shared: SharedState, *, max_records: int = 10000, spool_path: str | None = None
@@ -565,22 +669,36 @@ class RedisDeadLetterStore:
         self._claims = f"{ns}:dlq:claim:"
         self._max = max_records
         self._lock = threading.Lock()
-        self.spool_path = spool_path or default_spool_path(ns)
+        # One flush at a time per store (the sync thread, close(), a listing): taken
+        # without waiting, never waited on, so a task's add() never waits behind it.
+        self._flushing = threading.Lock()
+        self._legacy: SQLiteDeadLetterStore | None = None
         try:
-            if spool_path is None:
-                prepare_default_spool(self.spool_path)
-            self._spool = SQLiteDeadLetterStore(self.spool_path, max_records=max_records)
+            base = spool_path or default_base(ns, shared.config.url)
+            self._spool = ProcessSpool(base, max_records=max_records)
+            if spool_path is not None and os.path.exists(spool_path):
+                # The one file every process of a host shared before: its records are
+                # moved to Redis like any spool's, claimed one by one.
+                self._legacy = SQLiteDeadLetterStore(spool_path, max_records=max_records)
         except (OSError, NpuSyncError) as exc:
             raise ConfigError(f"dead_letter.spool_path: {exc}") from exc
 
+    @property
+    def spool_path(self) -> str:
+        """This process's own spool file."""
+        return self._spool.own.path
+
     def after_fork(self) -> None:
-        """In a child process: a fresh lock and a connection of its own to the spool."""
+        """In a child process: fresh locks and a spool file of its own."""
         self._lock = threading.Lock()
+        self._flushing = threading.Lock()
         self._spool.after_fork()
+        if self._legacy is not None:
+            self._legacy.after_fork()
 
     def held_count(self) -> int:
-        """Records waiting in the spool for Redis (the last known number if busy)."""
-        return self._spool.counts()[0] or 0
+        """Records waiting in this process's spool for Redis (the last known number if busy)."""
+        return self._spool.own.store.counts()[0] or 0
 
     def _write(self, record: DeadLetter) -> None:
         pipe = self._client.pipeline(transaction=True)
@@ -610,38 +728,83 @@ class RedisDeadLetterStore:
                 return
             except RedisError as exc:
                 self._shared.lost(exc)
-        self._spool.add(record, timeout=timeout)
+        self._spool.own.store.add(record, timeout=timeout)
 
-    def flush(self, batch: int = 100) -> None:
-        """Move spooled records to Redis, oldest first (called by the sync thread).
+    def flush(self, batch: int = 100, *, wait: float = 0.0) -> None:
+        """Move spooled records to Redis, oldest first: this process's own, then those of
+        processes that ended (their files are deleted once empty). Called by the sync
+        thread, by ``close()`` and before a listing; one call at a time per store: a
+        second one waits up to ``wait`` seconds for the first to end, then returns.
 
-        Several processes may share the spool file: each record is claimed in the file
-        before it is written, and removed from the file once Redis has it, so none is
-        written twice (and resurrected after a replay removed it).
+        A record is removed from a spool only once Redis has it, so a process killed in
+        between leaves it in both: whoever moves it next writes it again under the same
+        id, which Redis keeps once.
         """
+        if not self._flushing.acquire(timeout=wait):
+            return
+        try:
+            if not self._move_all(self._spool.own.store, batch):
+                return
+            for orphan in self._spool.orphans():
+                try:
+                    moved = self._move_all(orphan.store, batch)
+                finally:
+                    deleted = orphan.discard_if_empty()
+                if deleted:
+                    log.info("moved the dead letters of ended process spool %s", orphan.path)
+                if not moved:
+                    return
+            if self._legacy is not None:
+                self._flush_shared(self._legacy, batch)
+        finally:
+            self._flushing.release()
+
+    def _move_all(self, spool: SQLiteDeadLetterStore, batch: int) -> bool:
+        """Move every record of a spool only this process uses; False when Redis failed."""
+        while self._shared.available:
+            try:
+                waiting = spool.list(limit=batch)
+            except NpuSyncError:
+                log.exception("cannot read the dead-letter spool %s", spool.path)
+                return False
+            if not waiting:
+                return True
+            for record in waiting:
+                try:
+                    self._write(record)
+                except RedisError as exc:
+                    self._shared.lost(exc)
+                    return False
+                spool.remove(record.id)
+        return False
+
+    def _flush_shared(self, spool: SQLiteDeadLetterStore, batch: int) -> None:
+        """Move the records of a spool file other processes may be moving too (the
+        shared file of earlier versions): each is claimed in the file first, so none is
+        written twice (and resurrected after a replay removed it)."""
         skipped = 0  # records another process is moving: passed over, not waited for
         while self._shared.available:
             try:
-                waiting = self._spool.list(limit=batch, offset=skipped)
+                waiting = spool.list(limit=batch, offset=skipped)
             except NpuSyncError:
-                log.exception("cannot read the dead-letter spool %s", self.spool_path)
+                log.exception("cannot read the dead-letter spool %s", spool.path)
                 return
             if not waiting:
                 return
             for record in waiting:
-                moved = self._flush_one(record.id)
+                moved = self._flush_one(spool, record.id)
                 if moved is None:
                     return
                 if not moved:
                     skipped += 1
 
-    def _flush_one(self, record_id: str) -> bool | None:
+    def _flush_one(self, spool: SQLiteDeadLetterStore, record_id: str) -> bool | None:
         """Move one spooled record to Redis: True when moved (by us or already by
         another process), False when another process holds it, None when Redis failed."""
-        if not self._spool.claim(record_id):
+        if not spool.claim(record_id):
             return False
         try:
-            record = self._spool.get(record_id)
+            record = spool.get(record_id)
             if record is None:
                 return True  # moved already
             try:
@@ -649,10 +812,10 @@ class RedisDeadLetterStore:
             except RedisError as exc:
                 self._shared.lost(exc)
                 return None
-            self._spool.remove(record_id)
+            spool.remove(record_id)
             return True
         finally:
-            self._spool.release_claim(record_id)
+            spool.release_claim(record_id)
 
     def _strict(self, fn: Callable[[], Any]) -> Any:
         """Operator calls (list, remove, purge …) fail loudly while Redis is away:
@@ -669,13 +832,17 @@ class RedisDeadLetterStore:
             raise NpuSyncError(f"shared state unavailable ({exc})") from exc
 
     def get(self, record_id: str) -> DeadLetter | None:
-        spooled = self._spool.get(record_id)
+        spooled = self._spool.own.store.get(record_id)
         if spooled is not None:
             return spooled
         raw = self._strict(lambda: self._client.hget(self._records, record_id))
         return None if raw is None else DeadLetter.from_dict(json.loads(raw))
 
     def list(self, *, limit: int | None = None, offset: int = 0) -> builtins.list[DeadLetter]:
+        """Records in Redis, oldest first, after moving there what the spools of this
+        process and of ended ones hold, so a record is listed once, from Redis. A flush
+        already under way (the sync thread's) is waited for, up to ``FLUSH_WAIT``."""
+        self.flush(wait=self.FLUSH_WAIT)
         end = -1 if limit is None else offset + limit - 1
         ids = self._strict(lambda: self._client.zrange(self._order, offset, end)) or []
         if not ids:
@@ -692,7 +859,7 @@ class RedisDeadLetterStore:
         self._strict(write)
 
     def remove(self, record_id: str) -> bool:
-        held = self._spool.remove(record_id)
+        held = self._spool.own.store.remove(record_id)
 
         def drop() -> bool:
             pipe = self._client.pipeline(transaction=True)
@@ -710,20 +877,22 @@ class RedisDeadLetterStore:
             return int(pipe.execute()[0])
 
         removed = int(self._strict(drop) or 0)
-        return removed + self._spool.purge()
+        return removed + self._spool.own.store.purge()
 
     def __len__(self) -> int:
-        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(self._spool)
+        return int(self._strict(lambda: self._client.zcard(self._order)) or 0) + len(
+            self._spool.own.store
+        )
 
     @property
     def dropped(self) -> int:
         stored = self._strict(lambda: self._client.get(self._dropped_key))
-        return int(stored or 0) + self._spool.dropped
+        return int(stored or 0) + self._spool.own.store.dropped
 
     def counts(self) -> tuple[int | None, int | None]:
         """``(records, dropped)`` for ``stats()``: one short Redis round trip while it is
         available (bounded by ``shared_state.timeout``), the spool alone otherwise."""
-        spooled, spool_dropped = self._spool.counts()
+        spooled, spool_dropped = self._spool.own.store.counts()
         if not self._shared.available:
             return None, None
         try:
@@ -760,5 +929,9 @@ class RedisDeadLetterStore:
         self._shared._call(lambda: self._client.transaction(compare_and_delete, key))
 
     def close(self) -> None:
-        """Close the spool; the connection belongs to the shared state, which closes it."""
+        """Close the spool, deleting this process's file when empty (one holding records
+        is left for the next process, or ``npu-sync dlq``, to move). The connection
+        belongs to the shared state, which closes it."""
         self._spool.close()
+        if self._legacy is not None:
+            self._legacy.close()

@@ -121,6 +121,8 @@ class SharedStateStats(_SharedStateBackend, total=False):
     published: int
     received: int
     dead_letters_held_locally: int
+    eviction_policy: str | None
+    eviction_warnings: int
 
 
 class HealthStats(TypedDict):

@@ -188,3 +188,32 @@ def test_the_docs_show_contribs_gunicorn_conf_as_it_is():
     docs = (CONTRIB.parent / "docs" / "prometheus.md").read_text()
     blocks = re.findall(r"^```python\n(.*?)^```$", docs, re.S | re.M)
     assert conf in blocks
+
+
+def load_conf(monkeypatch, tmp_path, **env: str) -> dict[str, Any]:
+    """contrib/gunicorn.conf.py as gunicorn reads it, in an environment of its own."""
+    import runpy
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "NPU_SYNC_CONFIG", "NPU_SYNC_APP"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(CONTRIB / "gunicorn.conf.py"))
+
+
+def test_two_apps_on_one_host_keep_their_own_prometheus_counters(monkeypatch, tmp_path):
+    """Two apps (two configuration files) get two metrics directories, and the second
+    starting does not remove the first one's counters."""
+    first = load_conf(monkeypatch, tmp_path, NPU_SYNC_CONFIG=str(tmp_path / "a" / "npu.yaml"))
+    first["on_starting"](None)
+    counters = pathlib.Path(first["prometheus_dir"]) / "counter_123.db"
+    counters.write_bytes(b"first app's counts")
+    second = load_conf(monkeypatch, tmp_path, NPU_SYNC_CONFIG=str(tmp_path / "b" / "npu.yaml"))
+    second["on_starting"](None)
+    assert second["prometheus_dir"] != first["prometheus_dir"]
+    assert counters.read_bytes() == b"first app's counts"
+    named = load_conf(monkeypatch, tmp_path, NPU_SYNC_APP="billing")
+    assert named["prometheus_dir"] not in (first["prometheus_dir"], second["prometheus_dir"])
+    assert (pathlib.Path(first["prometheus_dir"]).parent.stat().st_mode & 0o077) == 0

@@ -237,19 +237,20 @@ def test_records_spooled_during_an_outage_survive_the_process_and_reach_redis_la
     server.connected = False
     store.add(record(1))
     assert store.held_count() == 1
-    # The process is killed here: no flush, no close. Redis comes back; a new process
-    # starts with the same spool file.
+    # The process is killed here: no flush, no close; the kernel lets go of its lock.
+    # Redis comes back; a new process starts with the same spool setting.
+    store._spool.own._lock.release()
     server.connected = True
     later = SharedState(config, Changes(), client=fakeredis.FakeRedis(server=server))
     fresh = later.dead_letter_store(10, spool_path=spool)
-    assert fresh.held_count() == 1
+    assert fresh.held_count() == 0  # a file of its own
     later._flush_stores()
-    assert fresh.held_count() == 0
     assert [r.task_id for r in fresh.list()] == ["task-1"]
+    assert not os.path.exists(store.spool_path)  # the ended process's file, taken over
 
 
-def test_a_record_another_process_is_flushing_is_left_to_it(tmp_path):
-    """Two processes sharing a spool never both write one record to Redis."""
+def test_a_live_processs_spool_is_never_taken_over(tmp_path):
+    """A record in the spool of a process that still runs is moved by that process only."""
     server = fakeredis.FakeServer()
     one, two, _, _ = pair(server)
     spool = str(tmp_path / "spool.sqlite3")
@@ -258,14 +259,35 @@ def test_a_record_another_process_is_flushing_is_left_to_it(tmp_path):
     server.connected = False
     store_one.add(record(1))
     server.connected = True
-    assert one._probe()
-    rid = store_one._spool.list()[0].id
-    assert store_two._spool.claim(rid)  # the other process is moving it right now
+    assert one._probe() and two._probe()
+    store_two.flush()
+    assert store_one.held_count() == 1 and store_two.list() == []  # only in one's spool
     store_one.flush()
-    assert store_one.held_count() == 1 and len(store_two) == 1  # still only in the spool
-    store_two._spool.release_claim(rid)
+    assert store_one.held_count() == 0 and [r.task_id for r in store_two.list()] == ["task-1"]
+
+
+def test_a_record_another_process_is_flushing_from_the_old_shared_spool_is_left_to_it(
+    tmp_path,
+):
+    """The one spool file earlier versions shared: two processes never both write one
+    of its records to Redis."""
+    from npu_sync.deadletter import SQLiteDeadLetterStore
+
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    spool = str(tmp_path / "spool.sqlite3")
+    old = SQLiteDeadLetterStore(spool)
+    old.add(record(1))
+    old.close()
+    store_one = one.dead_letter_store(10, spool_path=spool)
+    store_two = two.dead_letter_store(10, spool_path=spool)
+    rid = store_one._legacy.list()[0].id
+    assert store_two._legacy.claim(rid)  # the other process is moving it right now
     store_one.flush()
-    assert store_one.held_count() == 0 and [r.id for r in store_two.list()] == [rid]
+    assert one._client.zcard("t:dlq:order") == 0  # still only in the old spool
+    store_two._legacy.release_claim(rid)
+    store_one.flush()
+    assert [r.id for r in store_two.list()] == [rid] and len(store_one._legacy) == 0
 
 
 def test_a_spool_that_cannot_be_opened_is_a_config_error_naming_its_key(tmp_path):
@@ -288,7 +310,8 @@ def test_the_default_spool_directory_must_be_private(tmp_path):
     with pytest.raises(ConfigError, match="others may write to it"):
         one.dead_letter_store(10)
     os.chmod(directory, 0o700)
-    assert one.dead_letter_store(10).spool_path == default_spool_path("t")
+    base = default_spool_path("t", one.config.url)
+    assert one.dead_letter_store(10).spool_path.startswith(base + ".")
 
 
 def test_a_claim_is_released_only_if_still_ours_even_when_it_changes_meanwhile():
@@ -356,3 +379,76 @@ def test_start_reads_the_shared_breakers_before_returning():
         assert seen.seen[0] == ("w1", "open")
     finally:
         two.stop()
+
+
+# -- Redis's eviction policy ----------------------------------------------------------------
+
+
+class PolicyClient:
+    """Answers CONFIG GET and INFO as a Redis configured with ``policy`` would; either
+    may be refused, as a renamed command or an ACL refuses it."""
+
+    def __init__(self, policy: str | None, *, config: bool = True, info: bool = True) -> None:
+        self.policy, self.config, self.info_allowed = policy, config, info
+
+    def config_get(self, name: str) -> dict:
+        if not self.config:
+            raise redis.ResponseError("unknown command 'config get'")
+        return {name: self.policy}
+
+    def info(self, section: str) -> dict:
+        if not self.info_allowed:
+            raise redis.ResponseError("NOPERM this user has no permissions to run 'info'")
+        return {"used_memory": 1, "maxmemory_policy": self.policy}
+
+
+def test_the_eviction_policy_is_read_from_config_else_from_info():
+    """CONFIG GET first; with CONFIG disabled, INFO memory; with both refused, unknown."""
+    from npu_sync.shared import EvictionPolicy
+
+    assert EvictionPolicy.read(PolicyClient("allkeys-lru")).name == "allkeys-lru"
+    assert EvictionPolicy.read(PolicyClient("volatile-lru", config=False)).name == "volatile-lru"
+    assert EvictionPolicy.read(PolicyClient("noeviction", config=False, info=False)).name is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "refused", "risky"),
+    [
+        ("noeviction", False, False),
+        ("volatile-lru", False, True),
+        ("volatile-ttl", False, True),
+        ("allkeys-lru", True, True),
+        ("allkeys-random", True, True),
+        (None, False, False),
+    ],
+)
+def test_only_a_policy_that_evicts_keys_without_ttl_refuses_dead_letters(policy, refused, risky):
+    """allkeys-* may drop dead letters: refused; volatile-* only drops keys with a TTL."""
+    from npu_sync.shared import EvictionPolicy
+
+    checked = EvictionPolicy(policy)
+    assert checked.risky is risky
+    if refused:
+        with pytest.raises(ConfigError, match=r"maxmemory-policy allkeys-.*noeviction"):
+            checked.refuse_dead_letters()
+    else:
+        checked.refuse_dead_letters()
+
+
+def test_a_risky_policy_found_at_start_or_after_an_outage_is_warned_and_counted(caplog):
+    """Each time Redis is found with a policy that may evict, a WARNING and a count."""
+    client = fakeredis.FakeRedis()
+    policy = PolicyClient("volatile-lru")
+    client.config_get = policy.config_get  # type: ignore[method-assign]
+    with caplog.at_level("WARNING", logger="npu_sync.shared"):
+        shared = SharedState(
+            SharedStateConfig(backend="redis", namespace="t"), Changes(), client=client
+        )
+    assert shared.stats()["eviction_policy"] == "volatile-lru"
+    assert shared.stats()["eviction_warnings"] == 1
+    assert any("maxmemory-policy volatile-lru" in r.getMessage() for r in caplog.records)
+    shared.lost(None)
+    policy.policy = "noeviction"
+    assert shared._probe()
+    assert shared.stats()["eviction_policy"] == "noeviction"
+    assert shared.stats()["eviction_warnings"] == 1

@@ -32,7 +32,9 @@ def start_worker() -> Iterator[Callable[..., LocalWorker]]:
 class RedisServer:
     """A real redis-server on a free loopback port, which tests may kill and restart."""
 
-    def __init__(self, directory: str) -> None:
+    def __init__(self, directory: str, *options: str) -> None:
+        """``options`` are more redis-server arguments (``"--appendonly", "yes"``), which
+        override the defaults and stay in force across a kill and restart."""
         import socket
 
         with socket.socket() as s:
@@ -40,6 +42,7 @@ class RedisServer:
             self.port = s.getsockname()[1]
         self.directory = directory
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.options = options
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> RedisServer:
@@ -58,6 +61,7 @@ class RedisServer:
                 self.directory,
                 "--protected-mode",
                 "yes",
+                *self.options,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -496,7 +496,7 @@ def test_stats_read_the_redis_spool_without_holding_the_pools_lock(
     )
     with WorkerPool(config) as pool:
         store = pool.dead_letters.store
-        spool = store._spool
+        spool = store._spool.own.store
         held_during_io: list[bool] = []
         original = type(spool).counts
 
@@ -523,11 +523,11 @@ sys.stdin.readline()
 def test_a_frozen_redis_and_a_spool_locked_by_another_process_bound_task_and_stats(
     start_worker, redis_server, tmp_path, caplog
 ):
-    """Redis frozen (SIGSTOP) and the spool's write lock held by another process: a
+    """Redis frozen (SIGSTOP) and the spool's write lock held by another process (a
+    backup, a stray sqlite3 shell: no npu_sync process opens another's spool): a
     task with timeout=0.5 still ends (TaskFailed, no dead-letter id, the record logged)
     long before the 30 s busy timeout, and stats() answers meanwhile."""
     worker = start_worker(worker_id="w0")
-    spool = tmp_path / "spool.sqlite3"
     config = PoolConfig(
         workers=(worker_config("w0", worker.url),),
         health=HealthConfig(enabled=False),
@@ -535,12 +535,12 @@ def test_a_frozen_redis_and_a_spool_locked_by_another_process_bound_task_and_sta
         shared_state=SharedStateConfig(
             backend="redis", url=redis_server.url, namespace="frozen", sync_interval=3600
         ),
-        dead_letter=DeadLetterConfig(backend="redis", spool_path=str(spool)),
+        dead_letter=DeadLetterConfig(backend="redis", spool_path=str(tmp_path / "spool.sqlite3")),
     )
     worker.kill()
     with WorkerPool(config) as pool:
         holder = subprocess.Popen(
-            [sys.executable, "-c", LOCK_HOLDER, str(spool)],
+            [sys.executable, "-c", LOCK_HOLDER, pool.dead_letters.store.spool_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
