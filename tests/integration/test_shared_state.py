@@ -233,6 +233,10 @@ def test_redis_outage_fails_no_task_and_sharing_resumes(
         health=HealthConfig(enabled=False),
         circuit_breaker=BreakerConfig(fail_max=2, reset_timeout=60),
         shared_state=shared,
+        # Every other task goes to w1 whatever its latency: one task at a time, latency-
+        # aware choice may keep picking the worker that answered faster, and w1 would
+        # see no task while it is dead.
+        balancing=BalancingConfig(strategy="round-robin"),
     )
     calls = RedisCalls(monkeypatch)
     with WorkerPool(config) as pool, WorkerPool(config) as other:
