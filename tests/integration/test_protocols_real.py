@@ -138,3 +138,14 @@ def test_wrong_credentials_are_refused_over_the_wire(client: Callable[..., Clien
     bearer.auth = BearerAuth("tok-abc")
     assert bearer.run({"model_id": "default", "input_text": "x"}).kind is Kind.SUCCESS
     assert signed.worker.stats()["inference_count"] == 1
+
+
+def test_a_signed_unload_of_a_model_id_with_a_space_is_accepted(
+    client: Callable[..., Client],
+) -> None:
+    """``DELETE /models/a%20b`` signed with the right secret is not refused: the
+    signature covers the decoded path the worker (like AutoBot) verifies."""
+    c = client("linux", models=("a b", "c"), hmac_auth=SERVICE, auth=HmacAuth(*SERVICE))
+    response = c.send("DELETE", "/models/a%20b")
+    assert response.status != 401, response.body
+    assert c.models() == frozenset({"c"})
