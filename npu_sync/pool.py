@@ -722,6 +722,10 @@ class WorkerPool:
                 # npu_available changed somewhere: the tiers are formed again.
                 self._state.dispatcher.set_workers_locked(self._state.workers.values())
             self._state.dispatcher.release_locked(self._state.clock.monotonic())
+            if changes:
+                # A worker went down: a task waiting for it learns now that waiting
+                # no longer helps (see npu_sync.outage), rather than at its deadline.
+                self._state.dispatcher.wake_all_locked()
         with self._own_work():
             for worker_id, healthy, error in changes:
                 self._state.notify(

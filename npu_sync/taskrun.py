@@ -52,6 +52,7 @@ from npu_sync.events import (
     emit,
 )
 from npu_sync.hedge import HedgePolicy
+from npu_sync.outage import describe, down_reason, held_until
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.retry import Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
@@ -535,7 +536,7 @@ class TaskRun:
                 if worker.lacks(model):
                     lacking += 1
                     continue
-                why = worker.down_reason(now)
+                why = down_reason(worker, now)
                 if why is None:
                     return True
                 down.append(f"{worker.id}: {why}")
@@ -609,7 +610,7 @@ class TaskRun:
         """Whether a live worker may serve ``model``. Under the lock."""
         now = self.clock.monotonic()
         return any(
-            not w.lacks(model) and w.down_reason(now) is None for w in self.state.workers.values()
+            not w.lacks(model) and down_reason(w, now) is None for w in self.state.workers.values()
         )
 
     def _placement_worker(self) -> Worker | None:
@@ -618,7 +619,7 @@ class TaskRun:
         best: Worker | None = None
         best_load = 0.0
         for worker in self.state.workers.values():
-            if worker.down_reason(now) is None:
+            if down_reason(worker, now) is None:
                 load = worker.in_flight / worker.weight
                 if best is None or load < best_load:
                     best, best_load = worker, load
@@ -664,15 +665,28 @@ class TaskRun:
         return TaskRejected(f"{message} (task {task_id})", task_id=task_id, model=model)
 
     def _refusal_reason(self, refusal: Refusal, wait_until: float) -> str:
-        """Why no worker was had, naming the limit that ran out."""
+        """Why no worker was had: the limit that ran out, or, when waiting could not
+        help, the state of the workers in one clause (:func:`outage.describe`)."""
+        if refusal is not Refusal.DEADLINE_PASSED:
+            return self._fleet_state()
         if wait_until >= self.deadline:
-            if refusal is Refusal.DEADLINE_PASSED and self.attempts:
-                return "deadline passed"
-            return str(refusal.value)
+            return "deadline passed" if self.attempts else str(refusal.value)
         limit = f"pool.max_queue_wait ({self.config.pool.max_queue_wait:g}s)"
-        if refusal is Refusal.DEADLINE_PASSED:
-            return f"no worker could take the task within {limit}"
-        return str(refusal.value).replace("before the deadline", f"within {limit}")
+        return f"no worker could take the task within {limit}"
+
+    def _fleet_state(self) -> str:
+        """The workers' state, as a task that none of them can take sees it."""
+        state = self.state
+        model = self.model if self.model_read else None
+        with state.lock:
+            lacking = state.lacking(model) if model is not None and state.models_known else ()
+            return describe(
+                state.workers.values(),
+                self.clock.monotonic(),
+                tried=self.excluded,
+                lacking=lacking,
+                model=model,
+            )
 
     def attempt(
         self, lease: Lease, race: _Race | None = None, side: int = _FIRST
@@ -1282,14 +1296,14 @@ def untried_left(state: PoolState, excluded: Collection[str], by: float = math.i
     """Whether a worker outside ``excluded`` could take a task before ``by``.
 
     A worker whose breaker stays open, or whose Retry-After cool-down lasts, past
-    ``by`` cannot. Costs a scan of the workers: called on the failure path only.
+    ``by`` cannot, nor one that is down (:func:`outage.held_until`). Costs a scan of
+    the workers: called on the failure path only.
     """
     with state.lock:
+        shared = state.dispatcher.selector.shared_breakers
+        now = state.clock.monotonic()
         for w in state.workers.values():
-            if w.id in excluded or not w.enabled or w.draining:
-                continue
-            retry_at = w.breaker.retry_at()
-            if (retry_at is None or retry_at < by) and w.cooldown_until < by:
+            if w.id not in excluded and held_until(w, now, shared_breakers=shared)[0] < by:
                 return True
         return False
 
