@@ -30,7 +30,9 @@ from typing import Any, Protocol
 from npu_sync.auth import RequestAuth
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
+from npu_sync.errors import printable
 from npu_sync.protocols import LINUX, WorkerProtocol
+from npu_sync.retry import REFUSED_CREDENTIALS
 from npu_sync.transport import Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -208,6 +210,19 @@ def _verdict(
     except (ValueError, RecursionError):
         # RecursionError: JSON nested deeper than the interpreter's recursion limit.
         body = None
+    if response.status in REFUSED_CREDENTIALS:
+        # Not the worker's sickness but its credentials here (or there): say so, with
+        # the worker's own reason, for the pool to take it out and for the probe.
+        detail = body.get("detail") if isinstance(body, dict) else None
+        reason = f": {printable(detail[:300])}" if isinstance(detail, str) else ""
+        return HealthResult(
+            worker_id,
+            False,
+            checked_at,
+            latency,
+            response.status,
+            f"credentials refused: HTTP {response.status}{reason}",
+        )
     if not isinstance(body, dict):
         return HealthResult(
             worker_id, False, checked_at, latency, response.status, "body is not a JSON object"

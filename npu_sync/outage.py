@@ -19,6 +19,12 @@ answers from what the pool knows now, without news from outside:
   passing health check grants an open breaker is news of the same kind, so an open
   breaker counts as held until its own reset time.
 
+A worker that refuses the pool's credentials (401, 403) is the operator's fault, not
+the worker's sickness: :func:`refuse_credentials` takes it out without touching its
+breaker, until a health check it answers passes, a reload gives it new credentials,
+or (with its health checks not refused, or off) ``circuit_breaker.reset_timeout``
+has passed and the next task tries it again.
+
 News is not lost on a task that was refused: the next task finds the worker back.
 And a task already waiting (for a busy worker) is handed the worker the moment the
 news comes.
@@ -35,6 +41,8 @@ from collections import Counter
 from collections.abc import Collection, Iterable
 
 from npu_sync.breaker import OPEN
+from npu_sync.health import HealthResult
+from npu_sync.retry import REFUSED_CREDENTIALS
 from npu_sync.worker import Worker
 
 NOW = float("-inf")
@@ -113,25 +121,28 @@ def describe(
     ``"all 3 workers are down: 2 breakers open (next trial in 50s), 1 unhealthy"``.
 
     Args:
-        tried: workers this task already tried (named as such, not as down).
+        tried: workers this task already tried: named as such unless they are down.
         lacking: workers known not to hold the task's ``model``.
     """
     counts: Counter[str | None] = Counter()
     skipped_tried = skipped_lacking = 0
     total = 0
     next_trial: float | None = None
+    refusal: str | None = None  # what the first worker refusing the credentials said
     for worker in workers:
         total += 1
-        if worker.id in tried:
-            skipped_tried += 1
-            continue
         if worker.id in lacking:
             skipped_lacking += 1
             continue
         why = down_reason(worker, now)
         if why is None and worker.cooldown_until > now:
             why = "cooling down (Retry-After)"
+        if why is None and worker.id in tried:
+            skipped_tried += 1  # a worker that is down is named down, tried or not
+            continue
         counts[why] += 1
+        if why == "refusing the credentials" and refusal is None:
+            refusal = f"{worker.id}: {(worker.refused or '').removeprefix('credentials refused: ')}"
         if why == "circuit breaker open":
             retry = worker.breaker.retry_at()
             if retry is not None and (next_trial is None or retry < next_trial):
@@ -146,6 +157,8 @@ def describe(
             part = f"{n} {one if n == 1 else many}"
             if why == "circuit breaker open" and next_trial is not None:
                 part += f" (next trial in {max(0.0, next_trial - now):.0f}s)"
+            elif why == "refusing the credentials" and refusal is not None:
+                part += f" ({refusal})"
             parts.append(part)
     if skipped_tried:
         parts.append(f"{skipped_tried} already tried")
@@ -160,3 +173,52 @@ def describe(
     else:
         head = f"{down} of {total} workers are down, no other left to try"
     return f"{head}: {', '.join(parts)}"
+
+
+# -- the operator's fault: credentials refused -------------------------------------------
+
+
+def refuse_credentials(worker: Worker, error: str, until: float) -> bool:
+    """Take ``worker`` out because it refused the pool's credentials (401, 403): no
+    task goes there before ``until`` (:data:`NEVER`: until a health check passes). Its
+    breaker is left alone: it measures the worker's sickness, not a wrong secret.
+
+    Returns:
+        Whether this is news (the worker was taking tasks until now).
+    """
+    news = worker.refused is None
+    worker.refused = error
+    worker.refused_until = max(until, worker.refused_until) if not news else until
+    return news
+
+
+def accept_credentials(worker: Worker) -> bool:
+    """``worker`` accepted the pool's credentials again; returns whether it was out."""
+    was = worker.refused is not None
+    worker.refused = None
+    worker.refused_until = 0.0
+    return was
+
+
+def credentials_news(worker: Worker, result: HealthResult) -> str | None:
+    """What a health check says of ``worker``'s credentials, applied to it. Call under
+    the pool's lock, before the result itself is applied (``worker.health`` is still
+    the previous check).
+
+    A check answered 401/403 takes the worker out until a check passes. A check that
+    passes brings it back only if the previous one was refused: AutoBot's workers
+    answer ``/health`` without asking for credentials, so there a passing check says
+    nothing of them, and a worker whose tasks were refused waits out its time.
+
+    Returns:
+        The error, when the check was refused and that is news.
+    """
+    if result.status in REFUSED_CREDENTIALS:
+        error = result.error or f"credentials refused: HTTP {result.status}"
+        worker.stats.last_error = error
+        worker.stats.last_error_at = result.checked_at
+        return error if refuse_credentials(worker, error, NEVER) else None
+    previous = worker.health
+    if result.ok and previous is not None and previous.status in REFUSED_CREDENTIALS:
+        accept_credentials(worker)
+    return None

@@ -28,6 +28,10 @@ class Kind(enum.Enum):
     REJECTED = "rejected"  # the task is bad: 4xx other than 401/403/408/429
     NOT_HERE = "not_here"  # the worker does not serve this model: try another, no blame
     FAILURE = "failure"  # the worker failed: counts against it, retried elsewhere
+    # The operator's: the worker refused the pool's credentials (401, 403). It ran
+    # nothing; it is taken out until it accepts them (see npu_sync.outage), retried
+    # elsewhere, and its breaker, which measures only its sickness, is untouched.
+    MISCONFIGURED = "misconfigured"
     # No answer, and nobody to blame on the worker's side: the caller's deadline cut the
     # attempt short, a reused keep-alive connection was found closed, or npu_sync itself
     # failed. Never counts against the worker.
@@ -36,9 +40,10 @@ class Kind(enum.Enum):
 
 _MODEL_NOT_LOADED = re.compile(r"^Model (?P<model>.+) not loaded$")
 _NOT_PROCESSED = frozenset({429, 503})
-# Credentials the worker refuses say nothing about the task: the worker (or its
-# configuration here) is at fault, it ran nothing, and another worker may take it.
-_REFUSED_CREDENTIALS = frozenset({401, 403})
+# Credentials the worker refuses say nothing about the task, nor about the worker's
+# health: its configuration (here or there) is at fault, it ran nothing, and another
+# worker may take the task.
+REFUSED_CREDENTIALS = frozenset({401, 403})
 
 
 @dataclass(slots=True)
@@ -67,12 +72,12 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
             return Outcome(Kind.FAILURE, None, status, f"HTTP {status} with a non-JSON body")
     body = _decode(response.body)
     detail = body.get("detail") if isinstance(body, dict) else None
-    if status in _REFUSED_CREDENTIALS:
+    if status in REFUSED_CREDENTIALS:
         return Outcome(
-            Kind.FAILURE,
+            Kind.MISCONFIGURED,
             body,
             status,
-            _describe(status, detail) + " (credentials refused)",
+            "credentials refused: " + _describe(status, detail),
             processed=False,
         )
     if 400 <= status < 500 and status not in (408, 429):

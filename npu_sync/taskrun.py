@@ -48,11 +48,12 @@ from npu_sync.events import (
     TaskRejectedEvent,
     TaskStarted,
     TaskSucceeded,
+    WorkerCredentialsRefused,
     WorkerModelsChanged,
     emit,
 )
 from npu_sync.hedge import HedgePolicy
-from npu_sync.outage import describe, down_reason, held_until
+from npu_sync.outage import describe, down_reason, held_until, refuse_credentials
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.retry import Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
@@ -1025,6 +1026,8 @@ class TaskRun:
             self.not_here.add(worker.id)
             self.missing_model = self.named_model() or outcome.model
             return True
+        if kind is Kind.MISCONFIGURED:
+            return True  # it ran nothing there: straight to another worker, no retry used
         if not task.idempotent and outcome.processed:
             self.reason = f"worker {worker.id} failed a non-idempotent task that may have run"
             return False
@@ -1163,6 +1166,9 @@ def record(
             if kind is Kind.SUCCESS:
                 state.stats.succeeded += 1
             kind = Kind.NOT_HERE
+        elif kind is Kind.MISCONFIGURED:
+            # Not a fast answer to learn a latency from, nor the worker's sickness.
+            _count_refused_locked(state, lease, outcome, now)
         else:
             # What balancing learns first: the worker's latency, and its adaptive
             # limit's sample.
@@ -1243,6 +1249,26 @@ def _count_failure_locked(
     # A trip or a cool-down changes when a waiter should wake.
     state.dispatcher.wake_all_locked()
     return reported
+
+
+def _count_refused_locked(state: PoolState, lease: Lease, outcome: Outcome, now: float) -> None:
+    """The worker refused the credentials: the operator's fault. The worker is taken
+    out (its breaker untouched) until its credentials are tried again: when a health
+    check passes, a reload changes them, or ``circuit_breaker.reset_timeout`` from now."""
+    worker = lease.worker
+    worker.breaker.release(lease.trial)
+    stats = worker.stats
+    stats.attempts += 1
+    stats.failed += 1
+    error = outcome.error or f"credentials refused: HTTP {outcome.status}"
+    stats.last_error = error
+    stats.last_error_at = state.clock.time()
+    wait = state.config.circuit_breaker.reset_timeout
+    if refuse_credentials(worker, error, now + wait):
+        wid = worker.id
+        state.events.append(lambda at: WorkerCredentialsRefused(at, wid, error, at + wait))
+    # Waiters hoping for this worker must look again.
+    state.dispatcher.wake_all_locked()
 
 
 def _count_no_fault_locked(state: PoolState, lease: Lease, outcome: Outcome) -> None:

@@ -22,7 +22,15 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.errors import NoWorkerAvailable, TaskFailed
-from npu_sync.outage import NEVER, NOW, describe, held_until
+from npu_sync.health import HealthResult
+from npu_sync.outage import (
+    NEVER,
+    NOW,
+    credentials_news,
+    describe,
+    held_until,
+    refuse_credentials,
+)
 from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.transport import TransportError
@@ -125,11 +133,11 @@ def test_the_clause_for_one_worker_and_for_tried_or_lacking_workers(clock):
     a = make_worker(clock, "a", enabled=False)
     assert describe([a], clock.monotonic()) == "the only worker is down: 1 disabled"
     b, c = make_worker(clock, "b"), make_worker(clock, "c")
-    c.refused_until = NEVER
-    clause = describe([a, b, c], clock.monotonic(), tried={"b"})
+    c.refused, c.refused_until = "credentials refused: HTTP 401: bad signature", NEVER
+    clause = describe([a, b, c], clock.monotonic(), tried={"b", "c"})
     assert clause == (
-        "2 of 3 workers are down, no other left to try: "
-        "1 disabled, 1 refusing the credentials, 1 already tried"
+        "2 of 3 workers are down, no other left to try: 1 disabled, "
+        "1 refusing the credentials (c: HTTP 401: bad signature), 1 already tried"
     )
     clause = describe([b], clock.monotonic(), lacking={"b"}, model="m")
     assert clause == "no worker of 1 left to try: 1 without model 'm'"
@@ -326,3 +334,42 @@ def test_a_health_round_taking_the_last_hope_down_ends_a_waiting_task_at_once(cl
         finally:
             gate.set()
         first.result(5)
+
+
+# -- credentials refused: the operator's fault -------------------------------------------
+
+
+def test_a_refused_health_check_takes_the_worker_out_until_a_check_passes(clock):
+    """A health check answered 401 takes the worker out (news once); the next check
+    that passes brings it back."""
+    a = make_worker(clock, "a")
+    refused_check = HealthResult("a", False, 0.0, status=401, error="credentials refused: HTTP 401")
+    assert credentials_news(a, refused_check) == "credentials refused: HTTP 401"
+    a.health = refused_check
+    assert credentials_news(a, refused_check) is None  # not news the second time
+    assert held_until(a, clock.monotonic())[0] == NEVER and not a.eligible(clock.monotonic())
+    assert a.stats.last_error == "credentials refused: HTTP 401"
+    credentials_news(a, HealthResult("a", True, 0.0, status=200))
+    assert a.refused is None and a.eligible(clock.monotonic())
+
+
+def test_a_passing_unauthenticated_health_check_does_not_undo_a_tasks_refusal(clock):
+    """AutoBot answers /health without asking for credentials: a passing check after
+    a task was refused says nothing of them, so the worker waits out its time."""
+    a = make_worker(clock, "a")
+    a.health = HealthResult("a", True, 0.0, status=200)
+    refuse_credentials(a, "credentials refused: HTTP 401", clock.monotonic() + 60)
+    credentials_news(a, HealthResult("a", True, 0.0, status=200))
+    assert not a.eligible(clock.monotonic())
+    clock.advance(60)
+    assert a.eligible(clock.monotonic())
+
+
+def test_new_credentials_from_a_reload_bring_a_refused_worker_back(clock):
+    """A reload that changes the worker's auth lets the next task try it at once."""
+    a = make_worker(clock, "a")
+    refuse_credentials(a, "credentials refused: HTTP 401", NEVER)
+    a.configure(a.config)
+    assert a.refused is not None  # the same credentials: still out
+    a.configure(worker_config("a", "http://127.0.0.1:9000", auth={"type": "bearer", "token": "t"}))
+    assert a.refused is None and a.eligible(clock.monotonic())
