@@ -10,7 +10,8 @@ ignored where it does not belong in a signature):
 * :class:`HmacAuth`: AutoBot's service-to-service signing, ``X-Service-ID``,
   ``X-Service-Timestamp`` and ``X-Service-Signature``, the hex HMAC-SHA256 of
   ``f"{service_id}:{METHOD}:{path}:{timestamp}"`` keyed with the shared secret, with
-  the path taken without its query and the timestamp in whole Unix seconds.
+  the path taken without its query and percent-decoded (what AutoBot's verifier reads,
+  Starlette's ``request.url.path``), and the timestamp in whole Unix seconds.
 
 :class:`HmacVerifier` checks such signatures on the receiving side (the reference
 worker uses it).
@@ -169,6 +170,12 @@ class BearerAuth:
         return self
 
 
+def _signed(path: str) -> str:
+    """The part of a request target a signature covers: the path without its query,
+    percent-decoded as an ASGI server decodes it for the verifier."""
+    return unquote(path.partition("?")[0])
+
+
 def _signature(key: hmac.HMAC, message: str) -> str:
     mac = key.copy()
     mac.update(message.encode())
@@ -180,7 +187,9 @@ class HmacAuth:
 
     Each request carries ``X-Service-ID``, ``X-Service-Timestamp`` (whole Unix seconds)
     and ``X-Service-Signature``: the hex HMAC-SHA256, keyed with ``secret``, of
-    ``f"{service_id}:{METHOD}:{path}:{timestamp}"`` with the path's query left out.
+    ``f"{service_id}:{METHOD}:{path}:{timestamp}"`` with the path's query left out and
+    the rest percent-decoded: AutoBot's verifier signs the path its ASGI server hands
+    it, which is decoded (``/models/a%20b`` is checked as ``/models/a b``).
 
     Signatures are cached per method and path for the current second, so signing
     costs a dictionary lookup on most requests.
@@ -220,8 +229,7 @@ class HmacAuth:
         if entry is not None and entry[0] == now:
             return entry[1]
         method = method.upper()
-        signed_path = path.partition("?")[0]
-        signature = _signature(self._key, f"{self._prefix}{method}:{signed_path}:{now}")
+        signature = _signature(self._key, f"{self._prefix}{method}:{_signed(path)}:{now}")
         headers = MappingProxyType(
             {
                 SERVICE_ID_HEADER: self.service_id,
@@ -237,9 +245,7 @@ class HmacAuth:
 
     def sign(self, method: str, path: str, timestamp: int) -> str:
         """The signature of one request at ``timestamp`` (for tests and receivers)."""
-        return _signature(
-            self._key, f"{self._prefix}{method.upper()}:{path.partition('?')[0]}:{timestamp}"
-        )
+        return _signature(self._key, f"{self._prefix}{method.upper()}:{_signed(path)}:{timestamp}")
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
@@ -273,9 +279,10 @@ class HmacAuth:
 class HmacVerifier:
     """Checks AutoBot-style signed requests on the receiving side. Thread-safe.
 
-    Accepts a signature over the path as received or percent-decoded (servers differ
-    in which one they hand to the check), with a timestamp within ``window`` seconds
-    of the clock either way.
+    Checks the signature over the percent-decoded path, as AutoBot's verifier does
+    (it reads Starlette's ``request.url.path``), so a signer that signs the path as
+    sent on the wire is refused here as it would be there; the timestamp must be
+    within ``window`` seconds of the clock.
 
     Args:
         service_id: the one service id accepted.
@@ -331,10 +338,8 @@ class HmacVerifier:
         given = signature.strip().lower()
         if not given.isascii():
             return "bad signature"
-        raw = path.partition("?")[0]
-        for candidate in dict.fromkeys((raw, unquote(raw))):
-            if hmac.compare_digest(given, self._signer.sign(method, candidate, when)):
-                return None
+        if hmac.compare_digest(given, self._signer.sign(method, path, when)):
+            return None
         return "bad signature"
 
     def __repr__(self) -> str:

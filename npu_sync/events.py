@@ -49,7 +49,8 @@ class TaskStarted(Event):
 
 @dataclass(frozen=True, slots=True)
 class AttemptFinished(Event):
-    """One attempt ended. ``outcome``: success, rejected, not_here or failure."""
+    """One attempt ended. ``outcome``: success, rejected, not_here, failure, misconfigured
+    (the worker refused the credentials) or abandoned."""
 
     name: ClassVar[str] = "attempt.finished"
     task_id: str
@@ -139,6 +140,20 @@ class WorkerHealthChanged(Event):
     worker_id: str
     healthy: bool
     error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerCredentialsRefused(Event):
+    """A worker refused the pool's credentials (HTTP 401 or 403, to a task or a health
+    check): a configuration error, the operator's to fix. The worker takes no task
+    until ``until`` (wall-clock epoch seconds; None: until a health check or a reload
+    says it accepts them). ``error`` says what it answered."""
+
+    name: ClassVar[str] = "worker.credentials_refused"
+    level: ClassVar[int] = logging.ERROR
+    worker_id: str
+    error: str
+    until: float | None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,9 +35,10 @@ from typing import Any, Protocol
 from npu_sync.auth import RequestAuth
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
+from npu_sync.errors import printable
 from npu_sync.protocols import LINUX, WorkerProtocol
 from npu_sync.redact import NO_SCRUBBER, Scrubber
-from npu_sync.retry import NOT_A_WORKER
+from npu_sync.retry import NOT_A_WORKER, REFUSED_CREDENTIALS
 from npu_sync.transport import Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
@@ -245,6 +246,19 @@ def _verdict(
     except (ValueError, RecursionError):
         # RecursionError: JSON nested deeper than the interpreter's recursion limit.
         body = None
+    if response.status in REFUSED_CREDENTIALS:
+        # Not the worker's sickness but its credentials here (or there): say so, with
+        # the worker's own reason, for the pool to take it out and for the probe.
+        detail = body.get("detail") if isinstance(body, dict) else None
+        reason = f": {printable(detail[:300])}" if isinstance(detail, str) else ""
+        return HealthResult(
+            worker_id,
+            False,
+            checked_at,
+            latency,
+            response.status,
+            f"credentials refused: HTTP {response.status}{reason}",
+        )
     misrouted = _not_a_worker(response.status, body)
     if misrouted is not None:
         return HealthResult(

@@ -44,10 +44,16 @@ from npu_sync.config import (
 )
 from npu_sync.deadletter import DeadLetterStore, open_store
 from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
-from npu_sync.events import Hook, WorkerHealthChanged, WorkerModelsChanged
+from npu_sync.events import (
+    Hook,
+    WorkerCredentialsRefused,
+    WorkerHealthChanged,
+    WorkerModelsChanged,
+)
 from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.guard import ReloadGuard
 from npu_sync.health import HealthChecker, HealthResult
+from npu_sync.outage import credentials_news
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
 from npu_sync.redact import NO_SCRUBBER, Scrubber
@@ -718,6 +724,7 @@ class WorkerPool:
     def _apply_health(self, results: dict[str, HealthResult] | Any) -> None:
         health = self._state.config.health
         changes: list[tuple[str, bool, str | None]] = []
+        refusals: list[tuple[str, str]] = []
         models: list[WorkerModelsChanged] = []
         at = self._state.clock.time()
         with self._state.lock:
@@ -726,6 +733,9 @@ class WorkerPool:
                 worker = self._state.workers.get(worker_id)
                 if worker is None or result.generation != worker.generation:
                     continue  # removed, or moved to a new address, while the round ran
+                refused = credentials_news(worker, result)
+                if refused is not None:
+                    refusals.append((worker_id, refused))
                 if worker.apply_health(
                     result, health.unhealthy_threshold, health.healthy_threshold
                 ):
@@ -752,7 +762,15 @@ class WorkerPool:
                 # npu_available changed somewhere: the tiers are formed again.
                 self._state.dispatcher.set_workers_locked(self._state.workers.values())
             self._state.dispatcher.release_locked(self._state.clock.monotonic())
+            if changes or refusals:
+                # A worker went down: a task waiting for it learns now that waiting
+                # no longer helps (see npu_sync.outage), rather than at its deadline.
+                self._state.dispatcher.wake_all_locked()
         with self._own_work():
+            for worker_id, refusal in refusals:
+                self._state.notify(
+                    WorkerCredentialsRefused(self._state.clock.time(), worker_id, refusal, None)
+                )
             for worker_id, healthy, error in changes:
                 self._state.notify(
                     WorkerHealthChanged(self._state.clock.time(), worker_id, healthy, error)

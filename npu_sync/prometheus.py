@@ -109,7 +109,7 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 """Attempt-duration bucket bounds in seconds: a fast model's milliseconds to a long
 generation's minute (``+Inf`` is added)."""
 
-ATTEMPT_OUTCOMES = ("succeeded", "rejected", "not_here", "failed", "abandoned")
+ATTEMPT_OUTCOMES = ("succeeded", "rejected", "not_here", "failed", "misconfigured", "abandoned")
 TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
 RELOAD_RESULTS = ("ok", "failed")
 BREAKER_STATES = ("closed", "open", "half-open")

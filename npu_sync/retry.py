@@ -27,13 +27,15 @@ class Kind(enum.Enum):
     REJECTED = "rejected"
     NOT_HERE = "not_here"  # the worker does not serve this model: try another, no blame
     FAILURE = "failure"  # the worker failed: counts against it, retried elsewhere
+    # The operator's: the worker refused the pool's credentials (401, 403; see
+    # npu_sync.outage), or the entry is not an NPU worker (404/405 on the inference
+    # path; see npu_sync.blame). It ran nothing; it is taken out, the task goes
+    # elsewhere, and its breaker, which measures only its sickness, is untouched.
+    MISCONFIGURED = "misconfigured"
     # No answer, and nobody to blame on the worker's side: the caller's deadline cut the
     # attempt short, a reused keep-alive connection was found closed, or npu_sync itself
     # failed. Never counts against the worker.
     ABANDONED = "abandoned"
-    # The operator's: the entry is not an NPU worker (404/405 on the inference path).
-    # The worker is taken out, nobody's breaker counts it, the task goes elsewhere.
-    MISCONFIGURED = "misconfigured"
 
 
 NOT_A_WORKER = "not an NPU worker at this URL"
@@ -61,9 +63,10 @@ def not_loaded_model(detail: str) -> tuple[str, str | None] | None:
 
 
 _NOT_PROCESSED = frozenset({429, 503})
-# Credentials the worker refuses say nothing about the task: the worker (or its
-# configuration here) is at fault, it ran nothing, and another worker may take it.
-_REFUSED_CREDENTIALS = frozenset({401, 403})
+# Credentials the worker refuses say nothing about the task, nor about the worker's
+# health: its configuration (here or there) is at fault, it ran nothing, and another
+# worker may take the task.
+REFUSED_CREDENTIALS = frozenset({401, 403})
 
 
 @dataclass(slots=True)
@@ -92,12 +95,12 @@ def classify_response(response: Response, *, now: float | None = None) -> Outcom
             return Outcome(Kind.FAILURE, None, status, f"HTTP {status} with a non-JSON body")
     body = _decode(response.body)
     detail = body.get("detail") if isinstance(body, dict) else None
-    if status in _REFUSED_CREDENTIALS:
+    if status in REFUSED_CREDENTIALS:
         return Outcome(
-            Kind.FAILURE,
+            Kind.MISCONFIGURED,
             body,
             status,
-            _describe(status, detail) + " (credentials refused)",
+            "credentials refused: " + _describe(status, detail),
             processed=False,
         )
     if 400 <= status < 500 and status not in (408, 429):

@@ -94,6 +94,7 @@ from itertools import groupby
 
 from npu_sync.breaker import CLOSED
 from npu_sync.latency import DEFAULT_DECAY, MIN_COST
+from npu_sync.outage import down_reason, held_until
 from npu_sync.slowstart import SlowStart
 from npu_sync.worker import Worker
 
@@ -530,7 +531,7 @@ class Selector:
         """The most preferred live worker not yet tried, if it can take a task now;
         else None (the task waits for it): busy is not down."""
         for worker in self.workers:
-            if worker.id in excluded or worker.down_reason(now) is not None:
+            if worker.id in excluded or down_reason(worker, now) is not None:
                 continue
             if not worker.eligible(now):
                 return None
@@ -894,11 +895,17 @@ class Selector:
         if self._stale:
             self._stale = False
             # A full worker whose tasks did not end is still full; only a doomed one
-            # may have changed in a way that matters (a breaker closed elsewhere).
+            # may have changed in a way that matters (a breaker closed elsewhere), or
+            # one gone down meanwhile (unhealthy, refusing the credentials), which
+            # waiters must stop hoping for.
             recheck = [
                 slot
                 for slot in self._full
-                if slot.worker.in_flight < slot.worker.capacity or slot.doom != _NOW
+                if (w := slot.worker).in_flight < w.capacity
+                or slot.doom != _NOW
+                or not w.healthy
+                or w.hinted_draining
+                or w.refused_until > now
             ]
             recheck += self._others
             for slot in recheck:
@@ -929,20 +936,10 @@ class Selector:
         breaker = worker.breaker
         retry = breaker.retry_at()
         cooldown = worker.cooldown_until
-        usable = worker.enabled and not worker.draining
-        if not usable:
-            doom = breaker_until = cooldown_until = _NEVER
-        else:
-            cooldown_until = cooldown if cooldown > now else _NOW
-            breaker_until = (
-                retry
-                if retry is not None
-                and retry > now
-                and not self._shared_breakers
-                and breaker.early_trial_used
-                else _NOW
-            )
-            doom = max(cooldown_until, breaker_until)
+        # Whether waiting can help: see npu_sync.outage.
+        doom, breaker_until, cooldown_until = held_until(
+            worker, now, shared_breakers=self._shared_breakers
+        )
         slot.breaker_until = breaker_until
         slot.cooldown_until = cooldown_until
         wake = 0.0
@@ -950,12 +947,12 @@ class Selector:
             state = _READY
             if breaker.state != CLOSED:
                 self._trials.add(worker)  # its trial is due: see _trial_turn
-        elif not usable or not worker.healthy or worker.hinted_draining or worker.reporting:
+        elif doom == _NEVER or worker.reporting:
             state = _BLOCKED
         elif worker.in_flight >= worker.capacity:
             state = _FULL
-        elif cooldown > now:
-            state, wake = _TIMED, cooldown
+        elif cooldown > now or worker.refused_until > now:
+            state, wake = _TIMED, max(cooldown, worker.refused_until)
         elif retry is not None and retry > now:
             state, wake = _TIMED, retry
         else:

@@ -50,14 +50,16 @@ from npu_sync.events import (
     TaskRejectedEvent,
     TaskStarted,
     TaskSucceeded,
+    WorkerCredentialsRefused,
     WorkerHealthChanged,
     WorkerModelsChanged,
     emit,
 )
 from npu_sync.hedge import HedgePolicy
+from npu_sync.outage import describe, down_reason, held_until, refuse_credentials
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
-from npu_sync.retry import Kind, Outcome, classify_error
+from npu_sync.retry import REFUSED_CREDENTIALS, Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
 from npu_sync.task import Task
 from npu_sync.transport import Cancel, TransportError
@@ -535,7 +537,7 @@ class TaskRun:
                 if worker.lacks(model):
                     lacking += 1
                     continue
-                why = worker.down_reason(now)
+                why = down_reason(worker, now)
                 if why is None:
                     return True
                 down.append(f"{worker.id}: {why}")
@@ -609,7 +611,7 @@ class TaskRun:
         """Whether a live worker may serve ``model``. Under the lock."""
         now = self.clock.monotonic()
         return any(
-            not w.lacks(model) and w.down_reason(now) is None for w in self.state.workers.values()
+            not w.lacks(model) and down_reason(w, now) is None for w in self.state.workers.values()
         )
 
     def _placement_worker(self) -> Worker | None:
@@ -618,7 +620,7 @@ class TaskRun:
         best: Worker | None = None
         best_load = 0.0
         for worker in self.state.workers.values():
-            if worker.down_reason(now) is None:
+            if down_reason(worker, now) is None:
                 load = worker.in_flight / worker.weight
                 if best is None or load < best_load:
                     best, best_load = worker, load
@@ -666,15 +668,28 @@ class TaskRun:
         return TaskRejected(f"{message} (task {task_id})", task_id=task_id, model=model)
 
     def _refusal_reason(self, refusal: Refusal, wait_until: float) -> str:
-        """Why no worker was had, naming the limit that ran out."""
+        """Why no worker was had: the limit that ran out, or, when waiting could not
+        help, the state of the workers in one clause (:func:`outage.describe`)."""
+        if refusal is not Refusal.DEADLINE_PASSED:
+            return self._fleet_state()
         if wait_until >= self.deadline:
-            if refusal is Refusal.DEADLINE_PASSED and self.attempts:
-                return "deadline passed"
-            return str(refusal.value)
+            return "deadline passed" if self.attempts else str(refusal.value)
         limit = f"pool.max_queue_wait ({self.config.pool.max_queue_wait:g}s)"
-        if refusal is Refusal.DEADLINE_PASSED:
-            return f"no worker could take the task within {limit}"
-        return str(refusal.value).replace("before the deadline", f"within {limit}")
+        return f"no worker could take the task within {limit}"
+
+    def _fleet_state(self) -> str:
+        """The workers' state, as a task that none of them can take sees it."""
+        state = self.state
+        model = self.model if self.model_read else None
+        with state.lock:
+            lacking = state.lacking(model) if model is not None and state.models_known else ()
+            return describe(
+                state.workers.values(),
+                self.clock.monotonic(),
+                tried=self.excluded,
+                lacking=lacking,
+                model=model,
+            )
 
     def attempt(
         self, lease: Lease, race: _Race | None = None, side: int = _FIRST
@@ -1192,6 +1207,14 @@ def record(
             if kind is Kind.SUCCESS:
                 state.stats.succeeded += 1
             kind = Kind.NOT_HERE
+        elif kind is Kind.MISCONFIGURED:
+            # Not a fast answer to learn a latency from, nor the worker's sickness:
+            # credentials refused (until they are tried again), or not an NPU worker
+            # (until a health check is a worker's answer, or a reload moves it).
+            if outcome.status in REFUSED_CREDENTIALS:
+                _count_refused_locked(state, lease, outcome, now)
+            else:
+                _count_no_fault_locked(state, lease, outcome)
         else:
             # What balancing learns first: the worker's latency, and its adaptive
             # limit's sample.
@@ -1274,6 +1297,26 @@ def _count_failure_locked(
     return reported
 
 
+def _count_refused_locked(state: PoolState, lease: Lease, outcome: Outcome, now: float) -> None:
+    """The worker refused the credentials: the operator's fault. The worker is taken
+    out (its breaker untouched) until its credentials are tried again: when a health
+    check passes, a reload changes them, or ``circuit_breaker.reset_timeout`` from now."""
+    worker = lease.worker
+    worker.breaker.release(lease.trial)
+    stats = worker.stats
+    stats.attempts += 1
+    stats.failed += 1
+    error = outcome.error or f"credentials refused: HTTP {outcome.status}"
+    stats.last_error = error
+    stats.last_error_at = state.clock.time()
+    wait = state.config.circuit_breaker.reset_timeout
+    if refuse_credentials(worker, error, now + wait):
+        wid = worker.id
+        state.events.append(lambda at: WorkerCredentialsRefused(at, wid, error, at + wait))
+    # Waiters hoping for this worker must look again.
+    state.dispatcher.wake_all_locked()
+
+
 def _count_no_fault_locked(state: PoolState, lease: Lease, outcome: Outcome) -> None:
     """An outcome that charges nobody: rejected, not here, abandoned, or a lease given
     back unused. The breaker's slot (maybe its trial) is released, not counted."""
@@ -1352,14 +1395,14 @@ def untried_left(state: PoolState, excluded: Collection[str], by: float = math.i
     """Whether a worker outside ``excluded`` could take a task before ``by``.
 
     A worker whose breaker stays open, or whose Retry-After cool-down lasts, past
-    ``by`` cannot. Costs a scan of the workers: called on the failure path only.
+    ``by`` cannot, nor one that is down (:func:`outage.held_until`). Costs a scan of
+    the workers: called on the failure path only.
     """
     with state.lock:
+        shared = state.dispatcher.selector.shared_breakers
+        now = state.clock.monotonic()
         for w in state.workers.values():
-            if w.id in excluded or not w.enabled or w.draining:
-                continue
-            retry_at = w.breaker.retry_at()
-            if (retry_at is None or retry_at < by) and w.cooldown_until < by:
+            if w.id not in excluded and held_until(w, now, shared_breakers=shared)[0] < by:
                 return True
         return False
 

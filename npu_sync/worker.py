@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from npu_sync.auth import RequestAuth, from_config
-from npu_sync.breaker import OPEN, WorkerBreaker
+from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
 from npu_sync.health import HealthResult
 from npu_sync.latency import PeakEwma
@@ -80,6 +80,8 @@ class Worker:
         "protocol",
         "ramp_from",
         "ramp_until",
+        "refused",
+        "refused_until",
         "removed",
         "reporting",
         "score",
@@ -114,6 +116,10 @@ class Worker:
         self.reporting = 0  # failures being reported to the shared state right now
         self.generation = 0  # bumped when the worker moves: older outcomes are stale
         self.cooldown_until = 0.0
+        # The operator's fault, not the worker's sickness (see npu_sync.outage): why
+        # the worker refused the pool's credentials, and until when it takes no task.
+        self.refused: str | None = None
+        self.refused_until = 0.0
         self.stats = WorkerStats()
         self.latency = PeakEwma()
         self.limit: ConcurrencyLimit | None = None
@@ -136,7 +142,12 @@ class Worker:
 
     def configure(self, config: WorkerConfig) -> None:
         """Take a new configuration of the same worker (priority, capacity, enabled,
-        protocol, auth)."""
+        protocol, auth). New credentials, or a new address, are tried again at once
+        by the next task, whatever the old ones were refused for."""
+        old = getattr(self, "config", None)
+        if old is not None and (old.auth != config.auth or old.headers != config.headers):
+            self.refused = None
+            self.refused_until = 0.0
         self.config = config
         protocol = get_protocol(config.protocol)
         if protocol is not self.protocol:
@@ -195,6 +206,8 @@ class Worker:
         self.hinted_capacity = None
         self.hinted_draining = False
         self.cooldown_until = 0.0
+        self.refused = None
+        self.refused_until = 0.0
         self.breaker.reset()
         self.forget_models()
         self.npu_available = None
@@ -282,19 +295,6 @@ class Worker:
         self.not_loaded = {}
         self.model_devices = _NO_DEVICES
 
-    def down_reason(self, now: float) -> str | None:
-        """Why the worker cannot take a task now nor soon (disabled, draining,
-        unhealthy, its breaker open), or None: busy or cooling down is not down."""
-        if not self.enabled:
-            return "disabled"
-        if self.draining or self.hinted_draining:
-            return "draining"
-        if not self.healthy:
-            return "unhealthy"
-        if self.breaker.state == OPEN and not self.breaker.can_admit(now):
-            return "circuit breaker open"
-        return None
-
     def _rank(self) -> None:
         # A worker fallen back to CPU comes after the NPU workers of its tier.
         base = self.config.priority
@@ -360,6 +360,7 @@ class Worker:
             and not self.hinted_draining
             and not self.reporting
             and now >= self.cooldown_until
+            and now >= self.refused_until
             and self.breaker.can_admit(now)
         )
 

@@ -175,10 +175,10 @@ def test_a_release_of_unnamed_workers_still_serves_waiters(clock, started):
     """release_locked() (a health round, a remote change) finds what became available."""
     a = make_worker(clock, "a")
     dispatcher = Dispatcher(clock, Selector([a]))
-    a.healthy = False
+    a.in_flight = a.capacity  # full: worth waiting for
     waiting = queue(started, dispatcher, far(clock))
     with dispatcher.lock:
-        a.healthy = True
+        a.in_flight = 0
         dispatcher.release_locked(clock.monotonic())
     assert waiting.done.wait(5) and isinstance(waiting.result, Lease)
 
@@ -235,17 +235,34 @@ def test_breakers_open_past_the_deadline_with_no_early_trial_left_refuse_at_once
     assert got is Refusal.BREAKERS_OPEN and dispatcher.waiting == 0
 
 
-def test_a_breaker_that_may_still_get_an_early_trial_is_waited_for(clock, started):
-    """Open past the deadline, but a passing health check could grant a trial: wait."""
+def test_an_open_breaker_is_not_waited_for_on_the_chance_of_a_health_check(clock):
+    """Open past the deadline, early trial not used: refused at once all the same (a
+    health check is news the pool does not wait for); once one grants the trial, the
+    next task gets it."""
     a = make_worker(clock, "a")
     a.breaker.record_failure(False)  # open for 30 s, early trial not used
     dispatcher = Dispatcher(clock, Selector([a]))
-    waiting = queue(started, dispatcher, clock.monotonic() + 10)
+    assert dispatcher.acquire_or_reason((), clock.monotonic() + 10) is Refusal.BREAKERS_OPEN
     with dispatcher.lock:  # what the pool does when a health check passes
         a.breaker.allow_trial()
         dispatcher.release_locked(clock.monotonic())
+    got = dispatcher.acquire_or_reason((), clock.monotonic() + 10)
+    assert isinstance(got, Lease) and got.trial
+
+
+def test_a_waiter_is_handed_the_early_trial_a_health_check_grants(clock, started):
+    """A task already waiting (for a busy worker) gets an open breaker's early trial the
+    moment a passing health check grants it."""
+    a, busy = make_worker(clock, "a"), make_worker(clock, "busy")
+    a.breaker.record_failure(False)
+    busy.in_flight = busy.capacity
+    dispatcher = Dispatcher(clock, Selector([a, busy]))
+    waiting = queue(started, dispatcher, clock.monotonic() + 10)
+    with dispatcher.lock:
+        a.breaker.allow_trial()
+        dispatcher.release_locked(clock.monotonic())
     assert waiting.done.wait(5)
-    assert isinstance(waiting.result, Lease) and waiting.result.trial
+    assert isinstance(waiting.result, Lease) and waiting.result.worker is a
 
 
 def test_a_breaker_due_before_the_deadline_is_waited_for(clock, started):

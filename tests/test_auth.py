@@ -167,11 +167,29 @@ def test_verifier_accepts_a_correctly_signed_request() -> None:
 
 
 def test_verifier_accepts_a_signature_over_the_decoded_path() -> None:
-    """A signature over the percent-decoded path verifies too (servers differ there)."""
+    """A signature over the percent-decoded path verifies, as AutoBot checks it."""
     verifier = HmacVerifier("svc", SECRET, clock=Clock())
     auth = HmacAuth("svc", SECRET, clock=Clock())
     headers = signed(auth, "DELETE", "/models/my model")
     assert verifier.verify("DELETE", "/models/my%20model", *headers) is None
+
+
+def test_hmac_signs_the_percent_decoded_path_as_autobots_verifier_reads_it() -> None:
+    """``DELETE /models/a%20b`` is signed over ``/models/a b``: AutoBot's formula over
+    the decoded path (its ASGI server decodes it), not over the path on the wire."""
+    auth = HmacAuth("svc", SECRET, clock=Clock())
+    headers = auth.headers("DELETE", "/models/a%20b?force=1")
+    assert headers["X-Service-Signature"] == autobot_signature(
+        SECRET, "svc", "DELETE", "/models/a b", 1_700_000_000
+    )
+
+
+def test_verifier_refuses_a_signature_over_the_raw_path() -> None:
+    """The reference verifier checks only the decoded path, as AutoBot does, so a
+    client signing the raw ``%20`` path is caught by the tests as AutoBot would."""
+    verifier = HmacVerifier("svc", SECRET, clock=Clock())
+    raw = autobot_signature(SECRET, "svc", "DELETE", "/models/a%20b", 1_700_000_000)
+    assert verifier.verify("DELETE", "/models/a%20b", "svc", raw, "1700000000") == "bad signature"
 
 
 @pytest.mark.parametrize(

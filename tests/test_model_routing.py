@@ -250,10 +250,12 @@ def test_every_request_is_signed_over_its_full_path_on_the_wire():
     assert paths == ["/api/v1/health", "/api/v1/models", "/api/v1/inference"]
 
 
-def test_refused_credentials_are_charged_to_the_worker_and_the_task_goes_elsewhere(caplog):
-    """A 401 opens that worker's breaker (fail_max 1), the task succeeds on another, and
-    neither token appears in errors, stats, workers() or the log."""
+def test_refused_credentials_take_the_worker_out_not_its_breaker(caplog):
+    """A 401 takes that worker out with last_error "credentials refused: HTTP 401 ...",
+    its breaker untouched, an event says so; the task and the next ones run on another
+    worker, and neither token appears in errors, stats, workers() or the log."""
     net = FakeNetwork()
+    seen: list[object] = []
 
     def guarded(req: FakeRequest) -> Response:
         if req.headers.get("Authorization") != f"Bearer {TOKEN}":
@@ -268,10 +270,18 @@ def test_refused_credentials_are_charged_to_the_worker_and_the_task_goes_elsewhe
     )
     caplog.set_level(logging.DEBUG, logger="npu_sync")
     with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.add_hook(seen.append)
         assert pool.execute({"x": 1}) == {"worker": "b"}
         rows = {r["id"]: r for r in pool.workers()}
-        assert rows["a"]["breaker"]["state"] == "open"
-        assert "401" in (rows["a"]["last_error"] or "")
+        assert rows["a"]["breaker"]["state"] == "closed"
+        assert rows["a"]["breaker"]["failures"] == 0
+        assert rows["a"]["last_error"] == "credentials refused: HTTP 401: invalid bearer token"
+        assert all(pool.execute({"x": i}) == {"worker": "b"} for i in range(5))
+        assert len(net.requests("a")) == 1  # taken out: no task went there again
+        refused = [e for e in seen if getattr(e, "name", "") == "worker.credentials_refused"]
+        assert [(e.worker_id, e.error) for e in refused] == [  # type: ignore[attr-defined]
+            ("a", "credentials refused: HTTP 401: invalid bearer token")
+        ]
         shown = json.dumps([pool.stats(), pool.workers()]) + caplog.text + repr(pool.config)
     assert TOKEN not in shown
 

@@ -41,11 +41,12 @@ def test_4xx_rejects_the_task(status):
 
 
 @pytest.mark.parametrize("status", [401, 403])
-def test_refused_credentials_are_the_workers_failure_and_not_processed(status):
-    """401/403 say the worker refused our credentials: its failure, the task never ran."""
+def test_refused_credentials_are_the_operators_fault_and_not_processed(status):
+    """401/403 say the worker refused our credentials: a configuration error (neither
+    the task's nor the worker's sickness), the task never ran, and the error says so."""
     outcome = classify_response(resp(status, {"detail": "bad signature"}))
-    assert outcome.kind is Kind.FAILURE and not outcome.processed
-    assert "credentials refused" in (outcome.error or "")
+    assert outcome.kind is Kind.MISCONFIGURED and not outcome.processed
+    assert outcome.error == f"credentials refused: HTTP {status}: bad signature"
 
 
 @pytest.mark.parametrize("status", [408, 429, 500, 502, 503, 504])

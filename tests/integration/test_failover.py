@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import subprocess
 import sys
@@ -256,3 +257,58 @@ def test_a_worker_dripping_its_answer_cannot_hold_a_task_past_its_deadline():
                 pool.execute({"input_text": "x"}, timeout=0.5)
             # The drip never ends: any bound on a busy machine's overshoot proves it.
             assert time.monotonic() - started < 0.5 + 2.0
+
+
+@pytest.mark.parametrize("health", [False, True], ids=["health-off", "health-on"])
+def test_every_worker_down_fails_at_once_naming_the_state_then_recovers(start_worker, health):
+    """All three workers killed: once the pool knows (breakers open, or unhealthy), each
+    task fails well before pool.max_queue_wait (30 s) with the state named, a fallback
+    runs at once; a worker restarted is used again by itself."""
+    workers = [start_worker(worker_id=f"w{i}") for i in range(3)]
+    config = dataclasses.replace(
+        pool_config(
+            workers,
+            fail_max=1,
+            reset=60.0,
+            retries=5,
+            pool=PoolSettings(max_queue_wait=30.0),
+        ),
+        health=HealthConfig(enabled=health, interval=0.2, timeout=1.0, unhealthy_threshold=1),
+    )
+    for w in workers:
+        w.kill()
+    # Without health checks, the breakers' reset time is what brings a worker back:
+    # a fake clock moves it on. The health thread needs the real one.
+    clock = None if health else FakeClock()
+    with WorkerPool(config, **({} if clock is None else {"clock": clock})) as pool:
+        if health:
+            deadline = time.monotonic() + 30
+            while any(w["healthy"] for w in pool.workers()):
+                assert time.monotonic() < deadline, "health checks never saw the workers down"
+                threading.Event().wait(0.05)
+        else:
+            with pytest.raises(TaskFailed):  # fail_max 1: this task opens every breaker
+                pool.execute(payload(0))
+        state = "3 unhealthy" if health else "3 breakers open"
+        started = time.monotonic()
+        for i in range(5):
+            future = pool.submit(payload(i))
+            try:
+                with pytest.raises(TaskFailed, match=f"all 3 workers are down: {state}"):
+                    future.result(10)
+            finally:
+                if clock is not None and not future.done():
+                    clock.advance(1000.0)  # a task still waiting: let it end, the test failed
+        assert pool.execute(payload(9), fallback=lambda: "cpu") == "cpu"
+        assert time.monotonic() - started < 5.0  # six tasks, well under one 30 s wait
+        workers[1].restart()
+        if clock is not None:
+            clock.advance(60.0)
+        deadline = time.monotonic() + 30
+        while True:  # the breaker's reset time, or a health check, brings it back
+            try:
+                assert pool.execute(payload(10))["worker_id"] == "w1"
+                break
+            except TaskFailed:
+                assert time.monotonic() < deadline, "the pool never used the restarted worker"
+                threading.Event().wait(0.1)

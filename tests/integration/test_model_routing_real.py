@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +17,9 @@ from npu_sync.config import (
     HealthConfig,
     ModelsConfig,
     PoolConfig,
+    PoolSettings,
     RetryConfig,
+    TimeoutConfig,
     WorkerConfig,
     worker_config,
 )
@@ -190,8 +193,9 @@ def test_hmac_signed_requests_verify_on_the_worker_and_a_wrong_secret_is_that_wo
     start_worker: Callable[..., LocalWorker], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Tasks, health and /models are signed and accepted; a worker configured with the
-    wrong secret answers 401, which is charged to it, and the task runs on the other.
-    Neither secret shows in stats, workers(), errors or the log."""
+    wrong secret answers 401, which takes it out (its breaker untouched, the error
+    saying credentials refused), and the task runs on the other. Neither secret shows
+    in stats, workers(), errors or the log."""
     caplog.set_level(logging.DEBUG, logger="npu_sync")
     good = start_worker(worker_id="good", models=("m",), hmac_auth=(SERVICE, SECRET))
     wrong = start_worker(
@@ -208,13 +212,14 @@ def test_hmac_signed_requests_verify_on_the_worker_and_a_wrong_secret_is_that_wo
         assert pool.execute(task("m"))["model_id"] == "m"
         checks = pool.check_health()
         assert checks["good"]["ok"] and not checks["wrong"]["ok"]
-        assert "HTTP 401" in (checks["wrong"]["error"] or "")
+        assert checks["wrong"]["error"] == "credentials refused: HTTP 401: bad signature"
         rows = {r["id"]: r for r in pool.workers()}
         shown = json.dumps([pool.stats(), pool.workers(), checks]) + caplog.text
     assert rows["good"]["models"] == ["m"]  # /models was read, signed
     assert good.stats()["responses"].get("401", 0) == 0
     assert rows["wrong"]["tasks"]["failed"] == 1 and rows["wrong"]["tasks"]["rejected"] == 0
-    assert rows["wrong"]["breaker"]["state"] == "open"
+    assert rows["wrong"]["breaker"]["state"] == "closed"
+    assert rows["wrong"]["last_error"] == "credentials refused: HTTP 401: bad signature"
     assert wrong.stats()["responses"].get("401", 0) == 2  # the task and the health check
     assert SECRET not in shown and bad_secret not in shown
 
@@ -222,8 +227,9 @@ def test_hmac_signed_requests_verify_on_the_worker_and_a_wrong_secret_is_that_wo
 def test_a_401_on_a_task_is_charged_to_the_worker_not_the_task(
     start_worker: Callable[..., LocalWorker],
 ) -> None:
-    """A worker refusing the bearer token fails the attempt (its breaker opens), the task
-    succeeds on the worker with the right token, and no TaskRejected is raised."""
+    """A worker refusing the bearer token fails the attempt (it is taken out, its
+    breaker stays closed), the task succeeds on the worker with the right token, and
+    no TaskRejected is raised."""
     refusing = start_worker(worker_id="refusing", models=("m",), bearer_token=TOKEN)
     accepting = start_worker(worker_id="accepting", models=("m",), bearer_token=TOKEN)
     with pool_of(
@@ -235,7 +241,42 @@ def test_a_401_on_a_task_is_charged_to_the_worker_not_the_task(
         text = json.dumps([pool.stats(), pool.workers()])
     assert result["model_id"] == "m"
     assert rows["refusing"]["tasks"]["failed"] == 1 and rows["refusing"]["tasks"]["rejected"] == 0
-    assert rows["refusing"]["breaker"]["state"] == "open"
-    assert "401" in (rows["refusing"]["last_error"] or "")
+    assert rows["refusing"]["breaker"]["state"] == "closed"
+    assert rows["refusing"]["last_error"] == "credentials refused: HTTP 401: invalid bearer token"
     assert refusing.stats()["responses"] == {"401": 1}
     assert TOKEN not in text
+
+
+def test_when_every_worker_refuses_the_credentials_tasks_fail_at_once_saying_so(
+    start_worker: Callable[..., LocalWorker],
+) -> None:
+    """Both workers configured with a wrong HMAC secret: the first task is refused by
+    each and fails naming the state, the next fail at once (well under the 30 s
+    max_queue_wait) without another request; a reload with the right secret brings
+    them back."""
+    workers = [
+        start_worker(worker_id=f"w{i}", models=("m",), hmac_auth=(SERVICE, SECRET))
+        for i in range(2)
+    ]
+
+    def configs(secret: str) -> PoolConfig:
+        auth = {"type": "hmac", "service_id": SERVICE, "secret": secret}
+        return PoolConfig(
+            workers=tuple(as_config(w, auth=auth) for w in workers),
+            health=HealthConfig(enabled=False),
+            pool=PoolSettings(max_queue_wait=30.0),
+            timeouts=TimeoutConfig(task=60.0),
+        )
+
+    clause = "all 2 workers are down: 2 refusing the credentials"
+    with WorkerPool(configs(SECRET + "-wrong")) as pool:
+        started = time.monotonic()
+        for n in range(5):
+            with pytest.raises(TaskFailed, match=clause) as info:
+                pool.execute(task("m", str(n)))
+        assert time.monotonic() - started < 5.0
+        assert "2 refusing the credentials (w0: HTTP 401: bad signature)" in str(info.value)
+        assert sum(w.stats()["responses"].get("401", 0) for w in workers) == 2
+        pool.reload(configs(SECRET))
+        assert pool.execute(task("m"))["model_id"] == "m"
+        assert all(r["last_error"] is not None for r in pool.workers())

@@ -200,11 +200,13 @@ def test_cpu_fallback_shows_in_health_and_models(client: Callable[..., Client]) 
 
 def test_wrong_credentials_are_refused_over_the_wire(client: Callable[..., Client]) -> None:
     """Requests signed with another secret, or with no bearer token, answer 401 and run
-    no task (the worker's failure, not the task's); the right credentials succeed."""
+    no task (a configuration error, neither the task's nor the worker's sickness); the
+    right credentials succeed."""
     signed = client("linux", hmac_auth=SERVICE, auth=HmacAuth(SERVICE[0], "not-the-secret"))
     refused = signed.run({"model_id": "default", "input_text": "x"})
-    assert refused.kind is Kind.FAILURE and refused.status == 401 and not refused.processed
-    assert refused.error == "HTTP 401: bad signature (credentials refused)"
+    assert refused.kind is Kind.MISCONFIGURED and refused.status == 401
+    assert not refused.processed
+    assert refused.error == "credentials refused: HTTP 401: bad signature"
     signed.auth = HmacAuth(*SERVICE)
     assert signed.run({"model_id": "default", "input_text": "x"}).kind is Kind.SUCCESS
     bearer = client("windows", bearer_token="tok-abc")
@@ -212,3 +214,14 @@ def test_wrong_credentials_are_refused_over_the_wire(client: Callable[..., Clien
     bearer.auth = BearerAuth("tok-abc")
     assert bearer.run({"model_id": "default", "input_text": "x"}).kind is Kind.SUCCESS
     assert signed.worker.stats()["inference_count"] == 1
+
+
+def test_a_signed_unload_of_a_model_id_with_a_space_is_accepted(
+    client: Callable[..., Client],
+) -> None:
+    """``DELETE /models/a%20b`` signed with the right secret is not refused: the
+    signature covers the decoded path the worker (like AutoBot) verifies."""
+    c = client("linux", models=("a b", "c"), hmac_auth=SERVICE, auth=HmacAuth(*SERVICE))
+    response = c.send("DELETE", "/models/a%20b")
+    assert response.status != 401, response.body
+    assert c.models() == frozenset({"c"})
