@@ -91,6 +91,10 @@ def down_reason(worker: Worker, now: float) -> str | None:
     if worker.refused_until > now:
         return "refusing the credentials"
     if not worker.healthy:
+        # The latest word on why: a failed health check, else what a task was answered.
+        checked = worker.health
+        if checked is not None and not checked.ok:
+            return "not an NPU worker" if checked.not_a_worker else "unhealthy"
         error = worker.stats.last_error
         if error is not None and error.startswith(NOT_A_WORKER):
             return "not an NPU worker"

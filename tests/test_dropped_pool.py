@@ -24,7 +24,12 @@ def config(health: bool) -> PoolConfig:
 def dropped_pool(health: bool) -> tuple[weakref.ref[WorkerPool], list[threading.Thread]]:
     """Build a pool, run a task so its task threads exist, and drop it unclosed."""
     net = FakeNetwork()
-    net.route("a", lambda req: json_response(200, {"ok": True}))
+    net.route(
+        "a",
+        lambda req: json_response(
+            200, {"status": "healthy"} if req.path == "/health" else {"ok": True}
+        ),
+    )
     pool = WorkerPool(config(health), transport_factory=net.factory)
     assert pool.submit({"input_text": "x"}).result(timeout=10) == {"ok": True}
     threads = [t for t in threading.enumerate() if t.name.startswith("npu-sync")]

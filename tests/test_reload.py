@@ -33,6 +33,8 @@ C = worker_config("c", "http://127.0.0.1:9503")
 
 
 def echo(req):
+    if req.path == "/health":  # a worker's health answer, as the protocol writes it
+        return json_response(200, {"status": "healthy"})
     return json_response(200, {"worker_id": req.worker_id})
 
 
