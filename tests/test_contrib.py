@@ -196,8 +196,17 @@ def load_conf(monkeypatch, tmp_path, **env: str) -> dict[str, Any]:
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    for name in ("PROMETHEUS_MULTIPROC_DIR", "NPU_SYNC_CONFIG", "NPU_SYNC_APP"):
-        monkeypatch.delenv(name, raising=False)
+    for name in (
+        "PROMETHEUS_MULTIPROC_DIR",
+        "NPU_SYNC_CONFIG",
+        "NPU_SYNC_APP",
+        "NPU_SYNC_PROMETHEUS",
+    ):
+        # Set, then removed: monkeypatch then restores the variable as it was, also
+        # when the file itself sets it (os.environ.setdefault), so none leaks into
+        # later tests of this process (it would turn Prometheus on in their apps).
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return runpy.run_path(str(CONTRIB / "gunicorn.conf.py"))
