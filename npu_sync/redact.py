@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import string
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote, quote_plus, unquote, urlsplit
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
     from npu_sync.config import PoolConfig
 
 __all__ = [
+    "MAX_BODY_SCANNED",
     "MAX_WORKER_TEXT",
+    "MIN_PART_LENGTH",
     "MIN_SECRET_LENGTH",
     "NO_SCRUBBER",
     "PLAIN_HEADERS",
@@ -39,9 +42,18 @@ REDACTED: Final = "[redacted]"
 
 MIN_SECRET_LENGTH: Final = 8
 """Secrets shorter than this are not looked for (a warning says so when a pool starts):
-redacting every "abc" would garble messages without protecting anything. It is also the
-shortest piece of a longer secret that is redacted, so a secret cut short, or quoted in
-part, is caught too."""
+redacting every "abc" would garble messages without protecting anything."""
+
+MIN_PART_LENGTH: Final = 12
+"""The shortest piece of a longer secret that is redacted on its own, so a secret cut
+short, or quoted in part, is caught too. Longer than the shortest secret: an 8-letter
+run such as "applicat" in a secret ``application-key-42`` would otherwise redact every
+``application/json`` of every message."""
+
+MAX_BODY_SCANNED: Final = 64 * 1024
+"""The most characters of a rejected answer's body that are scrubbed and kept
+(``TaskRejected.body``): a longer one is kept as its first this-many characters, as a
+string, so a worker's huge refusals cost bounded work."""
 
 MAX_WORKER_TEXT: Final = 500
 """The most characters kept of one text from a worker (an error, a health verdict);
@@ -147,12 +159,19 @@ def config_secrets(config: PoolConfig) -> tuple[list[str], list[str]]:
     return found, short
 
 
+# Matching ignores the case of ASCII letters (an echo upper-cased is still the
+# secret), keeping every other character, so offsets in the folded text are offsets
+# in the text.
+_FOLD: Final = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
 class Scrubber:
     """Replaces known secrets in a text with :data:`REDACTED`. Immutable, thread-safe.
 
-    Each secret is looked for as written, URL-encoded and JSON-escaped; any run of at
-    least :data:`MIN_SECRET_LENGTH` of its characters is redacted, so a secret cut
-    short or quoted in part goes too. Secrets shorter than that are ignored.
+    Each secret is looked for as written, URL-encoded and JSON-escaped, in any case of
+    its ASCII letters; any run of at least :data:`MIN_PART_LENGTH` of its characters
+    is redacted too, so a secret cut short or quoted in part goes as well. Secrets
+    shorter than :data:`MIN_SECRET_LENGTH` are ignored.
 
     Args:
         secrets: the values to keep out of texts.
@@ -160,18 +179,24 @@ class Scrubber:
             :meth:`from_config`), not passed on to the next one.
     """
 
-    __slots__ = ("_grams", "own", "too_short")
+    __slots__ = ("_parts", "_whole", "own", "too_short")
 
     def __init__(self, secrets: Iterable[str] = (), *, kept: Iterable[str] = ()) -> None:
         own = frozenset(s for s in secrets if isinstance(s, str) and s)
         self.own: frozenset[str] = own
         self.too_short: tuple[str, ...] = ()
-        k = MIN_SECRET_LENGTH
-        grams: set[str] = set()
+        k = MIN_PART_LENGTH
+        parts: set[str] = set()
+        whole: set[str] = set()
         for secret in own | frozenset(kept):
             for variant in _variants(secret):
-                grams.update(variant[i : i + k] for i in range(len(variant) - k + 1))
-        self._grams: frozenset[str] = frozenset(grams)
+                folded = variant.translate(_FOLD)
+                if len(folded) >= k:
+                    parts.update(folded[i : i + k] for i in range(len(folded) - k + 1))
+                elif len(folded) >= MIN_SECRET_LENGTH:
+                    whole.add(folded)  # too short to cut: caught only whole
+        self._parts: frozenset[str] = frozenset(parts)
+        self._whole: tuple[str, ...] = tuple(sorted(whole))
 
     @classmethod
     def from_config(cls, config: PoolConfig, previous: Scrubber | None = None) -> Scrubber:
@@ -188,55 +213,71 @@ class Scrubber:
         return scrubber
 
     def __bool__(self) -> bool:
-        return bool(self._grams)
+        return bool(self._parts or self._whole)
 
     def __call__(self, text: str) -> str:
         """``text`` without secrets, at most :data:`MAX_WORKER_TEXT` characters long."""
         if len(text) > 4 * MAX_WORKER_TEXT:
             text = text[: 4 * MAX_WORKER_TEXT]  # bounded work; cut again below
-        grams = self._grams
-        k = MIN_SECRET_LENGTH
-        if grams and len(text) >= k:
-            text = self._redact(text, grams, k)
+        if self and len(text) >= MIN_SECRET_LENGTH:
+            text = self._redact(text)
         if len(text) > MAX_WORKER_TEXT:
             text = text[: MAX_WORKER_TEXT - 3] + "..."
         return text
 
-    @staticmethod
-    def _redact(text: str, grams: frozenset[str], k: int) -> str:
+    def _redact(self, text: str) -> str:
+        folded = text.translate(_FOLD)
         spans: list[tuple[int, int]] = []
-        for i in range(len(text) - k + 1):
-            if text[i : i + k] in grams:
-                if spans and i <= spans[-1][1]:
-                    spans[-1] = (spans[-1][0], i + k)
-                else:
+        parts = self._parts
+        if parts:
+            k = MIN_PART_LENGTH
+            for i in range(len(folded) - k + 1):
+                if folded[i : i + k] in parts:
                     spans.append((i, i + k))
+        for secret in self._whole:
+            at = folded.find(secret)
+            while at >= 0:
+                spans.append((at, at + len(secret)))
+                at = folded.find(secret, at + 1)
         if not spans:
             return text
+        spans.sort()
         out: list[str] = []
         at = 0
-        for start, end in spans:
+        end = -1
+        for start, stop in spans:
+            if start <= end:  # overlaps the span being built: extend it
+                end = max(end, stop)
+                continue
+            if end >= 0:
+                out.append(REDACTED)
+                at = end
             out.append(text[at:start])
-            out.append(REDACTED)
-            at = end
-        out.append(text[at:])
+            end = stop
+        out.append(REDACTED)
+        out.append(text[end:])
         return "".join(out)
 
     def value(self, value: Any) -> Any:
         """A decoded JSON answer with secrets redacted from its text, keys included.
 
         The value itself when it holds none; otherwise a new one (a string when the
-        redacted JSON no longer reads back).
+        redacted JSON no longer reads back). Only the first :data:`MAX_BODY_SCANNED`
+        characters of a larger one are kept, as a string.
         """
-        if not self._grams or value is None or isinstance(value, (bool, int, float)):
+        if not self or value is None or isinstance(value, (bool, int, float)):
             return value
         if isinstance(value, str):
-            return self._redact(value, self._grams, MIN_SECRET_LENGTH)
+            if len(value) > MAX_BODY_SCANNED:
+                value = value[:MAX_BODY_SCANNED] + "..."
+            return self._redact(value)
         try:
             text = json.dumps(value)
         except (TypeError, ValueError, RecursionError):
             return value
-        clean = self._redact(text, self._grams, MIN_SECRET_LENGTH)
+        if len(text) > MAX_BODY_SCANNED:
+            return self._redact(text[:MAX_BODY_SCANNED] + "...")
+        clean = self._redact(text)
         if clean == text:
             return value
         try:

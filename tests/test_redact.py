@@ -8,7 +8,14 @@ import logging
 from urllib.parse import quote
 
 from npu_sync.config import parse_config
-from npu_sync.redact import MAX_WORKER_TEXT, MIN_SECRET_LENGTH, REDACTED, Scrubber
+from npu_sync.redact import (
+    MAX_BODY_SCANNED,
+    MAX_WORKER_TEXT,
+    MIN_PART_LENGTH,
+    MIN_SECRET_LENGTH,
+    REDACTED,
+    Scrubber,
+)
 
 TOKEN = "tok-3f9a1c77e2b54d08"
 
@@ -34,15 +41,47 @@ def test_a_text_without_secrets_is_unchanged():
 
 
 def test_a_secret_cut_short_or_quoted_in_part_is_redacted():
-    """Any run of MIN_SECRET_LENGTH characters of a secret goes: a prefix, a middle."""
+    """Any run of MIN_PART_LENGTH characters of a secret goes: a prefix, a middle."""
     scrub = Scrubber([TOKEN])
-    assert scrub(f"token {TOKEN[:MIN_SECRET_LENGTH]}") == f"token {REDACTED}"
-    assert TOKEN[3:14] not in scrub(f"saw ...{TOKEN[3:14]}...")
+    assert scrub(f"token {TOKEN[:MIN_PART_LENGTH]}") == f"token {REDACTED}"
+    assert TOKEN[3:18] not in scrub(f"saw ...{TOKEN[3:18]}...")
     # Shorter than that is not looked for: it cannot be told from ordinary text.
     assert (
-        scrub(f"token {TOKEN[: MIN_SECRET_LENGTH - 1]}")
-        == f"token {TOKEN[: MIN_SECRET_LENGTH - 1]}"
+        scrub(f"token {TOKEN[: MIN_PART_LENGTH - 1]}")
+        == f"token {TOKEN[: MIN_PART_LENGTH - 1]}"
     )
+
+
+def test_a_word_a_secret_shares_with_ordinary_text_is_not_redacted():
+    """A secret holding a common word does not garble every message that has the word:
+    only runs of MIN_PART_LENGTH of its characters count."""
+    scrub = Scrubber(["application-secret-42"])
+    assert scrub("Content-Type application/json") == "Content-Type application/json"
+    assert scrub("key application-secret-42") == f"key {REDACTED}"
+
+
+def test_a_secret_shorter_than_a_part_is_caught_whole_only():
+    """A secret of MIN_SECRET_LENGTH to MIN_PART_LENGTH - 1 characters goes when whole."""
+    secret = "k3y-5ecr3t"
+    assert MIN_SECRET_LENGTH <= len(secret) < MIN_PART_LENGTH
+    scrub = Scrubber([secret])
+    assert scrub(f"bad key {secret}!") == f"bad key {REDACTED}!"
+    assert scrub(f"bad key {secret[:-1]}") == f"bad key {secret[:-1]}"
+
+
+def test_a_secret_echoed_in_another_case_is_redacted():
+    """A worker that upper-cases what it quotes still does not show the secret."""
+    scrub = Scrubber([TOKEN])
+    assert scrub(f"TOKEN {TOKEN.upper()} REFUSED") == f"TOKEN {REDACTED} REFUSED"
+
+
+def test_a_huge_rejected_body_costs_bounded_work_and_is_kept_in_part():
+    """A refusal's body past MAX_BODY_SCANNED is kept as its scrubbed beginning."""
+    scrub = Scrubber([TOKEN])
+    body = {"detail": f"bad {TOKEN} " + "x" * (4 * MAX_BODY_SCANNED)}
+    kept = scrub.value(body)
+    assert isinstance(kept, str) and len(kept) <= MAX_BODY_SCANNED + len("...")
+    assert TOKEN not in kept and REDACTED in kept
 
 
 def test_url_encoded_and_json_escaped_forms_are_redacted():
