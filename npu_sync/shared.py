@@ -49,6 +49,7 @@ import contextlib
 import json
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -770,13 +771,16 @@ class RedisDeadLetterStore:
             self._flushing.release()
 
     def _move_all(self, spool: SQLiteDeadLetterStore, batch: int) -> bool:
-        """Move every record of a spool only this process uses; False when Redis failed."""
+        """Move every record of a spool only this process uses; False when Redis failed.
+
+        A spool that cannot be read (a corrupt file an ended process left) is named in
+        an ERROR and left where it is; it does not stop the moving of the others."""
         while self._keeps_records():
             try:
                 waiting = spool.list(limit=batch)
-            except NpuSyncError:
+            except (NpuSyncError, sqlite3.Error, ValueError):
                 log.exception("cannot read the dead-letter spool %s", spool.path)
-                return False
+                return True
             if not waiting:
                 return True
             for record in waiting:
@@ -785,7 +789,12 @@ class RedisDeadLetterStore:
                 except RedisError as exc:
                     self._shared.lost(exc)
                     return False
-                spool.remove(record.id)
+                try:
+                    spool.remove(record.id)
+                except (NpuSyncError, sqlite3.Error):
+                    # Redis has it; written again, under the same id, by a later move.
+                    log.exception("cannot remove a moved record from spool %s", spool.path)
+                    return True
         return False
 
     def _flush_shared(self, spool: SQLiteDeadLetterStore, batch: int) -> None:

@@ -3,8 +3,12 @@ redis-servers, real SQLite files and real child processes."""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -20,6 +24,8 @@ from npu_sync.config import (
     SharedStateConfig,
     worker_config,
 )
+from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
+from npu_sync.spool import default_base
 
 from .conftest import RedisServer
 
@@ -93,3 +99,73 @@ def test_an_evicting_redis_that_comes_up_after_start_gets_no_dead_letters(lru_re
             client.close()
         with pytest.raises(NpuSyncError, match="maxmemory-policy allkeys-lru"):
             pool.dead_letters.list()
+
+
+SPOOLER = """
+import sys, time
+from npu_sync import Task
+from npu_sync.deadletter import DeadLetter
+from npu_sync.spool import ProcessSpool, default_base
+spool = ProcessSpool(default_base(sys.argv[1], sys.argv[2]))
+record = DeadLetter.from_task(
+    Task({"input_text": "kept"}), endpoint="/x", error="e", attempts=[], now=time.time()
+)
+spool.own.store.add(record)
+print(record.id, flush=True)
+sys.stdin.readline()  # SIGKILLed here: the file is an ended process's
+"""
+
+
+def corrupt_spool(base: str) -> str:
+    """A spool file whose header reads but whose records do not (a bad disk sector, a
+    partial copy), left with a free lock by a process that ended; it sorts first."""
+    path = f"{base}.{'0' * 32}"
+    store = SQLiteDeadLetterStore(path)
+    for _ in range(4):
+        store.add(
+            DeadLetter.from_task(
+                Task({"input_text": "y" * 50_000}),
+                endpoint="/x",
+                error="e",
+                attempts=[],
+                now=time.time(),
+            )
+        )
+    store.close()
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xa5" * 8192)
+    with open(path + ".lock", "w"):
+        pass
+    return path
+
+
+def test_a_corrupt_spool_of_an_ended_process_does_not_hide_the_others(redis_server, caplog):
+    """An unreadable orphan spool is skipped and named in an ERROR; the records of the
+    other ended processes are still moved and listed, and the listing does not crash."""
+    config = config_for(redis_server.url)
+    base = default_base(config.shared_state.namespace, redis_server.url)
+    bad = corrupt_spool(base)
+    child = subprocess.Popen(
+        [sys.executable, "-c", SPOOLER, config.shared_state.namespace, redis_server.url],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])},
+    )
+    try:
+        record_id = child.stdout.readline().strip()
+    finally:
+        child.kill()
+        child.wait(30)
+        child.stdin.close()
+        child.stdout.close()
+    assert record_id
+    with (
+        caplog.at_level(logging.ERROR, logger="npu_sync.shared"),
+        WorkerPool(config_for(redis_server.url, sync_interval=60)) as pool,
+    ):
+        assert [r.id for r in pool.dead_letters.list()] == [record_id]
+    assert any(bad in r.getMessage() for r in caplog.records)
+    assert os.path.exists(bad)  # left for the operator, never deleted
