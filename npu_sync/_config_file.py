@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 from typing import Any, Final
 
@@ -169,6 +170,7 @@ class _TooLarge(Exception):
 
 
 _MERGE_TAG: Final = "tag:yaml.org,2002:merge"
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
 
 
 class _StrictChecks(yaml.composer.Composer, yaml.constructor.SafeConstructor):
@@ -273,6 +275,23 @@ class _StrictLoader(_StrictChecks, yaml.SafeLoader):
     def __init__(self, text: str) -> None:
         yaml.SafeLoader.__init__(self, text)
         self._start()
+
+    def scan_flow_scalar_non_spaces(self, double: bool, start_mark: yaml.Mark) -> list[str]:
+        # An escape naming no character (a lone surrogate, beyond U+10FFFF) is refused
+        # as libyaml refuses it, not read as a string nothing can encode or a bare
+        # ValueError: both parsers accept the same files.
+        try:
+            chunks: list[str] = super().scan_flow_scalar_non_spaces(double, start_mark)
+            if not any(_SURROGATE.search(chunk) for chunk in chunks):
+                return chunks
+        except ValueError:
+            pass
+        raise yaml.scanner.ScannerError(
+            "while scanning a double-quoted scalar",
+            start_mark,
+            "found invalid Unicode character escape code",
+            self.get_mark(),
+        )
 
 
 if yaml.__with_libyaml__:

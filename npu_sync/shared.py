@@ -49,6 +49,7 @@ import contextlib
 import json
 import logging
 import os
+import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -224,15 +225,15 @@ class SharedState:
         except RedisError as exc:
             self.lost(exc)
 
-    def _check_eviction(self) -> None:
+    def _check_eviction(self) -> bool:
         """Read Redis's eviction policy (at start and whenever Redis answers again: it may
         have been restarted with another configuration); warn loudly and count when it
-        may drop our keys."""
+        may drop our keys. False when Redis did not answer."""
         try:
             policy = EvictionPolicy.read(self._client)
         except RedisError as exc:
             self.lost(exc)
-            return
+            return False
         self.eviction = policy
         if policy.name is None:
             log.warning(
@@ -254,6 +255,7 @@ class SharedState:
                 policy.name,
                 lost,
             )
+        return True
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -464,10 +466,13 @@ class SharedState:
             self._client.ping()
         except RedisError:
             return False
+        # The policy before anything is written: Redis may be back with another
+        # configuration, one that may evict the dead letters spooled meanwhile.
+        if not self._check_eviction():
+            return False
         with self._lock:
             self.available = True
         log.warning("shared state available again: sharing resumes")
-        self._check_eviction()
         if self.on_resume is not None:
             # Breakers opened here during the outage were never written: write them now,
             # before reading, so the re-read does not close them again.
@@ -722,13 +727,19 @@ class RedisDeadLetterStore:
             NpuSyncError: Redis is unavailable and the spool could not take the record
                 within ``timeout`` seconds.
         """
-        if self._shared.available:
+        if self._keeps_records():
             try:
                 self._write(record)
                 return
             except RedisError as exc:
                 self._shared.lost(exc)
         self._spool.own.store.add(record, timeout=timeout)
+
+    def _keeps_records(self) -> bool:
+        """Redis answers and keeps what it is given. A Redis that came back (or first
+        answered) after the pool started with an ``allkeys-*`` policy gets no record:
+        they stay spooled, as in an outage, until it is ``noeviction``."""
+        return self._shared.available and not self._shared.eviction.evicts_records
 
     def flush(self, batch: int = 100, *, wait: float = 0.0) -> None:
         """Move spooled records to Redis, oldest first: this process's own, then those of
@@ -760,13 +771,16 @@ class RedisDeadLetterStore:
             self._flushing.release()
 
     def _move_all(self, spool: SQLiteDeadLetterStore, batch: int) -> bool:
-        """Move every record of a spool only this process uses; False when Redis failed."""
-        while self._shared.available:
+        """Move every record of a spool only this process uses; False when Redis failed.
+
+        A spool that cannot be read (a corrupt file an ended process left) is named in
+        an ERROR and left where it is; it does not stop the moving of the others."""
+        while self._keeps_records():
             try:
                 waiting = spool.list(limit=batch)
-            except NpuSyncError:
+            except (NpuSyncError, sqlite3.Error, ValueError):
                 log.exception("cannot read the dead-letter spool %s", spool.path)
-                return False
+                return True
             if not waiting:
                 return True
             for record in waiting:
@@ -775,7 +789,12 @@ class RedisDeadLetterStore:
                 except RedisError as exc:
                     self._shared.lost(exc)
                     return False
-                spool.remove(record.id)
+                try:
+                    spool.remove(record.id)
+                except (NpuSyncError, sqlite3.Error):
+                    # Redis has it; written again, under the same id, by a later move.
+                    log.exception("cannot remove a moved record from spool %s", spool.path)
+                    return True
         return False
 
     def _flush_shared(self, spool: SQLiteDeadLetterStore, batch: int) -> None:
@@ -783,7 +802,7 @@ class RedisDeadLetterStore:
         shared file of earlier versions): each is claimed in the file first, so none is
         written twice (and resurrected after a replay removed it)."""
         skipped = 0  # records another process is moving: passed over, not waited for
-        while self._shared.available:
+        while self._keeps_records():
             try:
                 waiting = spool.list(limit=batch, offset=skipped)
             except NpuSyncError:
@@ -824,6 +843,13 @@ class RedisDeadLetterStore:
             raise NpuSyncError(
                 f"shared state unavailable ({self._shared.last_error}): dead letters in "
                 "Redis cannot be read or changed now"
+            )
+        policy = self._shared.eviction
+        if policy.evicts_records:
+            raise NpuSyncError(
+                f"Redis may evict dead letters (maxmemory-policy {policy.name}): they are "
+                "kept in the spool files until it is noeviction (docs/deployment.md, "
+                "Redis requirements)"
             )
         try:
             return fn()

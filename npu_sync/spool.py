@@ -25,6 +25,7 @@ import contextlib
 import logging
 import os
 import re
+import sqlite3
 import uuid
 from collections.abc import Iterator
 
@@ -99,6 +100,8 @@ class SpoolFile:
         lock. Returns whether the file was deleted."""
         try:
             empty = self.store.counts()[0] == 0
+        except (sqlite3.Error, NpuSyncError):
+            empty = False  # unreadable: kept for the operator, and the lock let go
         finally:
             self.store.close()
         try:

@@ -30,6 +30,22 @@ TRICKY = [
     "---\na: 1\n...\n",
     "",
     "# only a comment\n",
+    # Byte order mark, CRLF line ends, a duplicate found across them.
+    "\ufeffa: 1\r\nb: {c: 2}\r\n",
+    "\ufeffx:\r\n  a: 1\r\n  a: 2\r\n",
+    "{\u00e9: 1, \u00e9: 2}\n",
+    # Escapes, odd line breaks, tags.
+    'a: "\\U0001F600 \\x85 \\N \\_ \\L \\P \\/ \\e \\0 \\t"\n',
+    "a: 'x\u2029y'\nb: x\ufeffy\n",
+    "a: !!binary aGVsbG8=\nb: !!binary |\n  aGVs\n  bG8=\n",
+    "a: !<tag:yaml.org,2002:str> 1\nb: !!str\n",
+    "- &a a\n- *a\n- &a b\n- *a\n",
+    # A duplicate inside a merged mapping, and one beside a merge.
+    "a: &x {k: 1, k: 2}\nb: {<<: *x, j: 1, j: 2}\n",
+    "a: &x {k: 1}\nb: {<<: [*x, *x], k: 2}\n",
+    # Long scalars and keys (a simple key stops at 1024 characters in both).
+    "a: " + "v" * 200_000 + "\n",
+    "k" * 1100 + ": 1\n",
 ]
 BROKEN = [
     "a: [1, 2\n",
@@ -39,6 +55,14 @@ BROKEN = [
     "a: !!python/object:os.system {}\n",
     "- a\nb: c\n",
     "a: '\x07'\n",
+    "a: 1\n\x00",
+    "a: \x85b\x7f\n",
+    "---\na: &x 1\n---\nb: *x\n",
+    "a: 1\n\ufeff---\nb: 2\n",
+    '"a": "\\U00110000"\n',
+    # A lone surrogate is no character: libyaml refuses the escape, so must the other.
+    'a: "\\ud800"\n',
+    'a: "\\uDC00 \\uD83D"\n',
 ]
 
 
@@ -93,3 +117,41 @@ def test_a_configuration_is_read_without_pythons_scanner(monkeypatch):
         # Past libyaml's own nesting limit, PyYAML's parser names where it is too deep.
         parse_yaml("npu_workers:\n  workers: " + "[" * 2000 + "]" * 2000 + "\n", source="/x.yaml")
     assert scanned
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="PyYAML's scanner refuses a tab before any token, where libyaml takes it for "
+    "the blank YAML allows (after a value, in flow collections): a file with a trailing "
+    "tab loads with libyaml and is refused without it. Agreeing means porting libyaml's "
+    "tab rules into PyYAML's scanner (scan_to_next_token, plain scalars)",
+)
+@pytest.mark.parametrize(
+    "text", ["a: 1\t\n", "a:\n  b: x\t# c\n", "a: {b: 1,\tc: 2}\n", "a: b\tc\n"]
+)
+def test_tabs_libyaml_allows_are_read_alike(text):
+    """A tab where YAML allows blanks: both parsers read the same data."""
+    assert load(_config_file._FastStrictLoader, text) == load(_config_file._StrictLoader, text)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="libyaml skips a byte order mark at the start of any line before a token, "
+    "PyYAML's reader only the first: a second one becomes part of the key",
+)
+def test_a_second_byte_order_mark_is_read_alike():
+    """Two BOMs (a file saved twice by a BOM-adding editor): the same key in both."""
+    text = "\ufeff\n\ufeffnpu_workers: 1\n"
+    assert load(_config_file._FastStrictLoader, text) == load(_config_file._StrictLoader, text)
+
+
+def test_a_duplicate_under_bom_and_crlf_names_its_key_path_and_lines():
+    """The refusal of a duplicate key in a BOM, CRLF file names its path and both lines."""
+    text = (
+        "\ufeffnpu_workers:\r\n  workers:\r\n    - {id: a, url: 'http://127.0.0.1:9'}\r\n"
+        "  health:\r\n    interval: 5\r\n    interval: 6\r\n"
+    )
+    with pytest.raises(
+        ConfigError, match=r"npu_workers\.health\.interval: duplicate key \(lines 5 and 6\)"
+    ):
+        parse_yaml(text, source="/x.yaml")
