@@ -145,13 +145,15 @@ class _Race:
         self, success: bool, wait: float
     ) -> tuple[Lease, tuple[Outcome, bool, float, float]] | None:
         """The caller's attempt ended. Without success, the hedge's result, waiting up
-        to ``wait`` seconds for it; None when no hedge runs (none will be sent)."""
+        to ``wait`` seconds for it; with success, the hedge's result only if it had
+        already ended (a failure to settle); None when no hedge runs (none will be
+        sent)."""
         with self.cond:
             if self.state == _WAITING:
                 self.state = _CLOSED
                 return None
             if success:
-                return None
+                return self.hedge_result if self.state == _CLOSED else None
             self.cond.wait_for(lambda: self.state == _CLOSED, wait)
             return self.hedge_result
 
@@ -736,12 +738,12 @@ class TaskRun:
             if outcome.kind is Kind.NOT_HERE:
                 # Before record() hands the slot on: the next task must know.
                 self.not_loaded(lease.worker, outcome)
-            # An answer that may be the task's fault: is its charge held?
-            # Asked on the caller's side only: the hedge's thread never touches it.
-            deferred = (
-                outcome.suspect
-                and side == _FIRST
-                and self.blame.hold(
+            # An answer that may be the task's fault: is its charge held? Asked on the
+            # caller's side only: the hedge's thread never touches the blame, so a
+            # hedge's suspect answer is held until the caller settles it (settle_hedge).
+            deferred = outcome.suspect and (
+                side == _HEDGE
+                or self.blame.hold(
                     wid,
                     outcome,
                     lambda: untried_left(state, self.excluded | {wid}, self.deadline),
@@ -899,6 +901,9 @@ class TaskRun:
         if hedge is None:
             return lease, done
         hedge_lease, hedge_done = hedge
+        hedge_done = self.settle_hedge(hedge_lease.worker, hedge_done, success)
+        if success:
+            return lease, done
         kind = hedge_done[0].kind
         if done is not None and done[0].kind is not Kind.ABANDONED:
             if kind is Kind.REJECTED:
@@ -909,6 +914,34 @@ class TaskRun:
             return hedge_lease, hedge_done
         self.note(hedge_lease.worker, hedge_done)
         return lease, done
+
+    def settle_hedge(
+        self, worker: Worker, done: tuple[Outcome, bool, float, float], won_elsewhere: bool
+    ) -> tuple[Outcome, bool, float, float]:
+        """On the caller's thread: the charge for a hedge's suspect answer, held when it
+        came (see :meth:`attempt`), is made now if the blame says so, as the caller's
+        own answer's would have been: at once for a task's first HTTP 500, or because
+        the task was answered by the other attempt. Else it stays held.
+
+        Returns:
+            ``done``, its ``deferred`` flag saying whether the charge is still held.
+        """
+        outcome, deferred, t0, t1 = done
+        if not deferred:
+            return done
+        wid = worker.id
+        if not won_elsewhere and (
+            outcome.kind is Kind.REJECTED
+            or self.blame.hold(
+                wid,
+                outcome,
+                lambda: untried_left(self.state, self.excluded | {wid}, self.deadline),
+            )
+        ):
+            return done
+        held = Held(worker, outcome.error, t1 - t0, outcome.kind is Kind.REJECTED)
+        charge(self.state, [held], 0.0, self.clock.monotonic())
+        return outcome, False, t0, t1
 
     def note(self, worker: Worker, done: tuple[Outcome, bool, float, float]) -> None:
         """A hedged attempt that failed while the other goes on: remembered, its worker
