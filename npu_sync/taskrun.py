@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from npu_sync.admission import Lease, Refusal
 from npu_sync.attempt import Attempt
-from npu_sync.blame import Blame, Held, Verdict, misrouted
+from npu_sync.blame import Blame, Held, Verdict, misrouted, proven_route, route_answered
 from npu_sync.breaker import HALF_OPEN
 from npu_sync.budget import RetryBudget
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
@@ -729,6 +729,12 @@ class TaskRun:
             t1 = clock.monotonic()
             wid = lease.worker.id
             success = outcome.kind is Kind.SUCCESS
+            if (
+                success
+                and lease.worker.routed != lease.generation
+                and self.path == self.config.pool.default_endpoint
+            ):
+                route_answered(lease.worker, lease.generation)
             if race is not None and race.settle(side, success):
                 # The other attempt won. A success here came too late (a transport that
                 # cannot cancel): dropped like a failure, credited to nobody.
@@ -828,7 +834,11 @@ class TaskRun:
                     replayable=self.task.idempotent,
                 )
             outcome = protocol.classify(response, now=t0 + self.wall)
-            if outcome.kind is Kind.REJECTED and self.path == self.config.pool.default_endpoint:
+            if (
+                outcome.kind is Kind.REJECTED
+                and self.path == self.config.pool.default_endpoint
+                and not proven_route(worker)
+            ):
                 outcome = misrouted(outcome, "POST", worker.base_path + self.path)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:

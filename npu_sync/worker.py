@@ -84,6 +84,7 @@ class Worker:
         "refused_until",
         "removed",
         "reporting",
+        "routed",
         "score",
         "share",
         "stall_after",
@@ -115,6 +116,9 @@ class Worker:
         self.removed = False
         self.reporting = 0  # failures being reported to the shared state right now
         self.generation = 0  # bumped when the worker moves: older outcomes are stale
+        # The generation whose inference path answered a task (-1: none yet): an NPU
+        # worker at this address, whatever it answers later (see npu_sync.blame).
+        self.routed = -1
         self.cooldown_until = 0.0
         # The operator's fault, not the worker's sickness (see npu_sync.outage): why
         # the worker refused the pool's credentials, and until when it takes no task.
