@@ -304,3 +304,28 @@ def test_a_task_waiting_for_a_new_worker_is_refused_when_its_first_check_fails(
     ended = _replace_dead_fleet(start_worker, servers, 503)
     assert isinstance(ended, NoWorkerAvailable), ended
     assert "all 2 workers are down" in str(ended)
+
+
+def test_close_during_a_handover_returns_and_leaves_no_thread(start_worker, servers) -> None:
+    """close() while the new worker's first check hangs: returns, no pool thread left."""
+    import threading
+    import time
+
+    old = start_worker(worker_id="w1")
+    gate = threading.Event()
+    new = _gated_worker(servers, gate, 200)
+    pool = WorkerPool(_health_config([("w1", old.url)]))
+    try:
+        pool.reload(_health_config([("w4", new.url())]))
+        assert pool.stats()["reloads"]["handover"]["awaited"] == ["w4"]
+        assert pool.execute({"model_id": "default", "input_text": "x"}, timeout=10)
+    finally:
+        start = time.monotonic()
+        pool.close()
+        took = time.monotonic() - start
+        gate.set()
+    assert took < 5  # the health check's own timeout is 2 s
+    left = [t for t in threading.enumerate() if t.name.startswith("npu-sync")]
+    for thread in left:
+        thread.join(2)
+    assert not [t.name for t in left if t.is_alive()]
