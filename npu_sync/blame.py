@@ -25,7 +25,7 @@ from typing import NamedTuple
 from npu_sync.retry import NOT_A_WORKER, Kind, Outcome
 from npu_sync.worker import Worker
 
-__all__ = ["Blame", "Held", "Verdict", "misrouted"]
+__all__ = ["Blame", "Held", "Verdict", "misrouted", "proven_route", "route_answered"]
 
 _NOT_A_ROUTE = frozenset({404, 405})
 
@@ -46,6 +46,20 @@ def misrouted(outcome: Outcome, method: str, path: str) -> Outcome:
         f"{NOT_A_WORKER}: {method} {path} → {outcome.status} (check its url, port and base path)",
         processed=False,
     )
+
+
+def proven_route(worker: Worker) -> bool:
+    """Whether ``worker``'s inference path has answered a task at its current address:
+    it is an NPU worker there, so a later 404 or 405 is a refusal of that task (a
+    worker answering 404 for a document it lacks), judged as any other, not
+    misrouting."""
+    return worker.routed == worker.generation
+
+
+def route_answered(worker: Worker, generation: int) -> None:
+    """``worker``'s inference path answered a task at its address ``generation``.
+    Called without the pool's lock: a stale generation only loses the proof."""
+    worker.routed = generation
 
 
 class Verdict(enum.Enum):

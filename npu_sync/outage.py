@@ -62,9 +62,9 @@ def held_until(worker: Worker, now: float, *, shared_breakers: bool = False) -> 
     """Until when ``worker`` cannot take a task, whatever happens meanwhile inside this
     process: ``(until, breaker_until, cooldown_until)``, each :data:`NOW` when nothing
     holds it, :data:`NEVER` when only news can bring it back."""
-    if not worker.enabled or worker.draining:
+    if not worker.enabled or worker.draining or worker.hinted_draining:
         return _NEVER_HOLD
-    if not worker.healthy or worker.hinted_draining:
+    if not worker.healthy and not awaiting_first_check(worker):
         return _NEVER_HOLD
     refused = worker.refused_until
     cooldown = worker.cooldown_until
@@ -80,6 +80,15 @@ def held_until(worker: Worker, now: float, *, shared_breakers: bool = False) -> 
     return until, breaker_until, cooldown_until
 
 
+def awaiting_first_check(worker: Worker) -> bool:
+    """Whether ``worker`` was added by a reload and takes no task until its first health
+    check passes (make before break): that check is already on its way, so the news
+    may come at any moment, and a task waits for it rather than fail while the new
+    worker is seconds from answering. Its first check, passed or failed, ends this
+    (the waiters are woken then)."""
+    return worker.awaiting_check and not worker.healthy
+
+
 def down_reason(worker: Worker, now: float) -> str | None:
     """Why ``worker`` cannot take a task now nor soon, in a few words, or None: busy,
     cooling down after a ``Retry-After``, or waiting for its half-open trial to end is
@@ -90,6 +99,8 @@ def down_reason(worker: Worker, now: float) -> str | None:
         return "draining"
     if worker.refused_until > now:
         return "refusing the credentials"
+    if awaiting_first_check(worker):
+        return "awaiting its first health check"
     if not worker.healthy:
         # The latest word on why: a failed health check, else what a task was answered.
         checked = worker.health
@@ -110,6 +121,10 @@ _COUNTED = {
     "draining": ("draining", "draining"),
     "refusing the credentials": ("refusing the credentials", "refusing the credentials"),
     "unhealthy": ("unhealthy", "unhealthy"),
+    "awaiting its first health check": (
+        "awaiting its first health check",
+        "awaiting their first health check",
+    ),
     "not an NPU worker": ("not an NPU worker", "not NPU workers"),
     "circuit breaker open": ("breaker open", "breakers open"),
     "cooling down (Retry-After)": ("cooling down (Retry-After)", "cooling down (Retry-After)"),

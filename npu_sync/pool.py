@@ -53,7 +53,7 @@ from npu_sync.events import (
 from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.guard import ReloadGuard
 from npu_sync.health import HealthChecker, HealthResult
-from npu_sync.outage import credentials_news
+from npu_sync.outage import awaiting_first_check, credentials_news
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
 from npu_sync.redact import NO_SCRUBBER, Scrubber
@@ -725,6 +725,7 @@ class WorkerPool:
         health = self._state.config.health
         changes: list[tuple[str, bool, str | None]] = []
         refusals: list[tuple[str, str]] = []
+        first_checks = False  # a worker a reload added was checked for the first time
         models: list[WorkerModelsChanged] = []
         at = self._state.clock.time()
         with self._state.lock:
@@ -733,6 +734,7 @@ class WorkerPool:
                 worker = self._state.workers.get(worker_id)
                 if worker is None or result.generation != worker.generation:
                     continue  # removed, or moved to a new address, while the round ran
+                first_checks = first_checks or awaiting_first_check(worker)
                 refused = credentials_news(worker, result)
                 if refused is not None:
                     refusals.append((worker_id, refused))
@@ -762,9 +764,10 @@ class WorkerPool:
                 # npu_available changed somewhere: the tiers are formed again.
                 self._state.dispatcher.set_workers_locked(self._state.workers.values())
             self._state.dispatcher.release_locked(self._state.clock.monotonic())
-            if changes or refusals:
-                # A worker went down: a task waiting for it learns now that waiting
-                # no longer helps (see npu_sync.outage), rather than at its deadline.
+            if changes or refusals or first_checks:
+                # A worker went down, or a new one failed its first check: a task
+                # waiting for it learns now that waiting no longer helps (see
+                # npu_sync.outage), rather than at its deadline.
                 self._state.dispatcher.wake_all_locked()
         with self._own_work():
             for worker_id, refusal in refusals:

@@ -422,7 +422,7 @@ class Reconfigurer:
         scrubber = state.new_scrubber(new, state.scrubber)
         for wid in unproven:
             if wid in built.workers:
-                built.workers[wid].healthy = False  # takes tasks once a check passes
+                built.workers[wid].await_first_check()  # takes tasks once a check passes
         with state.lock:
             closed_meanwhile = state.closed
         if closed_meanwhile:

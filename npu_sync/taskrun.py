@@ -36,7 +36,7 @@ from typing import Any, NoReturn
 
 from npu_sync.admission import Lease, Refusal
 from npu_sync.attempt import Attempt
-from npu_sync.blame import Blame, Held, Verdict, misrouted
+from npu_sync.blame import Blame, Held, Verdict, misrouted, proven_route, route_answered
 from npu_sync.breaker import HALF_OPEN
 from npu_sync.budget import RetryBudget
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
@@ -145,13 +145,15 @@ class _Race:
         self, success: bool, wait: float
     ) -> tuple[Lease, tuple[Outcome, bool, float, float]] | None:
         """The caller's attempt ended. Without success, the hedge's result, waiting up
-        to ``wait`` seconds for it; None when no hedge runs (none will be sent)."""
+        to ``wait`` seconds for it; with success, the hedge's result only if it had
+        already ended (a failure to settle); None when no hedge runs (none will be
+        sent)."""
         with self.cond:
             if self.state == _WAITING:
                 self.state = _CLOSED
                 return None
             if success:
-                return None
+                return self.hedge_result if self.state == _CLOSED else None
             self.cond.wait_for(lambda: self.state == _CLOSED, wait)
             return self.hedge_result
 
@@ -727,6 +729,12 @@ class TaskRun:
             t1 = clock.monotonic()
             wid = lease.worker.id
             success = outcome.kind is Kind.SUCCESS
+            if (
+                success
+                and lease.worker.routed != lease.generation
+                and self.path == self.config.pool.default_endpoint
+            ):
+                route_answered(lease.worker, lease.generation)
             if race is not None and race.settle(side, success):
                 # The other attempt won. A success here came too late (a transport that
                 # cannot cancel): dropped like a failure, credited to nobody.
@@ -736,12 +744,12 @@ class TaskRun:
             if outcome.kind is Kind.NOT_HERE:
                 # Before record() hands the slot on: the next task must know.
                 self.not_loaded(lease.worker, outcome)
-            # An answer that may be the task's fault: is its charge held?
-            # Asked on the caller's side only: the hedge's thread never touches it.
-            deferred = (
-                outcome.suspect
-                and side == _FIRST
-                and self.blame.hold(
+            # An answer that may be the task's fault: is its charge held? Asked on the
+            # caller's side only: the hedge's thread never touches the blame, so a
+            # hedge's suspect answer is held until the caller settles it (settle_hedge).
+            deferred = outcome.suspect and (
+                side == _HEDGE
+                or self.blame.hold(
                     wid,
                     outcome,
                     lambda: untried_left(state, self.excluded | {wid}, self.deadline),
@@ -826,7 +834,11 @@ class TaskRun:
                     replayable=self.task.idempotent,
                 )
             outcome = protocol.classify(response, now=t0 + self.wall)
-            if outcome.kind is Kind.REJECTED and self.path == self.config.pool.default_endpoint:
+            if (
+                outcome.kind is Kind.REJECTED
+                and self.path == self.config.pool.default_endpoint
+                and not proven_route(worker)
+            ):
                 outcome = misrouted(outcome, "POST", worker.base_path + self.path)
             check = self.check
             if check is not None and outcome.kind is Kind.SUCCESS:
@@ -899,6 +911,9 @@ class TaskRun:
         if hedge is None:
             return lease, done
         hedge_lease, hedge_done = hedge
+        hedge_done = self.settle_hedge(hedge_lease.worker, hedge_done, success)
+        if success:
+            return lease, done
         kind = hedge_done[0].kind
         if done is not None and done[0].kind is not Kind.ABANDONED:
             if kind is Kind.REJECTED:
@@ -909,6 +924,34 @@ class TaskRun:
             return hedge_lease, hedge_done
         self.note(hedge_lease.worker, hedge_done)
         return lease, done
+
+    def settle_hedge(
+        self, worker: Worker, done: tuple[Outcome, bool, float, float], won_elsewhere: bool
+    ) -> tuple[Outcome, bool, float, float]:
+        """On the caller's thread: the charge for a hedge's suspect answer, held when it
+        came (see :meth:`attempt`), is made now if the blame says so, as the caller's
+        own answer's would have been: at once for a task's first HTTP 500, or because
+        the task was answered by the other attempt. Else it stays held.
+
+        Returns:
+            ``done``, its ``deferred`` flag saying whether the charge is still held.
+        """
+        outcome, deferred, t0, t1 = done
+        if not deferred:
+            return done
+        wid = worker.id
+        if not won_elsewhere and (
+            outcome.kind is Kind.REJECTED
+            or self.blame.hold(
+                wid,
+                outcome,
+                lambda: untried_left(self.state, self.excluded | {wid}, self.deadline),
+            )
+        ):
+            return done
+        held = Held(worker, outcome.error, t1 - t0, outcome.kind is Kind.REJECTED)
+        charge(self.state, [held], 0.0, self.clock.monotonic())
+        return outcome, False, t0, t1
 
     def note(self, worker: Worker, done: tuple[Outcome, bool, float, float]) -> None:
         """A hedged attempt that failed while the other goes on: remembered, its worker

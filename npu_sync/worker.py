@@ -51,6 +51,7 @@ class Worker:
 
     __slots__ = (
         "auth",
+        "awaiting_check",
         "base_path",
         "breaker",
         "busy_since",
@@ -84,6 +85,7 @@ class Worker:
         "refused_until",
         "removed",
         "reporting",
+        "routed",
         "score",
         "share",
         "stall_after",
@@ -107,6 +109,9 @@ class Worker:
         self.in_flight = 0
         self.healthy = True
         self.health: HealthResult | None = None
+        # Added by a reload, no task until its first health check passes (that check
+        # is on its way): see await_first_check().
+        self.awaiting_check = False
         self.health_failures = 0
         self.health_passes = 0
         self.hinted_capacity: int | None = None
@@ -115,6 +120,9 @@ class Worker:
         self.removed = False
         self.reporting = 0  # failures being reported to the shared state right now
         self.generation = 0  # bumped when the worker moves: older outcomes are stale
+        # The generation whose inference path answered a task (-1: none yet): an NPU
+        # worker at this address, whatever it answers later (see npu_sync.blame).
+        self.routed = -1
         self.cooldown_until = 0.0
         # The operator's fault, not the worker's sickness (see npu_sync.outage): why
         # the worker refused the pool's credentials, and until when it takes no task.
@@ -164,6 +172,7 @@ class Worker:
     def apply_health(self, result: HealthResult, unhealthy_after: int, healthy_after: int) -> bool:
         """Count a health check; returns whether ``healthy`` changed."""
         self.health = result
+        self.awaiting_check = False
         was = self.healthy
         if result.ok:
             self.health_failures = 0
@@ -181,6 +190,13 @@ class Worker:
             if was and (self.health_failures >= unhealthy_after or result.not_a_worker):
                 self.healthy = False
         return self.healthy != was
+
+    def await_first_check(self) -> None:
+        """Take no task until a health check passes, which is asked for now: a worker a
+        reload added (make before break). Until that check is applied, the worker may
+        come at any moment, so a task waits for it (see :mod:`npu_sync.outage`)."""
+        self.healthy = False
+        self.awaiting_check = True
 
     def take_out(self, reason: str) -> bool:
         """Take the worker out of service: it is misconfigured (``reason`` says how),
