@@ -705,7 +705,7 @@ class PoolSettings:
         check_fields(self, "pool")
 
 
-_STRATEGIES: Final = (
+STRATEGIES: Final = (
     "least-loaded",
     "round-robin",
     "weighted",
@@ -713,6 +713,7 @@ _STRATEGIES: Final = (
     "weighted-random",
     "priority-failover",
 )
+"""The ways to pick a worker within a tier (``balancing.strategy``), declared once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -767,7 +768,7 @@ class BalancingConfig:
 
     strategy: str = choice(
         "least-loaded",
-        _STRATEGIES,
+        STRATEGIES,
         "how a worker is chosen within the preferred tier",
         autobot="load_balancing.strategy",
         autobot_note="as is: AutoBot's `least-loaded`, `round-robin`, `priority`, `weighted`, "

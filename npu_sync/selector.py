@@ -93,6 +93,7 @@ from collections.abc import Callable, Collection, Iterable
 from itertools import groupby
 
 from npu_sync.breaker import CLOSED
+from npu_sync.config import STRATEGIES
 from npu_sync.latency import DEFAULT_DECAY, MIN_COST
 from npu_sync.outage import down_reason, held_until
 from npu_sync.slowstart import SlowStart
@@ -122,15 +123,6 @@ _RAMP_STEPS = 100
 _STALL_RESCANS = 4
 """Stalled winners one selection may pass over before it takes the cheapest anyway."""
 
-STRATEGIES = (
-    "least-loaded",
-    "round-robin",
-    "weighted",
-    "priority",
-    "weighted-random",
-    "priority-failover",
-)
-"""The ways to pick a worker within a tier (``balancing.strategy``)."""
 
 
 class _Tier:
