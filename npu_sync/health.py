@@ -232,15 +232,19 @@ def _verdict(
     started: float = 0.0,
     path: str = "/health",
 ) -> HealthResult:
-    if len(response.body) > MAX_BODY_BYTES:
+    def failed(error: str, *, not_a_worker: bool = False) -> HealthResult:
         return HealthResult(
             worker_id,
             False,
             checked_at,
             latency,
             response.status,
-            f"body of {len(response.body)} bytes is over {MAX_BODY_BYTES}",
+            error,
+            not_a_worker=not_a_worker,
         )
+
+    if len(response.body) > MAX_BODY_BYTES:
+        return failed(f"body of {len(response.body)} bytes is over {MAX_BODY_BYTES}")
     try:
         body = response.json()
     except (ValueError, RecursionError):
@@ -251,29 +255,12 @@ def _verdict(
         # the worker's own reason, for the pool to take it out and for the probe.
         detail = body.get("detail") if isinstance(body, dict) else None
         reason = f": {printable(detail[:300])}" if isinstance(detail, str) else ""
-        return HealthResult(
-            worker_id,
-            False,
-            checked_at,
-            latency,
-            response.status,
-            f"credentials refused: HTTP {response.status}{reason}",
-        )
+        return failed(f"credentials refused: HTTP {response.status}{reason}")
     misrouted = _not_a_worker(response.status, body)
     if misrouted is not None:
-        return HealthResult(
-            worker_id,
-            False,
-            checked_at,
-            latency,
-            response.status,
-            f"{NOT_A_WORKER}: GET {path} → {misrouted}",
-            not_a_worker=True,
-        )
+        return failed(f"{NOT_A_WORKER}: GET {path} → {misrouted}", not_a_worker=True)
     if not isinstance(body, dict):
-        return HealthResult(
-            worker_id, False, checked_at, latency, response.status, "body is not a JSON object"
-        )
+        return failed("body is not a JSON object")
     status = body.get("status")
     ok = response.status == 200 and status == "healthy"
     error = None if ok else f"HTTP {response.status}, status {_short(status)}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,6 +13,14 @@ from typing import Any
 import pytest
 
 from npu_sync.worker_server import LocalWorker
+
+
+@pytest.fixture
+def private_temp_dir(tmp_path, monkeypatch) -> None:
+    """Default dead-letter spools, in this process and its children, go under tmp_path
+    (a test file opts in with ``pytest.mark.usefixtures("private_temp_dir")``)."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.fixture

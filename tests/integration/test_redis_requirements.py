@@ -11,7 +11,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -27,16 +26,9 @@ from npu_sync.config import (
 
 from .conftest import RedisServer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_temp_dir")]
 
 redis = pytest.importorskip("redis")
-
-
-@pytest.fixture(autouse=True)
-def private_temp_dir(tmp_path, monkeypatch):
-    """Default dead-letter spools, here and in child processes, go under tmp_path."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def redis_with(tmp_path, name: str, *options: str) -> Iterator[RedisServer]:

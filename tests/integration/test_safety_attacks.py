@@ -11,7 +11,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -33,16 +32,9 @@ from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.shared import RedisDeadLetterStore
 from npu_sync.task import Attempt
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_temp_dir")]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.fixture(autouse=True)
-def private_temp_dir(tmp_path, monkeypatch):
-    """Default dead-letter spools, here and in child processes, go under tmp_path."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 def wait_for(condition, what: str, timeout: float = 30.0) -> None:

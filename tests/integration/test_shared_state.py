@@ -6,7 +6,6 @@ import json
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -25,16 +24,9 @@ from npu_sync.config import (
     worker_config,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_temp_dir")]
 
 CLIENT = [sys.executable, "-m", "tests.integration.shared_client"]
-
-
-@pytest.fixture(autouse=True)
-def private_temp_dir(tmp_path, monkeypatch):
-    """Default dead-letter spools, here and in child processes, go under tmp_path."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 class RedisCalls:
