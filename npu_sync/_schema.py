@@ -242,6 +242,61 @@ def show(value: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------
+# Reloads
+
+
+@dataclass(frozen=True, slots=True)
+class HotMerge:
+    """What a reload does with a new configuration, by each key's ``hot`` declaration.
+
+    ``config`` is the new configuration with every key that is not hot (``hot=False`` on
+    the key or on a section above it) kept at its running value; ``cold`` names the keys
+    a reload changed but cannot apply (they take effect on restart), ``hot`` those it
+    applies, both as dotted paths.
+    """
+
+    config: Any
+    cold: tuple[str, ...]
+    hot: tuple[str, ...]
+
+
+def hot_merge(old: _T, new: _T, *, skip: frozenset[str] = frozenset()) -> HotMerge:
+    """Merge ``new`` into the running ``old`` by the declared ``hot`` of each key.
+
+    Top-level fields named in ``skip`` are taken from ``new`` as they are and reported
+    in neither list (the caller compares them itself: the workers). Fields without a
+    spec are taken from ``new``.
+    """
+    cold: list[str] = []
+    hot: list[str] = []
+    merged = _merge(old, new, "", skip, cold, hot)
+    return HotMerge(merged, tuple(cold), tuple(hot))
+
+
+def _merge(
+    old: Any, new: Any, prefix: str, skip: frozenset[str], cold: list[str], hot: list[str]
+) -> Any:
+    changes: dict[str, Any] = {}
+    for name, spec, _item in specs(type(new)):
+        path = f"{prefix}{name}"
+        if path in skip:
+            continue
+        before, after = getattr(old, name), getattr(new, name)
+        if before == after:
+            continue
+        if not spec.hot:
+            cold.append(path)
+            changes[name] = before
+        elif spec.kind == "section" and dataclasses.is_dataclass(after):
+            merged = _merge(before, after, f"{path}.", skip, cold, hot)
+            if merged is not after:
+                changes[name] = merged
+        else:
+            hot.append(path)
+    return dataclasses.replace(new, **changes) if changes else new
+
+
+# ---------------------------------------------------------------------------------------
 # Documentation
 
 
@@ -259,7 +314,13 @@ def keys(cls: type, prefix: str = "") -> Iterator[Key]:
     for name, spec, item in specs(cls):
         path = f"{prefix}{name}"
         if spec.kind == "section" and spec.section is not None:
-            yield from keys(spec.section, f"{path}.")
+            for key in keys(spec.section, f"{path}."):
+                # A key inside a section a reload keeps is kept with it.
+                yield (
+                    key
+                    if spec.hot
+                    else Key(key.path, dataclasses.replace(key.spec, hot=False), key.default)
+                )
             continue
         yield Key(path, spec, default_of(item))
         for input_name, input_spec, input_default in spec.inputs:

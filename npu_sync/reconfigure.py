@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from npu_sync._schema import hot_merge
 from npu_sync.config import (
     HealthConfig,
     PoolConfig,
@@ -53,11 +54,8 @@ from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
 
-_NOT_HOT = ("transport", "dead_letter", "pool", "shared_state", "fleet")
-"""Sections a reload cannot change in a running pool."""
-
-_SETTINGS = ("health", "circuit_breaker", "retry", "timeouts", "balancing")
-"""Sections a reload applies to the tasks that start after it."""
+_COMPARED = frozenset({"workers", "source"})
+"""Fields a reload compares itself (workers one by one) or always takes (the file)."""
 
 _ADDRESS_FIELDS = ("url", "tls", "headers")
 """A worker whose address changes gets new connections and a fresh breaker."""
@@ -67,9 +65,10 @@ _ADDRESS_FIELDS = ("url", "tls", "headers")
 class ReloadResult:
     """What a reload changed, by worker id.
 
-    ``restart_required`` names pool sections that differ in the new configuration
-    but only take effect on a new pool (``transport``, ``dead_letter``, ``pool``);
-    the running values are kept. ``retiring`` names the ``removed`` workers that keep
+    ``restart_required`` names the pool sections holding keys that differ in the new
+    configuration but are not hot (declared ``hot=False``): they take effect on a new
+    pool, and the running values are kept. ``settings_changed`` says a hot pool-level
+    key changed. ``retiring`` names the ``removed`` workers that keep
     taking tasks until the added ones pass a health check (make before break).
     """
 
@@ -400,16 +399,12 @@ class Reconfigurer:
         old = state.config
         if state.closed:
             raise PoolClosed("the pool is closed")
-        restart = tuple(name for name in _NOT_HOT if getattr(new, name) != getattr(old, name))
-        new = dataclasses.replace(
-            new,
-            transport=old.transport,
-            dead_letter=old.dead_letter,
-            pool=old.pool,
-            shared_state=old.shared_state,
-            # A configuration built in code keeps the pool's file, and its watcher.
-            source=new.source or old.source,
-        )
+        # Each key's ``hot`` declaration decides: a key that is not hot keeps its running
+        # value (named as needing a restart), a hot one applies to the tasks after this.
+        merge = hot_merge(old, new, skip=_COMPARED)
+        restart = tuple(dict.fromkeys(path.split(".", 1)[0] for path in merge.cold))
+        # A configuration built in code keeps the pool's file, and its watcher.
+        new = dataclasses.replace(merge.config, source=new.source or old.source)
         wanted = {w.id: w for w in new.workers}
         with state.lock:
             current = dict(state.workers)
@@ -438,7 +433,7 @@ class Reconfigurer:
         for transport in to_close:
             transport.close()
         self._on_health(old.health, new.health)
-        settings_changed = any(getattr(new, name) != getattr(old, name) for name in _SETTINGS)
+        settings_changed = bool(merge.hot)
         return ReloadResult(
             tuple(added),
             tuple(removed),

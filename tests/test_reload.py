@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -9,6 +10,7 @@ import time
 import pytest
 
 from npu_sync import ConfigError, NpuSyncError, WorkerPool
+from npu_sync._schema import hot_merge, integer, section
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -146,6 +148,59 @@ def test_pool_settings_apply_to_later_tasks_and_sections_needing_restart_are_nam
         with pytest.raises(Exception) as second:
             pool.execute({"x": 1})
         assert len(second.value.attempts) == 3
+
+
+def test_a_reload_changing_only_models_or_reload_keys_is_reported_as_applied():
+    """``models.*`` and ``reload.*`` are hot keys: a reload applies them and says so."""
+    net = FakeNetwork(echo)
+    with WorkerPool(config(A, B), transport_factory=net.factory) as pool:
+        models = dataclasses.replace(pool.config.models, refresh_on_health=False)
+        result = pool.reload(config(A, B, models=models))
+        assert result.settings_changed and result.restart_required == ()
+        assert pool.config.models.refresh_on_health is False
+        guard = dataclasses.replace(pool.config.reload, max_removed_share=0.9)
+        result = pool.reload(config(A, B, models=models, reload=guard))
+        assert result.settings_changed and result.restart_required == ()
+        assert pool.config.reload.max_removed_share == 0.9
+        assert not pool.reload(config(A, B, models=models, reload=guard)).changed
+
+
+def test_a_reload_changing_fleet_keys_keeps_them_and_names_the_section():
+    """``fleet.*`` keys are not hot: the running value stays, in ``pool.config`` too."""
+    net = FakeNetwork(echo)
+    with WorkerPool(config(A), transport_factory=net.factory) as pool:
+        running = pool.config.fleet
+        fleet = dataclasses.replace(running, interval=running.interval * 2)
+        result = pool.reload(config(A, fleet=fleet))
+        assert result.restart_required == ("fleet",) and not result.settings_changed
+        assert pool.config.fleet == running
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inner:
+    warm: int = integer(1, 0, 9, "applied")
+    cold: int = integer(1, 0, 9, "kept", hot=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outer:
+    inner: _Inner = section(_Inner, "a hot section with a cold key")
+    kept: _Inner = section(_Inner, "a cold section", hot=False)
+    top: int = integer(1, 0, 9, "applied")
+
+
+def test_hot_merge_follows_each_keys_declaration_at_any_depth():
+    """The one rule: a key not hot (or inside a section not hot) keeps its value."""
+    old = _Outer()
+    new = _Outer(inner=_Inner(warm=2, cold=3), kept=_Inner(warm=4, cold=5), top=6)
+    merge = hot_merge(old, new)
+    assert merge.config == _Outer(inner=_Inner(warm=2, cold=1), kept=_Inner(), top=6)
+    assert merge.cold == ("inner.cold", "kept")
+    assert merge.hot == ("inner.warm", "top")
+    same = _Outer()
+    unchanged = hot_merge(old, same)
+    assert unchanged.config is same and unchanged.cold == () and unchanged.hot == ()
+    assert hot_merge(old, new, skip=frozenset({"kept"})).cold == ("inner.cold",)
 
 
 def test_bad_file_keeps_the_running_config_and_is_counted(tmp_path):
