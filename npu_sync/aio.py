@@ -1,0 +1,440 @@
+"""The same pool for asyncio code: ``await apool.execute(task)``.
+
+An :class:`AsyncWorkerPool` wraps a :class:`~npu_sync.pool.WorkerPool` that synchronous
+callers may be using at the same time: one set of workers, breakers, health checks,
+reloads, dead letters and metrics. Each task runs its whole life (see
+:mod:`npu_sync.taskrun`) on one of a bounded set of threads of its own, and its end is
+handed to the awaiting coroutine with ``loop.call_soon_threadsafe``; the event loop
+only builds the task and waits. docs/async.md says why threads under the hood and not
+an asyncio transport of its own, with the figures.
+
+Cancelling the awaiting asyncio task stops its task (see :mod:`npu_sync.stop`) wherever
+it is: still waiting for a thread (it never starts), waiting for a worker (it leaves
+the queue), on the wire (its socket is shut down, its slot given back, the attempt
+recorded as abandoned: no worker charged) or backing off (the wait ends). A stopped
+task runs no fallback and stores no dead letter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import functools
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, ParamSpec, TypeVar
+
+from npu_sync.decorator import NpuTask
+from npu_sync.errors import PoolClosed
+from npu_sync.pool import WorkerPool
+from npu_sync.stop import Stopped, TaskStop
+from npu_sync.task import Task, as_task
+from npu_sync.taskrun import _Exhausted
+
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+_MAX_THREADS = 4096
+_CLOSED_WHILE_RUNNING = "the pool was closed while the task ran"
+
+
+class _Call:
+    """One task handed to a thread: what it runs, and where its end goes."""
+
+    __slots__ = (
+        "body",
+        "deadline",
+        "fallback",
+        "future",
+        "loop",
+        "stop",
+        "task",
+        "timer",
+        "waiter",
+    )
+
+    def __init__(
+        self,
+        task: Task,
+        body: bytes,
+        deadline: float,
+        fallback: Callable[[], Any] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.task = task
+        self.body = body
+        self.deadline = deadline
+        self.fallback = fallback
+        self.loop = loop
+        self.stop = TaskStop()
+        self.waiter: asyncio.Future[Any] = loop.create_future()
+        self.future: concurrent.futures.Future[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def deliver(self, source: concurrent.futures.Future[Any]) -> None:
+        """Hand ``source``'s end to the awaiting coroutine, from any thread."""
+        if source.cancelled():
+            return  # never ran: whoever cancelled it ends the coroutine
+        try:
+            self.loop.call_soon_threadsafe(self._settle, source)
+        except RuntimeError:
+            # The loop is closed: nobody awaits this task any more.
+            log.debug("task %s ended after its event loop closed", self.task.task_id)
+
+    def fail(self, error: BaseException) -> None:
+        """End the awaiting coroutine with ``error``, from any thread."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody awaits
+            self.loop.call_soon_threadsafe(self._set_error, error)
+
+    def _settle(self, source: concurrent.futures.Future[Any]) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        waiter = self.waiter
+        if waiter.done():  # the caller was cancelled meanwhile
+            return
+        error = source.exception()
+        if error is None:
+            waiter.set_result(source.result())
+        else:
+            waiter.set_exception(error)
+
+    def _set_error(self, error: BaseException) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        if not self.waiter.done():
+            self.waiter.set_exception(error)
+
+
+class AsyncWorkerPool:
+    """A :class:`WorkerPool` for asyncio callers, shared with its synchronous callers.
+
+    Thread-safe, and usable from several event loops (each in its own thread) at once.
+    Every task runs on one of at most ``threads`` threads of this object; tasks beyond
+    that wait for a thread in FIFO order, each no longer than ``pool.max_queue_wait``
+    within its deadline, after which it ends like a task that found no worker:
+    ``NoWorkerAvailable``, its dead letter stored first.
+
+    Args:
+        pool: the pool to run tasks on.
+        threads: the most tasks running at once for asyncio callers (1..4096); by
+            default the pool's ``pool.threads``. More threads than the workers have
+            slots (the sum of their ``max_concurrent``) only wait for a worker.
+        close_pool: close ``pool`` too when this is closed.
+
+    Raises:
+        ValueError: ``threads`` is not an integer in 1..4096.
+    """
+
+    def __init__(
+        self, pool: WorkerPool, *, threads: int | None = None, close_pool: bool = False
+    ) -> None:
+        if threads is None:
+            threads = pool.config.pool.threads
+        if isinstance(threads, bool) or not isinstance(threads, int):
+            raise ValueError(f"threads: must be an integer, got {threads!r}")
+        if not 1 <= threads <= _MAX_THREADS:
+            raise ValueError(f"threads: must be 1..{_MAX_THREADS}, got {threads}")
+        self._pool = pool
+        self._threads = threads
+        self._close_pool = close_pool
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._spare: concurrent.futures.ThreadPoolExecutor | None = None
+        self._calls: set[_Call] = set()
+        self._closed = False
+        self._pid = os.getpid()
+
+    @classmethod
+    def from_yaml(
+        cls, path: str | os.PathLike[str], *, threads: int | None = None, **kwargs: Any
+    ) -> AsyncWorkerPool:
+        """Build a pool from a YAML file (see :meth:`WorkerPool.from_yaml`, which takes
+        ``kwargs``); closing this closes it."""
+        return cls(WorkerPool.from_yaml(path, **kwargs), threads=threads, close_pool=True)
+
+    @property
+    def pool(self) -> WorkerPool:
+        """The synchronous pool underneath: ``stats()``, ``workers()``, dead letters."""
+        return self._pool
+
+    @property
+    def threads(self) -> int:
+        return self._threads
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._pool.closed
+
+    def in_flight(self) -> int:
+        """Tasks accepted and not yet ended (running, or waiting for a thread)."""
+        with self._lock:
+            return len(self._calls)
+
+    # -- running tasks -----------------------------------------------------------------
+
+    async def execute(
+        self,
+        task: Task | Any,
+        timeout: float | None = None,
+        *,
+        fallback: Callable[[], Any] | None = None,
+    ) -> Any:
+        """Run one task; the coroutine ends as :meth:`WorkerPool.execute` would.
+
+        The task's deadline starts now: time spent waiting for a thread counts.
+        Cancelling the awaiting task stops the task and charges no worker.
+
+        Args:
+            task, timeout, fallback: as for :meth:`WorkerPool.execute` (the fallback
+                runs on the task's thread, never on the event loop).
+
+        Raises:
+            TaskRejected: the task is bad.
+            TaskFailed: no attempt succeeded; the dead letter is stored first
+                (``NoWorkerAvailable`` when none could start, no thread included).
+            InvalidTask: the task cannot be sent.
+            PoolClosed: the pool is closed, or was closed while the task ran.
+        """
+        call = self._start(task, timeout, fallback, asyncio.get_running_loop())
+        try:
+            return await call.waiter
+        except asyncio.CancelledError:
+            if call.timer is not None:
+                call.timer.cancel()
+            self._cancel(call, call.stop.reason)
+            raise
+
+    async def map(
+        self,
+        tasks: Iterable[Task | Any],
+        timeout: float | None = None,
+        *,
+        window: int | None = None,
+    ) -> AsyncIterator[Any]:
+        """Run tasks concurrently and yield their results in order.
+
+        At most ``window`` tasks (default twice ``threads``) are in flight at once. The
+        first exception is raised when its result is reached; the tasks still in flight
+        then (or when the iteration is left early) are cancelled.
+        """
+        limit = window if window is not None else 2 * self._threads
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"window: must be an integer >= 1, got {window!r}")
+        pending: deque[asyncio.Future[Any]] = deque()
+        source = iter(tasks)
+        try:
+            for task in source:
+                pending.append(asyncio.ensure_future(self.execute(task, timeout)))
+                if len(pending) >= limit:
+                    break
+            while pending:
+                result = await pending.popleft()
+                for task in source:
+                    pending.append(asyncio.ensure_future(self.execute(task, timeout)))
+                    break
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    def task(
+        self,
+        *,
+        fallback: Callable[..., Any] | None = None,
+        timeout: float | None = None,
+        endpoint: str | None = None,
+        idempotent: bool = True,
+    ) -> Callable[[Callable[P, Any]], Callable[P, Awaitable[Any]]]:
+        """``@npu_task`` for asyncio: the payload-building function becomes a coroutine
+        function running its task here (arguments as for :func:`~npu_sync.npu_task`)."""
+
+        def decorate(func: Callable[P, Any]) -> Callable[P, Awaitable[Any]]:
+            built = NpuTask(
+                func,
+                self._pool,
+                fallback=fallback,
+                timeout=timeout,
+                endpoint=endpoint,
+                idempotent=idempotent,
+            )
+
+            @functools.wraps(func)
+            async def run(*args: P.args, **kwargs: P.kwargs) -> Any:
+                task, local = built._prepare(args, kwargs)
+                return await self.execute(task, fallback=local)
+
+            return run
+
+        return decorate
+
+    # -- closing -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop accepting tasks, stop every task still running (its awaiting coroutine
+        ends at once with ``PoolClosed``; no worker charged, no dead letter), and join
+        this object's threads; then close the pool if it was given ``close_pool``.
+
+        Blocks for as long as the stopped tasks take to end (a socket shut down ends
+        at once); from a coroutine, await :meth:`aclose` instead. Idempotent.
+        """
+        with self._lock:
+            self._closed = True
+            calls = list(self._calls)
+            executor, spare = self._executor, self._spare
+        error = PoolClosed(_CLOSED_WHILE_RUNNING)
+        for call in calls:
+            call.stop.stop(_CLOSED_WHILE_RUNNING)
+            self._cancel(call, _CLOSED_WHILE_RUNNING)
+            call.fail(error)
+        # A thread of this pool (a hook, a fallback) cannot wait for itself.
+        inside = bool(getattr(self._pool._local, "depth", 0))
+        for ex in (executor, spare):
+            if ex is not None:
+                ex.shutdown(wait=not inside)
+        if self._close_pool:
+            self._pool.close()
+
+    async def aclose(self) -> None:
+        """:meth:`close` on a thread, so that the event loop goes on meanwhile."""
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> AsyncWorkerPool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<AsyncWorkerPool threads={self._threads} closed={self.closed} {self._pool!r}>"
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _start(
+        self,
+        task: Task | Any,
+        timeout: float | None,
+        fallback: Callable[[], Any] | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> _Call:
+        pool = self._pool
+        task = as_task(task)
+        body = task.body()
+        deadline = pool._runner.deadline(task, timeout)
+        call = _Call(task, body, deadline, fallback, loop)
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
+            executor = self._executor_locked()
+            self._calls.add(call)
+        try:
+            pool._enter()  # PoolClosed once the pool is closed
+        except BaseException:
+            self._take(call)
+            raise
+        try:
+            future = executor.submit(self._work, call)
+        except RuntimeError:  # closed between the check and here
+            self._never_ran(call)
+            raise PoolClosed("the pool is closed") from None
+        call.future = future
+        future.add_done_callback(call.deliver)
+        # A task still waiting for a thread when it may wait no more ends then.
+        now = pool._state.clock.monotonic()
+        limit = min(call.deadline, now + pool.config.pool.max_queue_wait)
+        call.timer = loop.call_later(max(limit - now, 0.0), self._expire, call)
+        return call
+
+    def _executor_locked(self) -> concurrent.futures.ThreadPoolExecutor:
+        pid = os.getpid()
+        if pid != self._pid:
+            # A forked child: the parent's threads do not exist here.
+            self._pid = pid
+            self._executor = self._spare = None
+            self._calls = set()
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self._threads,
+                thread_name_prefix="npu-sync-aio",
+                initializer=self._pool._mark_own_thread,
+            )
+        return self._executor
+
+    def _work(self, call: _Call) -> Any:
+        """A task's whole life, on one of this pool's threads."""
+        try:
+            if call.loop.is_closed():
+                raise Stopped(call.task.task_id)  # nobody can hear of its end
+            return self._pool._execute(
+                call.task, call.body, call.deadline, call.fallback, call.stop
+            )
+        except Stopped:
+            if call.stop.reason == _CLOSED_WHILE_RUNNING:
+                raise PoolClosed(
+                    f"task {call.task.task_id} was stopped: {_CLOSED_WHILE_RUNNING}"
+                ) from None
+            raise
+        finally:
+            self._take(call)
+            self._pool._leave()
+
+    def _cancel(self, call: _Call, reason: str) -> None:
+        """Stop ``call``'s task; if it never reached a thread, it is over now."""
+        call.stop.stop(reason)
+        future = call.future
+        if future is not None and future.cancel():
+            self._never_ran(call)
+
+    def _expire(self, call: _Call) -> None:
+        """On the loop, when the task may wait for a thread no longer: if it still
+        waits, it ends as a task no worker could take, its dead letter stored first."""
+        future = call.future
+        # cancel() is true for a future cancelled before: _take() tells who ends it.
+        if future is None or not future.cancel() or not self._take(call):
+            return  # running, over, or cancelled by its caller or close()
+        with self._lock:
+            spare = self._spare
+            if spare is None:
+                spare = self._spare = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="npu-sync-aio-letters"
+                )
+        try:
+            letter = spare.submit(self._dead_letter, call)
+        except RuntimeError:  # closing: close() has told the caller
+            self._pool._leave()
+            return
+        letter.add_done_callback(call.deliver)
+
+    def _dead_letter(self, call: _Call) -> Any:
+        """Store the dead letter of a task that never got a thread, then raise."""
+        pool = self._pool
+        try:
+            waited = pool.config.pool.max_queue_wait
+            reason = (
+                f"no thread free for the task within its wait (threads={self._threads}, "
+                f"pool.max_queue_wait={waited:g}s)"
+            )
+            exhausted = _Exhausted(reason, [], pool._state.clock.time())
+            pool._runner.dead_letter(call.task, exhausted, call.deadline)
+        finally:
+            pool._leave()
+
+    def _never_ran(self, call: _Call) -> None:
+        """A task whose thread never took it: over, once."""
+        if self._take(call):
+            self._pool._leave()
+
+    def _take(self, call: _Call) -> bool:
+        """Whether ``call`` was still accepted; it is no longer."""
+        with self._lock:
+            if call in self._calls:
+                self._calls.remove(call)
+                return True
+            return False
