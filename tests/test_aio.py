@@ -1,0 +1,533 @@
+"""AsyncWorkerPool: asyncio callers on the same pool, and cancelling them at every step.
+
+Workers are loopback servers that misbehave on purpose (tests/hostile.py) or reference
+workers in their own processes. Every test waits on events or polls with a generous
+deadline; none sleeps in place of a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from npu_sync import (
+    AsyncWorkerPool,
+    NoWorkerAvailable,
+    PoolClosed,
+    Task,
+    TaskFailed,
+    WorkerPool,
+)
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    PoolSettings,
+    RetryConfig,
+    TimeoutConfig,
+    worker_config,
+)
+from npu_sync.events import Event, RetryScheduled
+from npu_sync.worker_server import LocalWorker
+from tests.hostile import Peer, answer, keep_answering, serve
+
+PAYLOAD = {"model_id": "default", "input_text": "hi"}
+OK = answer(200, b'{"response": "ok"}')
+PATIENCE = 10.0  # a generous deadline for what should happen at once
+
+
+def until(predicate: Callable[[], bool], timeout: float = PATIENCE) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` (the state it reads has no signal)."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+async def until_async(predicate: Callable[[], bool], timeout: float = PATIENCE) -> bool:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if predicate():
+            return True
+        await asyncio.sleep(0.005)
+    return predicate()
+
+
+def make_pool(
+    urls: list[str],
+    *,
+    max_concurrent: int = 4,
+    read: float = 30.0,
+    task: float = 30.0,
+    retries: int = 0,
+    backoff: float = 0.01,
+    max_queue_wait: float = 60.0,
+    fail_max: int = 1,
+    hooks: tuple[Callable[[Event], None], ...] = (),
+) -> WorkerPool:
+    return WorkerPool(
+        PoolConfig(
+            workers=tuple(
+                worker_config(f"w{i}", url, max_concurrent=max_concurrent)
+                for i, url in enumerate(urls)
+            ),
+            timeouts=TimeoutConfig(connect=read, read=read, task=task),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=retries, backoff_initial=backoff, backoff_max=backoff),
+            circuit_breaker=BreakerConfig(
+                fail_max=fail_max, reset_timeout=60, max_reset_timeout=600
+            ),
+            pool=PoolSettings(max_queue_wait=max_queue_wait),
+        ),
+        hooks=hooks,
+    )
+
+
+def row(pool: WorkerPool, worker_id: str = "w0") -> Any:
+    (found,) = [w for w in pool.workers() if w["id"] == worker_id]
+    return found
+
+
+def check_untouched(pool: WorkerPool) -> None:
+    """Nothing in flight or waiting, no worker charged, every breaker closed, no dead
+    letter: what a cancelled or stopped task must leave."""
+    for worker in pool.workers():
+        assert worker["in_flight"] == 0, worker
+        assert worker["tasks"]["failed"] == 0, worker
+        assert worker["breaker"]["state"] == "closed", worker
+    tasks = pool.stats()["tasks"]
+    assert tasks["waiting"] == 0 and tasks["active"] == 0, tasks
+    assert pool.dead_letters.list() == []
+
+
+def aio_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("npu-sync-aio")]
+
+
+class Requests:
+    """A hostile behaviour's view from the test: an event per request received."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.count = 0
+
+    def seen(self) -> None:
+        with self.cond:
+            self.count += 1
+            self.cond.notify_all()
+
+    def wait(self, n: int = 1) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.count >= n, PATIENCE)
+
+
+def holding(requests: Requests) -> Callable[[Peer], None]:
+    """A worker that reads the request and never answers."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is not None:
+            requests.seen()
+            peer.hold()
+
+    return behaviour
+
+
+def dripping(requests: Requests) -> Callable[[Peer], None]:
+    """A worker that answers a byte every 50 ms: a whole answer takes seconds."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is not None:
+            requests.seen()
+            peer.drip(answer(200, b'{"response": "' + b"x" * 200 + b'"}'), 0.05)
+
+    return behaviour
+
+
+@pytest.fixture
+def worker() -> Iterator[LocalWorker]:
+    """One reference worker in its own process."""
+    with LocalWorker(worker_id="w0").start() as local:
+        yield local
+
+
+# -- what a caller gets --------------------------------------------------------------
+
+
+def test_execute_map_and_the_decorator_return_the_workers_answers(worker):
+    """execute, map (in order, within its window) and an async task function return
+    what the worker answered."""
+
+    async def main() -> None:
+        async with AsyncWorkerPool(make_pool([worker.url]), close_pool=True) as apool:
+            one = await apool.execute(PAYLOAD)
+            assert one["worker_id"] == "w0"
+            texts = [f"t{i}" for i in range(20)]
+            tasks = ({"model_id": "default", "input_text": t} for t in texts)
+            answers = [a async for a in apool.map(tasks, window=3)]
+            assert [a["response"].rsplit(": ", 1)[1] for a in answers] == texts
+
+            @apool.task(timeout=5.0)
+            def analyze(text: str) -> dict[str, str]:
+                return {"model_id": "default", "input_text": text}
+
+            assert (await analyze("hello"))["response"].endswith(": hello")
+            assert apool.pool.stats()["tasks"]["succeeded"] == 22
+
+    asyncio.run(main())
+    assert not aio_threads()
+
+
+def test_bad_thread_counts_are_refused_naming_the_value():
+    """threads must be an integer in 1..4096; the error names the key and the value."""
+    pool = make_pool(["http://127.0.0.1:9"])
+    try:
+        for bad in (0, 5000, 2.5, True):
+            with pytest.raises(ValueError, match=rf"threads: .*{bad!r}"):
+                AsyncWorkerPool(pool, threads=bad)  # type: ignore[arg-type]
+    finally:
+        pool.close()
+
+
+# -- cancelling the awaiting task, at each step ----------------------------------------
+
+
+def test_cancel_while_waiting_for_a_thread_never_starts_the_task(servers):
+    """A task cancelled while it waits for one of the pool's threads is never sent."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()])
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=1)
+        first = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        second = asyncio.ensure_future(apool.execute(PAYLOAD))
+        await until_async(lambda: apool.in_flight() == 2)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert apool.in_flight() == 1
+        assert pool.stats()["tasks"]["active"] == 1
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await until_async(lambda: apool.in_flight() == 0)
+        await apool.aclose()
+
+    asyncio.run(main())
+    assert len(server.seen) == 1  # the second task never reached the worker
+    check_untouched(pool)
+    assert row(pool)["tasks"]["abandoned"] == 1
+    pool.close()
+    assert not aio_threads()
+
+
+def test_cancel_while_queued_for_a_slot_leaves_the_queue(servers):
+    """A task cancelled while it waits for a worker's slot leaves the queue at once:
+    the slot's holder is untouched and nothing is charged or dead-lettered."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_concurrent=1)
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=4)
+        holder = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        queued = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await until_async(lambda: pool.stats()["tasks"]["waiting"] == 1)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        # Its thread leaves the queue promptly, long before any deadline.
+        assert await until_async(lambda: apool.in_flight() == 1)
+        assert pool.stats()["tasks"]["waiting"] == 0
+        assert row(pool)["in_flight"] == 1 and not holder.done()
+        holder.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await holder
+        assert await until_async(lambda: apool.in_flight() == 0)
+        await apool.aclose()
+
+    asyncio.run(main())
+    assert len(server.seen) == 1
+    check_untouched(pool)
+    pool.close()
+
+
+def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers):
+    """A task cancelled while its worker drips the answer: the connection is shut at
+    once, the slot given back, the attempt abandoned, the breaker (fail_max 1) closed,
+    no dead letter, and the worker serves the next task."""
+    requests = Requests()
+    server = serve(servers, dripping(requests))
+    pool = make_pool([server.url()], max_concurrent=1)
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=2)
+        task = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The worker sees the connection go well before its answer would end (~4 s).
+        assert await asyncio.to_thread(server.wait_for, lambda: server.closed_connections == 1, 2.0)
+        assert await until_async(lambda: apool.in_flight() == 0)
+        check_untouched(pool)
+        assert row(pool)["tasks"]["abandoned"] == 1
+        await apool.aclose()
+
+    asyncio.run(main())
+    pool.close()
+
+
+def test_cancel_during_retry_backoff_ends_the_wait(servers):
+    """A task cancelled while it backs off (30 s) before its retry ends at once, with
+    no dead letter; only the worker's own failure is charged."""
+    server = serve(servers, keep_answering(lambda seen: answer(503, b'{"detail": "busy"}')))
+    scheduled = threading.Event()
+
+    def hook(event: Event) -> None:
+        if isinstance(event, RetryScheduled):
+            scheduled.set()
+
+    # One worker, so its breaker must not stop the retry: fail_max 1 would open it.
+    pool = make_pool([server.url()], retries=2, backoff=30.0, task=60.0, fail_max=5, hooks=(hook,))
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=2)
+        task = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(scheduled.wait, PATIENCE)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await until_async(lambda: apool.in_flight() == 0)
+        assert time.monotonic() - started < 30.0 / 2  # not the backoff's end
+        await apool.aclose()
+
+    asyncio.run(main())
+    assert len(server.seen) == 1
+    assert row(pool)["tasks"]["failed"] == 1  # the 503: the worker's own
+    assert row(pool)["in_flight"] == 0
+    assert pool.dead_letters.list() == []
+    pool.close()
+
+
+# -- deadlines, bounds, other callers --------------------------------------------------
+
+
+def test_a_deadline_shorter_than_a_slow_worker_ends_the_task_with_its_dead_letter(servers):
+    """A task whose worker never answers ends by its deadline with TaskFailed, after
+    its dead letter is stored; the worker is not charged for the caller's deadline."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()])
+
+    async def main() -> tuple[TaskFailed, float]:
+        async with AsyncWorkerPool(pool) as apool:
+            started = time.monotonic()
+            with pytest.raises(TaskFailed) as caught:
+                await apool.execute(Task(PAYLOAD, timeout=0.5))
+            return caught.value, time.monotonic() - started
+
+    error, took = asyncio.run(main())
+    assert took < 0.5 + 1.0
+    assert error.dead_letter_id is not None
+    record = pool.dead_letters.get(error.dead_letter_id)
+    assert record is not None and record.task_id == error.task_id
+    assert row(pool)["tasks"]["failed"] == 0 and row(pool)["breaker"]["state"] == "closed"
+    pool.close()
+
+
+def test_a_task_waiting_too_long_for_a_thread_is_dead_lettered_in_time(servers):
+    """With every thread busy, a task waits for one no longer than pool.max_queue_wait:
+    then NoWorkerAvailable, its dead letter stored first, and it was never sent."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_queue_wait=0.3)
+
+    async def main() -> tuple[NoWorkerAvailable, float]:
+        apool = AsyncWorkerPool(pool, threads=1)
+        busy = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        started = time.monotonic()
+        with pytest.raises(NoWorkerAvailable) as caught:
+            await apool.execute(PAYLOAD)
+        took = time.monotonic() - started
+        busy.cancel()
+        await apool.aclose()
+        return caught.value, took
+
+    error, took = asyncio.run(main())
+    assert took < 0.3 + 1.0
+    assert "no thread free" in str(error) and "threads=1" in str(error)
+    assert error.dead_letter_id is not None
+    assert pool.dead_letters.get(error.dead_letter_id) is not None
+    assert len(server.seen) == 1
+    pool.close()
+    assert not aio_threads()
+
+
+def test_a_thousand_concurrent_tasks_run_on_a_bounded_set_of_threads(worker):
+    """1,000 tasks at once from one loop: every one answered, at most ``threads``
+    task threads ever exist (sampled while the tasks run)."""
+    most: list[int] = [0]
+
+    async def main() -> None:
+        async with AsyncWorkerPool(
+            make_pool([worker.url], max_concurrent=8), threads=6, close_pool=True
+        ) as apool:
+
+            async def sample() -> None:
+                while True:
+                    most[0] = max(most[0], len(aio_threads()))
+                    await asyncio.sleep(0.001)
+
+            sampler = asyncio.ensure_future(sample())
+            answers = await asyncio.gather(
+                *(
+                    apool.execute({"model_id": "default", "input_text": f"t{i}"})
+                    for i in range(1000)
+                )
+            )
+            sampler.cancel()
+            ids = [a["task_id"] for a in answers]
+            assert len(set(ids)) == 1000
+            assert apool.pool.stats()["tasks"]["succeeded"] == 1000
+
+    asyncio.run(main())
+    assert 1 <= most[0] <= 6
+    assert not aio_threads()
+
+
+def test_sync_and_async_callers_share_one_pool(worker):
+    """Threads calling execute and coroutines awaiting at once on one pool: every
+    task answered once, counted in one set of stats."""
+    pool = make_pool([worker.url], max_concurrent=4)
+    sync_answers: list[Any] = []
+
+    def sync_caller() -> None:
+        for i in range(50):
+            sync_answers.append(pool.execute({"model_id": "default", "input_text": f"s{i}"}))
+
+    async def main() -> list[Any]:
+        apool = AsyncWorkerPool(pool, threads=4)
+        callers = [asyncio.to_thread(sync_caller) for _ in range(2)]
+        tasks = [apool.execute({"model_id": "default", "input_text": f"a{i}"}) for i in range(200)]
+        results = await asyncio.gather(*tasks, *callers)
+        await apool.aclose()
+        return results[:200]
+
+    async_answers = asyncio.run(main())
+    assert len(sync_answers) == 100 and len(async_answers) == 200
+    ids = {a["task_id"] for a in [*sync_answers, *async_answers]}
+    assert len(ids) == 300
+    assert pool.stats()["tasks"]["succeeded"] == 300
+    assert pool.stats()["tasks"]["submitted"] == 300
+    pool.close()
+
+
+# -- closing ---------------------------------------------------------------------------
+
+
+def test_close_while_tasks_await_ends_them_promptly_with_pool_closed(servers):
+    """aclose() while tasks wait on a silent worker, for a slot and for a thread:
+    each awaiting coroutine gets PoolClosed at once; nothing charged, no dead letter,
+    no thread left."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_concurrent=2)
+
+    async def main() -> list[BaseException | Any]:
+        apool = AsyncWorkerPool(pool, threads=3, close_pool=True)
+        tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(5)]
+        assert await asyncio.to_thread(requests.wait, 2)
+        assert await until_async(lambda: pool.stats()["tasks"]["waiting"] == 1)
+        started = time.monotonic()
+        await apool.aclose()
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+        assert time.monotonic() - started < 5.0  # the tasks' deadline is 30 s
+        with pytest.raises(PoolClosed):
+            await apool.execute(PAYLOAD)
+        return ends
+
+    ends = asyncio.run(main())
+    assert all(isinstance(e, PoolClosed) for e in ends), ends
+    assert pool.closed
+    assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
+    assert pool.stats()["tasks"]["failed"] == 0  # so no dead letter either
+    assert not aio_threads()
+
+
+def test_a_hook_closing_the_pool_from_a_task_thread_does_not_deadlock(worker):
+    """A hook that closes the async pool from the task's own thread returns at once;
+    the pool finishes closing and no thread is left."""
+    pool_box: list[AsyncWorkerPool] = []
+    closed = threading.Event()
+
+    def hook(event: Event) -> None:
+        if event.name == "task.succeeded" and not closed.is_set():
+            closed.set()
+            pool_box[0].close()
+
+    async def main() -> Any:
+        apool = AsyncWorkerPool(make_pool([worker.url], hooks=(hook,)), close_pool=True)
+        pool_box.append(apool)
+        try:
+            return await apool.execute(PAYLOAD)
+        finally:
+            await apool.aclose()
+
+    with contextlib.suppress(PoolClosed):  # the close raced the answer: either is honest
+        asyncio.run(main())
+    assert closed.is_set() and pool_box[0].closed
+    assert until(lambda: not aio_threads())
+
+
+def test_a_loop_closed_with_tasks_in_flight_leaves_nothing_behind(servers, caplog):
+    """asyncio.run() returning while tasks are in flight cancels them: their attempts
+    are stopped, nobody is charged; a loop closed by hand drops its tasks' ends
+    silently; close() then ends every thread."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()])
+    apool = AsyncWorkerPool(pool, threads=4)
+
+    left: list[asyncio.Future[Any]] = []
+
+    async def leave_early() -> None:
+        left.extend(asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(3))
+        assert await asyncio.to_thread(requests.wait, 3)
+
+    asyncio.run(leave_early())
+    assert until(lambda: apool.in_flight() == 0)
+    check_untouched(pool)
+
+    loop = asyncio.new_event_loop()
+
+    async def start() -> None:
+        left.append(asyncio.ensure_future(apool.execute(PAYLOAD)))
+        assert await asyncio.to_thread(requests.wait, 4)
+
+    with caplog.at_level(logging.WARNING, logger="npu_sync"):
+        loop.run_until_complete(start())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        assert apool.in_flight() == 1
+        started = time.monotonic()
+        apool.close()
+        assert time.monotonic() - started < 5.0
+    assert apool.in_flight() == 0
+    assert [r for r in caplog.records if r.name.startswith("npu_sync")] == []
+    assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
+    pool.close()
+    assert not aio_threads()
