@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
@@ -41,37 +42,50 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _MAX_THREADS = 4096
+_PER_TURN = 8
+"""Tasks handed to threads per turn of the event loop (see :class:`_Pump`)."""
 _CLOSED_WHILE_RUNNING = "the pool was closed while the task ran"
+_NO_TASK = Task(None, task_id="-")  # a call's task until the pump makes it
 
 
 class _Call:
-    """One task handed to a thread: what it runs, and where its end goes."""
+    """One task handed to a thread: what it runs, and where its end goes.
+
+    Built as the caller asks (with what it gave, and when); the pump makes the
+    :class:`Task`, its body and its deadline a few calls at a time.
+    """
 
     __slots__ = (
         "body",
         "deadline",
         "fallback",
         "future",
+        "given",
         "loop",
+        "started",
         "stop",
         "task",
+        "timeout",
         "timer",
         "waiter",
     )
 
     def __init__(
         self,
-        task: Task,
-        body: bytes,
-        deadline: float,
+        given: Task | Any,
+        timeout: float | None,
         fallback: Callable[[], Any] | None,
         loop: asyncio.AbstractEventLoop,
+        started: float,
     ) -> None:
-        self.task = task
-        self.body = body
-        self.deadline = deadline
+        self.given = given
+        self.timeout = timeout
         self.fallback = fallback
         self.loop = loop
+        self.started = started
+        self.task: Task = _NO_TASK
+        self.body = b""
+        self.deadline = 0.0
         self.stop = TaskStop()
         self.waiter: asyncio.Future[Any] = loop.create_future()
         self.future: concurrent.futures.Future[Any] | None = None
@@ -111,6 +125,38 @@ class _Call:
             self.waiter.set_exception(error)
 
 
+class _Pump:
+    """Hands one loop's new tasks to threads, a few per turn of the loop.
+
+    Handing a task over wakes a thread that then competes with the loop for the GIL:
+    a thousand handed over in one turn held the loop for 60 to 400 ms on two cores.
+    A few per turn keeps each turn short (docs/async.md has the figures). Used on
+    its loop's thread only.
+    """
+
+    __slots__ = ("_queue", "_scheduled", "_submit")
+
+    def __init__(self, turn: Callable[[_Call], None]) -> None:
+        self._submit = turn
+        self._queue: deque[_Call] = deque()
+        self._scheduled = False
+
+    def push(self, call: _Call) -> None:
+        self._queue.append(call)
+        if not self._scheduled:
+            self._scheduled = True
+            call.loop.call_soon(self._turn, call.loop)
+
+    def _turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        queue = self._queue
+        for _ in range(min(_PER_TURN, len(queue))):
+            self._submit(queue.popleft())
+        if queue:
+            loop.call_soon(self._turn, loop)
+        else:
+            self._scheduled = False
+
+
 class AsyncWorkerPool:
     """A :class:`WorkerPool` for asyncio callers, shared with its synchronous callers.
 
@@ -141,12 +187,16 @@ class AsyncWorkerPool:
         if not 1 <= threads <= _MAX_THREADS:
             raise ValueError(f"threads: must be 1..{_MAX_THREADS}, got {threads}")
         self._pool = pool
+        self._clock = pool._state.clock
         self._threads = threads
         self._close_pool = close_pool
         self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._spare: concurrent.futures.ThreadPoolExecutor | None = None
         self._calls: set[_Call] = set()
+        self._pumps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pump] = (
+            weakref.WeakKeyDictionary()
+        )
         self._closed = False
         self._pid = os.getpid()
 
@@ -201,7 +251,15 @@ class AsyncWorkerPool:
             InvalidTask: the task cannot be sent.
             PoolClosed: the pool is closed, or was closed while the task ran.
         """
-        call = self._start(task, timeout, fallback, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        call = _Call(task, timeout, fallback, loop, self._clock.monotonic())
+        with self._lock:
+            if self._closed:
+                raise PoolClosed("the pool is closed")
+            pump = self._pumps.get(loop)
+            if pump is None:
+                pump = self._pumps[loop] = _Pump(self._turn)
+        pump.push(call)
         try:
             return await call.waiter
         except asyncio.CancelledError:
@@ -317,40 +375,51 @@ class AsyncWorkerPool:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _start(
-        self,
-        task: Task | Any,
-        timeout: float | None,
-        fallback: Callable[[], Any] | None,
-        loop: asyncio.AbstractEventLoop,
-    ) -> _Call:
+    def _turn(self, call: _Call) -> None:
+        """Accept ``call`` and hand it to a thread (on its loop, from the pump)."""
+        if call.waiter.done():
+            return  # cancelled before its turn
+        try:
+            self._accept(call)
+        except BaseException as exc:  # InvalidTask, PoolClosed: the caller's to see
+            call.waiter.set_exception(exc)
+            return
+        self._submit(call)
+
+    def _accept(self, call: _Call) -> None:
         pool = self._pool
-        task = as_task(task)
-        body = task.body()
-        deadline = pool._runner.deadline(task, timeout)
-        call = _Call(task, body, deadline, fallback, loop)
+        task = call.task = as_task(call.given)
+        call.body = task.body()
+        # The deadline counts from the caller's call, not from this turn.
+        now = self._clock.monotonic()
+        call.deadline = pool._runner.deadline(task, call.timeout) - (now - call.started)
         with self._lock:
             if self._closed:
                 raise PoolClosed("the pool is closed")
-            executor = self._executor_locked()
             self._calls.add(call)
         try:
             pool._enter()  # PoolClosed once the pool is closed
         except BaseException:
             self._take(call)
             raise
+        # A task still waiting for a thread when it may wait no more ends then.
+        limit = min(call.deadline, call.started + pool.config.pool.max_queue_wait)
+        call.timer = call.loop.call_later(max(limit - now, 0.0), self._expire, call)
+
+    def _submit(self, call: _Call) -> None:
+        """Hand ``call`` to a thread (on its loop, from the pump)."""
+        with self._lock:
+            if call not in self._calls:
+                return  # cancelled, or closed, while it waited for the pump
+            executor = self._executor_locked()
         try:
             future = executor.submit(self._work, call)
         except RuntimeError:  # closed between the check and here
             self._never_ran(call)
-            raise PoolClosed("the pool is closed") from None
+            call.fail(PoolClosed("the pool is closed"))
+            return
         call.future = future
         future.add_done_callback(call.deliver)
-        # A task still waiting for a thread when it may wait no more ends then.
-        now = pool._state.clock.monotonic()
-        limit = min(call.deadline, now + pool.config.pool.max_queue_wait)
-        call.timer = loop.call_later(max(limit - now, 0.0), self._expire, call)
-        return call
 
     def _executor_locked(self) -> concurrent.futures.ThreadPoolExecutor:
         pid = os.getpid()
@@ -389,15 +458,15 @@ class AsyncWorkerPool:
         """Stop ``call``'s task; if it never reached a thread, it is over now."""
         call.stop.stop(reason)
         future = call.future
-        if future is not None and future.cancel():
-            self._never_ran(call)
+        if future is None or future.cancel():
+            self._never_ran(call)  # the pump skips a call no longer accepted
 
     def _expire(self, call: _Call) -> None:
         """On the loop, when the task may wait for a thread no longer: if it still
         waits, it ends as a task no worker could take, its dead letter stored first."""
         future = call.future
         # cancel() is true for a future cancelled before: _take() tells who ends it.
-        if future is None or not future.cancel() or not self._take(call):
+        if (future is not None and not future.cancel()) or not self._take(call):
             return  # running, over, or cancelled by its caller or close()
         with self._lock:
             spare = self._spare
