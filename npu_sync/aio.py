@@ -125,6 +125,112 @@ class _Call:
             self.waiter.set_exception(error)
 
 
+class _Threads:
+    """At most ``size`` threads running jobs from one FIFO queue.
+
+    Thread-safe. Like a ``ThreadPoolExecutor``, but a thread is never started on the
+    caller's thread: ``Thread.start()`` waits for the new thread to run, which on a
+    busy machine held the event loop for hundreds of milliseconds while the first
+    threads came up. A spawner thread of its own starts them, one more whenever a
+    job finds no thread idle, up to ``size``.
+    """
+
+    def __init__(self, size: int, name: str, initializer: Callable[[], None]) -> None:
+        self._size = size
+        self._name = name
+        self._initializer = initializer
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # a job is waiting, or shut down
+        self._more = threading.Condition(lock)  # the spawner has a thread to start
+        self._jobs: deque[tuple[concurrent.futures.Future[Any], Callable[[Any], Any], Any]] = (
+            deque()
+        )
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._wanted = 0  # threads the spawner is to start
+        self._spawner: threading.Thread | None = None
+        self._shutdown = False
+
+    def submit(self, fn: Callable[[Any], Any], arg: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(arg)`` on one of the threads.
+
+        Raises:
+            RuntimeError: shut down.
+        """
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._cond:
+            if self._shutdown:
+                raise RuntimeError("cannot submit after shutdown")
+            self._jobs.append((future, fn, arg))
+            if self._idle:
+                self._cond.notify()
+            if self._idle < len(self._jobs) and len(self._threads) + self._wanted < self._size:
+                self._wanted += 1
+                if self._spawner is None:
+                    self._spawner = threading.Thread(
+                        target=self._spawn, name=f"{self._name}-spawner", daemon=True
+                    )
+                    self._spawner.start()  # once: for the first job
+                self._more.notify()
+        return future
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Take no more jobs; the threads end once the queue is empty."""
+        with self._cond:
+            self._shutdown = True
+            self._cond.notify_all()
+            self._more.notify_all()
+            spawner = self._spawner
+        if not wait:
+            return
+        current = threading.current_thread()
+        if spawner is not None and spawner is not current:
+            spawner.join()
+        with self._cond:
+            threads = list(self._threads)
+        for thread in threads:
+            if thread is not current:
+                thread.join()
+
+    def _spawn(self) -> None:
+        while True:
+            with self._cond:
+                while not self._wanted and not self._shutdown:
+                    self._more.wait()
+                if self._shutdown:
+                    return
+                self._wanted -= 1
+                number = len(self._threads)
+                thread = threading.Thread(
+                    target=self._run, name=f"{self._name}_{number}", daemon=True
+                )
+                self._threads.append(thread)
+                last = len(self._threads) >= self._size
+            thread.start()
+            if last:
+                return
+
+    def _run(self) -> None:
+        self._initializer()
+        while True:
+            with self._cond:
+                while not self._jobs and not self._shutdown:
+                    self._idle += 1
+                    self._cond.wait()
+                    self._idle -= 1
+                if not self._jobs:
+                    return  # shut down, and nothing left to run
+                future, fn, arg = self._jobs.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(arg)
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+
 class _Pump:
     """Hands one loop's new tasks to threads, a few per turn of the loop.
 
@@ -191,7 +297,7 @@ class AsyncWorkerPool:
         self._threads = threads
         self._close_pool = close_pool
         self._lock = threading.Lock()
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: _Threads | None = None
         self._spare: concurrent.futures.ThreadPoolExecutor | None = None
         self._calls: set[_Call] = set()
         self._pumps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pump] = (
@@ -421,7 +527,7 @@ class AsyncWorkerPool:
         call.future = future
         future.add_done_callback(call.deliver)
 
-    def _executor_locked(self) -> concurrent.futures.ThreadPoolExecutor:
+    def _executor_locked(self) -> _Threads:
         pid = os.getpid()
         if pid != self._pid:
             # A forked child: the parent's threads do not exist here.
@@ -429,11 +535,7 @@ class AsyncWorkerPool:
             self._executor = self._spare = None
             self._calls = set()
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(
-                max_workers=self._threads,
-                thread_name_prefix="npu-sync-aio",
-                initializer=self._pool._mark_own_thread,
-            )
+            self._executor = _Threads(self._threads, "npu-sync-aio", self._pool._mark_own_thread)
         return self._executor
 
     def _work(self, call: _Call) -> Any:
