@@ -534,3 +534,161 @@ def test_a_loop_closed_with_tasks_in_flight_leaves_nothing_behind(servers, caplo
     assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
     pool.close()
     assert not aio_threads()
+
+
+# -- more attacks ----------------------------------------------------------------------
+
+
+def by_request(*behaviours: Callable[[Peer], None]) -> Callable[[Peer], None]:
+    """The n-th connection gets the n-th behaviour (the last one after that)."""
+    lock = threading.Lock()
+    count = [0]
+
+    def behaviour(peer: Peer) -> None:
+        with lock:
+            n = count[0]
+            count[0] += 1
+        behaviours[min(n, len(behaviours) - 1)](peer)
+
+    return behaviour
+
+
+def test_cancelling_a_half_open_trial_gives_the_trial_back(servers):
+    """A task cancelled during its worker's one half-open trial gives the trial back
+    uncharged: the breaker stays half-open-able and the next task's trial closes it."""
+    requests = Requests()
+
+    def fail(peer: Peer) -> None:
+        if peer.request() is not None:
+            peer.send(answer(503, b'{"detail": "busy"}'))
+
+    def ok(peer: Peer) -> None:
+        keep_answering(lambda seen: OK)(peer)
+
+    server = serve(servers, by_request(fail, holding(requests), ok))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(worker_config("w0", server.url(), max_concurrent=4),),
+            timeouts=TimeoutConfig(connect=30, read=30, task=30),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=0),
+            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=0.2, max_reset_timeout=0.2),
+        )
+    )
+
+    async def main() -> Any:
+        async with AsyncWorkerPool(pool) as apool:
+            with pytest.raises(TaskFailed):
+                await apool.execute(PAYLOAD)  # the 503 opens the breaker
+            assert row(pool)["breaker"]["state"] == "open"
+            trial = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)  # the trial is on the wire
+            trial.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await trial
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert row(pool)["tasks"]["failed"] == 1  # the 503 only
+            return await apool.execute(PAYLOAD)  # a new trial: the slot came back
+
+    assert asyncio.run(main()) == {"response": "ok"}
+    assert row(pool)["breaker"]["state"] == "closed"
+    assert row(pool)["tasks"]["abandoned"] == 1
+    pool.close()
+
+
+def test_leaving_map_early_cancels_the_tasks_in_flight(servers):
+    """Leaving ``async for ... in map()`` early stops the tasks still in flight, long
+    before their deadline (30 s), whether the generator is closed by ``aclosing`` or
+    left to the loop."""
+
+    def answers_only_the_first(peer: Peer) -> None:
+        # The first task of each map is answered; every other one held.
+        while (seen := peer.request()) is not None:
+            if b'"first"' not in seen.body:
+                peer.hold()
+                return
+            if not peer.send(OK):
+                return
+
+    server = serve(servers, answers_only_the_first)
+    tasks = [{"input_text": "first"}] + [PAYLOAD] * 5
+    pool = make_pool([server.url()], max_concurrent=1)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=4) as apool:
+            async with contextlib.aclosing(apool.map(tasks, window=3)) as answers:
+                async for answer in answers:
+                    assert answer == {"response": "ok"}
+                    break
+            # Closed by aclosing: the tasks are stopped; their threads end promptly.
+            assert await until_async(lambda: apool.in_flight() == 0)
+            check_untouched(pool)
+            # Without aclosing, the loop closes the abandoned generator soon after.
+            async for answer in apool.map(tasks, window=3):
+                assert answer == {"response": "ok"}
+                break
+            assert await until_async(lambda: apool.in_flight() == 0)
+            check_untouched(pool)
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < PATIENCE
+    pool.close()
+
+
+def test_random_cancellations_leave_the_pool_whole(worker):
+    """Tasks cancelled at random moments of their life, among tasks that finish: no
+    slot held, nothing charged or dead-lettered, and the pool serves on."""
+    import random
+
+    rng = random.Random(7)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(
+            make_pool([worker.url], max_concurrent=3), threads=4, close_pool=True
+        ) as apool:
+            tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(200)]
+            for task in rng.sample(tasks, 100):
+                await asyncio.sleep(rng.random() * 0.002)
+                task.cancel()
+            ends = await asyncio.gather(*tasks, return_exceptions=True)
+            kinds = {type(e).__name__ for e in ends if not isinstance(e, dict)}
+            assert kinds <= {"CancelledError"}, kinds
+            assert await until_async(lambda: apool.in_flight() == 0)
+            check_untouched(apool.pool)
+            assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
+
+    asyncio.run(main())
+
+
+def test_a_forked_child_runs_async_tasks_on_threads_of_its_own(worker):
+    """After fork(), the child's async pool starts its own threads and runs tasks;
+    the parent's pool goes on as before."""
+    import os
+
+    pool = make_pool([worker.url])
+    apool = AsyncWorkerPool(pool, threads=2)
+
+    async def one() -> Any:
+        return await apool.execute(PAYLOAD)
+
+    assert asyncio.run(one())["worker_id"] == "w0"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on
+        code = 1
+        try:
+            if asyncio.run(one())["worker_id"] == "w0":
+                os.write(write, b"ok")
+                code = 0
+            apool.close()
+            pool.close()
+        finally:
+            os._exit(code)
+    os.close(write)
+    said = os.read(read, 16)
+    os.close(read)
+    assert os.waitpid(pid, 0)[1] == 0 and said == b"ok"
+    assert asyncio.run(one())["worker_id"] == "w0"
+    apool.close()
+    pool.close()
