@@ -174,6 +174,11 @@ class _Threads:
                 self._more.notify()
         return future
 
+    def counts(self) -> tuple[int, int]:
+        """Threads started, and jobs waiting for one."""
+        with self._cond:
+            return len(self._threads), len(self._jobs)
+
     def shutdown(self, wait: bool = True) -> None:
         """Take no more jobs; the threads end once the queue is empty."""
         with self._cond:
@@ -331,6 +336,21 @@ class AsyncWorkerPool:
         """Tasks accepted and not yet ended (running, or waiting for a thread)."""
         with self._lock:
             return len(self._calls)
+
+    def stats(self) -> dict[str, int]:
+        """This object's own counts (the pool's are ``pool.stats()``): ``threads``
+        (the bound), ``started`` (threads running now), ``in_flight`` (tasks accepted
+        and not ended) and ``waiting_for_thread`` (of those, not yet on a thread)."""
+        with self._lock:
+            executor = self._executor
+            in_flight = len(self._calls)
+        started, queued = (0, 0) if executor is None else executor.counts()
+        return {
+            "threads": self._threads,
+            "started": started,
+            "in_flight": in_flight,
+            "waiting_for_thread": queued,
+        }
 
     # -- running tasks -----------------------------------------------------------------
 

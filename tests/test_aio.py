@@ -692,3 +692,69 @@ def test_a_forked_child_runs_async_tasks_on_threads_of_its_own(worker):
     assert asyncio.run(one())["worker_id"] == "w0"
     apool.close()
     pool.close()
+
+
+def test_a_task_that_cannot_be_sent_is_refused_to_its_caller_only(worker):
+    """A payload that is not JSON, or a bad timeout, raises InvalidTask to the awaiting
+    coroutine, naming the problem; nothing is left accepted and others run on."""
+    from npu_sync import InvalidTask
+
+    async def main() -> None:
+        async with AsyncWorkerPool(make_pool([worker.url]), close_pool=True) as apool:
+            with pytest.raises(InvalidTask):
+                await apool.execute({"model_id": "default", "input_text": object()})
+            with pytest.raises(InvalidTask, match="-1"):
+                await apool.execute(PAYLOAD, timeout=-1)
+            assert apool.in_flight() == 0
+            assert apool.pool.stats()["tasks"]["active"] == 0
+            assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
+            counts = apool.stats()
+            assert counts["threads"] == 32 and counts["in_flight"] == 0
+            assert 1 <= counts["started"] <= 32 and counts["waiting_for_thread"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_fallback_answers_on_the_task_thread_when_every_worker_fails():
+    """With no worker reachable, the decorated coroutine returns its fallback's
+    answer, computed on a task thread (not the loop), and stores no dead letter."""
+    pool = make_pool(["http://127.0.0.1:9"], read=2.0)
+    ran_on: list[str] = []
+
+    def shout(text: str) -> dict[str, str]:
+        ran_on.append(threading.current_thread().name)
+        return {"response": text.upper()}
+
+    async def main() -> Any:
+        async with AsyncWorkerPool(pool, close_pool=True) as apool:
+
+            @apool.task(fallback=shout, timeout=5.0)
+            def analyze(text: str) -> dict[str, str]:
+                return {"model_id": "default", "input_text": text}
+
+            return await analyze("hello")
+
+    assert asyncio.run(main()) == {"response": "HELLO"}
+    assert ran_on and ran_on[0].startswith("npu-sync-aio_")
+    assert pool.stats()["tasks"]["fallbacks"] == 1
+
+
+def test_closing_the_worker_pool_alone_waits_for_async_tasks(worker):
+    """WorkerPool.close() with asyncio tasks in flight waits for them, as for threaded
+    ones: each ends with its answer, and the async pool then refuses new tasks."""
+    pool = make_pool([worker.url])
+    worker.control(latency_ms=200)
+
+    async def main() -> list[Any]:
+        apool = AsyncWorkerPool(pool, threads=4)
+        tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(4)]
+        assert await until_async(lambda: pool.stats()["tasks"]["in_flight"] == 4)
+        await asyncio.to_thread(pool.close)
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+        with pytest.raises(PoolClosed):
+            await apool.execute(PAYLOAD)
+        await apool.aclose()
+        return ends
+
+    ends = asyncio.run(main())
+    assert [e["worker_id"] for e in ends] == ["w0"] * 4
