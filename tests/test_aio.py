@@ -758,3 +758,59 @@ def test_closing_the_worker_pool_alone_waits_for_async_tasks(worker):
 
     ends = asyncio.run(main())
     assert [e["worker_id"] for e in ends] == ["w0"] * 4
+
+
+def test_a_slow_dead_letter_store_and_a_blocking_hook_never_hold_the_loop(servers):
+    """While a hook blocks, and while a dead letter is being stored by a store that
+    blocks (as a slow Redis would), the event loop goes on running other coroutines;
+    the task ends with TaskFailed once its record is stored."""
+    from npu_sync.deadletter import MemoryDeadLetterStore
+
+    hook_release, store_release = threading.Event(), threading.Event()
+    hooked, storing = threading.Event(), threading.Event()
+
+    class SlowStore(MemoryDeadLetterStore):
+        def add(self, record: Any) -> None:
+            storing.set()
+            store_release.wait(PATIENCE)
+            super().add(record)
+
+    def blocking_hook(event: Event) -> None:
+        if event.name == "task.started":
+            hooked.set()
+            hook_release.wait(PATIENCE)
+
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(worker_config("w0", server.url()),),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=0),
+        ),
+        dead_letter_store=SlowStore(),
+        hooks=[blocking_hook],
+    )
+
+    async def other_work(turns: int) -> int:
+        done = 0
+        for _ in range(turns):
+            await asyncio.sleep(0)
+            done += 1
+        return done
+
+    async def main() -> TaskFailed:
+        async with AsyncWorkerPool(pool, close_pool=True) as apool:
+            task = asyncio.ensure_future(apool.execute(Task(PAYLOAD, timeout=0.5)))
+            assert await asyncio.to_thread(hooked.wait, PATIENCE)
+            assert await other_work(50) == 50 and not task.done()  # the hook blocks
+            hook_release.set()
+            assert await asyncio.to_thread(storing.wait, PATIENCE)
+            assert await other_work(50) == 50 and not task.done()  # the store blocks
+            store_release.set()
+            with pytest.raises(TaskFailed) as caught:
+                await task
+            return caught.value
+
+    error = asyncio.run(main())
+    assert error.dead_letter_id is not None
