@@ -27,7 +27,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec
 
 from npu_sync.decorator import NpuTask
 from npu_sync.errors import PoolClosed
@@ -39,7 +39,6 @@ from npu_sync.taskrun import _Exhausted
 log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
-T = TypeVar("T")
 
 _MAX_THREADS = 4096
 _PER_TURN = 8
@@ -293,17 +292,14 @@ class AsyncWorkerPool:
     ) -> None:
         if threads is None:
             threads = pool.config.pool.threads
-        if isinstance(threads, bool) or not isinstance(threads, int):
-            raise ValueError(f"threads: must be an integer, got {threads!r}")
-        if not 1 <= threads <= _MAX_THREADS:
-            raise ValueError(f"threads: must be 1..{_MAX_THREADS}, got {threads}")
+        _check_threads(threads)
         self._pool = pool
         self._clock = pool._state.clock
         self._threads = threads
         self._close_pool = close_pool
         self._lock = threading.Lock()
         self._executor: _Threads | None = None
-        self._spare: concurrent.futures.ThreadPoolExecutor | None = None
+        self._spare: _Threads | None = None
         self._calls: set[_Call] = set()
         self._pumps: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Pump] = (
             weakref.WeakKeyDictionary()
@@ -317,6 +313,8 @@ class AsyncWorkerPool:
     ) -> AsyncWorkerPool:
         """Build a pool from a YAML file (see :meth:`WorkerPool.from_yaml`, which takes
         ``kwargs``); closing this closes it."""
+        if threads is not None:
+            _check_threads(threads)  # before a pool (and its threads) is built
         return cls(WorkerPool.from_yaml(path, **kwargs), threads=threads, close_pool=True)
 
     @property
@@ -593,9 +591,7 @@ class AsyncWorkerPool:
         with self._lock:
             spare = self._spare
             if spare is None:
-                spare = self._spare = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="npu-sync-aio-letters"
-                )
+                spare = self._spare = _Threads(1, "npu-sync-aio-letters", _nothing)
         try:
             letter = spare.submit(self._dead_letter, call)
         except RuntimeError:  # closing: close() has told the caller
@@ -629,3 +625,14 @@ class AsyncWorkerPool:
                 self._calls.remove(call)
                 return True
             return False
+
+
+def _check_threads(threads: object) -> None:
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise ValueError(f"threads: must be an integer, got {threads!r}")
+    if not 1 <= threads <= _MAX_THREADS:
+        raise ValueError(f"threads: must be 1..{_MAX_THREADS}, got {threads}")
+
+
+def _nothing() -> None:
+    pass

@@ -195,6 +195,9 @@ def test_bad_thread_counts_are_refused_naming_the_value():
                 AsyncWorkerPool(pool, threads=bad)  # type: ignore[arg-type]
     finally:
         pool.close()
+    # Refused before a pool is built from the file: no pool, no thread left behind.
+    with pytest.raises(ValueError, match=r"threads: must be 1\.\.4096, got 0"):
+        AsyncWorkerPool.from_yaml("/nonexistent/npu_workers.yaml", threads=0)
 
 
 # -- cancelling the awaiting task, at each step ----------------------------------------
