@@ -817,3 +817,33 @@ def test_a_slow_dead_letter_store_and_a_blocking_hook_never_hold_the_loop(server
 
     error = asyncio.run(main())
     assert error.dead_letter_id is not None
+
+
+def test_import_npu_sync_does_not_import_asyncio():
+    """``import npu_sync`` leaves asyncio and the async module unloaded; asking for
+    ``npu_sync.AsyncWorkerPool`` loads them (checked in a fresh interpreter)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    import npu_sync
+
+    code = (
+        "import json, sys, npu_sync\n"
+        "before = ['asyncio' in sys.modules, 'npu_sync.aio' in sys.modules]\n"
+        "cls = npu_sync.AsyncWorkerPool\n"
+        "after = ['asyncio' in sys.modules, 'npu_sync.aio' in sys.modules]\n"
+        "print(json.dumps([before, after, cls.__module__, 'AsyncWorkerPool' in dir(npu_sync)]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=pathlib.Path(npu_sync.__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    before, after, module, listed = json.loads(done.stdout)
+    assert before == [False, False] and after == [True, True]
+    assert module == "npu_sync.aio" and listed
