@@ -847,3 +847,42 @@ def test_import_npu_sync_does_not_import_asyncio():
     before, after, module, listed = json.loads(done.stdout)
     assert before == [False, False] and after == [True, True]
     assert module == "npu_sync.aio" and listed
+
+
+def test_two_event_loops_in_two_threads_share_one_async_pool(worker):
+    """One AsyncWorkerPool serves coroutines on two loops in two threads at once, each
+    task answered once, on the loop that awaited it."""
+    pool = make_pool([worker.url], max_concurrent=4)
+    apool = AsyncWorkerPool(pool, threads=4)
+    results: dict[str, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    def run_loop(name: str) -> None:
+        async def main() -> list[Any]:
+            loop = asyncio.get_running_loop()
+            answers = await asyncio.gather(
+                *(
+                    apool.execute({"model_id": "default", "input_text": f"{name}{i}"})
+                    for i in range(100)
+                )
+            )
+            assert asyncio.get_running_loop() is loop
+            return list(answers)
+
+        try:
+            results[name] = asyncio.run(main())
+        except BaseException as exc:  # reported by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_loop, args=(n,)) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    for name in ("a", "b"):
+        texts = [a["response"].rsplit(": ", 1)[1] for a in results[name]]
+        assert texts == [f"{name}{i}" for i in range(100)]
+    assert pool.stats()["tasks"]["succeeded"] == 200
+    apool.close()
+    pool.close()
