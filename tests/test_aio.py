@@ -32,6 +32,7 @@ from npu_sync.config import (
     PoolSettings,
     RetryConfig,
     TimeoutConfig,
+    TransportConfig,
     worker_config,
 )
 from npu_sync.events import Event, RetryScheduled
@@ -72,6 +73,7 @@ def make_pool(
     backoff: float = 0.01,
     max_queue_wait: float = 60.0,
     fail_max: int = 1,
+    client: str = "builtin",
     hooks: tuple[Callable[[Event], None], ...] = (),
 ) -> WorkerPool:
     return WorkerPool(
@@ -87,6 +89,7 @@ def make_pool(
                 fail_max=fail_max, reset_timeout=60, max_reset_timeout=600
             ),
             pool=PoolSettings(max_queue_wait=max_queue_wait),
+            transport=TransportConfig(client=client),
         ),
         hooks=hooks,
     )
@@ -266,13 +269,14 @@ def test_cancel_while_queued_for_a_slot_leaves_the_queue(servers):
     pool.close()
 
 
-def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers):
+@pytest.mark.parametrize("client", ["builtin", "urllib3"])
+def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers, client):
     """A task cancelled while its worker drips the answer: the connection is shut at
     once, the slot given back, the attempt abandoned, the breaker (fail_max 1) closed,
     no dead letter, and the worker serves the next task."""
     requests = Requests()
     server = serve(servers, dripping(requests))
-    pool = make_pool([server.url()], max_concurrent=1)
+    pool = make_pool([server.url()], max_concurrent=1, client=client)
 
     async def main() -> None:
         apool = AsyncWorkerPool(pool, threads=2)
@@ -885,4 +889,27 @@ def test_two_event_loops_in_two_threads_share_one_async_pool(worker):
         assert texts == [f"{name}{i}" for i in range(100)]
     assert pool.stats()["tasks"]["succeeded"] == 200
     apool.close()
+    pool.close()
+
+
+def test_cancel_on_a_transport_that_cannot_cancel_still_charges_nobody(servers):
+    """On ``transport.client: requests`` (no way to shut its socket) a cancelled
+    attempt runs to its own timeout, then counts as abandoned: no worker charged,
+    breaker closed, no dead letter."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], client="requests", read=1.0)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await until_async(lambda: apool.in_flight() == 0)
+
+    asyncio.run(main())
+    check_untouched(pool)
+    assert row(pool)["tasks"]["abandoned"] == 1
     pool.close()
