@@ -20,8 +20,10 @@ contender once more, a worker SIGKILLed when a third of its tasks have ended and
 restarted at once (in a thread: the loop goes on).
 
 Per run: tasks/s, client CPU per task (this process's CPU time: every thread, the
-pool's health thread included), event-loop lag (a coroutine asks to sleep 5 ms over
-and over; the lag is how late it wakes: p50, p99, max), tasks lost (ended without a
+pool's health thread included), of which the event loop's own thread spent (``loop
+µs``: what the loop is kept from other work, whatever the machine), event-loop lag (a
+coroutine asks to sleep 5 ms over and over; the lag is how late it wakes: p50, p99,
+max), tasks lost (ended without a
 result), duplicated (an answer returned twice, or for another task: every answer
 carries the ``X-NPU-Task-Id`` it was sent), attempts. The table's last column is each
 figure's ratio against aiohttp's in the same phase.
@@ -75,6 +77,7 @@ class Run:
     tasks: int
     elapsed_s: float = 0.0
     cpu_s: float = 0.0
+    loop_cpu_s: float = 0.0
     lags_ms: list[float] = field(default_factory=list)
     lost: int = 0
     duplicated: int = 0
@@ -88,6 +91,10 @@ class Run:
     @property
     def cpu_us_per_task(self) -> float:
         return self.cpu_s / self.tasks * 1e6
+
+    @property
+    def loop_cpu_us_per_task(self) -> float:
+        return self.loop_cpu_s / self.tasks * 1e6
 
     def lag(self, q: float) -> float:
         ordered = sorted(self.lags_ms)
@@ -125,10 +132,12 @@ async def _measure(
                 side.append(asyncio.ensure_future(on_progress(done)))
 
     cpu = time.process_time()
+    loop_cpu = time.thread_time()
     t0 = time.perf_counter()
     answers = await asyncio.gather(*(one(tid, p) for tid, p in payloads))
     run.elapsed_s = time.perf_counter() - t0
     run.cpu_s = time.process_time() - cpu
+    run.loop_cpu_s = time.thread_time() - loop_cpu
     stop.set()
     await probe
     await asyncio.gather(*side)
@@ -276,9 +285,7 @@ def _payloads(n: int) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def _run(
-    contender: Any, phase: str, tasks: int, victim: LocalWorker | None
-) -> Run:
+def _run(contender: Any, phase: str, tasks: int, victim: LocalWorker | None) -> Run:
     run = Run(contender.name, phase, tasks)
     killed = asyncio.Event()
 
@@ -319,19 +326,20 @@ def _idle(seconds: float) -> Run:
 
 def _table(runs: list[Run]) -> str:
     head = (
-        f"{'phase':<7}{'contender':<10}{'tasks/s':>9}{'CPU µs/task':>13}{'lag p50':>9}"
-        f"{'lag p99':>9}{'lag max':>9}{'lost':>6}{'dup':>5}{'attempts':>10}"
+        f"{'phase':<7}{'contender':<10}{'tasks/s':>9}{'CPU µs/task':>13}{'loop µs':>9}"
+        f"{'lag p50':>9}{'lag p99':>9}{'lag max':>9}{'lost':>6}{'dup':>5}{'attempts':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in runs:
         if r.contender == "idle":
             lines.append(
-                f"{r.phase:<7}{r.contender:<10}{'':>9}{'':>13}{r.lag(0.5):>8.2f}m"
+                f"{r.phase:<7}{r.contender:<10}{'':>9}{'':>13}{'':>9}{r.lag(0.5):>8.2f}m"
                 f"{r.lag(0.99):>8.2f}m{max(r.lags_ms, default=0):>8.2f}m"
             )
             continue
         lines.append(
             f"{r.phase:<7}{r.contender:<10}{r.tasks_per_s:>9.0f}{r.cpu_us_per_task:>13.0f}"
+            f"{r.loop_cpu_us_per_task:>9.0f}"
             f"{r.lag(0.5):>8.2f}m{r.lag(0.99):>8.2f}m{max(r.lags_ms, default=0):>8.2f}m"
             f"{r.lost:>6}{r.duplicated:>5}{r.attempts:>10}"
         )
@@ -360,6 +368,7 @@ def _ratios(runs: list[Run]) -> dict[str, dict[str, float]]:
                 / statistics.median(r.tasks_per_s for r in base),
                 "cpu_per_task_vs_aiohttp": statistics.median(r.cpu_us_per_task for r in mine)
                 / statistics.median(r.cpu_us_per_task for r in base),
+                "loop_cpu_us_per_task": statistics.median(r.loop_cpu_us_per_task for r in mine),
                 "lag_p99_ms": _pooled_lag(mine, 0.99),
                 "lag_p99_ms_idle_floor": _pooled_lag(floor, 0.99),
                 "lost": sum(r.lost for r in mine),
@@ -414,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, figures in ratios.items():
         print(
             f"{key:<17} tasks/s {figures['tasks_per_s_vs_aiohttp']:.2f}x aiohttp, CPU per "
-            f"task {figures['cpu_per_task_vs_aiohttp']:.2f}x; loop lag p99 "
+            f"task {figures['cpu_per_task_vs_aiohttp']:.2f}x, on the loop "
+            f"{figures['loop_cpu_us_per_task']:.0f} µs; loop lag p99 "
             f"{figures['lag_p99_ms']:.2f} ms (idle loop {figures['lag_p99_ms_idle_floor']:.2f} ms)"
             f"; lost {figures['lost']:.0f}, duplicated {figures['duplicated']:.0f}"
         )

@@ -50,12 +50,11 @@ _NO_TASK = Task(None, task_id="-")  # a call's task until the pump makes it
 class _Call:
     """One task handed to a thread: what it runs, and where its end goes.
 
-    Built as the caller asks (with what it gave, and when); the pump makes the
-    :class:`Task`, its body and its deadline a few calls at a time.
+    Built as the caller asks (with what it gave, and when); the pump gives it its
+    deadline and a thread, a few calls at a time; the thread makes the :class:`Task`.
     """
 
     __slots__ = (
-        "body",
         "deadline",
         "fallback",
         "future",
@@ -83,7 +82,6 @@ class _Call:
         self.loop = loop
         self.started = started
         self.task: Task = _NO_TASK
-        self.body = b""
         self.deadline = 0.0
         self.stop = TaskStop()
         self.waiter: asyncio.Future[Any] = loop.create_future()
@@ -511,21 +509,18 @@ class AsyncWorkerPool:
         self._submit(call)
 
     def _accept(self, call: _Call) -> None:
+        """On the loop: the deadline, and a place among the accepted tasks. The task
+        itself (its id: a system call; its body) is made on its thread."""
         pool = self._pool
-        task = call.task = as_task(call.given)
-        call.body = task.body()
+        given = call.given
         # The deadline counts from the caller's call, not from this turn.
         now = self._clock.monotonic()
-        call.deadline = pool._runner.deadline(task, call.timeout) - (now - call.started)
+        timed = given if isinstance(given, Task) else _NO_TASK
+        call.deadline = pool._runner.deadline(timed, call.timeout) - (now - call.started)
         with self._lock:
-            if self._closed:
+            if self._closed or pool.closed:
                 raise PoolClosed("the pool is closed")
             self._calls.add(call)
-        try:
-            pool._enter()  # PoolClosed once the pool is closed
-        except BaseException:
-            self._take(call)
-            raise
         # A task still waiting for a thread when it may wait no more ends then.
         limit = min(call.deadline, call.started + pool.config.pool.max_queue_wait)
         call.timer = call.loop.call_later(max(limit - now, 0.0), self._expire, call)
@@ -557,13 +552,20 @@ class AsyncWorkerPool:
         return self._executor
 
     def _work(self, call: _Call) -> Any:
-        """A task's whole life, on one of this pool's threads."""
+        """A task's whole life, on one of this pool's threads: made from what the
+        caller gave (``InvalidTask`` as ``execute`` raises it: before the task counts
+        as submitted), then run as ``WorkerPool.execute`` runs it."""
+        pool = self._pool
         try:
+            task = call.task = as_task(call.given)
+            body = task.body()
             if call.loop.is_closed():
-                raise Stopped(call.task.task_id)  # nobody can hear of its end
-            return self._pool._execute(
-                call.task, call.body, call.deadline, call.fallback, call.stop
-            )
+                raise Stopped(task.task_id)  # nobody can hear of its end
+            pool._enter()  # PoolClosed once the pool is closed
+            try:
+                return pool._execute(task, body, call.deadline, call.fallback, call.stop)
+            finally:
+                pool._leave()
         except Stopped:
             if call.stop.reason == _CLOSED_WHILE_RUNNING:
                 raise PoolClosed(
@@ -572,7 +574,6 @@ class AsyncWorkerPool:
             raise
         finally:
             self._take(call)
-            self._pool._leave()
 
     def _cancel(self, call: _Call, reason: str) -> None:
         """Stop ``call``'s task; if it never reached a thread, it is over now."""
@@ -595,13 +596,15 @@ class AsyncWorkerPool:
         try:
             letter = spare.submit(self._dead_letter, call)
         except RuntimeError:  # closing: close() has told the caller
-            self._pool._leave()
             return
         letter.add_done_callback(call.deliver)
 
     def _dead_letter(self, call: _Call) -> Any:
         """Store the dead letter of a task that never got a thread, then raise."""
         pool = self._pool
+        task = call.task = as_task(call.given)
+        task.body()  # InvalidTask, as execute raises it
+        pool._enter()  # PoolClosed once the pool is closed
         try:
             waited = pool.config.pool.max_queue_wait
             reason = (
@@ -609,14 +612,13 @@ class AsyncWorkerPool:
                 f"pool.max_queue_wait={waited:g}s)"
             )
             exhausted = _Exhausted(reason, [], pool._state.clock.time())
-            pool._runner.dead_letter(call.task, exhausted, call.deadline)
+            pool._runner.dead_letter(task, exhausted, call.deadline)
         finally:
             pool._leave()
 
     def _never_ran(self, call: _Call) -> None:
-        """A task whose thread never took it: over, once."""
-        if self._take(call):
-            self._pool._leave()
+        """A task whose thread never took it: over."""
+        self._take(call)
 
     def _take(self, call: _Call) -> bool:
         """Whether ``call`` was still accepted; it is no longer."""

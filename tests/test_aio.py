@@ -714,6 +714,7 @@ def test_a_task_that_cannot_be_sent_is_refused_to_its_caller_only(worker):
                 await apool.execute(PAYLOAD, timeout=-1)
             assert apool.in_flight() == 0
             assert apool.pool.stats()["tasks"]["active"] == 0
+            assert apool.pool.stats()["tasks"]["submitted"] == 0  # as execute counts them
             assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
             counts = apool.stats()
             assert counts["threads"] == 32 and counts["in_flight"] == 0
