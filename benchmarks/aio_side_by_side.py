@@ -235,7 +235,7 @@ class AiohttpContender:
                     best = min(room, key=lambda i: self.in_flight[i])
                     self.in_flight[best] += 1
                     return best
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.cond.wait(), 0.05)
 
     async def _release(self, i: int) -> None:
@@ -266,7 +266,7 @@ class AiohttpContender:
                     return answer
             except aiohttp.ClientConnectorError:
                 self.down_until[i] = asyncio.get_running_loop().time() + 1.0
-            except (aiohttp.ClientError, TimeoutError):
+            except (aiohttp.ClientError, asyncio.TimeoutError):
                 pass
             finally:
                 await self._release(i)
