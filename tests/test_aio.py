@@ -914,3 +914,37 @@ def test_cancel_on_a_transport_that_cannot_cancel_still_charges_nobody(servers):
     check_untouched(pool)
     assert row(pool)["tasks"]["abandoned"] == 1
     pool.close()
+
+
+def test_close_racing_cancellations_ends_every_task_once(worker):
+    """aclose() while tasks are being cancelled and others answered: every task ends
+    exactly once (an answer, CancelledError or PoolClosed), nothing is charged or
+    dead-lettered, and no thread is left."""
+    import random
+
+    rng = random.Random(11)
+    worker.control(latency_ms=20)
+    pool = make_pool([worker.url], max_concurrent=4)
+
+    async def main() -> list[Any]:
+        apool = AsyncWorkerPool(pool, threads=6, close_pool=True)
+        tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(200)]
+        doomed = rng.sample(tasks, 60)
+
+        async def cancel_some() -> None:
+            for task in doomed:
+                task.cancel()
+                await asyncio.sleep(0)
+
+        await asyncio.sleep(0.05)
+        await asyncio.gather(cancel_some(), apool.aclose())
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    ends = asyncio.run(main())
+    kinds = {"answer" if isinstance(e, dict) else type(e).__name__ for e in ends}
+    assert kinds <= {"answer", "CancelledError", "PoolClosed"}, kinds
+    assert "PoolClosed" in kinds  # some were still waiting when it closed
+    assert pool.closed
+    assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
+    assert pool.stats()["tasks"]["failed"] == 0
+    assert not aio_threads()
