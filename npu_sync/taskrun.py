@@ -744,18 +744,18 @@ class TaskRun:
                 if side == _FIRST:
                     self.reason = "deadline passed"
                 return None
-            if race is None and stop is not None:
+            if stop is not None and stop.cancelled and side == _FIRST:
                 # Stopped while the lease was handed over: give it back unused.
-                if stop.cancelled:
-                    raise Stopped(self.task.task_id)
-                outcome = self.send(lease.worker, t0, remaining, side, stop)
-                if stop.cancelled and outcome.kind is not Kind.SUCCESS:
-                    # Cut short by the caller: says nothing about the worker.
-                    outcome = Outcome(Kind.ABANDONED, error=stop.reason)
-            elif race is None:
-                outcome = self.send(lease.worker, t0, remaining)
-            else:
+                raise Stopped(self.task.task_id)
+            if race is not None:
                 outcome = self.send(lease.worker, t0, remaining, side, race.cancels[side])
+            elif stop is not None:
+                outcome = self.send(lease.worker, t0, remaining, side, stop)
+            else:
+                outcome = self.send(lease.worker, t0, remaining)
+            if stop is not None and stop.cancelled and outcome.kind is not Kind.SUCCESS:
+                # Cut short by the caller: says nothing about the worker.
+                outcome = Outcome(Kind.ABANDONED, error=stop.reason)
             t1 = clock.monotonic()
             wid = lease.worker.id
             success = outcome.kind is Kind.SUCCESS
@@ -790,7 +790,8 @@ class TaskRun:
         finally:
             if not recorded:
                 record(state, lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
-        if stop is not None and stop.cancelled and outcome.kind is not Kind.SUCCESS:
+        stopped = stop is not None and stop.cancelled and side == _FIRST
+        if stopped and outcome.kind is not Kind.SUCCESS:
             raise Stopped(self.task.task_id)
         return outcome, deferred, t0, t1
 
@@ -927,6 +928,15 @@ class TaskRun:
         race = _Race()
         state = self.state
         first = lease.worker
+        if self.stop is not None:
+
+            def stopped() -> None:
+                race.abandon()
+                race.cancels[_FIRST].cancel()
+
+            # The task's stop ends both attempts. Never forgotten: one hedged attempt
+            # per task, and stopping a race that is over changes nothing that counts.
+            self.stop.on_cancel(stopped)
         state.hedger.schedule(
             self.clock.monotonic() + delay, lambda: self.fire_hedge(race, first, delay)
         )

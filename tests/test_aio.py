@@ -144,6 +144,18 @@ def holding(requests: Requests) -> Callable[[Peer], None]:
     return behaviour
 
 
+def until_hung_up(requests: Requests) -> Callable[[Peer], None]:
+    """A worker that reads the request and never answers; it lets the connection go
+    (and counts it closed) as soon as the client hangs up."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is not None:
+            requests.seen()
+            peer.wait_readable()
+
+    return behaviour
+
+
 def dripping(requests: Requests) -> Callable[[Peer], None]:
     """A worker that answers a byte every 50 ms: a whole answer takes seconds."""
 
@@ -948,3 +960,46 @@ def test_close_racing_cancellations_ends_every_task_once(worker):
     assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
     assert pool.stats()["tasks"]["failed"] == 0
     assert not aio_threads()
+
+
+def test_cancelling_a_hedged_task_shuts_both_attempts(servers):
+    """With hedging on, a task cancelled while its attempt and its hedge are both on
+    the wire: both connections are shut at once, neither worker is charged, no dead
+    letter, and no hedge thread is left."""
+    from npu_sync.config import BalancingConfig, HedgeConfig
+
+    requests = Requests()
+    a = serve(servers, until_hung_up(requests))
+    b = serve(servers, until_hung_up(requests))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(
+                worker_config("w0", a.url(), max_concurrent=4),
+                worker_config("w1", b.url(), max_concurrent=4),
+            ),
+            timeouts=TimeoutConfig(connect=30, read=30, task=30),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=1),
+            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
+            balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
+        )
+    )
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 2)  # the attempt and its hedge
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for server in (a, b):
+                assert await asyncio.to_thread(
+                    server.wait_for, lambda s=server: s.closed_connections == 1, 5.0
+                )
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: pool.stats()["tasks"]["in_flight"] == 0)
+
+    asyncio.run(main())
+    check_untouched(pool)
+    assert sum(w["tasks"]["abandoned"] for w in pool.workers()) == 2
+    pool.close()
