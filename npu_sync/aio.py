@@ -469,11 +469,10 @@ class AsyncWorkerPool:
             self._closed = True
             calls = list(self._calls)
             executor, spare = self._executor, self._spare
-        error = PoolClosed(_CLOSED_WHILE_RUNNING)
         for call in calls:
             call.stop.stop(_CLOSED_WHILE_RUNNING)
             self._cancel(call, _CLOSED_WHILE_RUNNING)
-            call.fail(error)
+            call.fail(PoolClosed(_CLOSED_WHILE_RUNNING))  # one each: tracebacks grow
         # A thread of this pool (a hook, a fallback) cannot wait for itself.
         inside = bool(getattr(self._pool._local, "depth", 0))
         for ex in (executor, spare):
