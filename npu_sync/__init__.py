@@ -1,5 +1,7 @@
 """npu_sync: spread inference tasks over a pool of NPU workers from synchronous code."""
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+
 from npu_sync._version import installed_version as _installed_version
 from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
@@ -17,24 +19,39 @@ from npu_sync.pool import ReloadResult, WorkerPool, get_pool
 from npu_sync.stats_types import PoolStatsDict, WorkerRow
 from npu_sync.task import Attempt, Task
 
+if _TYPE_CHECKING:
+    from npu_sync.aio import AsyncWorkerPool
+
 __version__: str  # declared only: __getattr__ below reads it when first asked for
 
+# Public names imported when first asked for: asyncio costs more to import than most of
+# the package, and synchronous callers never need it.
+_LAZY = {"AsyncWorkerPool": "npu_sync.aio"}
 
-def __getattr__(name: str) -> str:
+
+def __getattr__(name: str) -> object:
     # The version comes from the package metadata, read on first use: importing
     # importlib.metadata costs more than most of the package's own modules.
     if name == "__version__":
         version = _installed_version() or "0.0.0"  # "0.0.0": a source tree, not installed
         globals()["__version__"] = version
         return version
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        value: object = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), "__version__"})
+    return sorted({*globals(), "__version__", *_LAZY})
 
 
 __all__ = [
+    "AsyncWorkerPool",
     "Attempt",
     "ConfigError",
     "DeadLetter",

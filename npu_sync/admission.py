@@ -26,6 +26,7 @@ from time import perf_counter as _perf_counter  # bound once: read twice per att
 from npu_sync.clock import Clock
 from npu_sync.metrics import Window
 from npu_sync.selector import Selector
+from npu_sync.stop import TaskStop
 from npu_sync.worker import Worker
 
 
@@ -58,6 +59,7 @@ class Refusal(enum.Enum):
         "no worker can become available before the deadline: "
         "circuit breakers open or Retry-After cool-downs until after it"
     )
+    STOPPED = "stopped while waiting for a worker"
 
 
 class _Waiter:
@@ -129,6 +131,7 @@ class Dispatcher:
         excluded: Collection[str],
         deadline: float,
         first: Callable[[float], None] | None = None,
+        stop: TaskStop | None = None,
     ) -> Lease | Refusal:
         """Like :meth:`acquire`, but say why no lease was given.
 
@@ -137,6 +140,7 @@ class Dispatcher:
                 caller would otherwise take the lock for once more (a task's first
                 request pays into the retry budget, which shares this lock). It must
                 not block nor raise.
+            stop: the task's stop: once stopped, it waits no more (``STOPPED``).
 
         Returns:
             A Lease; or the Refusal: the deadline passed, every worker was tried,
@@ -149,6 +153,8 @@ class Dispatcher:
                 first(now)
             if now >= deadline:
                 return Refusal.DEADLINE_PASSED
+            if stop is not None and stop.cancelled:
+                return Refusal.STOPPED
             if self._waiters:
                 self._serve(now)
             lease = self._try(excluded, now)
@@ -157,7 +163,9 @@ class Dispatcher:
             refusal = self._refusal(excluded, deadline, now)
             if refusal is not None:
                 return refusal
-            return self._wait(excluded, deadline, now)
+            if stop is None:
+                return self._wait(excluded, deadline, now)
+            return self._wait_stoppable(excluded, deadline, now, stop)
 
     def try_acquire(self, excluded: Collection[str]) -> Lease | None:
         """A lease on the best worker not in ``excluded`` if one has room now, else None.
@@ -198,14 +206,43 @@ class Dispatcher:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _wait(self, excluded: Collection[str], deadline: float, now: float) -> Lease | Refusal:
+    def _wait_stoppable(
+        self, excluded: Collection[str], deadline: float, now: float, stop: TaskStop
+    ) -> Lease | Refusal:
+        """:meth:`_wait`, woken and ended early when ``stop`` is stopped. Called with
+        ``lock`` held; the stop's callback takes it (a stop never runs under it)."""
         waiter = _Waiter(excluded, deadline, self.lock)
+
+        def wake() -> None:
+            with self.lock:
+                waiter.cond.notify()
+
+        if not stop.on_cancel(wake):
+            return Refusal.STOPPED
+        try:
+            return self._wait(excluded, deadline, now, stop, waiter)
+        finally:
+            stop.forget(wake)
+
+    def _wait(
+        self,
+        excluded: Collection[str],
+        deadline: float,
+        now: float,
+        stop: TaskStop | None = None,
+        waiter: _Waiter | None = None,
+    ) -> Lease | Refusal:
+        if waiter is None:
+            waiter = _Waiter(excluded, deadline, self.lock)
         self._waiters.append(waiter)
         refusal: Refusal | None = None
         try:
             while True:
                 waiter.cond.wait(self._wake_in(now, deadline))
                 if waiter.lease is not None:
+                    break
+                if stop is not None and stop.cancelled:
+                    refusal = Refusal.STOPPED
                     break
                 now = self.clock.monotonic()
                 if now >= deadline:

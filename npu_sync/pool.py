@@ -68,6 +68,7 @@ from npu_sync.stats_types import (
     SharedStateStats,
     WorkerRow,
 )
+from npu_sync.stop import TaskStop
 from npu_sync.task import Task, as_task
 from npu_sync.taskrun import Runner
 from npu_sync.transport import make_transport
@@ -677,12 +678,17 @@ class WorkerPool:
         return executor
 
     def _execute(
-        self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
+        self,
+        task: Task,
+        body: bytes,
+        deadline: float,
+        fallback: Callable[[], Any] | None,
+        stop: TaskStop | None = None,
     ) -> Any:
         local = self._local
         local.depth = getattr(local, "depth", 0) + 1
         try:
-            return self._runner.run(task, body, deadline, fallback)
+            return self._runner.run(task, body, deadline, fallback, stop)
         finally:
             local.depth -= 1
 

@@ -61,6 +61,7 @@ from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
 from npu_sync.retry import REFUSED_CREDENTIALS, Kind, Outcome, classify_error
 from npu_sync.state import Placement, PoolState
+from npu_sync.stop import Stopped, TaskStop
 from npu_sync.task import Task
 from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
@@ -205,17 +206,26 @@ class Runner:
         return state.clock.monotonic() + (timeout or task.timeout or state.config.timeouts.task)
 
     def run(
-        self, task: Task, body: bytes, deadline: float, fallback: Callable[[], Any] | None
+        self,
+        task: Task,
+        body: bytes,
+        deadline: float,
+        fallback: Callable[[], Any] | None,
+        stop: TaskStop | None = None,
     ) -> Any:
         """The whole life of one task: its result, or ``TaskRejected``, or the fallback's
-        result, or ``TaskFailed`` once its dead letter is stored."""
+        result, or ``TaskFailed`` once its dead letter is stored; or ``Stopped`` when
+        ``stop`` is stopped first (see :mod:`npu_sync.stop`): no fallback, no dead
+        letter, nobody charged."""
         state = self.state
         if state.hooks:
             endpoint = task.endpoint or state.config.pool.default_endpoint
             emit(state.hooks, TaskStarted(state.clock.time(), task.task_id, endpoint))
         try:
-            return TaskRun(self, task, body, deadline).run()
+            return TaskRun(self, task, body, deadline, stop).run()
         except _Exhausted as exhausted:
+            if stop is not None and stop.cancelled:
+                raise Stopped(task.task_id) from None  # nobody is left to hear of it
             if fallback is None:
                 self.dead_letter(task, exhausted, deadline)
             return self.fall_back(task, exhausted, deadline, fallback)
@@ -382,12 +392,21 @@ class TaskRun:
         "reason",
         "start",
         "state",
+        "stop",
         "task",
         "wall",
     )
 
-    def __init__(self, runner: Runner, task: Task, body: bytes, deadline: float) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        task: Task,
+        body: bytes,
+        deadline: float,
+        stop: TaskStop | None = None,
+    ) -> None:
         state = runner.state
+        self.stop = stop
         self.state = state
         self.task = task
         self.body = body
@@ -487,9 +506,11 @@ class TaskRun:
             self.deposit = None
         wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
         lease = state.dispatcher.acquire_or_reason(
-            excluded, wait_until if wait_until < deadline else deadline, deposit
+            excluded, wait_until if wait_until < deadline else deadline, deposit, self.stop
         )
         if isinstance(lease, Refusal):
+            if lease is Refusal.STOPPED:
+                raise Stopped(self.task.task_id)
             self.reason = self._refusal_reason(lease, wait_until)
             return None
         return lease
@@ -710,6 +731,7 @@ class TaskRun:
         """
         state = self.state
         clock = self.clock
+        stop = self.stop
         recorded = False
         try:
             if state.transitions:
@@ -722,10 +744,18 @@ class TaskRun:
                 if side == _FIRST:
                     self.reason = "deadline passed"
                 return None
-            if race is None:
-                outcome = self.send(lease.worker, t0, remaining)
-            else:
+            if stop is not None and stop.cancelled and side == _FIRST:
+                # Stopped while the lease was handed over: give it back unused.
+                raise Stopped(self.task.task_id)
+            if race is not None:
                 outcome = self.send(lease.worker, t0, remaining, side, race.cancels[side])
+            elif stop is not None:
+                outcome = self.send(lease.worker, t0, remaining, side, stop)
+            else:
+                outcome = self.send(lease.worker, t0, remaining)
+            if stop is not None and stop.cancelled and outcome.kind is not Kind.SUCCESS:
+                # Cut short by the caller: says nothing about the worker.
+                outcome = Outcome(Kind.ABANDONED, error=stop.reason)
             t1 = clock.monotonic()
             wid = lease.worker.id
             success = outcome.kind is Kind.SUCCESS
@@ -760,6 +790,9 @@ class TaskRun:
         finally:
             if not recorded:
                 record(state, lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
+        stopped = stop is not None and stop.cancelled and side == _FIRST
+        if stopped and outcome.kind is not Kind.SUCCESS:
+            raise Stopped(self.task.task_id)
         return outcome, deferred, t0, t1
 
     def send(
@@ -895,6 +928,15 @@ class TaskRun:
         race = _Race()
         state = self.state
         first = lease.worker
+        if self.stop is not None:
+
+            def stopped() -> None:
+                race.abandon()
+                race.cancels[_FIRST].cancel()
+
+            # The task's stop ends both attempts. Never forgotten: one hedged attempt
+            # per task, and stopping a race that is over changes nothing that counts.
+            self.stop.on_cancel(stopped)
         state.hedger.schedule(
             self.clock.monotonic() + delay, lambda: self.fire_hedge(race, first, delay)
         )
@@ -1067,6 +1109,8 @@ class TaskRun:
             TaskRejected: the worker said the task itself is bad.
         """
         task = self.task
+        if self.stop is not None and self.stop.cancelled:
+            raise Stopped(task.task_id)  # a hedged attempt's end after the caller left
         self.attempts.append(
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
@@ -1103,7 +1147,11 @@ class TaskRun:
                 t1 + self.wall, task.task_id, worker.id, len(self.attempts), wait, outcome.error
             )
         )
-        self.clock.sleep(wait)
+        stop = self.stop
+        if stop is None:
+            self.clock.sleep(wait)
+        elif self.clock.wait(stop.event, wait):
+            raise Stopped(task.task_id)
         return True
 
     def tasks_fault(self, worker: Worker, outcome: Outcome, t1: float) -> bool:

@@ -1,0 +1,1006 @@
+"""AsyncWorkerPool: asyncio callers on the same pool, and cancelling them at every step.
+
+Workers are loopback servers that misbehave on purpose (tests/hostile.py) or reference
+workers in their own processes. Every test waits on events or polls with a generous
+deadline; none sleeps in place of a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from npu_sync import (
+    AsyncWorkerPool,
+    NoWorkerAvailable,
+    PoolClosed,
+    Task,
+    TaskFailed,
+    WorkerPool,
+)
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    PoolSettings,
+    RetryConfig,
+    TimeoutConfig,
+    TransportConfig,
+    worker_config,
+)
+from npu_sync.events import Event, RetryScheduled
+from npu_sync.worker_server import LocalWorker
+from tests.hostile import Peer, answer, keep_answering, serve
+
+PAYLOAD = {"model_id": "default", "input_text": "hi"}
+OK = answer(200, b'{"response": "ok"}')
+PATIENCE = 10.0  # a generous deadline for what should happen at once
+
+
+def until(predicate: Callable[[], bool], timeout: float = PATIENCE) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` (the state it reads has no signal)."""
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return predicate()
+
+
+async def until_async(predicate: Callable[[], bool], timeout: float = PATIENCE) -> bool:
+    give_up = time.monotonic() + timeout
+    while time.monotonic() < give_up:
+        if predicate():
+            return True
+        await asyncio.sleep(0.005)
+    return predicate()
+
+
+def make_pool(
+    urls: list[str],
+    *,
+    max_concurrent: int = 4,
+    read: float = 30.0,
+    task: float = 30.0,
+    retries: int = 0,
+    backoff: float = 0.01,
+    max_queue_wait: float = 60.0,
+    fail_max: int = 1,
+    client: str = "builtin",
+    hooks: tuple[Callable[[Event], None], ...] = (),
+) -> WorkerPool:
+    return WorkerPool(
+        PoolConfig(
+            workers=tuple(
+                worker_config(f"w{i}", url, max_concurrent=max_concurrent)
+                for i, url in enumerate(urls)
+            ),
+            timeouts=TimeoutConfig(connect=read, read=read, task=task),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=retries, backoff_initial=backoff, backoff_max=backoff),
+            circuit_breaker=BreakerConfig(
+                fail_max=fail_max, reset_timeout=60, max_reset_timeout=600
+            ),
+            pool=PoolSettings(max_queue_wait=max_queue_wait),
+            transport=TransportConfig(client=client),
+        ),
+        hooks=hooks,
+    )
+
+
+def row(pool: WorkerPool, worker_id: str = "w0") -> Any:
+    (found,) = [w for w in pool.workers() if w["id"] == worker_id]
+    return found
+
+
+def check_untouched(pool: WorkerPool) -> None:
+    """Nothing in flight or waiting, no worker charged, every breaker closed, no dead
+    letter: what a cancelled or stopped task must leave."""
+    for worker in pool.workers():
+        assert worker["in_flight"] == 0, worker
+        assert worker["tasks"]["failed"] == 0, worker
+        assert worker["breaker"]["state"] == "closed", worker
+    tasks = pool.stats()["tasks"]
+    assert tasks["waiting"] == 0 and tasks["active"] == 0, tasks
+    assert pool.dead_letters.list() == []
+
+
+def aio_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("npu-sync-aio")]
+
+
+class Requests:
+    """A hostile behaviour's view from the test: an event per request received."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.count = 0
+
+    def seen(self) -> None:
+        with self.cond:
+            self.count += 1
+            self.cond.notify_all()
+
+    def wait(self, n: int = 1) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.count >= n, PATIENCE)
+
+
+def holding(requests: Requests) -> Callable[[Peer], None]:
+    """A worker that reads the request and never answers."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is not None:
+            requests.seen()
+            peer.hold()
+
+    return behaviour
+
+
+def until_hung_up(requests: Requests) -> Callable[[Peer], None]:
+    """A worker that reads the request and never answers; it lets the connection go
+    (and counts it closed) as soon as the client hangs up."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is not None:
+            requests.seen()
+            peer.wait_readable()
+
+    return behaviour
+
+
+def dripping(requests: Requests) -> Callable[[Peer], None]:
+    """A worker that answers a byte every 50 ms: a whole answer takes seconds."""
+
+    def behaviour(peer: Peer) -> None:
+        if peer.request() is not None:
+            requests.seen()
+            peer.drip(answer(200, b'{"response": "' + b"x" * 200 + b'"}'), 0.05)
+
+    return behaviour
+
+
+@pytest.fixture
+def worker() -> Iterator[LocalWorker]:
+    """One reference worker in its own process."""
+    with LocalWorker(worker_id="w0").start() as local:
+        yield local
+
+
+# -- what a caller gets --------------------------------------------------------------
+
+
+def test_execute_map_and_the_decorator_return_the_workers_answers(worker):
+    """execute, map (in order, within its window) and an async task function return
+    what the worker answered."""
+
+    async def main() -> None:
+        async with AsyncWorkerPool(make_pool([worker.url]), close_pool=True) as apool:
+            one = await apool.execute(PAYLOAD)
+            assert one["worker_id"] == "w0"
+            texts = [f"t{i}" for i in range(20)]
+            tasks = ({"model_id": "default", "input_text": t} for t in texts)
+            answers = [a async for a in apool.map(tasks, window=3)]
+            assert [a["response"].rsplit(": ", 1)[1] for a in answers] == texts
+
+            @apool.task(timeout=5.0)
+            def analyze(text: str) -> dict[str, str]:
+                return {"model_id": "default", "input_text": text}
+
+            assert (await analyze("hello"))["response"].endswith(": hello")
+            assert apool.pool.stats()["tasks"]["succeeded"] == 22
+
+    asyncio.run(main())
+    assert not aio_threads()
+
+
+def test_bad_thread_counts_are_refused_naming_the_value():
+    """threads must be an integer in 1..4096; the error names the key and the value."""
+    pool = make_pool(["http://127.0.0.1:9"])
+    try:
+        for bad in (0, 5000, 2.5, True):
+            with pytest.raises(ValueError, match=rf"threads: .*{bad!r}"):
+                AsyncWorkerPool(pool, threads=bad)  # type: ignore[arg-type]
+    finally:
+        pool.close()
+    # Refused before a pool is built from the file: no pool, no thread left behind.
+    with pytest.raises(ValueError, match=r"threads: must be 1\.\.4096, got 0"):
+        AsyncWorkerPool.from_yaml("/nonexistent/npu_workers.yaml", threads=0)
+
+
+# -- cancelling the awaiting task, at each step ----------------------------------------
+
+
+def test_cancel_while_waiting_for_a_thread_never_starts_the_task(servers):
+    """A task cancelled while it waits for one of the pool's threads is never sent."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()])
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=1)
+        first = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        second = asyncio.ensure_future(apool.execute(PAYLOAD))
+        await until_async(lambda: apool.in_flight() == 2)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        assert apool.in_flight() == 1
+        assert pool.stats()["tasks"]["active"] == 1
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await until_async(lambda: apool.in_flight() == 0)
+        await apool.aclose()
+
+    asyncio.run(main())
+    assert len(server.seen) == 1  # the second task never reached the worker
+    check_untouched(pool)
+    assert row(pool)["tasks"]["abandoned"] == 1
+    pool.close()
+    assert not aio_threads()
+
+
+def test_cancel_while_queued_for_a_slot_leaves_the_queue(servers):
+    """A task cancelled while it waits for a worker's slot leaves the queue at once:
+    the slot's holder is untouched and nothing is charged or dead-lettered."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_concurrent=1)
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=4)
+        holder = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        queued = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await until_async(lambda: pool.stats()["tasks"]["waiting"] == 1)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        # Its thread leaves the queue promptly, long before any deadline.
+        assert await until_async(lambda: apool.in_flight() == 1)
+        assert pool.stats()["tasks"]["waiting"] == 0
+        assert row(pool)["in_flight"] == 1 and not holder.done()
+        holder.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await holder
+        assert await until_async(lambda: apool.in_flight() == 0)
+        await apool.aclose()
+
+    asyncio.run(main())
+    assert len(server.seen) == 1
+    check_untouched(pool)
+    pool.close()
+
+
+@pytest.mark.parametrize("client", ["builtin", "urllib3"])
+def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers, client):
+    """A task cancelled while its worker drips the answer: the connection is shut at
+    once, the slot given back, the attempt abandoned, the breaker (fail_max 1) closed,
+    no dead letter, and the worker serves the next task."""
+    requests = Requests()
+    server = serve(servers, dripping(requests))
+    pool = make_pool([server.url()], max_concurrent=1, client=client)
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=2)
+        task = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The worker sees the connection go well before its answer would end (~4 s).
+        assert await asyncio.to_thread(server.wait_for, lambda: server.closed_connections == 1, 2.0)
+        assert await until_async(lambda: apool.in_flight() == 0)
+        check_untouched(pool)
+        assert row(pool)["tasks"]["abandoned"] == 1
+        await apool.aclose()
+
+    asyncio.run(main())
+    pool.close()
+
+
+def test_cancel_during_retry_backoff_ends_the_wait(servers):
+    """A task cancelled while it backs off (30 s) before its retry ends at once, with
+    no dead letter; only the worker's own failure is charged."""
+    server = serve(servers, keep_answering(lambda seen: answer(503, b'{"detail": "busy"}')))
+    scheduled = threading.Event()
+
+    def hook(event: Event) -> None:
+        if isinstance(event, RetryScheduled):
+            scheduled.set()
+
+    # One worker, so its breaker must not stop the retry: fail_max 1 would open it.
+    pool = make_pool([server.url()], retries=2, backoff=30.0, task=60.0, fail_max=5, hooks=(hook,))
+
+    async def main() -> None:
+        apool = AsyncWorkerPool(pool, threads=2)
+        task = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(scheduled.wait, PATIENCE)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await until_async(lambda: apool.in_flight() == 0)
+        assert time.monotonic() - started < 30.0 / 2  # not the backoff's end
+        await apool.aclose()
+
+    asyncio.run(main())
+    assert len(server.seen) == 1
+    assert row(pool)["tasks"]["failed"] == 1  # the 503: the worker's own
+    assert row(pool)["in_flight"] == 0
+    assert pool.dead_letters.list() == []
+    pool.close()
+
+
+# -- deadlines, bounds, other callers --------------------------------------------------
+
+
+def test_a_deadline_shorter_than_a_slow_worker_ends_the_task_with_its_dead_letter(servers):
+    """A task whose worker never answers ends by its deadline with TaskFailed, after
+    its dead letter is stored; the worker is not charged for the caller's deadline."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()])
+
+    async def main() -> tuple[TaskFailed, float]:
+        async with AsyncWorkerPool(pool) as apool:
+            started = time.monotonic()
+            with pytest.raises(TaskFailed) as caught:
+                await apool.execute(Task(PAYLOAD, timeout=0.5))
+            return caught.value, time.monotonic() - started
+
+    error, took = asyncio.run(main())
+    assert took < 0.5 + 1.0
+    assert error.dead_letter_id is not None
+    record = pool.dead_letters.get(error.dead_letter_id)
+    assert record is not None and record.task_id == error.task_id
+    assert row(pool)["tasks"]["failed"] == 0 and row(pool)["breaker"]["state"] == "closed"
+    pool.close()
+
+
+def test_a_task_waiting_too_long_for_a_thread_is_dead_lettered_in_time(servers):
+    """With every thread busy, a task waits for one no longer than pool.max_queue_wait:
+    then NoWorkerAvailable, its dead letter stored first, and it was never sent."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_queue_wait=0.3)
+
+    async def main() -> tuple[NoWorkerAvailable, float]:
+        apool = AsyncWorkerPool(pool, threads=1)
+        busy = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        started = time.monotonic()
+        with pytest.raises(NoWorkerAvailable) as caught:
+            await apool.execute(PAYLOAD)
+        took = time.monotonic() - started
+        busy.cancel()
+        await apool.aclose()
+        return caught.value, took
+
+    error, took = asyncio.run(main())
+    assert took < 0.3 + 1.0
+    assert "no thread free" in str(error) and "threads=1" in str(error)
+    assert error.dead_letter_id is not None
+    assert pool.dead_letters.get(error.dead_letter_id) is not None
+    assert len(server.seen) == 1
+    pool.close()
+    assert not aio_threads()
+
+
+def test_a_thousand_concurrent_tasks_run_on_a_bounded_set_of_threads(worker):
+    """1,000 tasks at once from one loop: every one answered, at most ``threads``
+    task threads (and the thread that starts them) ever exist, sampled while the
+    tasks run."""
+    most: list[int] = [0, 0]  # task threads; every thread of the async pool
+
+    async def main() -> None:
+        async with AsyncWorkerPool(
+            make_pool([worker.url], max_concurrent=8), threads=6, close_pool=True
+        ) as apool:
+
+            async def sample() -> None:
+                while True:
+                    runners = [t for t in aio_threads() if t.name.startswith("npu-sync-aio_")]
+                    most[0] = max(most[0], len(runners))
+                    most[1] = max(most[1], len(aio_threads()))
+                    await asyncio.sleep(0.001)
+
+            sampler = asyncio.ensure_future(sample())
+            answers = await asyncio.gather(
+                *(
+                    apool.execute({"model_id": "default", "input_text": f"t{i}"})
+                    for i in range(1000)
+                )
+            )
+            sampler.cancel()
+            ids = [a["task_id"] for a in answers]
+            assert len(set(ids)) == 1000
+            assert apool.pool.stats()["tasks"]["succeeded"] == 1000
+
+    asyncio.run(main())
+    assert 1 <= most[0] <= 6 and most[1] <= 7
+    assert not aio_threads()
+
+
+def test_sync_and_async_callers_share_one_pool(worker):
+    """Threads calling execute and coroutines awaiting at once on one pool: every
+    task answered once, counted in one set of stats."""
+    pool = make_pool([worker.url], max_concurrent=4)
+    sync_answers: list[Any] = []
+
+    def sync_caller() -> None:
+        for i in range(50):
+            sync_answers.append(pool.execute({"model_id": "default", "input_text": f"s{i}"}))
+
+    async def main() -> list[Any]:
+        apool = AsyncWorkerPool(pool, threads=4)
+        callers = [asyncio.to_thread(sync_caller) for _ in range(2)]
+        tasks = [apool.execute({"model_id": "default", "input_text": f"a{i}"}) for i in range(200)]
+        results = await asyncio.gather(*tasks, *callers)
+        await apool.aclose()
+        return results[:200]
+
+    async_answers = asyncio.run(main())
+    assert len(sync_answers) == 100 and len(async_answers) == 200
+    ids = {a["task_id"] for a in [*sync_answers, *async_answers]}
+    assert len(ids) == 300
+    assert pool.stats()["tasks"]["succeeded"] == 300
+    assert pool.stats()["tasks"]["submitted"] == 300
+    pool.close()
+
+
+# -- closing ---------------------------------------------------------------------------
+
+
+def test_close_while_tasks_await_ends_them_promptly_with_pool_closed(servers):
+    """aclose() while tasks wait on a silent worker, for a slot and for a thread:
+    each awaiting coroutine gets PoolClosed at once; nothing charged, no dead letter,
+    no thread left."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_concurrent=2)
+
+    async def main() -> list[BaseException | Any]:
+        apool = AsyncWorkerPool(pool, threads=3, close_pool=True)
+        tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(5)]
+        assert await asyncio.to_thread(requests.wait, 2)
+        assert await until_async(lambda: pool.stats()["tasks"]["waiting"] == 1)
+        started = time.monotonic()
+        await apool.aclose()
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+        assert time.monotonic() - started < 5.0  # the tasks' deadline is 30 s
+        with pytest.raises(PoolClosed):
+            await apool.execute(PAYLOAD)
+        return ends
+
+    ends = asyncio.run(main())
+    assert all(isinstance(e, PoolClosed) for e in ends), ends
+    assert pool.closed
+    assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
+    assert pool.stats()["tasks"]["failed"] == 0  # so no dead letter either
+    assert not aio_threads()
+
+
+def test_a_hook_closing_the_pool_from_a_task_thread_does_not_deadlock(worker):
+    """A hook that closes the async pool from the task's own thread returns at once;
+    the pool finishes closing and no thread is left."""
+    pool_box: list[AsyncWorkerPool] = []
+    closed = threading.Event()
+
+    def hook(event: Event) -> None:
+        if event.name == "task.succeeded" and not closed.is_set():
+            closed.set()
+            pool_box[0].close()
+
+    async def main() -> Any:
+        apool = AsyncWorkerPool(make_pool([worker.url], hooks=(hook,)), close_pool=True)
+        pool_box.append(apool)
+        try:
+            return await apool.execute(PAYLOAD)
+        finally:
+            await apool.aclose()
+
+    with contextlib.suppress(PoolClosed):  # the close raced the answer: either is honest
+        asyncio.run(main())
+    assert closed.is_set() and pool_box[0].closed
+    assert until(lambda: not aio_threads())
+
+
+def test_a_loop_closed_with_tasks_in_flight_leaves_nothing_behind(servers, caplog):
+    """asyncio.run() returning while tasks are in flight cancels them: their attempts
+    are stopped, nobody is charged; a loop closed by hand drops its tasks' ends
+    silently; close() then ends every thread."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()])
+    apool = AsyncWorkerPool(pool, threads=4)
+
+    left: list[asyncio.Future[Any]] = []
+
+    async def leave_early() -> None:
+        left.extend(asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(3))
+        assert await asyncio.to_thread(requests.wait, 3)
+
+    asyncio.run(leave_early())
+    assert until(lambda: apool.in_flight() == 0)
+    check_untouched(pool)
+
+    loop = asyncio.new_event_loop()
+
+    async def start() -> None:
+        left.append(asyncio.ensure_future(apool.execute(PAYLOAD)))
+        assert await asyncio.to_thread(requests.wait, 4)
+
+    with caplog.at_level(logging.WARNING, logger="npu_sync"):
+        loop.run_until_complete(start())
+        loop.run_until_complete(loop.shutdown_default_executor())
+        loop.close()
+        assert apool.in_flight() == 1
+        started = time.monotonic()
+        apool.close()
+        assert time.monotonic() - started < 5.0
+    assert apool.in_flight() == 0
+    assert [r for r in caplog.records if r.name.startswith("npu_sync")] == []
+    assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
+    pool.close()
+    assert not aio_threads()
+
+
+# -- more attacks ----------------------------------------------------------------------
+
+
+def by_request(*behaviours: Callable[[Peer], None]) -> Callable[[Peer], None]:
+    """The n-th connection gets the n-th behaviour (the last one after that)."""
+    lock = threading.Lock()
+    count = [0]
+
+    def behaviour(peer: Peer) -> None:
+        with lock:
+            n = count[0]
+            count[0] += 1
+        behaviours[min(n, len(behaviours) - 1)](peer)
+
+    return behaviour
+
+
+def test_cancelling_a_half_open_trial_gives_the_trial_back(servers):
+    """A task cancelled during its worker's one half-open trial gives the trial back
+    uncharged: the breaker stays half-open-able and the next task's trial closes it."""
+    requests = Requests()
+
+    def fail(peer: Peer) -> None:
+        if peer.request() is not None:
+            peer.send(answer(503, b'{"detail": "busy"}'))
+
+    def ok(peer: Peer) -> None:
+        keep_answering(lambda seen: OK)(peer)
+
+    server = serve(servers, by_request(fail, holding(requests), ok))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(worker_config("w0", server.url(), max_concurrent=4),),
+            timeouts=TimeoutConfig(connect=30, read=30, task=30),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=0),
+            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=0.2, max_reset_timeout=0.2),
+        )
+    )
+
+    async def main() -> Any:
+        async with AsyncWorkerPool(pool) as apool:
+            with pytest.raises(TaskFailed):
+                await apool.execute(PAYLOAD)  # the 503 opens the breaker
+            assert row(pool)["breaker"]["state"] == "open"
+            trial = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)  # the trial is on the wire
+            trial.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await trial
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert row(pool)["tasks"]["failed"] == 1  # the 503 only
+            return await apool.execute(PAYLOAD)  # a new trial: the slot came back
+
+    assert asyncio.run(main()) == {"response": "ok"}
+    assert row(pool)["breaker"]["state"] == "closed"
+    assert row(pool)["tasks"]["abandoned"] == 1
+    pool.close()
+
+
+def test_leaving_map_early_cancels_the_tasks_in_flight(servers):
+    """Leaving ``async for ... in map()`` early stops the tasks still in flight, long
+    before their deadline (30 s), whether the generator is closed by ``aclosing`` or
+    left to the loop."""
+
+    def answers_only_the_first(peer: Peer) -> None:
+        # The first task of each map is answered; every other one held.
+        while (seen := peer.request()) is not None:
+            if b'"first"' not in seen.body:
+                peer.hold()
+                return
+            if not peer.send(OK):
+                return
+
+    server = serve(servers, answers_only_the_first)
+    tasks = [{"input_text": "first"}] + [PAYLOAD] * 5
+    # Room for a whole window at once: the first task never queues behind a held one.
+    pool = make_pool([server.url()], max_concurrent=3)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=4) as apool:
+            async with contextlib.aclosing(apool.map(tasks, window=3)) as answers:
+                async for answer in answers:
+                    assert answer == {"response": "ok"}
+                    break
+            # Closed by aclosing: the tasks are stopped; their threads end promptly.
+            assert await until_async(lambda: apool.in_flight() == 0)
+            check_untouched(pool)
+            # Without aclosing, the loop closes the abandoned generator soon after.
+            async for answer in apool.map(tasks, window=3):
+                assert answer == {"response": "ok"}
+                break
+            assert await until_async(lambda: apool.in_flight() == 0)
+            check_untouched(pool)
+
+    started = time.monotonic()
+    asyncio.run(main())
+    assert time.monotonic() - started < PATIENCE
+    pool.close()
+
+
+def test_random_cancellations_leave_the_pool_whole(worker):
+    """Tasks cancelled at random moments of their life, among tasks that finish: no
+    slot held, nothing charged or dead-lettered, and the pool serves on."""
+    import random
+
+    rng = random.Random(7)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(
+            make_pool([worker.url], max_concurrent=3), threads=4, close_pool=True
+        ) as apool:
+            tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(200)]
+            for task in rng.sample(tasks, 100):
+                await asyncio.sleep(rng.random() * 0.002)
+                task.cancel()
+            ends = await asyncio.gather(*tasks, return_exceptions=True)
+            kinds = {type(e).__name__ for e in ends if not isinstance(e, dict)}
+            assert kinds <= {"CancelledError"}, kinds
+            assert await until_async(lambda: apool.in_flight() == 0)
+            check_untouched(apool.pool)
+            assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
+
+    asyncio.run(main())
+
+
+def test_a_forked_child_runs_async_tasks_on_threads_of_its_own(worker):
+    """After fork(), the child's async pool starts its own threads and runs tasks;
+    the parent's pool goes on as before."""
+    import os
+
+    pool = make_pool([worker.url])
+    apool = AsyncWorkerPool(pool, threads=2)
+
+    async def one() -> Any:
+        return await apool.execute(PAYLOAD)
+
+    assert asyncio.run(one())["worker_id"] == "w0"
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest machinery from here on
+        code = 1
+        try:
+            if asyncio.run(one())["worker_id"] == "w0":
+                os.write(write, b"ok")
+                code = 0
+            apool.close()
+            pool.close()
+        finally:
+            os._exit(code)
+    os.close(write)
+    said = os.read(read, 16)
+    os.close(read)
+    assert os.waitpid(pid, 0)[1] == 0 and said == b"ok"
+    assert asyncio.run(one())["worker_id"] == "w0"
+    apool.close()
+    pool.close()
+
+
+def test_a_task_that_cannot_be_sent_is_refused_to_its_caller_only(worker):
+    """A payload that is not JSON, or a bad timeout, raises InvalidTask to the awaiting
+    coroutine, naming the problem; nothing is left accepted and others run on."""
+    from npu_sync import InvalidTask
+
+    async def main() -> None:
+        async with AsyncWorkerPool(make_pool([worker.url]), close_pool=True) as apool:
+            with pytest.raises(InvalidTask):
+                await apool.execute({"model_id": "default", "input_text": object()})
+            with pytest.raises(InvalidTask, match="-1"):
+                await apool.execute(PAYLOAD, timeout=-1)
+            assert apool.in_flight() == 0
+            assert apool.pool.stats()["tasks"]["active"] == 0
+            assert apool.pool.stats()["tasks"]["submitted"] == 0  # as execute counts them
+            assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
+            counts = apool.stats()
+            assert counts["threads"] == 32 and counts["in_flight"] == 0
+            assert 1 <= counts["started"] <= 32 and counts["waiting_for_thread"] == 0
+
+    asyncio.run(main())
+
+
+def test_a_fallback_answers_on_the_task_thread_when_every_worker_fails():
+    """With no worker reachable, the decorated coroutine returns its fallback's
+    answer, computed on a task thread (not the loop), and stores no dead letter."""
+    pool = make_pool(["http://127.0.0.1:9"], read=2.0)
+    ran_on: list[str] = []
+
+    def shout(text: str) -> dict[str, str]:
+        ran_on.append(threading.current_thread().name)
+        return {"response": text.upper()}
+
+    async def main() -> Any:
+        async with AsyncWorkerPool(pool, close_pool=True) as apool:
+
+            @apool.task(fallback=shout, timeout=5.0)
+            def analyze(text: str) -> dict[str, str]:
+                return {"model_id": "default", "input_text": text}
+
+            return await analyze("hello")
+
+    assert asyncio.run(main()) == {"response": "HELLO"}
+    assert ran_on and ran_on[0].startswith("npu-sync-aio_")
+    assert pool.stats()["tasks"]["fallbacks"] == 1
+
+
+def test_closing_the_worker_pool_alone_waits_for_async_tasks(worker):
+    """WorkerPool.close() with asyncio tasks in flight waits for them, as for threaded
+    ones: each ends with its answer, and the async pool then refuses new tasks."""
+    pool = make_pool([worker.url])
+    worker.control(latency_ms=200)
+
+    async def main() -> list[Any]:
+        apool = AsyncWorkerPool(pool, threads=4)
+        tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(4)]
+        assert await until_async(lambda: pool.stats()["tasks"]["in_flight"] == 4)
+        await asyncio.to_thread(pool.close)
+        ends = await asyncio.gather(*tasks, return_exceptions=True)
+        with pytest.raises(PoolClosed):
+            await apool.execute(PAYLOAD)
+        await apool.aclose()
+        return ends
+
+    ends = asyncio.run(main())
+    assert [e["worker_id"] for e in ends] == ["w0"] * 4
+
+
+def test_a_slow_dead_letter_store_and_a_blocking_hook_never_hold_the_loop(servers):
+    """While a hook blocks, and while a dead letter is being stored by a store that
+    blocks (as a slow Redis would), the event loop goes on running other coroutines;
+    the task ends with TaskFailed once its record is stored."""
+    from npu_sync.deadletter import MemoryDeadLetterStore
+
+    hook_release, store_release = threading.Event(), threading.Event()
+    hooked, storing = threading.Event(), threading.Event()
+
+    class SlowStore(MemoryDeadLetterStore):
+        def add(self, record: Any) -> None:
+            storing.set()
+            store_release.wait(PATIENCE)
+            super().add(record)
+
+    def blocking_hook(event: Event) -> None:
+        if event.name == "task.started":
+            hooked.set()
+            hook_release.wait(PATIENCE)
+
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(worker_config("w0", server.url()),),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=0),
+        ),
+        dead_letter_store=SlowStore(),
+        hooks=[blocking_hook],
+    )
+
+    async def other_work(turns: int) -> int:
+        done = 0
+        for _ in range(turns):
+            await asyncio.sleep(0)
+            done += 1
+        return done
+
+    async def main() -> TaskFailed:
+        async with AsyncWorkerPool(pool, close_pool=True) as apool:
+            task = asyncio.ensure_future(apool.execute(Task(PAYLOAD, timeout=0.5)))
+            assert await asyncio.to_thread(hooked.wait, PATIENCE)
+            assert await other_work(50) == 50 and not task.done()  # the hook blocks
+            hook_release.set()
+            assert await asyncio.to_thread(storing.wait, PATIENCE)
+            assert await other_work(50) == 50 and not task.done()  # the store blocks
+            store_release.set()
+            with pytest.raises(TaskFailed) as caught:
+                await task
+            return caught.value
+
+    error = asyncio.run(main())
+    assert error.dead_letter_id is not None
+
+
+def test_import_npu_sync_does_not_import_asyncio():
+    """``import npu_sync`` leaves asyncio and the async module unloaded; asking for
+    ``npu_sync.AsyncWorkerPool`` loads them (checked in a fresh interpreter)."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
+
+    import npu_sync
+
+    code = (
+        "import json, sys, npu_sync\n"
+        "before = ['asyncio' in sys.modules, 'npu_sync.aio' in sys.modules]\n"
+        "cls = npu_sync.AsyncWorkerPool\n"
+        "after = ['asyncio' in sys.modules, 'npu_sync.aio' in sys.modules]\n"
+        "print(json.dumps([before, after, cls.__module__, 'AsyncWorkerPool' in dir(npu_sync)]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=pathlib.Path(npu_sync.__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    before, after, module, listed = json.loads(done.stdout)
+    assert before == [False, False] and after == [True, True]
+    assert module == "npu_sync.aio" and listed
+
+
+def test_two_event_loops_in_two_threads_share_one_async_pool(worker):
+    """One AsyncWorkerPool serves coroutines on two loops in two threads at once, each
+    task answered once, on the loop that awaited it."""
+    pool = make_pool([worker.url], max_concurrent=4)
+    apool = AsyncWorkerPool(pool, threads=4)
+    results: dict[str, list[Any]] = {}
+    errors: list[BaseException] = []
+
+    def run_loop(name: str) -> None:
+        async def main() -> list[Any]:
+            loop = asyncio.get_running_loop()
+            answers = await asyncio.gather(
+                *(
+                    apool.execute({"model_id": "default", "input_text": f"{name}{i}"})
+                    for i in range(100)
+                )
+            )
+            assert asyncio.get_running_loop() is loop
+            return list(answers)
+
+        try:
+            results[name] = asyncio.run(main())
+        except BaseException as exc:  # reported by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_loop, args=(n,)) for n in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    for name in ("a", "b"):
+        texts = [a["response"].rsplit(": ", 1)[1] for a in results[name]]
+        assert texts == [f"{name}{i}" for i in range(100)]
+    assert pool.stats()["tasks"]["succeeded"] == 200
+    apool.close()
+    pool.close()
+
+
+def test_cancel_on_a_transport_that_cannot_cancel_still_charges_nobody(servers):
+    """On ``transport.client: requests`` (no way to shut its socket) a cancelled
+    attempt runs to its own timeout, then counts as abandoned: no worker charged,
+    breaker closed, no dead letter."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], client="requests", read=1.0)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await until_async(lambda: apool.in_flight() == 0)
+
+    asyncio.run(main())
+    check_untouched(pool)
+    assert row(pool)["tasks"]["abandoned"] == 1
+    pool.close()
+
+
+def test_close_racing_cancellations_ends_every_task_once(worker):
+    """aclose() while tasks are being cancelled and others answered: every task ends
+    exactly once (an answer, CancelledError or PoolClosed), nothing is charged or
+    dead-lettered, and no thread is left."""
+    import random
+
+    rng = random.Random(11)
+    worker.control(latency_ms=20)
+    pool = make_pool([worker.url], max_concurrent=4)
+
+    async def main() -> list[Any]:
+        apool = AsyncWorkerPool(pool, threads=6, close_pool=True)
+        tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(200)]
+        doomed = rng.sample(tasks, 60)
+
+        async def cancel_some() -> None:
+            for task in doomed:
+                task.cancel()
+                await asyncio.sleep(0)
+
+        await asyncio.sleep(0.05)
+        await asyncio.gather(cancel_some(), apool.aclose())
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    ends = asyncio.run(main())
+    kinds = {"answer" if isinstance(e, dict) else type(e).__name__ for e in ends}
+    assert kinds <= {"answer", "CancelledError", "PoolClosed"}, kinds
+    assert "PoolClosed" in kinds  # some were still waiting when it closed
+    assert pool.closed
+    assert all(w["tasks"]["failed"] == 0 and w["in_flight"] == 0 for w in pool.workers())
+    assert pool.stats()["tasks"]["failed"] == 0
+    assert not aio_threads()
+
+
+def test_cancelling_a_hedged_task_shuts_both_attempts(servers):
+    """With hedging on, a task cancelled while its attempt and its hedge are both on
+    the wire: both connections are shut at once, neither worker is charged, no dead
+    letter, and no hedge thread is left."""
+    from npu_sync.config import BalancingConfig, HedgeConfig
+
+    requests = Requests()
+    a = serve(servers, until_hung_up(requests))
+    b = serve(servers, until_hung_up(requests))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(
+                worker_config("w0", a.url(), max_concurrent=4),
+                worker_config("w1", b.url(), max_concurrent=4),
+            ),
+            timeouts=TimeoutConfig(connect=30, read=30, task=30),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=1),
+            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
+            balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
+        )
+    )
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 2)  # the attempt and its hedge
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            for server in (a, b):
+                assert await asyncio.to_thread(
+                    server.wait_for, lambda s=server: s.closed_connections == 1, 5.0
+                )
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: pool.stats()["tasks"]["in_flight"] == 0)
+
+    asyncio.run(main())
+    check_untouched(pool)
+    assert sum(w["tasks"]["abandoned"] for w in pool.workers()) == 2
+    pool.close()
