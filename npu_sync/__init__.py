@@ -5,6 +5,7 @@ from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
 from npu_sync.decorator import NpuTask, npu_task
 from npu_sync.errors import (
+    AdmissionRefused,
     ConfigError,
     InvalidTask,
     NoWorkerAvailable,
@@ -35,6 +36,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AdmissionRefused",
     "Attempt",
     "ConfigError",
     "DeadLetter",

@@ -855,6 +855,34 @@ class FleetConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Whether a task is let in to wait for a worker at all (see docs/priority.md).
+    Immutable, so thread-safe."""
+
+    deadline_aware: bool = boolean(
+        True,
+        "refuse at once (`AdmissionRefused`, or the fallback) a task that would wait for a "
+        "worker when its expected wait plus service time is confidently past its deadline",
+    )
+    deadline_margin: float = number(
+        1.25,
+        1,
+        100,
+        "refuse only when the expectation exceeds the time left by this factor",
+    )
+    min_samples: int = integer(
+        5,
+        1,
+        1_000_000,
+        "answers every worker must have given before an expectation is formed; until then "
+        "tasks are let in",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "admission")
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A whole, validated pool configuration. Immutable, so thread-safe."""
 
@@ -878,6 +906,7 @@ class PoolConfig:
     balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
     models: ModelsConfig = section(ModelsConfig, "the models workers hold")
     fleet: FleetConfig = section(FleetConfig, "history and the fleet view")
+    admission: AdmissionConfig = section(AdmissionConfig, "who may wait for a worker")
     source: str | None = None
     # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
     # which has none), for key paths in messages: see key_path().

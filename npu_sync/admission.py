@@ -9,7 +9,9 @@ is due for its trial or a worker's cool-down ends, since no release signals thos
 
 A task does not wait when waiting cannot help: when every worker it has not tried is
 disabled, draining, or unavailable until after its deadline (see
-:meth:`Selector.can_serve_before`), it is refused at once, with the reason.
+:meth:`Selector.can_serve_before`), it is refused at once, with the reason. Nor when
+the queue ahead of it is expected to outlast its deadline (deadline-aware admission,
+:mod:`npu_sync.foresight`): then a :class:`~npu_sync.foresight.Late` says by how much.
 
 Whatever is raised in a waiting thread (``KeyboardInterrupt`` included), a lease
 handed to it is given back and passed on to the next waiter.
@@ -23,7 +25,9 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from time import perf_counter as _perf_counter  # bound once: read twice per attempt
 
+from npu_sync._config_types import AdmissionConfig
 from npu_sync.clock import Clock
+from npu_sync.foresight import Late, foresight_for
 from npu_sync.metrics import Window
 from npu_sync.selector import Selector
 from npu_sync.worker import Worker
@@ -129,7 +133,10 @@ class Dispatcher:
         excluded: Collection[str],
         deadline: float,
         first: Callable[[float], None] | None = None,
-    ) -> Lease | Refusal:
+        *,
+        admission: AdmissionConfig | None = None,
+        task_deadline: float | None = None,
+    ) -> Lease | Refusal | Late:
         """Like :meth:`acquire`, but say why no lease was given.
 
         Args:
@@ -137,11 +144,17 @@ class Dispatcher:
                 caller would otherwise take the lock for once more (a task's first
                 request pays into the retry budget, which shares this lock). It must
                 not block nor raise.
+            admission: the admission settings in force for the task; with
+                ``deadline_aware`` on, a task that would wait is first judged by
+                :class:`~npu_sync.foresight.DeadlineForesight`.
+            task_deadline: when the task must be answered (``deadline`` is when it
+                must have a worker); ``deadline`` when None.
 
         Returns:
             A Lease; or the Refusal: the deadline passed, every worker was tried,
             the pool has no worker that takes tasks, or every worker not tried is
-            held by an open breaker or a cool-down until after ``deadline``.
+            held by an open breaker or a cool-down until after ``deadline``; or a
+            Late: the task is expected to be answered only past its deadline.
         """
         with self.lock:
             now = self.clock.monotonic()
@@ -157,6 +170,10 @@ class Dispatcher:
             refusal = self._refusal(excluded, deadline, now)
             if refusal is not None:
                 return refusal
+            if admission is not None and admission.deadline_aware:
+                late = self._foresee(admission, excluded, now, deadline, task_deadline)
+                if late is not None:
+                    return late
             return self._wait(excluded, deadline, now)
 
     def try_acquire(self, excluded: Collection[str]) -> Lease | None:
@@ -197,6 +214,27 @@ class Dispatcher:
             waiter.cond.notify()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _foresee(
+        self,
+        admission: AdmissionConfig,
+        excluded: Collection[str],
+        now: float,
+        deadline: float,
+        task_deadline: float | None,
+    ) -> Late | None:
+        """Whether the queue ahead is expected to outlast the task's deadline."""
+        foresight = foresight_for(admission)
+        if foresight is None:  # pragma: no cover - deadline_aware was checked
+            return None
+        return foresight.judge(
+            self.selector.workers,
+            excluded,
+            len(self._waiters),
+            now,
+            deadline,
+            deadline if task_deadline is None else task_deadline,
+        )
 
     def _wait(self, excluded: Collection[str], deadline: float, now: float) -> Lease | Refusal:
         waiter = _Waiter(excluded, deadline, self.lock)

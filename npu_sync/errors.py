@@ -150,6 +150,19 @@ class TaskRejected(NpuSyncError):
         self.model = model
 
 
+class AdmissionRefused(TaskRejected):
+    """The pool refused the task before any attempt: waiting for a worker could not
+    have it answered by its deadline (``expected`` and ``left``, in seconds, say by how
+    much). Nothing was sent, no worker is charged, and no dead letter is stored: the
+    task was never taken on. A fallback given with the task runs instead.
+    """
+
+    def __init__(self, message: str, *, task_id: str, expected: float, left: float) -> None:
+        super().__init__(message, task_id=task_id)
+        self.expected = expected
+        self.left = left
+
+
 class TaskFailed(NpuSyncError):
     """The task could not succeed; its dead-letter record was stored before this was raised.
 

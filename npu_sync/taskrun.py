@@ -40,7 +40,14 @@ from npu_sync.blame import Blame, Held, Verdict, misrouted, proven_route, route_
 from npu_sync.breaker import HALF_OPEN
 from npu_sync.budget import RetryBudget
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
-from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected, printable
+from npu_sync.errors import (
+    AdmissionRefused,
+    InvalidTask,
+    NoWorkerAvailable,
+    TaskFailed,
+    TaskRejected,
+    printable,
+)
 from npu_sync.events import (
     AttemptFinished,
     AttemptHedged,
@@ -55,6 +62,7 @@ from npu_sync.events import (
     WorkerModelsChanged,
     emit,
 )
+from npu_sync.foresight import Late
 from npu_sync.hedge import HedgePolicy
 from npu_sync.outage import describe, down_reason, held_until, refuse_credentials
 from npu_sync.protocols import WorkerProtocol
@@ -220,7 +228,9 @@ class Runner:
                 self.dead_letter(task, exhausted, deadline)
             return self.fall_back(task, exhausted, deadline, fallback)
         except TaskRejected as rejected:
-            if fallback is None or rejected.model is None:
+            if fallback is None or (
+                rejected.model is None and not isinstance(rejected, AdmissionRefused)
+            ):
                 raise
             return self.fall_back_model(task, rejected, fallback)
 
@@ -487,12 +497,40 @@ class TaskRun:
             self.deposit = None
         wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
         lease = state.dispatcher.acquire_or_reason(
-            excluded, wait_until if wait_until < deadline else deadline, deposit
+            excluded,
+            wait_until if wait_until < deadline else deadline,
+            deposit,
+            admission=self.config.admission,
+            task_deadline=deadline,
         )
+        if isinstance(lease, Lease):
+            return lease
         if isinstance(lease, Refusal):
             self.reason = self._refusal_reason(lease, wait_until)
-            return None
-        return lease
+        else:
+            self.late(lease)
+        return None
+
+    def late(self, late: Late) -> None:
+        """The queue ahead is expected to outlast the deadline (:mod:`npu_sync.foresight`):
+        a task not yet tried is refused at once, no dead letter stored; a task already
+        tried gives up with that reason (and is dead-lettered, as any retry that fails).
+
+        Raises:
+            AdmissionRefused: no attempt was made.
+        """
+        reason = f"refused on admission: {late.reason}"
+        if self.attempts:
+            self.reason = reason
+            return
+        state = self.state
+        task_id = self.task.task_id
+        with state.lock:
+            state.stats.rejected += 1
+        state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, None, reason))
+        raise AdmissionRefused(
+            f"{reason} (task {task_id})", task_id=task_id, expected=late.expected, left=late.left
+        )
 
     def lacks_model(self, lease: Lease) -> bool:
         """Whether the lease's worker was learnt to lack the task's model while the task

@@ -1,0 +1,113 @@
+"""Admission against real reference workers: deadline-aware refusal under a saturated
+fleet."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from npu_sync import AdmissionRefused, NoWorkerAvailable, Task, TaskFailed, WorkerPool
+from npu_sync.config import (
+    AdmissionConfig,
+    HealthConfig,
+    PoolConfig,
+    PoolSettings,
+    RetryConfig,
+    TimeoutConfig,
+    worker_config,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def _config(workers: list[Any], *, capacity: int = 2, **kw: Any) -> PoolConfig:
+    return PoolConfig(
+        workers=tuple(worker_config(w.worker_id, w.url, max_concurrent=capacity) for w in workers),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=2, backoff_initial=0.01, backoff_max=0.05),
+        timeouts=TimeoutConfig(connect=2.0, read=10.0, task=30.0),
+        pool=PoolSettings(threads=32),
+        **kw,
+    )
+
+
+def _payload(i: object) -> dict[str, Any]:
+    return {"model_id": "default", "input_text": f"task {i}"}
+
+
+def _until(condition: Any, timeout: float = 10.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` passes (a generous deadline)."""
+    done = threading.Event()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        done.wait(0.005)
+    return bool(condition())
+
+
+def _saturate(pool: WorkerPool, worker: Any, n: int) -> list[concurrent.futures.Future[Any]]:
+    """``n`` tasks: two running on the worker, the rest queued in the pool."""
+    futures = [pool.submit(_payload(i)) for i in range(n)]
+    assert _until(lambda: worker.stats()["in_flight"] == 2)
+    dispatcher = pool._state.dispatcher
+    assert _until(lambda: dispatcher.waiting >= n - 4)
+    return futures
+
+
+def test_a_task_that_cannot_make_its_deadline_is_refused_while_the_queue_is_full(
+    start_worker,
+) -> None:
+    """A saturated real worker and 0.4 s left: AdmissionRefused at once, nothing sent,
+    no dead letter, while the tasks ahead are still queued."""
+    worker = start_worker(worker_id="w", latency_ms=150, slots=2)
+    with WorkerPool(_config([worker])) as pool:
+        for i in range(6):  # the pool learns the worker takes ~150 ms
+            pool.execute(_payload(f"warm {i}"))
+        futures = _saturate(pool, worker, 16)
+        task = Task(_payload("late"), timeout=0.4)
+        with pytest.raises(AdmissionRefused, match=r"refused on admission: expected \d+\.\d s"):
+            pool.execute(task)
+        # Refused before the queue ahead moved on: most of it is still waiting.
+        assert pool._state.dispatcher.waiting >= 8
+        assert pool.dead_letters.list() == []
+        results = [f.result(30) for f in futures]
+        stats = worker.stats()
+    assert all(r["model_id"] == "default" for r in results)
+    # Nothing was ever sent for the refused task: 6 warm-up tasks and 16 queued ones.
+    assert stats["task_ids_seen"] == 6 + 16
+    assert stats["duplicates"] == 0
+
+
+def test_with_the_key_off_the_same_task_waits_and_fails_into_the_dead_letter_queue(
+    start_worker,
+) -> None:
+    """admission.deadline_aware: false: the task waits out its deadline, then is dead-lettered."""
+    worker = start_worker(worker_id="w", latency_ms=150, slots=2)
+    config = _config([worker], admission=AdmissionConfig(deadline_aware=False))
+    with WorkerPool(config) as pool:
+        for i in range(6):
+            pool.execute(_payload(f"warm {i}"))
+        futures = _saturate(pool, worker, 16)
+        with pytest.raises(TaskFailed) as caught:
+            pool.execute(Task(_payload("late"), timeout=0.4))
+        assert isinstance(caught.value, NoWorkerAvailable)
+        assert caught.value.dead_letter_id is not None
+        assert len(pool.dead_letters.list()) == 1
+        for f in futures:
+            f.result(30)
+
+
+def test_a_fresh_pool_lets_the_task_in(start_worker) -> None:
+    """No answers yet: no expectation, the task waits its turn and succeeds."""
+    worker = start_worker(worker_id="w", latency_ms=150, slots=2)
+    with WorkerPool(_config([worker])) as pool:
+        futures = [pool.submit(_payload(i)) for i in range(4)]
+        assert _until(lambda: worker.stats()["in_flight"] == 2)
+        assert pool.execute(Task(_payload("in"), timeout=10))["model_id"] == "default"
+        for f in futures:
+            f.result(30)
