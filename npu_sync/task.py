@@ -43,6 +43,11 @@ class Task:
             reached the worker (connect errors, an open breaker).
         task_id: sent as ``X-NPU-Task-Id`` on every attempt; a uuid4 by default.
             Printable ASCII, at most 200 characters.
+        priority: the task's priority class (``priority.classes``: by default
+            ``interactive``, ``standard``, ``batch``); ``None`` takes
+            ``priority.default``. Decides who is served first while tasks wait for a
+            worker (see docs/priority.md); a name the pool does not know raises
+            ``InvalidTask`` when the task is run.
     """
 
     payload: Any
@@ -50,6 +55,7 @@ class Task:
     timeout: float | None = None
     idempotent: bool = True
     task_id: str = field(default_factory=lambda: new_task_id())
+    priority: str | None = None
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and (
@@ -66,6 +72,14 @@ class Task:
         if not isinstance(self.task_id, str) or not self.task_id or len(self.task_id) > 200:
             raise InvalidTask(
                 f"task_id must be a non-empty string of at most 200 chars, got {self.task_id!r}"
+            )
+        if self.priority is not None and (
+            not isinstance(self.priority, str)
+            or not self.priority
+            or not self.priority.isprintable()
+        ):
+            raise InvalidTask(
+                f"task priority must be a class name (a printable string), got {self.priority!r}"
             )
         if not self.task_id.isprintable():
             raise InvalidTask(f"task_id must be printable, got {self.task_id!r}")

@@ -432,6 +432,8 @@ class TaskRun:
         self.deposit: Callable[[float], None] | None = self.budget.deposit_locked
         hedge = state.hedge
         self.hedge: HedgePolicy | None = hedge if hedge.enabled else None
+        if task.priority is not None:
+            state.dispatcher.classes.rank(task.priority)  # an unknown class: InvalidTask
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -502,6 +504,7 @@ class TaskRun:
             deposit,
             admission=self.config.admission,
             task_deadline=deadline,
+            priority=self.task.priority,
         )
         if isinstance(lease, Lease):
             return lease

@@ -22,6 +22,7 @@ from npu_sync.config import (
     HealthConfig,
     PoolConfig,
     PoolSettings,
+    PriorityConfig,
     ReloadConfig,
     RetryConfig,
     SharedStateConfig,
@@ -582,6 +583,7 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("fleet.points", "2..10000", 10_000, {}),
     ("admission.deadline_margin", ">= 1 and <= 100", 100, {}),
     ("admission.min_samples", "1..1000000", 1_000_000, {}),
+    ("priority.aging", ">= 0 and <= 86400", 86400, {}),
 ]
 WORKER_BOUNDS: list[tuple[str, str, int]] = [
     ("port", "1..65535", 65535),
@@ -610,6 +612,7 @@ SECTION_CLASSES: dict[str, Any] = {
     "balancing": BalancingConfig,
     "fleet": FleetConfig,
     "admission": AdmissionConfig,
+    "priority": PriorityConfig,
 }
 
 
