@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +16,7 @@ from typing import Any
 from npu_sync.attempt import Attempt
 from npu_sync.errors import InvalidTask
 
-__all__ = ["Attempt", "Task", "as_task", "new_task_id"]
+__all__ = ["Attempt", "Task", "as_task", "new_task_id", "priority_scope"]
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
@@ -101,6 +105,39 @@ class Task:
             ) from None
 
 
+# The class of the tasks started in the current context that name none (a Flask
+# route's), and whether any scope was ever entered: until one is, as_task() reads no
+# context variable.
+_SCOPED: ContextVar[str | None] = ContextVar("npu_sync_priority", default=None)
+_scopes_used = False
+
+
+@contextmanager
+def priority_scope(name: str) -> Iterator[None]:
+    """Tasks run from this context that name no priority class take ``name``.
+
+    The class is read when the task is handed to the pool (``execute``, ``submit``,
+    ``map``, a decorated function), on the caller's thread; the Flask extension's
+    ``npu_priority`` route decorator enters one around a view. An unknown name raises
+    ``InvalidTask`` when such a task is run.
+    """
+    global _scopes_used
+    Task({}, priority=name)  # checks the name's form now
+    _scopes_used = True
+    token = _SCOPED.set(name)
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
+
+
 def as_task(task: Task | Any) -> Task:
-    """Accept a Task or a bare payload."""
-    return task if isinstance(task, Task) else Task(payload=task)
+    """Accept a Task or a bare payload; one naming no class takes the scope's, if any."""
+    if not _scopes_used:
+        return task if isinstance(task, Task) else Task(payload=task)
+    scoped = _SCOPED.get()
+    if isinstance(task, Task):
+        if scoped is None or task.priority is not None:
+            return task
+        return dataclasses.replace(task, priority=scoped)
+    return Task(payload=task, priority=scoped)

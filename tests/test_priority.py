@@ -383,3 +383,87 @@ def test_the_yaml_section_reads_names_reserves_and_errors_with_key_paths() -> No
     )
     with pytest.raises(ConfigError, match=r"npu_workers\.priority\.default: must be one of"):
         parse_config({"npu_workers": {"priority": {"classes": ["a"], "default": "b"}}})
+
+
+# -- where a class comes from -----------------------------------------------------------
+
+
+def _pool(net: FakeNetwork) -> WorkerPool:
+    net.route("a", lambda req: json_response(200, {"ok": True}))
+    cfg = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9100"),), health=HealthConfig(enabled=False)
+    )
+    return WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock())
+
+
+def test_a_scope_gives_its_class_to_tasks_that_name_none() -> None:
+    """Inside priority_scope('batch') a bare payload and a Task naming no class are batch."""
+    from npu_sync.task import as_task, priority_scope
+
+    with priority_scope("batch"):
+        assert as_task({"x": 1}).priority == "batch"
+        assert as_task(Task({"x": 1})).priority == "batch"
+        assert as_task(Task({"x": 1}, priority="interactive")).priority == "interactive"
+        with priority_scope("interactive"):
+            assert as_task({}).priority == "interactive"
+        assert as_task({}).priority == "batch"
+    assert as_task({}).priority is None
+
+
+def test_the_decorator_passes_its_class_to_the_pool() -> None:
+    """@npu_task(pool, priority=...) runs its tasks in that class: an unknown one is refused."""
+    from npu_sync import npu_task
+
+    net = FakeNetwork()
+    with _pool(net) as pool:
+
+        @npu_task(pool, priority="batch")
+        def known(text: str) -> dict[str, str]:
+            return {"input_text": text}
+
+        @npu_task(pool, priority="urgent")
+        def unknown(text: str) -> dict[str, str]:
+            return {"input_text": text}
+
+        assert known("hi") == {"ok": True}
+        with pytest.raises(InvalidTask, match="'urgent' is not a class of this pool"):
+            unknown("hi")
+    with pytest.raises(InvalidTask, match="task priority must be a class name"):
+        npu_task(None, priority="")
+
+
+def test_a_flask_route_gives_its_class_to_the_tasks_its_view_runs() -> None:
+    """@npu_priority on a view: the tasks it runs take the class, checked by the pool."""
+    flask = pytest.importorskip("flask")
+    from npu_sync.flask import NpuSync, current_pool, npu_priority
+
+    net = FakeNetwork()
+    seen: list[str | None] = []
+    with _pool(net) as pool:
+        app = flask.Flask(__name__)
+        app.testing = True  # the view's exception reaches the test
+        NpuSync(app, pool=pool)
+        original = pool._state.dispatcher.acquire_or_reason
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            seen.append(kwargs.get("priority"))
+            return original(*args, **kwargs)
+
+        pool._state.dispatcher.acquire_or_reason = spy  # type: ignore[method-assign]
+
+        @app.get("/search")
+        @npu_priority("interactive")
+        def search() -> Any:
+            return current_pool().execute({"q": 1})
+
+        @app.get("/report")
+        @npu_priority("urgent")
+        def report() -> Any:
+            return current_pool().execute({"q": 2})
+
+        client = app.test_client()
+        assert client.get("/search").get_json() == {"ok": True}
+        with pytest.raises(InvalidTask, match="'urgent' is not a class"):
+            client.get("/report")
+        pool.execute({"q": 3})
+    assert seen == ["interactive", None]
