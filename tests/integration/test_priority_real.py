@@ -111,3 +111,85 @@ def test_a_fresh_pool_lets_the_task_in(start_worker) -> None:
         assert pool.execute(Task(_payload("in"), timeout=10))["model_id"] == "default"
         for f in futures:
             f.result(30)
+
+
+def _classes_config(workers: list[Any], aging: float) -> PoolConfig:
+    from npu_sync.config import ClassConfig, PriorityConfig
+
+    return _config(
+        workers,
+        priority=PriorityConfig(
+            classes=(ClassConfig("interactive"), ClassConfig("standard"), ClassConfig("batch")),
+            default="standard",
+            aging=aging,
+        ),
+    )
+
+
+def _stream(pool: WorkerPool, stop: threading.Event, served: list[int]) -> None:
+    """Interactive tasks back to back until ``stop``."""
+    while not stop.is_set():
+        pool.execute(Task(_payload("interactive"), priority="interactive"))
+        served.append(1)
+
+
+@pytest.mark.parametrize("aging", [0.2, 0.0])
+def test_a_batch_task_behind_a_stream_of_interactive_ones(start_worker, aging: float) -> None:
+    """With aging the batch task is served while interactive tasks keep coming; without,
+    the stream takes every slot and the batch task runs out of time."""
+    worker = start_worker(worker_id="w", latency_ms=50, slots=2)
+    with WorkerPool(_classes_config([worker], aging)) as pool:
+        for i in range(6):
+            pool.execute(_payload(f"warm {i}"))
+        stop = threading.Event()
+        served: list[int] = []
+        stream = [threading.Thread(target=_stream, args=(pool, stop, served)) for _ in range(4)]
+        for t in stream:
+            t.start()
+        try:
+            dispatcher = pool._state.dispatcher
+            assert _until(lambda: dispatcher.waiting >= 2)  # interactive tasks queue
+            before = len(served)
+            task = Task(_payload("batch"), priority="batch", timeout=3.0)
+            if aging:
+                assert pool.execute(task)["model_id"] == "default"
+                # Served while the stream went on: interactive tasks were answered
+                # meanwhile and still wait now.
+                assert len(served) > before and not stop.is_set()
+            else:
+                with pytest.raises(TaskFailed, match=r"no worker could take the task|deadline"):
+                    pool.execute(task)
+                assert len(served) > before + 20
+        finally:
+            stop.set()
+            for t in stream:
+                t.join(30)
+        assert not any(t.is_alive() for t in stream)
+
+
+def test_interactive_tasks_overtake_a_queue_of_batch_ones(start_worker) -> None:
+    """16 batch tasks queued on a saturated worker: an interactive task comes next."""
+    worker = start_worker(worker_id="w", latency_ms=100, slots=2)
+    with WorkerPool(_classes_config([worker], 0.0)) as pool:
+        order: list[str] = []
+        lock = threading.Lock()
+
+        def run(name: str, priority: str) -> None:
+            pool.execute(Task(_payload(name), priority=priority))
+            with lock:
+                order.append(name)
+
+        batch = [threading.Thread(target=run, args=(f"b{i}", "batch")) for i in range(16)]
+        for t in batch:
+            t.start()
+        dispatcher = pool._state.dispatcher
+        assert _until(lambda: dispatcher.waiting >= 12)
+        run("interactive", "interactive")
+        with lock:
+            done_before = len(order) - 1
+        for t in batch:
+            t.join(30)
+    # Answered after at most the two batch tasks in flight and the two that took their
+    # slots as the interactive task joined (the worker has two slots): not the 12 queued.
+    assert done_before <= 4
+    assert order.index("interactive") == done_before
