@@ -101,6 +101,8 @@ class DeadLetter:
     last_attempt_at: float
     created_at: float
     replays: int = 0
+    # The task's routing trace (npu_sync.trace.Trace.to_dict()), when it was kept.
+    trace: dict[str, Any] | None = None
 
     def to_task(self) -> Task:
         """The task to run again: the same task id, so a worker can de-duplicate it.
@@ -131,6 +133,7 @@ class DeadLetter:
             "last_attempt_at": self.last_attempt_at,
             "created_at": self.created_at,
             "replays": self.replays,
+            **({} if self.trace is None else {"trace": self.trace}),
         }
 
     @classmethod
@@ -155,6 +158,7 @@ class DeadLetter:
                 last_attempt_at=float(data["last_attempt_at"]),
                 created_at=float(data["created_at"]),
                 replays=int(data.get("replays", 0)),
+                trace=dict(data["trace"]) if isinstance(data.get("trace"), Mapping) else None,
             )
         except KeyError as exc:
             raise ValueError(f"dead letter record is missing key {exc.args[0]!r}") from None
@@ -171,6 +175,7 @@ class DeadLetter:
         attempts: Sequence[Attempt],
         now: float,
         first_attempt_at: float | None = None,
+        trace: dict[str, Any] | None = None,
     ) -> DeadLetter:
         """Build the record for a task that just failed.
 
@@ -197,6 +202,7 @@ class DeadLetter:
             first_attempt_at=now if first_attempt_at is None else first_attempt_at,
             last_attempt_at=now,
             created_at=now,
+            trace=trace,
         )
 
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from npu_sync.attempt import Attempt
+from npu_sync.trace import Trace
 
 REDACTED: Final = "***"
 """What :func:`scrub` puts in place of a credential."""
@@ -166,7 +167,9 @@ class AdmissionRefused(TaskRejected):
 class TaskFailed(NpuSyncError):
     """The task could not succeed; its dead-letter record was stored before this was raised.
 
-    ``attempts`` holds every attempt (worker id, error, duration) in order.
+    ``attempts`` holds every attempt (worker id, error, duration) in order, and
+    ``trace`` the task's routing trace (:class:`~npu_sync.trace.Trace`): each choice
+    of a worker with why the others were not chosen, each attempt and who was charged.
     ``dead_letter_id`` is None only when storing the record itself failed; the error
     says so and the whole record is logged at ERROR level.
     """
@@ -178,11 +181,15 @@ class TaskFailed(NpuSyncError):
         task_id: str,
         dead_letter_id: str | None,
         attempts: Sequence[Attempt] = (),
+        trace: Trace | None = None,
     ) -> None:
         super().__init__(printable(message))
         self.task_id = task_id
         self.dead_letter_id = dead_letter_id
         self.attempts: tuple[Attempt, ...] = tuple(attempts)
+        # The routing trace (npu_sync.trace.Trace): every choice and attempt, and who
+        # was charged. Set by the pool for every failed task.
+        self.trace: Trace | None = trace
 
 
 class NoWorkerAvailable(TaskFailed):

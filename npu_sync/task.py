@@ -15,8 +15,9 @@ from typing import Any
 # Attempt lives in its own module (errors.py names it too); still importable from here.
 from npu_sync.attempt import Attempt
 from npu_sync.errors import InvalidTask
+from npu_sync.trace import Trace
 
-__all__ = ["Attempt", "Task", "as_task", "new_task_id", "priority_scope"]
+__all__ = ["Attempt", "Task", "as_task", "new_task_id", "priority_scope", "traced"]
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
@@ -60,6 +61,8 @@ class Task:
     idempotent: bool = True
     task_id: str = field(default_factory=lambda: new_task_id())
     priority: str | None = None
+    # Filled as the task runs when given (see npu_sync.trace); not part of its identity.
+    trace: Trace | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and (
@@ -141,3 +144,10 @@ def as_task(task: Task | Any) -> Task:
             return task
         return dataclasses.replace(task, priority=scoped)
     return Task(payload=task, priority=scoped)
+
+
+def traced(task: Task, trace: Trace) -> Task:
+    """``task`` with ``trace`` to fill as it runs."""
+    if trace.task_id is None:
+        trace.task_id = task.task_id
+    return dataclasses.replace(task, trace=trace)

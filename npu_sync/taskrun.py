@@ -68,8 +68,10 @@ from npu_sync.outage import describe, down_reason, held_until, refuse_credential
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
 from npu_sync.retry import REFUSED_CREDENTIALS, Kind, Outcome, classify_error
+from npu_sync.routing import charged_to, considered
 from npu_sync.state import Placement, PoolState
 from npu_sync.task import Task
+from npu_sync.trace import Trace, TraceStep
 from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
 
@@ -174,6 +176,7 @@ class _Exhausted(Exception):
         self.reason = reason
         self.attempts = attempts
         self.first_at = first_at
+        self.trace: Trace | None = None
 
 
 class Runner:
@@ -283,6 +286,7 @@ class Runner:
             attempts=exhausted.attempts,
             now=now,
             first_attempt_at=exhausted.first_at,
+            trace=None if exhausted.trace is None else exhausted.trace.to_dict(),
         )
         error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
         try:
@@ -297,6 +301,7 @@ class Runner:
                 task_id=task.task_id,
                 dead_letter_id=None,
                 attempts=exhausted.attempts,
+                trace=exhausted.trace,
             ) from exc
         with state.lock:
             state.stats.failed += 1
@@ -308,6 +313,7 @@ class Runner:
             task_id=task.task_id,
             dead_letter_id=letter.id,
             attempts=exhausted.attempts,
+            trace=exhausted.trace,
         ) from cause
 
     def _record_lost(
@@ -356,6 +362,7 @@ class Runner:
                 task_id=task.task_id,
                 dead_letter_id="",
                 attempts=exhausted.attempts,
+                trace=exhausted.trace,
             ) from None
 
 
@@ -393,6 +400,7 @@ class TaskRun:
         "start",
         "state",
         "task",
+        "trace",
         "wall",
     )
 
@@ -434,6 +442,8 @@ class TaskRun:
         self.hedge: HedgePolicy | None = hedge if hedge.enabled else None
         if task.priority is not None:
             state.dispatcher.classes.rank(task.priority)  # an unknown class: InvalidTask
+        # The routing trace: the caller's, else begun at the first failed attempt.
+        self.trace: Trace | None = task.trace
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -468,6 +478,8 @@ class TaskRun:
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
+                if self.trace is not None:
+                    self.traced_attempt(worker, outcome, t0, t1, False)
                 if self.blame.held or state.hooks:
                     return self.succeeded(worker, outcome, t1, t1 - t0)
                 return outcome.value
@@ -491,6 +503,8 @@ class TaskRun:
                     self.budget.deposit(self.start)
                 ready = state.dispatcher.try_acquire(excluded := excluded | lacking)
                 if ready is not None:
+                    if self.trace is not None:
+                        self.chose(ready, lacking)
                     return ready
                 if not self.serve_model(model):
                     return None
@@ -507,12 +521,56 @@ class TaskRun:
             priority=self.task.priority,
         )
         if isinstance(lease, Lease):
+            if self.trace is not None:
+                self.chose(lease, excluded)
             return lease
         if isinstance(lease, Refusal):
             self.reason = self._refusal_reason(lease, wait_until)
         else:
             self.late(lease)
         return None
+
+    def chose(self, lease: Lease, excluded: Collection[str]) -> None:
+        """Trace the choice of the lease's worker, and why every other was not chosen."""
+        assert self.trace is not None
+        state = self.state
+        now = self.clock.monotonic()
+        lacking = excluded if excluded is not self.excluded else ()
+        why = considered(state.workers.values(), lease.worker, self.excluded, lacking, now)
+        self.trace.add(TraceStep("choice", now + self.wall, lease.worker.id, considered=why))
+
+    def traced_attempt(
+        self,
+        worker: Worker,
+        outcome: Outcome,
+        t0: float,
+        t1: float,
+        held: bool,
+        verdict: Verdict | None = None,
+    ) -> None:
+        """Trace one attempt's end and who it was charged to; a failed task's trace
+        begins here when the caller asked for none."""
+        trace = self.trace
+        if trace is None:
+            self.trace = trace = Trace(self.task.task_id)
+            trace.add(TraceStep("choice", t0 + self.wall, worker.id))
+        charged = (
+            "the task: nobody"
+            if verdict is Verdict.TASK
+            else charged_to(outcome, worker.id, held)
+        )
+        trace.add(
+            TraceStep(
+                "attempt",
+                t1 + self.wall,
+                worker.id,
+                outcome=outcome.kind.value,
+                status=outcome.status,
+                error=outcome.error,
+                duration=t1 - t0,
+                charged=charged,
+            )
+        )
 
     def late(self, late: Late) -> None:
         """The queue ahead is expected to outlast the deadline (:mod:`npu_sync.foresight`):
@@ -523,6 +581,8 @@ class TaskRun:
             AdmissionRefused: no attempt was made.
         """
         reason = f"refused on admission: {late.reason}"
+        if self.trace is not None:
+            self.trace.add(TraceStep("note", self.clock.time(), text=reason))
         if self.attempts:
             self.reason = reason
             return
@@ -1002,8 +1062,8 @@ class TaskRun:
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
         self.excluded.add(worker.id)
-        if outcome.suspect:
-            self.blame.judge(worker, outcome, t1 - t0, deferred)
+        verdict = self.blame.judge(worker, outcome, t1 - t0, deferred) if outcome.suspect else None
+        self.traced_attempt(worker, outcome, t0, t1, deferred, verdict)
         if outcome.kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
             self.missing_model = self.named_model() or outcome.model
@@ -1023,6 +1083,8 @@ class TaskRun:
         try:
             lease = state.dispatcher.try_acquire(self.excluded | {first.id})
             if lease is not None and self.budget.try_withdraw():
+                if self.trace is not None:
+                    self.trace.add(TraceStep("hedge", self.clock.time(), lease.worker.id))
                 if state.hooks:
                     event = AttemptHedged(
                         self.clock.time(), self.task.task_id, first.id, lease.worker.id, delay
@@ -1080,7 +1142,12 @@ class TaskRun:
         """The task's result. The answers held as maybe the task's own fault were the
         workers' after all: they are charged now (``took``: this attempt's time)."""
         if self.blame.held:
-            charge(self.state, self.blame.proven(), took, t1)
+            proven = self.blame.proven()
+            charge(self.state, proven, took, t1)
+            if self.trace is not None and proven:
+                charged = ", ".join(held.worker.id for held in proven)
+                text = f"held answers charged after {worker.id} answered: {charged}"
+                self.trace.add(TraceStep("note", t1 + self.wall, text=text))
         hooks = self.state.hooks
         if hooks:
             emit(
@@ -1112,7 +1179,9 @@ class TaskRun:
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
         kind = outcome.kind
-        if outcome.suspect and self.blame.judge(worker, outcome, t1 - t0, deferred) is Verdict.TASK:
+        verdict = self.blame.judge(worker, outcome, t1 - t0, deferred) if outcome.suspect else None
+        self.traced_attempt(worker, outcome, t0, t1, deferred, verdict)
+        if verdict is Verdict.TASK:
             return self.tasks_fault(worker, outcome, t1)
         if kind is Kind.REJECTED and not outcome.suspect:
             self.reject(worker, outcome, t1)  # the protocol says the task is bad
@@ -1250,7 +1319,11 @@ class TaskRun:
             # Transport errors name their worker already ("timeout: a: timed out ...").
             on = "" if f"{wid}: " in last_error else f" on {wid}"
             reason = f"{reason}; last error{on}: {last_error}"
-        return _Exhausted(reason, attempts, self.start + self.wall)
+        exhausted = _Exhausted(reason, attempts, self.start + self.wall)
+        trace = exhausted.trace = self.trace
+        if trace is not None:
+            trace.add(TraceStep("note", self.clock.time(), text=f"gave up: {exhausted.reason}"))
+        return exhausted
 
 
 # -- recording an attempt's outcome, under the pool's lock -----------------------------
