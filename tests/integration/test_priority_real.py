@@ -193,3 +193,54 @@ def test_interactive_tasks_overtake_a_queue_of_batch_ones(start_worker) -> None:
     # slots as the interactive task joined (the worker has two slots): not the 12 queued.
     assert done_before <= 4
     assert order.index("interactive") == done_before
+
+
+# -- the routing trace -----------------------------------------------------------------
+
+
+def test_the_trace_of_a_task_retried_after_a_worker_failure(start_worker) -> None:
+    """a answers 503, b answers: the trace names both workers, why b waited, and a's charge."""
+    from npu_sync.trace import Trace
+
+    a, b = start_worker(worker_id="a"), start_worker(worker_id="b")
+    a.control(status_code=503)
+    config = PoolConfig(
+        workers=(
+            worker_config("a", a.url, priority=1),
+            worker_config("b", b.url, priority=2),
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=2, backoff_initial=0.0, backoff_max=0.0),
+    )
+    trace = Trace()
+    with WorkerPool(config) as pool:
+        assert pool.execute(_payload("traced"), trace=trace)["model_id"] == "default"
+    assert trace.workers == ["a", "b"]
+    choice_a, failed, choice_b, answered = trace.steps
+    assert dict(choice_a.considered) == {"b": "lower tier (priority 2 after 1)"}
+    assert (failed.status, failed.charged) == (503, "a")
+    assert dict(choice_b.considered) == {"a": "excluded: already tried by this task"}
+    assert answered.outcome == "success"
+
+
+def test_the_trace_of_a_hedged_task(start_worker) -> None:
+    """A slow first worker and a hedge to a fast one: the trace shows the hedge and who answered."""
+    from npu_sync.config import BalancingConfig, HedgeConfig
+    from npu_sync.trace import Trace
+
+    slow, fast = start_worker(worker_id="slow", latency_ms=3000), start_worker(worker_id="fast")
+    config = PoolConfig(
+        workers=(
+            worker_config("slow", slow.url, priority=1),
+            worker_config("fast", fast.url, priority=2),
+        ),
+        health=HealthConfig(enabled=False),
+        balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
+    )
+    trace = Trace()
+    with WorkerPool(config) as pool:
+        pool.execute(Task(_payload("hedged"), idempotent=True), trace=trace)
+    kinds = [(s.kind, s.worker_id) for s in trace.steps]
+    assert kinds[:2] == [("choice", "slow"), ("hedge", "fast")]
+    assert ("attempt", "fast") in kinds
+    assert next(s for s in trace.steps if s.kind == "attempt").outcome == "success"
