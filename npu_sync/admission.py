@@ -194,7 +194,8 @@ class Dispatcher:
                 self._serve(now)
             # Whoever still waits after _serve() could not use what is free now: taking
             # it overtakes nobody.
-            rank = self.classes.rank_or_default(priority)
+            classes = self.classes
+            rank = classes.default_rank if priority is None else classes.rank_or_default(priority)
             lease = self._try(excluded, now, rank)
             if lease is not None:
                 return lease

@@ -375,3 +375,37 @@ def test_a_task_refused_after_an_attempt_is_dead_lettered() -> None:
             f.result(10)
     assert caught.value.dead_letter_id and len(caught.value.attempts) == 1
     assert "refused on admission: expected" in str(caught.value)
+
+
+def test_a_hook_that_calls_back_into_the_pool_on_a_refusal_does_not_deadlock() -> None:
+    """The refusal's event reaches hooks outside the lock: one that runs another task
+    (refused in turn, answered by its fallback) and reads stats() returns."""
+    from npu_sync.events import TaskRejectedEvent
+
+    net, clock = FakeNetwork(), FakeClock()
+    gate = Gate(clock)
+    net.route("a", gate)
+    seen: list[object] = []
+    holder: list[WorkerPool] = []
+
+    def hook(event: object) -> None:
+        if isinstance(event, TaskRejectedEvent) and not seen:
+            seen.append(event)
+            pool = holder[0]
+            seen.append(pool.execute({"again": True}, timeout=1.0, fallback=lambda: "inner"))
+            seen.append(pool.stats()["tasks"]["rejected"])
+
+    cfg = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9100", max_concurrent=2),),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=1, backoff_initial=0.01, backoff_max=0.01),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock, hooks=[hook]) as pool:
+        holder.append(pool)
+        warm(pool, clock)
+        futures = saturate(pool, gate, 6)
+        assert pool.execute({"late": True}, timeout=1.0, fallback=lambda: "outer") == "outer"
+        gate.open.set()
+        for f in futures:
+            f.result(10)
+    assert seen[1:] == ["inner", 2]
