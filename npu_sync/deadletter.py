@@ -388,8 +388,12 @@ CREATE TABLE IF NOT EXISTS dead_letter_claims (
 
 _COLUMNS = (
     "id, task_id, payload, endpoint, idempotent, timeout, error, attempts,"
-    " first_attempt_at, last_attempt_at, created_at, replays"
+    " first_attempt_at, last_attempt_at, created_at, replays, trace"
 )
+
+# Added to schema 1 files on open, like the claims table: a record's routing trace
+# (JSON), NULL when none was kept. Readers that name their columns ignore it.
+_TRACE_COLUMN = "ALTER TABLE dead_letters ADD COLUMN trace TEXT"
 
 
 _INHERITED: list[sqlite3.Connection] = []
@@ -523,6 +527,9 @@ class SQLiteDeadLetterStore:
                         f"this npu_sync reads version {SCHEMA_VERSION}"
                     )
                 self._conn.execute(_CLAIMS)
+                columns = {row[1] for row in self._conn.execute("PRAGMA table_info(dead_letters)")}
+                if "trace" not in columns:
+                    self._conn.execute(_TRACE_COLUMN)
                 # Known from the start, so stats() has numbers even if its first look
                 # finds the store busy.
                 (records,) = self._conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
@@ -656,7 +663,7 @@ class SQLiteDeadLetterStore:
         with self._locked(until) as conn, self._write(until):
             try:
                 conn.execute(
-                    f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     values,
                 )
             except sqlite3.IntegrityError:
@@ -711,7 +718,7 @@ class SQLiteDeadLetterStore:
             cursor = conn.execute(
                 "UPDATE dead_letters SET task_id = ?, payload = ?, endpoint = ?, idempotent = ?,"
                 " timeout = ?, error = ?, attempts = ?, first_attempt_at = ?,"
-                " last_attempt_at = ?, created_at = ?, replays = ? WHERE id = ?",
+                " last_attempt_at = ?, created_at = ?, replays = ?, trace = ? WHERE id = ?",
                 (*values[1:], record.id),
             )
             if cursor.rowcount == 0:
@@ -822,6 +829,7 @@ class SQLiteDeadLetterStore:
             record.last_attempt_at,
             record.created_at,
             record.replays,
+            None if record.trace is None else json.dumps(record.trace, separators=(",", ":")),
         )
 
     @staticmethod
@@ -839,6 +847,7 @@ class SQLiteDeadLetterStore:
             last_attempt_at=row[9],
             created_at=row[10],
             replays=row[11],
+            trace=None if row[12] is None else json.loads(row[12]),
         )
 
 

@@ -148,3 +148,42 @@ def test_steps_read_and_serialise() -> None:
     }
     again = Trace.from_dict(trace.to_dict())
     assert again.to_dict() == trace.to_dict() and repr(again) == "<Trace t-1: 2 steps>"
+
+
+def test_a_sqlite_dead_letter_keeps_the_trace_even_in_a_file_made_before_it(tmp_path) -> None:
+    """A schema-1 file without the trace column gets it on open; the trace round-trips."""
+    import sqlite3
+
+    from npu_sync.deadletter import _SCHEMA, SCHEMA_VERSION, DeadLetter, SQLiteDeadLetterStore
+    from npu_sync.task import Task
+
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.commit()
+    conn.close()
+    trace = Trace("t-1")
+    trace.add(TraceStep("attempt", 1.0, "a", outcome="failure", status=503, charged="a"))
+    letter = DeadLetter.from_task(
+        Task({"x": 1}, task_id="t-1"),
+        endpoint="/inference",
+        error="boom",
+        attempts=(),
+        now=1.0,
+        trace=trace.to_dict(),
+    )
+    plain = DeadLetter.from_task(
+        Task({"x": 2}), endpoint="/inference", error="boom", attempts=(), now=1.0
+    )
+    store = SQLiteDeadLetterStore(str(path))
+    try:
+        store.add(letter)
+        store.add(plain)
+        got = {r.id: r for r in store.list()}
+    finally:
+        store.close()
+    assert got[letter.id].trace == trace.to_dict() and got[plain.id].trace is None
+    assert Trace.from_dict(got[letter.id].trace).workers == ["a"]
