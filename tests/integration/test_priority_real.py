@@ -244,3 +244,28 @@ def test_the_trace_of_a_hedged_task(start_worker) -> None:
     assert kinds[:2] == [("choice", "slow"), ("hedge", "fast")]
     assert ("attempt", "fast") in kinds
     assert next(s for s in trace.steps if s.kind == "attempt").outcome == "success"
+
+
+def test_a_forked_child_keeps_the_classes_and_orders_its_own_queue(start_worker) -> None:
+    """After fork() the child's pool knows the classes (an unknown one is refused there)
+    and serves its tasks; the parent's pool goes on as before."""
+    from tests.integration.test_fork import run_in_child
+
+    worker = start_worker(worker_id="w", latency_ms=20, slots=2)
+    with WorkerPool(_classes_config([worker], 1.0)) as pool:
+        pool.execute(Task(_payload("parent"), priority="batch"))
+
+        def child() -> dict[str, Any]:
+            answered = pool.execute(Task(_payload("child"), priority="interactive"))
+            try:
+                pool.execute(Task(_payload("child"), priority="urgent"))
+            except Exception as exc:  # the child reports, the parent asserts
+                refused = f"{type(exc).__name__}: {exc}"
+            else:
+                refused = ""
+            return {"model": answered["model_id"], "refused": refused}
+
+        got = run_in_child(child)
+        assert pool.execute(Task(_payload("parent again"), priority="batch"))["model_id"]
+    assert got["model"] == "default"
+    assert got["refused"].startswith("InvalidTask: task priority 'urgent' is not a class")
