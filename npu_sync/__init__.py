@@ -7,6 +7,7 @@ from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
 from npu_sync.decorator import NpuTask, npu_task
 from npu_sync.errors import (
+    AdmissionRefused,
     ConfigError,
     InvalidTask,
     NoWorkerAvailable,
@@ -51,6 +52,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AdmissionRefused",
     "AsyncWorkerPool",
     "Attempt",
     "ConfigError",

@@ -32,8 +32,10 @@ from npu_sync._config_types import (
     DEFAULT_TLS_PORT,
     DEFAULT_WINDOWS_PORT,
     AuthConfig,
+    ClassConfig,
     DeadLetterConfig,
     PoolConfig,
+    PriorityConfig,
     SharedStateConfig,
     TLSConfig,
     TransportConfig,
@@ -298,7 +300,11 @@ class _Reader:
             section.get("workers"), f"{prefix}workers", autobot=autobot, tls_base=transport.tls
         )
         found: dict[str, Any] = {"workers": workers, "transport": transport}
-        custom_readers = {"dead_letter": self.dead_letter, "shared_state": self.shared_state}
+        custom_readers = {
+            "dead_letter": self.dead_letter,
+            "shared_state": self.shared_state,
+            "priority": self.priority,
+        }
         for name, spec, _ in specs(PoolConfig):
             if name in found or spec.section is None:
                 if name == "transport":
@@ -473,6 +479,62 @@ class _Reader:
         if backend != "redis" and m.get("spool_path") is not None:
             self.error(f"{path}.spool_path", "only used with backend 'redis'")
         return DeadLetterConfig(**found, path=file_path, spool_path=spool)
+
+    def priority(self, raw: object, path: str) -> PriorityConfig:
+        m = self.section(raw, path, _key_names(PriorityConfig))
+        if m is None:
+            return PriorityConfig()
+        found = self.fields(m, path, PriorityConfig)
+        mark = len(self.errors)
+        if "classes" in m:
+            classes = self.priority_classes(m["classes"], f"{path}.classes")
+            if classes is not None:
+                found["classes"] = classes
+        if "default" in m:
+            default = self.string(m["default"], f"{path}.default")
+            if default is not None:
+                found["default"] = default
+        if len(self.errors) > mark:
+            return PriorityConfig()
+        try:
+            return PriorityConfig(**found)
+        except ConfigError as exc:
+            parent = path.rpartition(".")[0]
+            self.errors.extend(_join(parent, problem) for problem in exc.errors)
+            return PriorityConfig()
+
+    def priority_classes(self, raw: object, path: str) -> tuple[ClassConfig, ...] | None:
+        """``[{name, reserve}, ...]``, or a bare name for a class reserving nothing."""
+        if not isinstance(raw, list):
+            self.error(path, f"must be a list of classes, got {show(raw)}")
+            return None
+        classes: list[ClassConfig] = []
+        for i, item in enumerate(raw):
+            item_path = f"{path}[{i}]"
+            if isinstance(item, str):
+                item = {"name": item}
+            m = self.section(item, item_path, ("name", "reserve"))
+            if m is None:
+                continue
+            if "name" not in m:
+                self.error(f"{item_path}.name", "required")
+                continue
+            name = self.string(m["name"], f"{item_path}.name")
+            reserve = m.get("reserve", 0.0)
+            if (
+                isinstance(reserve, bool)
+                or not isinstance(reserve, (int, float))
+                or not (0 <= reserve < 1)
+            ):
+                self.error(f"{item_path}.reserve", f"must be >= 0 and < 1, got {show(reserve)}")
+                continue
+            if name is None:
+                continue
+            if not name or not name.isprintable():
+                self.error(f"{item_path}.name", f"must be a printable name, got {show(name)}")
+                continue
+            classes.append(ClassConfig(name, float(reserve)))
+        return tuple(classes)
 
     def shared_state(self, raw: object, path: str) -> SharedStateConfig:
         m = self.section(raw, path, _key_names(SharedStateConfig))

@@ -855,6 +855,113 @@ class FleetConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Whether a task is let in to wait for a worker at all (see docs/priority.md).
+    Immutable, so thread-safe."""
+
+    deadline_aware: bool = boolean(
+        True,
+        "refuse at once (`AdmissionRefused`, or the fallback) a task that would wait for a "
+        "worker when its expected wait plus service time is confidently past its deadline",
+    )
+    deadline_margin: float = number(
+        1.25,
+        1,
+        100,
+        "refuse only when the expectation exceeds the time left by this factor",
+    )
+    min_samples: int = integer(
+        5,
+        1,
+        1_000_000,
+        "answers every worker must have given before an expectation is formed; until then "
+        "tasks are let in",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "admission")
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    """One priority class: its name, and the share of the pool's capacity kept for it
+    (and the classes above it). Immutable, so thread-safe."""
+
+    name: str
+    reserve: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or not self.name.isprintable():
+            raise ConfigError(
+                f"priority.classes: a class name must be a printable string, got {self.name!r}"
+            )
+        reserve = self.reserve
+        if (
+            isinstance(reserve, bool)
+            or not isinstance(reserve, (int, float))
+            or not 0 <= reserve < 1
+        ):
+            raise ConfigError(
+                f"priority.classes[{self.name}].reserve: must be >= 0 and < 1, got {reserve!r}"
+            )
+
+
+DEFAULT_CLASSES: Final = (ClassConfig("interactive"), ClassConfig("standard"), ClassConfig("batch"))
+"""The classes of a pool that names none: ``standard`` is every task's unless it says."""
+
+
+@dataclass(frozen=True, slots=True)
+class PriorityConfig:
+    """Priority classes: who of the tasks waiting for a worker is served first, and the
+    capacity kept for each (see docs/priority.md). Immutable, so thread-safe."""
+
+    classes: tuple[ClassConfig, ...] = custom(
+        DEFAULT_CLASSES,
+        "the classes, highest first, each `{name, reserve}`; `reserve` is the share of the "
+        "pool's capacity that only it and the classes above it may use",
+        type_text="list of classes",
+        default_text="`interactive`, `standard`, `batch`, none reserving",
+        allowed_text="distinct names; reserves adding up to less than 1",
+    )
+    default: str = custom(
+        "standard",
+        "the class of a task that names none",
+        type_text="string",
+        default_text="`standard`",
+        allowed_text="one of `classes`",
+    )
+    aging: float = number(
+        10.0,
+        0,
+        86400,
+        "a waiting task moves up one class for every this many seconds it has waited, so "
+        "a lower class is never starved; `0` turns it off",
+        unit="s",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "priority")
+        names = [c.name for c in self.classes]
+        if not names:
+            raise ConfigError("priority.classes: must name at least one class")
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ConfigError(
+                f"priority.classes: names must be distinct, got {', '.join(twice)} twice"
+            )
+        total = sum(c.reserve for c in self.classes)
+        if total >= 1:
+            raise ConfigError(
+                f"priority.classes: reserves must add up to less than 1, got {total:g}"
+            )
+        if self.default not in names:
+            raise ConfigError(
+                f"priority.default: must be one of the classes ({', '.join(names)}), "
+                f"got {self.default!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class PoolConfig:
     """A whole, validated pool configuration. Immutable, so thread-safe."""
 
@@ -878,6 +985,8 @@ class PoolConfig:
     balancing: BalancingConfig = section(BalancingConfig, "how tasks are spread")
     models: ModelsConfig = section(ModelsConfig, "the models workers hold")
     fleet: FleetConfig = section(FleetConfig, "history and the fleet view")
+    admission: AdmissionConfig = section(AdmissionConfig, "who may wait for a worker")
+    priority: PriorityConfig = section(PriorityConfig, "priority classes")
     source: str | None = None
     # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
     # which has none), for key paths in messages: see key_path().

@@ -2,14 +2,19 @@
 
 When no eligible worker has room (all busy, open, unhealthy or already tried), a
 task waits in a FIFO queue until a worker frees up or recovers, up to its deadline
-("task requeue"). Freed capacity is handed directly to the first waiter that can use
-it, under the same lock that released it, so a newcomer cannot overtake a waiter and
-no waiter is woken for nothing. Waiters also wake on their own when an open breaker
-is due for its trial or a worker's cool-down ends, since no release signals those.
+("task requeue"). With tasks of several priority classes waiting, the queue is
+served by class first (:mod:`npu_sync.priority`), and a class may find no room in
+the capacity the classes above it reserve. Freed capacity is handed directly to the
+first waiter that can use it, under the same lock that released it, so a newcomer
+cannot overtake a waiter and no waiter is woken for nothing. Waiters also wake on
+their own when an open breaker is due for its trial or a worker's cool-down ends,
+since no release signals those.
 
 A task does not wait when waiting cannot help: when every worker it has not tried is
 disabled, draining, or unavailable until after its deadline (see
-:meth:`Selector.can_serve_before`), it is refused at once, with the reason.
+:meth:`Selector.can_serve_before`), it is refused at once, with the reason. Nor when
+the queue ahead of it is expected to outlast its deadline (deadline-aware admission,
+:mod:`npu_sync.foresight`): then a :class:`~npu_sync.foresight.Late` says by how much.
 
 Whatever is raised in a waiting thread (``KeyboardInterrupt`` included), a lease
 handed to it is given back and passed on to the next waiter.
@@ -23,8 +28,11 @@ from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from time import perf_counter as _perf_counter  # bound once: read twice per attempt
 
+from npu_sync._config_types import AdmissionConfig, PriorityConfig
 from npu_sync.clock import Clock
+from npu_sync.foresight import Late, foresight_for
 from npu_sync.metrics import Window
+from npu_sync.priority import PriorityClasses
 from npu_sync.selector import Selector
 from npu_sync.stop import TaskStop
 from npu_sync.worker import Worker
@@ -63,14 +71,23 @@ class Refusal(enum.Enum):
 
 
 class _Waiter:
-    __slots__ = ("cond", "deadline", "excluded", "lease", "queued")
+    __slots__ = ("cond", "deadline", "excluded", "lease", "priority", "queued", "since")
 
-    def __init__(self, excluded: Collection[str], deadline: float, lock: threading.Lock) -> None:
+    def __init__(
+        self,
+        excluded: Collection[str],
+        deadline: float,
+        lock: threading.Lock,
+        priority: str | None = None,
+        since: float = 0.0,
+    ) -> None:
         self.excluded = excluded
         self.deadline = deadline
         self.cond = threading.Condition(lock)
         self.lease: Lease | None = None
         self.queued = True
+        self.priority = priority  # the task's class by name; None: the default
+        self.since = since  # when it joined the queue (aging)
 
 
 class Dispatcher:
@@ -91,11 +108,24 @@ class Dispatcher:
         self.selector.on_earlier_wake = self.wake_all_locked
         self._parked = self.selector.parked
         self._waiters: deque[_Waiter] = deque()
+        # Waiting tasks that named a class: while there are none, the queue is FIFO.
+        self._named = 0
+        self.classes = PriorityClasses()
         self.selection_time = Window(4096)
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
+
+    def set_classes_locked(self, config: PriorityConfig) -> None:
+        """Put new priority classes in force (a reload); waiting tasks are served by
+        them from now on. Call with ``lock`` held."""
+        if config == self.classes.config:
+            return
+        self.classes = PriorityClasses(config)
+        if self._waiters:
+            self._serve(self.clock.monotonic())
+            self.wake_all_locked()
 
     def set_workers(self, workers: Iterable[Worker]) -> None:
         with self.lock:
@@ -119,7 +149,7 @@ class Dispatcher:
         with self.lock:
             now = self.clock.monotonic()
             if now < deadline and not self._waiters:
-                lease = self._try(excluded, now)
+                lease = self._try(excluded, now, self.classes.default_rank)
                 if lease is not None:
                     return lease
         # No worker has room now (or others queue first): the full procedure.
@@ -132,7 +162,11 @@ class Dispatcher:
         deadline: float,
         first: Callable[[float], None] | None = None,
         stop: TaskStop | None = None,
-    ) -> Lease | Refusal:
+        *,
+        admission: AdmissionConfig | None = None,
+        task_deadline: float | None = None,
+        priority: str | None = None,
+    ) -> Lease | Refusal | Late:
         """Like :meth:`acquire`, but say why no lease was given.
 
         Args:
@@ -141,11 +175,18 @@ class Dispatcher:
                 request pays into the retry budget, which shares this lock). It must
                 not block nor raise.
             stop: the task's stop: once stopped, it waits no more (``STOPPED``).
+            admission: the admission settings in force for the task; with
+                ``deadline_aware`` on, a task that would wait is first judged by
+                :class:`~npu_sync.foresight.DeadlineForesight`.
+            task_deadline: when the task must be answered (``deadline`` is when it
+                must have a worker); ``deadline`` when None.
+            priority: the task's class (:mod:`npu_sync.priority`); None: the default.
 
         Returns:
             A Lease; or the Refusal: the deadline passed, every worker was tried,
             the pool has no worker that takes tasks, or every worker not tried is
-            held by an open breaker or a cool-down until after ``deadline``.
+            held by an open breaker or a cool-down until after ``deadline``; or a
+            Late: the task is expected to be answered only past its deadline.
         """
         with self.lock:
             now = self.clock.monotonic()
@@ -157,15 +198,23 @@ class Dispatcher:
                 return Refusal.STOPPED
             if self._waiters:
                 self._serve(now)
-            lease = self._try(excluded, now)
+            # Whoever still waits after _serve() could not use what is free now: taking
+            # it overtakes nobody.
+            classes = self.classes
+            rank = classes.default_rank if priority is None else classes.rank_or_default(priority)
+            lease = self._try(excluded, now, rank)
             if lease is not None:
                 return lease
             refusal = self._refusal(excluded, deadline, now)
             if refusal is not None:
                 return refusal
+            if admission is not None and admission.deadline_aware:
+                late = self._foresee(admission, excluded, now, deadline, task_deadline, rank)
+                if late is not None:
+                    return late
             if stop is None:
-                return self._wait(excluded, deadline, now)
-            return self._wait_stoppable(excluded, deadline, now, stop)
+                return self._wait(excluded, deadline, now, priority)
+            return self._wait_stoppable(excluded, deadline, now, stop, priority)
 
     def try_acquire(self, excluded: Collection[str]) -> Lease | None:
         """A lease on the best worker not in ``excluded`` if one has room now, else None.
@@ -176,7 +225,7 @@ class Dispatcher:
         with self.lock:
             if self._waiters:
                 return None
-            return self._try(excluded, self.clock.monotonic())
+            return self._try(excluded, self.clock.monotonic(), self.classes.default_rank)
 
     def release_locked(self, now: float) -> None:
         """Workers not named may have become available (a health round, a breaker
@@ -207,11 +256,16 @@ class Dispatcher:
     # -- internals ---------------------------------------------------------------------
 
     def _wait_stoppable(
-        self, excluded: Collection[str], deadline: float, now: float, stop: TaskStop
+        self,
+        excluded: Collection[str],
+        deadline: float,
+        now: float,
+        stop: TaskStop,
+        priority: str | None,
     ) -> Lease | Refusal:
         """:meth:`_wait`, woken and ended early when ``stop`` is stopped. Called with
         ``lock`` held; the stop's callback takes it (a stop never runs under it)."""
-        waiter = _Waiter(excluded, deadline, self.lock)
+        waiter = _Waiter(excluded, deadline, self.lock, priority, now)
 
         def wake() -> None:
             with self.lock:
@@ -220,25 +274,66 @@ class Dispatcher:
         if not stop.on_cancel(wake):
             return Refusal.STOPPED
         try:
-            return self._wait(excluded, deadline, now, stop, waiter)
+            return self._wait(excluded, deadline, now, priority, stop, waiter)
         finally:
             stop.forget(wake)
+
+    def _foresee(
+        self,
+        admission: AdmissionConfig,
+        excluded: Collection[str],
+        now: float,
+        deadline: float,
+        task_deadline: float | None,
+        rank: int,
+    ) -> Late | None:
+        """Whether the queue ahead is expected to outlast the task's deadline."""
+        foresight = foresight_for(admission)
+        if foresight is None:  # pragma: no cover - deadline_aware was checked
+            return None
+        ahead = len(self._waiters)
+        if self._named:
+            # Only the tasks served before it are ahead: its class and those above.
+            classes = self.classes
+            ahead = sum(
+                1
+                for w in self._waiters
+                if classes.effective(classes.rank_or_default(w.priority), now - w.since) <= rank
+            )
+        return foresight.judge(
+            self.selector.workers,
+            excluded,
+            ahead,
+            now,
+            deadline,
+            deadline if task_deadline is None else task_deadline,
+        )
 
     def _wait(
         self,
         excluded: Collection[str],
         deadline: float,
         now: float,
+        priority: str | None = None,
         stop: TaskStop | None = None,
         waiter: _Waiter | None = None,
     ) -> Lease | Refusal:
         if waiter is None:
-            waiter = _Waiter(excluded, deadline, self.lock)
+            waiter = _Waiter(excluded, deadline, self.lock, priority, now)
         self._waiters.append(waiter)
+        if priority is not None:
+            self._named += 1
         refusal: Refusal | None = None
         try:
             while True:
-                waiter.cond.wait(self._wake_in(now, deadline))
+                wake = self._wake_in(now, deadline)
+                classes = self.classes
+                if classes.reserving and classes.aging > 0:
+                    # Aging may let it into capacity kept for the classes above: no
+                    # release signals that moment.
+                    step = classes.aging - (now - waiter.since) % classes.aging
+                    wake = min(wake, max(step, 0.001))
+                waiter.cond.wait(wake)
                 if waiter.lease is not None:
                     break
                 if stop is not None and stop.cancelled:
@@ -274,10 +369,15 @@ class Dispatcher:
         if waiter.queued:
             waiter.queued = False
             self._waiters.remove(waiter)
+            if waiter.priority is not None:
+                self._named -= 1
 
-    def _try(self, excluded: Collection[str], now: float) -> Lease | None:
+    def _try(self, excluded: Collection[str], now: float, rank: int = 0) -> Lease | None:
         started = _perf_counter()
         selector = self.selector
+        classes = self.classes
+        if classes.reserving and rank and not classes.may_take(rank, selector.workers):
+            return None  # what is left is kept for the classes above
         worker = selector.select(excluded, now)
         if worker is None:
             return None
@@ -304,6 +404,10 @@ class Dispatcher:
         self.selector.update(worker, self.clock.monotonic())
 
     def _serve(self, now: float) -> None:
+        if self._named:
+            self._serve_ranked(now)
+            return
+        rank = self.classes.default_rank
         waiters = self._waiters
         may_have_room = self.selector.may_have_room
         i = 0
@@ -317,7 +421,7 @@ class Dispatcher:
                 continue
             if not may_have_room(now):
                 break  # no worker has room for anyone
-            waiter.lease = self._try(waiter.excluded, now)
+            waiter.lease = self._try(waiter.excluded, now, rank)
             if waiter.lease is not None:
                 del waiters[i]
                 waiter.queued = False
@@ -326,6 +430,34 @@ class Dispatcher:
                 break  # no worker has room for anyone
             else:
                 i += 1
+
+    def _serve_ranked(self, now: float) -> None:
+        """:meth:`_serve` with tasks of several classes waiting: the highest class (after
+        aging) first, the longest waiting first within a class."""
+        waiters = self._waiters
+        classes = self.classes
+        may_have_room = self.selector.may_have_room
+        ranked = sorted(
+            (
+                (classes.effective(classes.rank_or_default(w.priority), now - w.since), i, w)
+                for i, w in enumerate(waiters)
+            ),
+        )
+        for rank, _, waiter in ranked:
+            if waiter.lease is not None or now >= waiter.deadline:
+                waiter.cond.notify()  # it leaves the queue itself
+                continue
+            if not may_have_room(now):
+                break
+            waiter.lease = self._try(waiter.excluded, now, rank)
+            if waiter.lease is not None:
+                waiters.remove(waiter)
+                waiter.queued = False
+                if waiter.priority is not None:
+                    self._named -= 1
+                waiter.cond.notify()
+            elif not waiter.excluded and not classes.reserving:
+                break  # no worker has room for anyone
 
     def _refusal(self, excluded: Collection[str], deadline: float, now: float) -> Refusal | None:
         """Why waiting cannot help this task, or None if it may."""

@@ -101,6 +101,8 @@ class DeadLetter:
     last_attempt_at: float
     created_at: float
     replays: int = 0
+    # The task's routing trace (npu_sync.trace.Trace.to_dict()), when it was kept.
+    trace: dict[str, Any] | None = None
 
     def to_task(self) -> Task:
         """The task to run again: the same task id, so a worker can de-duplicate it.
@@ -131,6 +133,7 @@ class DeadLetter:
             "last_attempt_at": self.last_attempt_at,
             "created_at": self.created_at,
             "replays": self.replays,
+            **({} if self.trace is None else {"trace": self.trace}),
         }
 
     @classmethod
@@ -155,6 +158,7 @@ class DeadLetter:
                 last_attempt_at=float(data["last_attempt_at"]),
                 created_at=float(data["created_at"]),
                 replays=int(data.get("replays", 0)),
+                trace=dict(data["trace"]) if isinstance(data.get("trace"), Mapping) else None,
             )
         except KeyError as exc:
             raise ValueError(f"dead letter record is missing key {exc.args[0]!r}") from None
@@ -171,6 +175,7 @@ class DeadLetter:
         attempts: Sequence[Attempt],
         now: float,
         first_attempt_at: float | None = None,
+        trace: dict[str, Any] | None = None,
     ) -> DeadLetter:
         """Build the record for a task that just failed.
 
@@ -197,6 +202,7 @@ class DeadLetter:
             first_attempt_at=now if first_attempt_at is None else first_attempt_at,
             last_attempt_at=now,
             created_at=now,
+            trace=trace,
         )
 
 
@@ -382,8 +388,12 @@ CREATE TABLE IF NOT EXISTS dead_letter_claims (
 
 _COLUMNS = (
     "id, task_id, payload, endpoint, idempotent, timeout, error, attempts,"
-    " first_attempt_at, last_attempt_at, created_at, replays"
+    " first_attempt_at, last_attempt_at, created_at, replays, trace"
 )
+
+# Added to schema 1 files on open, like the claims table: a record's routing trace
+# (JSON), NULL when none was kept. Readers that name their columns ignore it.
+_TRACE_COLUMN = "ALTER TABLE dead_letters ADD COLUMN trace TEXT"
 
 
 _INHERITED: list[sqlite3.Connection] = []
@@ -517,6 +527,9 @@ class SQLiteDeadLetterStore:
                         f"this npu_sync reads version {SCHEMA_VERSION}"
                     )
                 self._conn.execute(_CLAIMS)
+                columns = {row[1] for row in self._conn.execute("PRAGMA table_info(dead_letters)")}
+                if "trace" not in columns:
+                    self._conn.execute(_TRACE_COLUMN)
                 # Known from the start, so stats() has numbers even if its first look
                 # finds the store busy.
                 (records,) = self._conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
@@ -650,7 +663,7 @@ class SQLiteDeadLetterStore:
         with self._locked(until) as conn, self._write(until):
             try:
                 conn.execute(
-                    f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                    f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                     values,
                 )
             except sqlite3.IntegrityError:
@@ -705,7 +718,7 @@ class SQLiteDeadLetterStore:
             cursor = conn.execute(
                 "UPDATE dead_letters SET task_id = ?, payload = ?, endpoint = ?, idempotent = ?,"
                 " timeout = ?, error = ?, attempts = ?, first_attempt_at = ?,"
-                " last_attempt_at = ?, created_at = ?, replays = ? WHERE id = ?",
+                " last_attempt_at = ?, created_at = ?, replays = ?, trace = ? WHERE id = ?",
                 (*values[1:], record.id),
             )
             if cursor.rowcount == 0:
@@ -816,6 +829,7 @@ class SQLiteDeadLetterStore:
             record.last_attempt_at,
             record.created_at,
             record.replays,
+            None if record.trace is None else json.dumps(record.trace, separators=(",", ":")),
         )
 
     @staticmethod
@@ -833,6 +847,7 @@ class SQLiteDeadLetterStore:
             last_attempt_at=row[9],
             created_at=row[10],
             replays=row[11],
+            trace=None if row[12] is None else json.loads(row[12]),
         )
 
 

@@ -33,8 +33,10 @@ class NpuTask(Generic[P]):
         timeout: float | None,
         endpoint: str | None,
         idempotent: bool,
+        priority: str | None = None,
     ) -> None:
         functools.update_wrapper(self, func)
+        self._priority = priority
         self._func = func
         self._pool = pool
         self._fallback = fallback
@@ -59,6 +61,7 @@ class NpuTask(Generic[P]):
                 endpoint=self._endpoint,
                 timeout=self._timeout,
                 idempotent=self._idempotent,
+                priority=self._priority,
             )
         )
         fallback = self._fallback
@@ -140,6 +143,7 @@ def npu_task(
     timeout: float | None = None,
     endpoint: str | None = None,
     idempotent: bool = True,
+    priority: str | None = None,
 ) -> Callable[[Callable[P, Any]], NpuTask[P]]:
     """Turn a payload-building function into one that runs the task on a pool.
 
@@ -149,8 +153,8 @@ def npu_task(
         fallback: called with the same arguments when the task fails on every
             worker; its result is returned and no dead letter is stored. If it
             raises too, the dead letter is stored and ``TaskFailed`` raised.
-        timeout, endpoint, idempotent: the task options (see :class:`Task`), unless
-            the function returns a ``Task`` itself.
+        timeout, endpoint, idempotent, priority: the task options (see
+            :class:`Task`), unless the function returns a ``Task`` itself.
 
     The wrapper keeps the function's name, docstring and signature.
     """
@@ -165,6 +169,9 @@ def npu_task(
             timeout=timeout,
             endpoint=endpoint,
             idempotent=idempotent,
+            priority=priority,
         )
 
+    if priority is not None:
+        Task({}, priority=priority)  # a name of the wrong form fails at decoration
     return decorate

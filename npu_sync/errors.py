@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from npu_sync.attempt import Attempt
+from npu_sync.trace import Trace
 
 REDACTED: Final = "***"
 """What :func:`scrub` puts in place of a credential."""
@@ -150,10 +151,25 @@ class TaskRejected(NpuSyncError):
         self.model = model
 
 
+class AdmissionRefused(TaskRejected):
+    """The pool refused the task before any attempt: waiting for a worker could not
+    have it answered by its deadline (``expected`` and ``left``, in seconds, say by how
+    much). Nothing was sent, no worker is charged, and no dead letter is stored: the
+    task was never taken on. A fallback given with the task runs instead.
+    """
+
+    def __init__(self, message: str, *, task_id: str, expected: float, left: float) -> None:
+        super().__init__(message, task_id=task_id)
+        self.expected = expected
+        self.left = left
+
+
 class TaskFailed(NpuSyncError):
     """The task could not succeed; its dead-letter record was stored before this was raised.
 
-    ``attempts`` holds every attempt (worker id, error, duration) in order.
+    ``attempts`` holds every attempt (worker id, error, duration) in order, and
+    ``trace`` the task's routing trace (:class:`~npu_sync.trace.Trace`): each choice
+    of a worker with why the others were not chosen, each attempt and who was charged.
     ``dead_letter_id`` is None only when storing the record itself failed; the error
     says so and the whole record is logged at ERROR level.
     """
@@ -165,11 +181,15 @@ class TaskFailed(NpuSyncError):
         task_id: str,
         dead_letter_id: str | None,
         attempts: Sequence[Attempt] = (),
+        trace: Trace | None = None,
     ) -> None:
         super().__init__(printable(message))
         self.task_id = task_id
         self.dead_letter_id = dead_letter_id
         self.attempts: tuple[Attempt, ...] = tuple(attempts)
+        # The routing trace (npu_sync.trace.Trace): every choice and attempt, and who
+        # was charged. Set by the pool for every failed task.
+        self.trace: Trace | None = trace
 
 
 class NoWorkerAvailable(TaskFailed):

@@ -30,6 +30,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     raise ImportError(f"npu_sync.flask needs Flask: {install_hint('flask')}") from exc
 from npu_sync.fleet import monitor_of
 from npu_sync.pool import WorkerPool, adopt_default_pool, get_pool
+from npu_sync.task import Task, priority_scope
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,27 @@ def current_pool() -> WorkerPool:
         RuntimeError: outside an app context, or the app has no NpuSync extension.
     """
     return _state().get_pool()
+
+
+def npu_priority(name: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Give the tasks a view runs the priority class ``name`` (unless a task names its
+    own): ``@app.get("/search") @npu_priority("interactive") def search(): ...``.
+
+    Put it under the route decorator. Tasks handed to the pool while the view runs
+    (``execute``, ``submit``, ``map``, decorated functions) take the class; see
+    docs/priority.md.
+    """
+    Task({}, priority=name)  # a name of the wrong form fails at decoration
+
+    def decorate(view: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(view)
+        def scoped(*args: P.args, **kwargs: P.kwargs) -> R:
+            with priority_scope(name):
+                return view(*args, **kwargs)
+
+        return scoped
+
+    return decorate
 
 
 def _state() -> _State:

@@ -69,8 +69,9 @@ from npu_sync.stats_types import (
     WorkerRow,
 )
 from npu_sync.stop import TaskStop
-from npu_sync.task import Task, as_task
+from npu_sync.task import Task, as_task, traced
 from npu_sync.taskrun import Runner
+from npu_sync.trace import Trace
 from npu_sync.transport import make_transport
 from npu_sync.worker import Worker, render
 
@@ -239,6 +240,7 @@ class WorkerPool:
         timeout: float | None = None,
         *,
         fallback: Callable[[], Any] | None = None,
+        trace: Trace | None = None,
     ) -> Any:
         """Run one task and return the worker's decoded JSON body.
 
@@ -248,6 +250,8 @@ class WorkerPool:
                 default the task's own, else ``timeouts.task``.
             fallback: run locally, and its result returned, when the task fails on
                 every worker; no dead letter is stored if it succeeds.
+            trace: filled with the task's routing as it runs (see
+                :class:`~npu_sync.trace.Trace`); a failed task carries one anyway.
 
         Raises:
             TaskRejected: the task is bad (a 4xx, or no worker serves its model).
@@ -256,6 +260,8 @@ class WorkerPool:
             PoolClosed: the pool is closed.
         """
         task = as_task(task)
+        if trace is not None:
+            task = traced(task, trace)
         body = task.body()
         deadline = self._runner.deadline(task, timeout)
         self._enter()
@@ -270,12 +276,15 @@ class WorkerPool:
         timeout: float | None = None,
         *,
         fallback: Callable[[], Any] | None = None,
+        trace: Trace | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Run a task on the pool's own threads; the future ends as :meth:`execute` would.
 
         The task's deadline starts now: time spent queued for a pool thread counts.
         """
         task = as_task(task)
+        if trace is not None:
+            task = traced(task, trace)
         body = task.body()
         deadline = self._runner.deadline(task, timeout)
         self._enter()

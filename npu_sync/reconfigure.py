@@ -516,6 +516,7 @@ class Reconfigurer:
             # A moved worker, or one of another protocol now, forgot its models.
             state.models_checked_locked()
             state.configure_balancing_locked(old.balancing, new.balancing)
+            state.dispatcher.set_classes_locked(new.priority)
             now = state.clock.monotonic()
             for worker in built.workers.values():
                 if worker.ramp_until > now:  # a new worker ramps in (slow start)

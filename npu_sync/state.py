@@ -113,6 +113,7 @@ class PoolState:
             ),
         )
         self.lock = self.dispatcher.lock
+        self.dispatcher.set_classes_locked(config.priority)  # no other thread yet
         # The pool's totals, kept across reloads that replace the budget or the policy
         # (a task counts into the one it started with, which shares these).
         self.budget_totals = BudgetTotals()

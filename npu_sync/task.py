@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 # Attempt lives in its own module (errors.py names it too); still importable from here.
 from npu_sync.attempt import Attempt
 from npu_sync.errors import InvalidTask
+from npu_sync.trace import Trace
 
-__all__ = ["Attempt", "Task", "as_task", "new_task_id"]
+__all__ = ["Attempt", "Task", "as_task", "new_task_id", "priority_scope", "traced"]
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
@@ -43,6 +48,11 @@ class Task:
             reached the worker (connect errors, an open breaker).
         task_id: sent as ``X-NPU-Task-Id`` on every attempt; a uuid4 by default.
             Printable ASCII, at most 200 characters.
+        priority: the task's priority class (``priority.classes``: by default
+            ``interactive``, ``standard``, ``batch``); ``None`` takes
+            ``priority.default``. Decides who is served first while tasks wait for a
+            worker (see docs/priority.md); a name the pool does not know raises
+            ``InvalidTask`` when the task is run.
     """
 
     payload: Any
@@ -50,6 +60,9 @@ class Task:
     timeout: float | None = None
     idempotent: bool = True
     task_id: str = field(default_factory=lambda: new_task_id())
+    priority: str | None = None
+    # Filled as the task runs when given (see npu_sync.trace); not part of its identity.
+    trace: Trace | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.endpoint is not None and (
@@ -66,6 +79,14 @@ class Task:
         if not isinstance(self.task_id, str) or not self.task_id or len(self.task_id) > 200:
             raise InvalidTask(
                 f"task_id must be a non-empty string of at most 200 chars, got {self.task_id!r}"
+            )
+        if self.priority is not None and (
+            not isinstance(self.priority, str)
+            or not self.priority
+            or not self.priority.isprintable()
+        ):
+            raise InvalidTask(
+                f"task priority must be a class name (a printable string), got {self.priority!r}"
             )
         if not self.task_id.isprintable():
             raise InvalidTask(f"task_id must be printable, got {self.task_id!r}")
@@ -87,6 +108,46 @@ class Task:
             ) from None
 
 
+# The class of the tasks started in the current context that name none (a Flask
+# route's), and whether any scope was ever entered: until one is, as_task() reads no
+# context variable.
+_SCOPED: ContextVar[str | None] = ContextVar("npu_sync_priority", default=None)
+_scopes_used = False
+
+
+@contextmanager
+def priority_scope(name: str) -> Iterator[None]:
+    """Tasks run from this context that name no priority class take ``name``.
+
+    The class is read when the task is handed to the pool (``execute``, ``submit``,
+    ``map``, a decorated function), on the caller's thread; the Flask extension's
+    ``npu_priority`` route decorator enters one around a view. An unknown name raises
+    ``InvalidTask`` when such a task is run.
+    """
+    global _scopes_used
+    Task({}, priority=name)  # checks the name's form now
+    _scopes_used = True
+    token = _SCOPED.set(name)
+    try:
+        yield
+    finally:
+        _SCOPED.reset(token)
+
+
 def as_task(task: Task | Any) -> Task:
-    """Accept a Task or a bare payload."""
-    return task if isinstance(task, Task) else Task(payload=task)
+    """Accept a Task or a bare payload; one naming no class takes the scope's, if any."""
+    if not _scopes_used:
+        return task if isinstance(task, Task) else Task(payload=task)
+    scoped = _SCOPED.get()
+    if isinstance(task, Task):
+        if scoped is None or task.priority is not None:
+            return task
+        return dataclasses.replace(task, priority=scoped)
+    return Task(payload=task, priority=scoped)
+
+
+def traced(task: Task, trace: Trace) -> Task:
+    """``task`` with ``trace`` to fill as it runs."""
+    if trace.task_id is None:
+        trace.task_id = task.task_id
+    return dataclasses.replace(task, trace=trace)

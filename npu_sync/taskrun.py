@@ -40,7 +40,14 @@ from npu_sync.blame import Blame, Held, Verdict, misrouted, proven_route, route_
 from npu_sync.breaker import HALF_OPEN
 from npu_sync.budget import RetryBudget
 from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
-from npu_sync.errors import InvalidTask, NoWorkerAvailable, TaskFailed, TaskRejected, printable
+from npu_sync.errors import (
+    AdmissionRefused,
+    InvalidTask,
+    NoWorkerAvailable,
+    TaskFailed,
+    TaskRejected,
+    printable,
+)
 from npu_sync.events import (
     AttemptFinished,
     AttemptHedged,
@@ -55,14 +62,17 @@ from npu_sync.events import (
     WorkerModelsChanged,
     emit,
 )
+from npu_sync.foresight import Late
 from npu_sync.hedge import HedgePolicy
 from npu_sync.outage import describe, down_reason, held_until, refuse_credentials
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
 from npu_sync.retry import REFUSED_CREDENTIALS, Kind, Outcome, classify_error
+from npu_sync.routing import charged_to, considered
 from npu_sync.state import Placement, PoolState
 from npu_sync.stop import Stopped, TaskStop
 from npu_sync.task import Task
+from npu_sync.trace import Trace, TraceStep
 from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
 
@@ -167,6 +177,7 @@ class _Exhausted(Exception):
         self.reason = reason
         self.attempts = attempts
         self.first_at = first_at
+        self.trace: Trace | None = None
 
 
 class Runner:
@@ -230,7 +241,9 @@ class Runner:
                 self.dead_letter(task, exhausted, deadline)
             return self.fall_back(task, exhausted, deadline, fallback)
         except TaskRejected as rejected:
-            if fallback is None or rejected.model is None:
+            if fallback is None or (
+                rejected.model is None and not isinstance(rejected, AdmissionRefused)
+            ):
                 raise
             return self.fall_back_model(task, rejected, fallback)
 
@@ -283,6 +296,7 @@ class Runner:
             attempts=exhausted.attempts,
             now=now,
             first_attempt_at=exhausted.first_at,
+            trace=None if exhausted.trace is None else exhausted.trace.to_dict(),
         )
         error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
         try:
@@ -297,6 +311,7 @@ class Runner:
                 task_id=task.task_id,
                 dead_letter_id=None,
                 attempts=exhausted.attempts,
+                trace=exhausted.trace,
             ) from exc
         with state.lock:
             state.stats.failed += 1
@@ -308,6 +323,7 @@ class Runner:
             task_id=task.task_id,
             dead_letter_id=letter.id,
             attempts=exhausted.attempts,
+            trace=exhausted.trace,
         ) from cause
 
     def _record_lost(
@@ -356,6 +372,7 @@ class Runner:
                 task_id=task.task_id,
                 dead_letter_id="",
                 attempts=exhausted.attempts,
+                trace=exhausted.trace,
             ) from None
 
 
@@ -394,6 +411,7 @@ class TaskRun:
         "state",
         "stop",
         "task",
+        "trace",
         "wall",
     )
 
@@ -441,6 +459,10 @@ class TaskRun:
         self.deposit: Callable[[float], None] | None = self.budget.deposit_locked
         hedge = state.hedge
         self.hedge: HedgePolicy | None = hedge if hedge.enabled else None
+        if task.priority is not None:
+            state.dispatcher.classes.rank(task.priority)  # an unknown class: InvalidTask
+        # The routing trace: the caller's, else begun at the first failed attempt.
+        self.trace: Trace | None = task.trace
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -475,6 +497,8 @@ class TaskRun:
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
+                if self.trace is not None:
+                    self.traced_attempt(worker, outcome, t0, t1, False)
                 if self.blame.held or state.hooks:
                     return self.succeeded(worker, outcome, t1, t1 - t0)
                 return outcome.value
@@ -498,6 +522,8 @@ class TaskRun:
                     self.budget.deposit(self.start)
                 ready = state.dispatcher.try_acquire(excluded := excluded | lacking)
                 if ready is not None:
+                    if self.trace is not None:
+                        self.chose(ready, lacking)
                     return ready
                 if not self.serve_model(model):
                     return None
@@ -506,14 +532,90 @@ class TaskRun:
             self.deposit = None
         wait_until = self.clock.monotonic() + self.config.pool.max_queue_wait
         lease = state.dispatcher.acquire_or_reason(
-            excluded, wait_until if wait_until < deadline else deadline, deposit, self.stop
+            excluded,
+            wait_until if wait_until < deadline else deadline,
+            deposit,
+            self.stop,
+            admission=self.config.admission,
+            task_deadline=deadline,
+            priority=self.task.priority,
         )
+        if isinstance(lease, Lease):
+            if self.trace is not None:
+                self.chose(lease, excluded)
+            return lease
         if isinstance(lease, Refusal):
             if lease is Refusal.STOPPED:
                 raise Stopped(self.task.task_id)
             self.reason = self._refusal_reason(lease, wait_until)
-            return None
-        return lease
+        else:
+            self.late(lease)
+        return None
+
+    def chose(self, lease: Lease, excluded: Collection[str]) -> None:
+        """Trace the choice of the lease's worker, and why every other was not chosen."""
+        assert self.trace is not None
+        state = self.state
+        now = self.clock.monotonic()
+        lacking = excluded if excluded is not self.excluded else ()
+        why = considered(state.workers.values(), lease.worker, self.excluded, lacking, now)
+        self.trace.add(TraceStep("choice", now + self.wall, lease.worker.id, considered=why))
+
+    def traced_attempt(
+        self,
+        worker: Worker,
+        outcome: Outcome,
+        t0: float,
+        t1: float,
+        held: bool,
+        verdict: Verdict | None = None,
+    ) -> None:
+        """Trace one attempt's end and who it was charged to; a failed task's trace
+        begins here when the caller asked for none."""
+        trace = self.trace
+        if trace is None:
+            self.trace = trace = Trace(self.task.task_id)
+            trace.add(TraceStep("choice", t0 + self.wall, worker.id))
+        charged = (
+            "the task: nobody"
+            if verdict is Verdict.TASK
+            else charged_to(outcome, worker.id, held)
+        )
+        trace.add(
+            TraceStep(
+                "attempt",
+                t1 + self.wall,
+                worker.id,
+                outcome=outcome.kind.value,
+                status=outcome.status,
+                error=outcome.error,
+                duration=t1 - t0,
+                charged=charged,
+            )
+        )
+
+    def late(self, late: Late) -> None:
+        """The queue ahead is expected to outlast the deadline (:mod:`npu_sync.foresight`):
+        a task not yet tried is refused at once, no dead letter stored; a task already
+        tried gives up with that reason (and is dead-lettered, as any retry that fails).
+
+        Raises:
+            AdmissionRefused: no attempt was made.
+        """
+        reason = f"refused on admission: {late.reason}"
+        if self.trace is not None:
+            self.trace.add(TraceStep("note", self.clock.time(), text=reason))
+        if self.attempts:
+            self.reason = reason
+            return
+        state = self.state
+        task_id = self.task.task_id
+        with state.lock:
+            state.stats.rejected += 1
+        state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, None, reason))
+        raise AdmissionRefused(
+            f"{reason} (task {task_id})", task_id=task_id, expected=late.expected, left=late.left
+        )
 
     def lacks_model(self, lease: Lease) -> bool:
         """Whether the lease's worker was learnt to lack the task's model while the task
@@ -1003,8 +1105,8 @@ class TaskRun:
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
         self.excluded.add(worker.id)
-        if outcome.suspect:
-            self.blame.judge(worker, outcome, t1 - t0, deferred)
+        verdict = self.blame.judge(worker, outcome, t1 - t0, deferred) if outcome.suspect else None
+        self.traced_attempt(worker, outcome, t0, t1, deferred, verdict)
         if outcome.kind is Kind.NOT_HERE:
             self.not_here.add(worker.id)
             self.missing_model = self.named_model() or outcome.model
@@ -1024,6 +1126,8 @@ class TaskRun:
         try:
             lease = state.dispatcher.try_acquire(self.excluded | {first.id})
             if lease is not None and self.budget.try_withdraw():
+                if self.trace is not None:
+                    self.trace.add(TraceStep("hedge", self.clock.time(), lease.worker.id))
                 if state.hooks:
                     event = AttemptHedged(
                         self.clock.time(), self.task.task_id, first.id, lease.worker.id, delay
@@ -1081,7 +1185,12 @@ class TaskRun:
         """The task's result. The answers held as maybe the task's own fault were the
         workers' after all: they are charged now (``took``: this attempt's time)."""
         if self.blame.held:
-            charge(self.state, self.blame.proven(), took, t1)
+            proven = self.blame.proven()
+            charge(self.state, proven, took, t1)
+            if self.trace is not None and proven:
+                charged = ", ".join(held.worker.id for held in proven)
+                text = f"held answers charged after {worker.id} answered: {charged}"
+                self.trace.add(TraceStep("note", t1 + self.wall, text=text))
         hooks = self.state.hooks
         if hooks:
             emit(
@@ -1115,7 +1224,9 @@ class TaskRun:
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + self.wall)
         )
         kind = outcome.kind
-        if outcome.suspect and self.blame.judge(worker, outcome, t1 - t0, deferred) is Verdict.TASK:
+        verdict = self.blame.judge(worker, outcome, t1 - t0, deferred) if outcome.suspect else None
+        self.traced_attempt(worker, outcome, t0, t1, deferred, verdict)
+        if verdict is Verdict.TASK:
             return self.tasks_fault(worker, outcome, t1)
         if kind is Kind.REJECTED and not outcome.suspect:
             self.reject(worker, outcome, t1)  # the protocol says the task is bad
@@ -1257,7 +1368,11 @@ class TaskRun:
             # Transport errors name their worker already ("timeout: a: timed out ...").
             on = "" if f"{wid}: " in last_error else f" on {wid}"
             reason = f"{reason}; last error{on}: {last_error}"
-        return _Exhausted(reason, attempts, self.start + self.wall)
+        exhausted = _Exhausted(reason, attempts, self.start + self.wall)
+        trace = exhausted.trace = self.trace
+        if trace is not None:
+            trace.add(TraceStep("note", self.clock.time(), text=f"gave up: {exhausted.reason}"))
+        return exhausted
 
 
 # -- recording an attempt's outcome, under the pool's lock -----------------------------

@@ -363,8 +363,10 @@ def interrupt_waiters(monkeypatch: pytest.MonkeyPatch, when: str) -> None:
             super().notify(n)
 
     class Waiter(admission._Waiter):
-        def __init__(self, excluded: Any, deadline: float, lock: threading.Lock) -> None:
-            super().__init__(excluded, deadline, lock)
+        def __init__(
+            self, excluded: Any, deadline: float, lock: threading.Lock, *rest: Any
+        ) -> None:
+            super().__init__(excluded, deadline, lock, *rest)
             self.cond = Interrupting(lock, self)
 
     monkeypatch.setattr(admission, "_Waiter", Waiter)

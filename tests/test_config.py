@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from npu_sync.config import (
+    AdmissionConfig,
     BalancingConfig,
     BreakerConfig,
     DeadLetterConfig,
@@ -21,6 +22,7 @@ from npu_sync.config import (
     HealthConfig,
     PoolConfig,
     PoolSettings,
+    PriorityConfig,
     ReloadConfig,
     RetryConfig,
     SharedStateConfig,
@@ -579,6 +581,9 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("fleet.interval", ">= 0.05 and <= 3600", 3600, {}),
     ("fleet.ttl", "> 0 and <= 86400", 86400, {}),
     ("fleet.points", "2..10000", 10_000, {}),
+    ("admission.deadline_margin", ">= 1 and <= 100", 100, {}),
+    ("admission.min_samples", "1..1000000", 1_000_000, {}),
+    ("priority.aging", ">= 0 and <= 86400", 86400, {}),
 ]
 WORKER_BOUNDS: list[tuple[str, str, int]] = [
     ("port", "1..65535", 65535),
@@ -606,6 +611,8 @@ SECTION_CLASSES: dict[str, Any] = {
     "reload": ReloadConfig,
     "balancing": BalancingConfig,
     "fleet": FleetConfig,
+    "admission": AdmissionConfig,
+    "priority": PriorityConfig,
 }
 
 

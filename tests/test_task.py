@@ -81,5 +81,5 @@ def test_every_exception_derives_from_the_root():
     """One exception root: every exported exception class is an NpuSyncError."""
     exported = [getattr(npu_sync, name) for name in npu_sync.__all__]
     errors = [e for e in exported if isinstance(e, type) and issubclass(e, BaseException)]
-    assert len(errors) == 7
+    assert len(errors) == 8
     assert all(issubclass(e, NpuSyncError) for e in errors)

@@ -1,0 +1,113 @@
+"""The routing trace of one task: every worker considered, every attempt, who was charged.
+
+Asked for with ``pool.execute(task, trace=Trace())`` (the object given is filled as the
+task runs, whatever its end), and always kept for a task that fails: ``TaskFailed.trace``
+and the dead letter's ``trace``. A failed task's trace starts at its first failed
+attempt, so that a task that succeeds at once pays nothing for it: its first choice
+then names the worker chosen, without the others.
+
+A module of the vocabulary layer: plain records, importing nothing from the package.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Trace", "TraceStep"]
+
+
+@dataclass(frozen=True, slots=True)
+class TraceStep:
+    """One step of a task's routing.
+
+    ``kind`` is ``choice`` (a worker was chosen: ``worker_id``; ``considered`` says for
+    every other worker why it was not), ``attempt`` (an attempt ended: ``outcome``,
+    ``status``, ``error``, ``duration``, ``charged``), ``hedge`` (a second attempt
+    sent while the first went on) or ``note`` (admission's word: a refusal, the retry
+    budget spent, why the task gave up).
+    """
+
+    kind: str
+    at: float
+    worker_id: str | None = None
+    considered: tuple[tuple[str, str], ...] = ()
+    outcome: str | None = None
+    status: int | None = None
+    error: str | None = None
+    duration: float | None = None
+    charged: str | None = None
+    text: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"kind": self.kind, "at": self.at}
+        for name in ("worker_id", "outcome", "status", "error", "duration", "charged", "text"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = value
+        if self.considered:
+            data["considered"] = [{"worker_id": w, "why": why} for w, why in self.considered]
+        return data
+
+    def __str__(self) -> str:
+        if self.kind == "choice":
+            others = "; ".join(f"{w}: {why}" for w, why in self.considered)
+            return f"chose {self.worker_id}" + (f" (not {others})" if others else "")
+        if self.kind == "attempt":
+            took = f" in {self.duration * 1000:.0f} ms" if self.duration is not None else ""
+            what = self.outcome or "?"
+            if self.error:
+                what += f": {self.error}"
+            return f"attempt on {self.worker_id}: {what}{took}; charged: {self.charged}"
+        if self.kind == "hedge":
+            return f"hedged to {self.worker_id}"
+        return self.text or ""
+
+
+class Trace:
+    """The routing of one task, in order. Thread-safe: a hedged task's two attempts
+    add steps from two threads.
+
+    Args:
+        task_id: set when the task starts, if not given.
+    """
+
+    __slots__ = ("_lock", "steps", "task_id")
+
+    def __init__(self, task_id: str | None = None) -> None:
+        self.task_id = task_id
+        self.steps: list[TraceStep] = []
+        self._lock = threading.Lock()
+
+    def add(self, step: TraceStep) -> None:
+        with self._lock:
+            self.steps.append(step)
+
+    @property
+    def workers(self) -> list[str]:
+        """The workers attempts went to, in order (a worker tried twice appears twice)."""
+        return [s.worker_id for s in self.steps if s.kind == "attempt" and s.worker_id]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-serialisable: ``{"task_id", "steps": [...]}``."""
+        with self._lock:
+            steps = list(self.steps)
+        return {"task_id": self.task_id, "steps": [s.to_dict() for s in steps]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        trace = cls(data.get("task_id"))
+        for raw in data.get("steps", ()):
+            fields = dict(raw)
+            considered = tuple((c["worker_id"], c["why"]) for c in fields.pop("considered", ()))
+            trace.steps.append(TraceStep(considered=considered, **fields))
+        return trace
+
+    def __str__(self) -> str:
+        with self._lock:
+            steps = list(self.steps)
+        return "\n".join(f"{i + 1}. {step}" for i, step in enumerate(steps))
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.task_id}: {len(self.steps)} steps>"

@@ -1,0 +1,189 @@
+"""Unit tests of the routing trace: choices, attempts, charges, failed tasks, dead letters."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from npu_sync import TaskFailed, WorkerPool
+from npu_sync.config import (
+    BreakerConfig,
+    HealthConfig,
+    PoolConfig,
+    RetryConfig,
+    worker_config,
+)
+from npu_sync.testing import FakeClock, FakeNetwork, json_response
+from npu_sync.trace import Trace, TraceStep
+
+
+def make_pool(net: FakeNetwork, *ids: str, priorities: list[int] | None = None) -> WorkerPool:
+    priorities = priorities or [1] * len(ids)
+    cfg = PoolConfig(
+        workers=tuple(
+            worker_config(w, f"http://127.0.0.1:{9100 + n}", priority=p)
+            for n, (w, p) in enumerate(zip(ids, priorities, strict=True))
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=3, backoff_initial=0.0, backoff_max=0.0),
+        circuit_breaker=BreakerConfig(fail_max=5, reset_timeout=30, max_reset_timeout=60),
+    )
+    return WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock())
+
+
+def ok(req: Any) -> Any:
+    return json_response(200, {"ok": True})
+
+
+def kinds(trace: Trace) -> list[tuple[str, str | None]]:
+    return [(s.kind, s.worker_id) for s in trace.steps]
+
+
+def test_a_retried_task_names_both_workers_why_and_who_was_charged() -> None:
+    """503 from a, success on b: each choice, each attempt, a charged, b's skip reason."""
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(503, {"detail": "busy"}))
+    net.route("b", ok)
+    trace = Trace()
+    with make_pool(net, "a", "b", priorities=[1, 2]) as pool:
+        assert pool.execute({"x": 1}, trace=trace) == {"ok": True}
+    assert kinds(trace) == [("choice", "a"), ("attempt", "a"), ("choice", "b"), ("attempt", "b")]
+    first, failed, second, succeeded = trace.steps
+    assert dict(first.considered) == {"b": "lower tier (priority 2 after 1)"}
+    assert failed.outcome == "failure" and failed.status == 503 and failed.charged == "a"
+    assert dict(second.considered) == {"a": "excluded: already tried by this task"}
+    assert succeeded.outcome == "success" and succeeded.charged == "nobody"
+    assert trace.workers == ["a", "b"] and trace.task_id
+    text = str(trace)
+    assert "chose a (not b: lower tier" in text and "charged: a" in text
+
+
+def test_a_failed_task_carries_its_trace_and_its_dead_letter_keeps_it() -> None:
+    """No trace asked for: TaskFailed.trace still names every attempt and the charges."""
+    net = FakeNetwork()
+    for wid in "ab":
+        net.route(wid, lambda req: json_response(503, {"detail": "down"}))
+    with make_pool(net, "a", "b") as pool:
+        with pytest.raises(TaskFailed) as caught:
+            pool.execute({"x": 1})
+        (letter,) = pool.dead_letters.list()
+    trace = caught.value.trace
+    assert trace is not None and set(trace.workers) == {"a", "b"}
+    charges = [s.charged for s in trace.steps if s.kind == "attempt"]
+    assert charges == trace.workers  # each 503 charged to the worker that gave it
+    assert trace.steps[-1].kind == "note" and trace.steps[-1].text.startswith("gave up")  # type: ignore[union-attr]
+    # The second choice, made once tracing began, says why the first worker was not chosen.
+    choices = [s for s in trace.steps if s.kind == "choice"]
+    assert choices[0].considered == ()  # the first choice predates the failure
+    assert "excluded" in dict(choices[1].considered)[trace.workers[0]]
+    assert letter.trace == trace.to_dict()
+    assert json.loads(json.dumps(letter.to_dict()))["trace"]["steps"][1]["charged"] in "ab"
+    assert Trace.from_dict(letter.trace).workers == trace.workers
+
+
+def test_a_refusal_is_held_then_charged_when_another_worker_answers() -> None:
+    """422 from a, success on b: a's charge held at first, then made, and the trace says so."""
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(422, {"detail": "no"}))
+    net.route("b", ok)
+    trace = Trace()
+    with make_pool(net, "a", "b", priorities=[1, 2]) as pool:
+        pool.execute({"x": 1}, trace=trace)
+    failed = trace.steps[1]
+    assert failed.outcome == "rejected" and failed.status == 422
+    assert failed.charged == "held: a only if another worker answers the task"
+    assert trace.steps[-1].kind == "note"
+    assert trace.steps[-1].text == "held answers charged after b answered: a"
+
+
+def test_http_500_is_charged_at_once_the_first_time_and_held_after() -> None:
+    """500 from a then from b: a charged when it answers, b's charge held (maybe the task's)."""
+    net = FakeNetwork()
+    for wid in "ab":
+        net.route(wid, lambda req: json_response(500, {"detail": "bad input"}))
+    with make_pool(net, "a", "b", priorities=[1, 2]) as pool, pytest.raises(TaskFailed) as caught:
+        pool.execute({"x": 1})
+    trace = caught.value.trace
+    assert trace is not None
+    charges = [s.charged for s in trace.steps if s.kind == "attempt"]
+    assert charges[:2] == ["a", "held: b only if another worker answers the task"]
+
+
+def test_a_full_worker_is_named_as_full() -> None:
+    """A worker at capacity is skipped as 'full (n/n)'."""
+    net = FakeNetwork()
+    net.route("a", ok)
+    net.route("b", ok)
+    trace = Trace()
+    with make_pool(net, "a", "b") as pool:
+        a = pool._state.workers["a"]
+        with pool._state.lock:
+            held = pool._state.dispatcher._try((), pool._state.clock.monotonic())
+            assert held is not None and held.worker is a
+            a.in_flight = a.capacity
+        try:
+            pool.execute({"x": 1}, trace=trace)
+        finally:
+            with pool._state.lock:
+                a.in_flight = 1
+        from npu_sync.retry import Kind, Outcome
+        from npu_sync.taskrun import record
+
+        record(pool._state, held, Outcome(Kind.ABANDONED), 0.0, 0.0, retry=False)
+    assert dict(trace.steps[0].considered) == {"a": f"full ({a.capacity}/{a.capacity})"}
+
+
+def test_steps_read_and_serialise() -> None:
+    """A step with no worker is a note; to_dict drops empty fields and round-trips."""
+    trace = Trace("t-1")
+    trace.add(TraceStep("note", 1.0, text="refused on admission: expected 3.2 s, 1.0 s left"))
+    trace.add(TraceStep("hedge", 2.0, "b"))
+    assert str(trace) == "1. refused on admission: expected 3.2 s, 1.0 s left\n2. hedged to b"
+    assert trace.to_dict()["steps"][0] == {
+        "kind": "note",
+        "at": 1.0,
+        "text": "refused on admission: expected 3.2 s, 1.0 s left",
+    }
+    again = Trace.from_dict(trace.to_dict())
+    assert again.to_dict() == trace.to_dict() and repr(again) == "<Trace t-1: 2 steps>"
+
+
+def test_a_sqlite_dead_letter_keeps_the_trace_even_in_a_file_made_before_it(tmp_path) -> None:
+    """A schema-1 file without the trace column gets it on open; the trace round-trips."""
+    import sqlite3
+
+    from npu_sync.deadletter import _SCHEMA, SCHEMA_VERSION, DeadLetter, SQLiteDeadLetterStore
+    from npu_sync.task import Task
+
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.commit()
+    conn.close()
+    trace = Trace("t-1")
+    trace.add(TraceStep("attempt", 1.0, "a", outcome="failure", status=503, charged="a"))
+    letter = DeadLetter.from_task(
+        Task({"x": 1}, task_id="t-1"),
+        endpoint="/inference",
+        error="boom",
+        attempts=(),
+        now=1.0,
+        trace=trace.to_dict(),
+    )
+    plain = DeadLetter.from_task(
+        Task({"x": 2}), endpoint="/inference", error="boom", attempts=(), now=1.0
+    )
+    store = SQLiteDeadLetterStore(str(path))
+    try:
+        store.add(letter)
+        store.add(plain)
+        got = {r.id: r for r in store.list()}
+    finally:
+        store.close()
+    assert got[letter.id].trace == trace.to_dict() and got[plain.id].trace is None
+    assert Trace.from_dict(got[letter.id].trace).workers == ["a"]
