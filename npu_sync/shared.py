@@ -179,7 +179,11 @@ class SharedState:
         self._lock = threading.Lock()
         self._storages: dict[str, Any] = {}
         self._workers: tuple[str, ...] = ()
-        self._counters: dict[str, int] = {}
+        self._trials: set[str] = set()  # workers whose trial lease this process took
+        self.trials_taken = 0
+        self.trials_yielded = 0
+        self.lease_margin = 1.0 + 2 * config.timeout
+        """Seconds a trial lease outlasts its attempt's budget: for the result's write."""
         # The (state, opening time) last read from or written to Redis, per worker.
         self._seen: dict[str, tuple[str, float | None]] = {}
         self.on_resume: Callable[[], None] | None = None
@@ -298,6 +302,9 @@ class SharedState:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
+        # The child speaks for itself: its own messages, claims and trial leases.
+        self._origin = f"{id(self):x}-{time.time_ns():x}-{os.getpid():x}"
+        self._trials = set()
         for store in self._stores:
             store.after_fork()
 
@@ -351,25 +358,74 @@ class SharedState:
         base = f"{self.namespace}:worker:{worker_id}"
         return base if field is None else f"{base}:{field}"
 
-    def report_failure(self, worker_id: str, fail_max: int) -> bool:
-        """Count a worker failure for every process; True when the shared count
-        reached ``fail_max`` (the caller opens its breaker and announces it)."""
-        if self._storage(worker_id) is None:
-            return False
-        # One round trip: INCR returns the new count. The key is the one pybreaker's
-        # storage keeps its failure counter under, so both read the same number.
-        key = self._breaker_keys(worker_id)["fail_counter"]
-        count = int(self._call(lambda: self._client.incr(key)) or 0)
-        self._counters[worker_id] = count
-        return count >= fail_max
+    def take_trial(self, worker_id: str, budget: float) -> float | None:
+        """Take the fleet's one half-open trial of a worker, as a lease in Redis.
 
-    def report_success(self, worker_id: str) -> None:
-        """A success resets the shared failure count, if there is one to reset."""
-        if not self._counters.get(worker_id) or not self.available:
-            return  # the common case: no I/O at all
-        key = self._breaker_keys(worker_id)["fail_counter"]
-        self._call(lambda: self._client.set(key, 0))
-        self._counters[worker_id] = 0
+        ``SET NX PX``: one process gets it, for ``budget`` seconds (the trial's attempt
+        may run that long) plus :attr:`lease_margin`; the lease expires by itself if
+        its holder dies. Its result reaches the others like any breaker change
+        (:meth:`announce`, which also ends the lease).
+
+        Returns:
+            None when this process may send the trial: it holds the lease (taken now,
+            or still its own), or Redis is unavailable (each process then tries on its
+            own). Otherwise the seconds until the other holder's lease expires.
+        """
+        if not self.available:
+            return None
+        key = self._breaker_keys(worker_id)["trial"]
+        token = self._origin
+        lease_ms = max(1, int((max(0.0, budget) + self.lease_margin) * 1000))
+
+        def take() -> Any:
+            pipe = self._client.pipeline(transaction=True)
+            pipe.set(key, token, nx=True, px=lease_ms)
+            pipe.get(key)
+            pipe.pttl(key)
+            return pipe.execute()
+
+        answer = self._call(take)
+        if answer is None:
+            return None  # Redis failed just now: a local trial, as in any outage
+        taken, holder, ttl_ms = answer
+        if not taken and holder == token.encode():
+            # Ours still (a trial sent earlier was given back unsent): renewed.
+            taken = self._call(lambda: self._client.pexpire(key, lease_ms)) is not None
+        with self._lock:
+            if taken:
+                self._trials.add(worker_id)
+                self.trials_taken += 1
+            else:
+                self.trials_yielded += 1
+        if taken:
+            return None
+        ttl = int(ttl_ms) if ttl_ms is not None else -1
+        # A lease without an expiry is not ours to wait on for ever: one budget.
+        return ttl / 1000 if ttl >= 0 else lease_ms / 1000
+
+    def end_trial(self, worker_id: str) -> None:
+        """Give back this process's trial lease unused (the trial was called off)."""
+        if worker_id in self._trials:
+            self._call(lambda: self._client.transaction(self._release_trial(worker_id)))
+
+    def _release_trial(self, worker_id: str, then: Callable[[Any], None] | None = None) -> Any:
+        """A WATCH transaction body: delete ``worker_id``'s trial lease if it is still
+        ours (after it expired another process may hold it), then queue ``then``."""
+        key = self._breaker_keys(worker_id)["trial"]
+        token = self._origin.encode()
+
+        def body(pipe: Any) -> None:
+            pipe.watch(key)
+            mine = pipe.get(key) == token
+            pipe.multi()
+            if then is not None:
+                then(pipe)
+            if mine:
+                pipe.delete(key)
+            with self._lock:
+                self._trials.discard(worker_id)
+
+        return body
 
     def announce(
         self, worker_id: str, state: str, reset_timeout: float | None, age: float = 0.0
@@ -384,8 +440,7 @@ class SharedState:
         now = time.time() - max(0.0, age)  # when it opened, for a breaker opened earlier
         keys = self._breaker_keys(worker_id)
 
-        def write() -> Any:
-            pipe = self._client.pipeline(transaction=True)
+        def queue(pipe: Any) -> None:
             if state == OPEN:
                 pipe.mset(
                     {
@@ -396,8 +451,16 @@ class SharedState:
                     }
                 )
             else:
-                pipe.mset({keys["state"]: state, keys["fail_counter"]: 0})
+                pipe.set(keys["state"], state)
             pipe.publish(self._channel, message)
+
+        def write() -> Any:
+            if worker_id in self._trials:
+                # The end of this process's trial: its result and the lease's end in
+                # one transaction, so the next trial waits for the next reset time.
+                return self._client.transaction(self._release_trial(worker_id, queue))
+            pipe = self._client.pipeline(transaction=True)
+            queue(pipe)
             return pipe.execute()
 
         message = json.dumps(
@@ -409,8 +472,6 @@ class SharedState:
                 "reset_timeout": reset_timeout,
             }
         )
-        if state != OPEN:
-            self._counters[worker_id] = 0
         if self._call(write) is not None:
             self.published += 1
             self._seen[worker_id] = (state, now if state == OPEN else None)
@@ -420,10 +481,10 @@ class SharedState:
         pybreaker_ns = f"{self._key(worker_id)}:pybreaker"
         return {
             "state": f"{pybreaker_ns}:state",
-            "fail_counter": f"{pybreaker_ns}:fail_counter",
             "opened_at": f"{pybreaker_ns}:opened_at",
             "opened_at_precise": self._key(worker_id, "opened_at_precise"),
             "reset_timeout": self._key(worker_id, "reset_timeout"),
+            "trial": self._key(worker_id, "trial"),
         }
 
     # -- the sync thread -----------------------------------------------------------------
@@ -505,13 +566,12 @@ class SharedState:
             if self._storage(worker) is None:
                 return
             k = self._breaker_keys(worker)
-            keys += [k["state"], k["fail_counter"], k["opened_at_precise"], k["reset_timeout"]]
+            keys += [k["state"], k["opened_at_precise"], k["reset_timeout"]]
         values: list[Any] = self._client.mget(keys)  # type: ignore[assignment]
         now = time.time()
         for i, worker in enumerate(workers):
             try:
-                state, counter, opened, reset = values[4 * i : 4 * i + 4]
-                self._counters[worker] = int(counter or 0)
+                state, opened, reset = values[3 * i : 3 * i + 3]
                 if state is None:
                     continue
                 current = (state.decode(), float(opened) if opened else None)
@@ -635,6 +695,8 @@ class SharedState:
             "last_error": self.last_error,
             "published": self.published,
             "received": self.received,
+            "trials_taken": self.trials_taken,
+            "trials_yielded": self.trials_yielded,
             "dead_letters_held_locally": sum(s.held_count() for s in self._stores),
             "eviction_policy": self.eviction.name,
             "eviction_warnings": self.eviction_warnings,

@@ -173,7 +173,12 @@ class PoolState:
         """A new worker: its transports and a closed breaker reporting to this state."""
         transport, health_transport = self.build_transports(cfg)
         breaker = WorkerBreaker(
-            cfg.id, self.config.circuit_breaker, clock=self.clock, listener=self.on_transition
+            cfg.id,
+            self.config.circuit_breaker,
+            clock=self.clock,
+            listener=self.on_transition,
+            # Shared breakers: one trial per opening for the whole fleet.
+            leased_trials=self.shared is not None,
         )
         worker = Worker(cfg, transport, breaker, health_transport)
         if self.config.balancing.adaptive_concurrency:
@@ -392,7 +397,6 @@ class PoolState:
         self.draining.clear()
         for worker in self.workers.values():
             worker.in_flight = 0
-            worker.reporting = 0
             worker.breaker.release(True)  # a trial in flight is the parent's
             worker.stats = WorkerStats()
             worker.transport, worker.health_transport = self.build_transports(worker.config)
