@@ -366,9 +366,11 @@ class PoolState:
         now = self.clock.time()
         shared = self.shared
         for name, old, new, remote in transitions:
-            self.notify(BreakerStateChanged(now, name, old, new))
             if shared is not None and not remote and new in (OPEN, CLOSED):
+                # Before the hooks: a slow hook must not keep other processes waiting
+                # for a decision (nor for the trial lease it ends).
                 shared.announce(name, new, timeouts.get(name))
+            self.notify(BreakerStateChanged(now, name, old, new))
         if self.events:
             self.flush_events()
 

@@ -259,3 +259,39 @@ def test_healthy_tasks_and_failures_below_fail_max_send_nothing_to_redis(pools, 
         one.execute({"input_text": f"dead {i}"})
     assert breaker(one) == "open"
     assert calls.calls == 1
+
+
+def test_a_hook_that_blocks_or_calls_back_on_the_closing_does_not_hold_the_fleet(
+    redis_server, clock
+):
+    """The trial's holder has a hook that, on the closing, runs a task on its own pool
+    and then blocks: the other process learns of the closing (and the lease is free)
+    while the hook still runs."""
+    release = threading.Event()
+    in_hook = threading.Event()
+    box: dict[str, WorkerPool] = {}
+
+    def hook(event: object) -> None:
+        if getattr(event, "new", None) == "closed" and not in_hook.is_set():
+            in_hook.set()
+            box["one"].execute({"input_text": "from the hook"})
+            release.wait(30)
+
+    net_one, net_two = FakeNetwork(answer), FakeNetwork(answer)
+    one = WorkerPool(config(), transport_factory=net_one.factory, clock=clock, hooks=[hook])
+    box["one"] = one
+    two = WorkerPool(config(), transport_factory=net_two.factory, clock=clock)
+    trial = threading.Thread(target=one.execute, args=({"input_text": "trial"},))
+    try:
+        open_everywhere(one, net_one, two)
+        net_one.route("w0", answer)
+        clock.advance(RESET + 1)
+        trial.start()
+        assert in_hook.wait(10)
+        until(lambda: breaker(two) == "closed", "the closing waited for the hook")
+        assert one._state.shared._client.get("sb:worker:w0:trial") is None
+    finally:
+        release.set()
+        trial.join(10)
+        one.close()
+        two.close()
