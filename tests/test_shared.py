@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -74,9 +75,9 @@ def test_the_lease_expires_by_itself_when_its_holder_never_reports():
     key = one._breaker_keys("w1")["trial"]
     assert one._client.pttl(key) > 5000
     one._client.pexpire(key, 1)  # the time passes: fakeredis honours PX on access
-    deadline = __import__("time").monotonic() + 5
+    deadline = time.monotonic() + 5
     while one._client.exists(key):
-        assert __import__("time").monotonic() < deadline
+        assert time.monotonic() < deadline
     assert two.take_trial("w1", 5.0) is None
 
 
@@ -124,10 +125,31 @@ def test_without_redis_every_process_tries_on_its_own():
     assert two.available is False
 
 
-def test_failures_and_successes_send_nothing_to_redis():
-    """Failures are counted per process: the shared state has no counter to report to."""
+def test_a_forked_child_holds_no_lease_of_its_parent_and_speaks_for_itself():
+    """After fork() the child has its own origin: it neither renews nor ends the
+    parent's trial lease, and its announcements are not taken for the parent's."""
     one, _, _, _ = pair()
-    assert not hasattr(one, "report_failure") and not hasattr(one, "report_success")
+    assert one.take_trial("w1", 5.0) is None
+    parent = one._origin
+    one.after_fork()
+    assert one._origin != parent
+    assert one.take_trial("w1", 5.0) is not None  # the parent's lease, not the child's
+    one.end_trial("w1")
+    key = one._breaker_keys("w1")["trial"]
+    assert one._client.get(key) == parent.encode()
+
+
+def test_a_redis_that_times_out_on_the_lease_falls_back_to_a_local_trial():
+    """A frozen Redis costs the trial one timeout, then this process tries on its own."""
+
+    class Frozen(fakeredis.FakeRedis):
+        def pipeline(self, *args, **kwargs):
+            raise redis.TimeoutError("Timeout reading from socket")
+
+    config = SharedStateConfig(backend="redis", namespace="t")
+    shared = SharedState(config, Changes(), client=Frozen(server=fakeredis.FakeServer()))
+    assert shared.take_trial("w1", 5.0) is None
+    assert shared.available is False and shared.outages == 1
 
 
 def test_an_announced_opening_reaches_the_other_process_on_its_next_sync():
