@@ -4,18 +4,20 @@ Several processes (gunicorn workers, several hosts) each run a pool. Alone, each
 find a dead worker by failing on it ``fail_max`` times and keeps its own dead letters.
 With ``shared_state: {backend: redis}`` they share:
 
-- **breakers**: failures are counted in Redis with pybreaker's ``CircuitRedisStorage``
-  (one namespace per pool namespace and worker); the process that sees the shared
-  count reach ``fail_max`` opens its breaker and publishes the opening, and the others
-  open theirs on receipt (pub/sub, with a periodic re-read in case a message is lost).
-  A successful trial publishes the closing the same way;
+- **breakers**: decisions, never counts. Each process counts its own consecutive
+  failures; the one that reaches ``fail_max`` opens its breaker and publishes the
+  opening, and the others open theirs on receipt (pub/sub, with a periodic re-read in
+  case a message is lost). The half-open trial is the fleet's: one process takes it
+  as a lease (:meth:`SharedState.take_trial`, ``SET NX PX``, expiring by itself if
+  that process dies) and publishes its result, closed or opened again, the same way;
 - **dead letters**: :class:`RedisDeadLetterStore`, listed and replayed from any process,
   with a claim per record that expires if the replaying process dies;
 - **the fleet view**: each process's pool snapshot under a key that expires (written by
   :mod:`npu_sync.fleet`'s monitor thread, read by ``stats(scope="fleet")``).
 
-Nothing here runs under the pool's lock, and a task thread touches Redis only on the
-failure path (a failed attempt, a trip, a close), never for a task that simply succeeds;
+Nothing here runs under the pool's lock, and a task thread touches Redis only for a
+breaker decision (an opening, a closing, a trial's lease), never for a task that
+succeeds nor for a failure short of an opening;
 snapshots are written by the fleet monitor's own thread, on a timer.
 
 Redis fails too. The client has short timeouts and no retry loop (redis-py's defaults
