@@ -1414,6 +1414,9 @@ def take_fleet_trial(state: PoolState, lease: Lease, budget: float) -> bool:
             # Another process opened or closed the worker meanwhile: no trial now.
         else:
             worker.breaker.lease_refused(state.clock.monotonic() + wait)
+        # The breaker has already withdrawn this trial; giving the lease back must not
+        # release a trial admitted since to another task.
+        lease.trial = False
     if wait is None:
         shared.end_trial(worker.id)
     record(state, lease, _UNUSED, 0.0, state.clock.monotonic(), retry=False)

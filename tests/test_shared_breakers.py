@@ -295,3 +295,50 @@ def test_a_hook_that_blocks_or_calls_back_on_the_closing_does_not_hold_the_fleet
         trial.join(10)
         one.close()
         two.close()
+
+
+def test_a_trial_called_off_while_its_lease_was_taken_leaves_a_later_trial_alone(pools, clock):
+    """Task A's trial is called off (another process closed the worker) while A waits on
+    Redis; the worker reopens and task B sends the next trial. A giving its lease back
+    must not free B's trial slot: no second trial is admitted beside B's."""
+    (one, net_one), (two, _) = pools(), pools()
+    open_everywhere(one, net_one, two)
+    clock.advance(RESET + 1)
+    shared = one._state.shared
+    entered, go = threading.Event(), threading.Event()
+    real_take = shared.take_trial
+
+    def slow_take(worker_id: str, budget: float) -> float | None:
+        if not entered.is_set():
+            entered.set()
+            go.wait(30)
+        return real_take(worker_id, budget)
+
+    shared.take_trial = slow_take
+    gate = Gate(answer)
+    net_one.route("w0", gate)
+    task_a = threading.Thread(target=one.execute, args=({"input_text": "a"},))
+    task_b = threading.Thread(target=one.execute, args=({"input_text": "b"},))
+    task_a.start()
+    try:
+        assert entered.wait(10)
+        one._apply_remote("w0", "closed", 0.0, None)  # another process's trial closed it
+        one._apply_remote("w0", "open", RESET + 1, RESET)  # and it failed again, long ago
+        task_b.start()
+        assert gate.arrived.acquire(timeout=10), "task B sent no trial"
+        go.set()
+        task_a.join(10)
+        # A ran on w1; had it freed B's slot, it would have taken a second trial and be
+        # held at w0 beside B.
+        assert not task_a.is_alive(), "task A sent a second trial beside B's"
+        assert not gate.arrived.acquire(timeout=0)
+        breaker_w0 = one._state.workers["w0"].breaker
+        with one._state.lock:
+            assert breaker_w0.state == "half-open"
+            assert not breaker_w0.can_admit(clock.monotonic())
+    finally:
+        go.set()
+        gate.release.set()
+        task_a.join(10)
+        if task_b.ident is not None:  # started
+            task_b.join(10)
