@@ -311,7 +311,10 @@ class WorkerBreaker:
         """
         opened_at = self._clock.monotonic() - max(0.0, age)
         if self._state == OPEN:
-            if opened_at > self._opened_at:
+            # Newer by more than the drift between two readings of one opening's age
+            # (the same opening may arrive twice: read with a trial's lease, then by
+            # pub/sub).
+            if opened_at > self._opened_at + 0.001:
                 # A newer opening elsewhere (its trial failed): follow its timer rather
                 # than send a trial of our own on the old one, nor one still pending.
                 self._cancel_pending()

@@ -368,27 +368,51 @@ class SharedState:
         its holder dies. Its result reaches the others like any breaker change
         (:meth:`announce`, which also ends the lease).
 
+        The lease is for the opening this process knows: if Redis already holds a
+        newer decision (the trial of another process failed, and its new opening, or
+        its closing, has not reached this process yet), that decision is applied here
+        and no lease is taken. Otherwise a process a moment late would take the lease
+        that trial just gave back and send a second trial in the same period.
+
         Returns:
             None when this process may send the trial: it holds the lease (taken now,
             or still its own), or Redis is unavailable (each process then tries on its
-            own). Otherwise the seconds until the other holder's lease expires.
+            own). Otherwise the seconds until the other holder's lease expires (0 when
+            a newer decision was found and applied).
         """
         if not self.available:
             return None
-        key = self._breaker_keys(worker_id)["trial"]
+        keys = self._breaker_keys(worker_id)
+        key = keys["trial"]
         token = self._origin
         lease_ms = max(1, int((max(0.0, budget) + self.lease_margin) * 1000))
+        newer: list[tuple[str, float, float | None]] = []
 
-        def take() -> Any:
-            pipe = self._client.pipeline(transaction=True)
+        def take(pipe: Any) -> None:
+            # WATCH: the opening read is still the one in force when the lease is set.
+            pipe.watch(keys["state"], keys["opened_at_precise"])
+            state, opened, reset = pipe.mget(
+                keys["state"], keys["opened_at_precise"], keys["reset_timeout"]
+            )
+            newer.clear()
+            decided = self._newer_decision(worker_id, state, opened, reset)
+            if decided is not None:
+                newer.append(decided)
+                return
+            pipe.multi()
             pipe.set(key, token, nx=True, px=lease_ms)
             pipe.get(key)
             pipe.pttl(key)
-            return pipe.execute()
 
-        answer = self._call(take)
+        answer = self._call(lambda: self._client.transaction(take))
         if answer is None:
             return None  # Redis failed just now: a local trial, as in any outage
+        if newer:
+            state, age, reset_timeout = newer[0]
+            with self._lock:
+                self.trials_yielded += 1
+            self._on_remote(worker_id, state, age, reset_timeout)
+            return 0.0
         taken, holder, ttl_ms = answer
         if not taken and holder == token.encode():
             # Ours still (a trial sent earlier was given back unsent): renewed.
@@ -404,6 +428,29 @@ class SharedState:
         ttl = int(ttl_ms) if ttl_ms is not None else -1
         # A lease without an expiry is not ours to wait on for ever: one budget.
         return ttl / 1000 if ttl >= 0 else lease_ms / 1000
+
+    def _newer_decision(
+        self, worker_id: str, state: Any, opened: Any, reset: Any
+    ) -> tuple[str, float, float | None] | None:
+        """``(state, age, reset_timeout)`` of a decision in Redis this process has not
+        seen yet (it is marked seen), or None."""
+        if state is None:
+            return None
+        try:
+            current = (state.decode(), float(opened) if opened else None)
+            reset_timeout = float(reset) if reset else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+        seen = self._seen.get(worker_id)
+        if current[0] == OPEN and current[1] is not None:
+            if seen is not None and seen[0] == OPEN and current[1] <= (seen[1] or 0.0):
+                return None
+            self._seen[worker_id] = current
+            return OPEN, max(0.0, time.time() - current[1]), reset_timeout
+        if current[0] == CLOSED and seen is not None and seen[0] == OPEN:
+            self._seen[worker_id] = current
+            return CLOSED, 0.0, None
+        return None
 
     def end_trial(self, worker_id: str) -> None:
         """Give back this process's trial lease unused (the trial was called off)."""

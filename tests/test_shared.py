@@ -91,7 +91,38 @@ def test_announcing_the_trials_result_ends_the_lease_with_the_same_transaction()
         key = one._breaker_keys("w1")["trial"]
         assert one._client.get(key) is None
         assert one._client.get(one._breaker_keys("w1")["state"]) == result.encode()
+        two.take_trial("w1", 5.0)  # a new opening is applied first (see below)
         assert two.take_trial("w1", 5.0) is None
+
+
+def test_a_process_late_to_hear_of_a_failed_trial_applies_it_instead_of_trying_again():
+    """A's trial fails and A's new opening frees the lease; B, which has not received
+    that opening yet, asks for the lease: it is told of the opening (applied through
+    on_remote) and takes no lease, so the period gets no second trial."""
+    one, two, _, seen = pair()
+    one.announce("w1", "open", 10.0)
+    two.set_workers(["w1"])
+    two._sync()
+    assert seen.seen == [("w1", "open")]
+    assert one.take_trial("w1", 5.0) is None
+    one.announce("w1", "open", 20.0)  # the trial failed: opened again, lease ended
+    assert two.take_trial("w1", 5.0) == 0.0
+    assert seen.seen == [("w1", "open"), ("w1", "open")]
+    assert two._client.get(two._breaker_keys("w1")["trial"]) is None
+    # Once the opening it acts on is the latest, the process may take the next trial.
+    assert two.take_trial("w1", 5.0) is None
+
+
+def test_a_process_late_to_hear_of_a_closing_applies_it_instead_of_trying():
+    """The same for a successful trial: the closing found with the lease is applied."""
+    one, two, _, seen = pair()
+    two.set_workers(["w1"])
+    one.announce("w1", "open", 10.0)
+    two._sync()
+    assert one.take_trial("w1", 5.0) is None
+    one.announce("w1", "closed", None)
+    assert two.take_trial("w1", 5.0) == 0.0
+    assert seen.seen == [("w1", "open"), ("w1", "closed")]
 
 
 def test_a_result_announced_after_the_lease_passed_to_another_leaves_that_lease():

@@ -55,8 +55,11 @@ class PatternWorker:
     def mode(self, mode: str) -> None:
         self._call("POST", "/_mode", {"mode": mode})
 
+    def arrival_times(self, since: float = 0.0) -> list[float]:
+        return [at for at in self._call("GET", "/_count")["arrivals"] if at >= since]
+
     def arrivals(self, since: float = 0.0) -> int:
-        return sum(1 for at in self._call("GET", "/_count")["arrivals"] if at >= since)
+        return len(self.arrival_times(since))
 
     def signal(self, sig: int) -> None:
         self.proc.send_signal(sig)
@@ -153,7 +156,9 @@ def fleet(tmp_path, start_worker, redis_server, pattern_worker) -> Iterator[Call
             f"  timeouts: {{connect: 1, read: {read}}}\n"
             "  balancing: {latency_aware: false}\n"
             f"  shared_state: {{backend: redis, url: '{redis_server.url}', "
-            "namespace: sb, sync_interval: 0.2}\n"
+            # A timeout a loaded test machine keeps to: an outage would make each
+            # process try on its own, which these tests are not about.
+            "namespace: sb, sync_interval: 0.2, timeout: 0.5}\n"
         )
         built = Fleet(str(path), n)
         started.append(built)
@@ -212,12 +217,19 @@ def test_one_trial_per_reset_period_reaches_the_worker_from_a_busy_fleet(fleet, 
     open_everywhere(f, pattern_worker, 3)
     started = time.time()
     results = f.all(f"loop {seconds}")
+    elapsed = time.time() - started
     assert all(r["failed"] == 0 for r in results)
-    trials = pattern_worker.arrivals(since=started)
-    # A trial that fails opens w0 again for one reset period: at most one per period.
-    assert 1 <= trials <= math.ceil(seconds / reset) + 1
+    times = pattern_worker.arrival_times(since=started)
+    trials = len(times)
+    # A trial that fails opens w0 again for one reset period: one trial per period,
+    # never two close together.
+    assert 1 <= trials <= math.ceil(elapsed / reset) + 1
+    gaps = [later - earlier for earlier, later in itertools.pairwise(times)]
+    assert all(gap > reset / 2 for gap in gaps), f"two trials in one period: {gaps}"
+    # Every trial was sent under a lease (a lease may also be taken and given back
+    # unused, when another process's decision arrives while it is being taken).
     taken = sum(f.ask(p, "stats")["trials_taken"] for p in range(6))
-    assert taken == trials
+    assert taken >= trials
     yielded = sum(f.ask(p, "stats")["trials_yielded"] for p in range(6))
     assert yielded >= 1  # the others asked, were refused, and kept w0 out
 
@@ -237,13 +249,14 @@ def test_a_lease_whose_holder_is_killed_mid_trial_expires_and_another_process_tr
     client = redis.Redis.from_url(redis_server.url)
     try:
         lease = "sb:worker:w0:trial"
-        assert client.exists(lease)
+        holder = client.get(lease)
+        assert holder is not None
         f.kill(0)
         pattern_worker.mode("answer")  # w0 is well again: only a trial can tell
         left = client.pttl(lease) / 1000
         assert left > 0
         f.send(1, f"loop {left + 3}")
-        while client.exists(lease):
+        while client.get(lease) == holder:
             assert pattern_worker.arrivals() == before + 1, "a second trial while leased"
             threading.Event().wait(0.01)
     finally:
