@@ -386,7 +386,7 @@ class SharedState:
         key = keys["trial"]
         token = self._origin
         lease_ms = max(1, int((max(0.0, budget) + self.lease_margin) * 1000))
-        newer: list[tuple[str, float, float | None]] = []
+        newer: list[tuple[tuple[str, float | None], float | None]] = []
 
         def take(pipe: Any) -> None:
             # WATCH: the opening read is still the one in force when the lease is set.
@@ -408,9 +408,12 @@ class SharedState:
         if answer is None:
             return None  # Redis failed just now: a local trial, as in any outage
         if newer:
-            state, age, reset_timeout = newer[0]
+            (state, opened), reset_timeout = newer[0]
             with self._lock:
                 self.trials_yielded += 1
+            # Marked seen only now that it is applied: the re-read acts on changes only.
+            self._seen[worker_id] = (state, opened)
+            age = 0.0 if opened is None else max(0.0, time.time() - opened)
             self._on_remote(worker_id, state, age, reset_timeout)
             return 0.0
         taken, holder, ttl_ms = answer
@@ -431,9 +434,9 @@ class SharedState:
 
     def _newer_decision(
         self, worker_id: str, state: Any, opened: Any, reset: Any
-    ) -> tuple[str, float, float | None] | None:
-        """``(state, age, reset_timeout)`` of a decision in Redis this process has not
-        seen yet (it is marked seen), or None."""
+    ) -> tuple[tuple[str, float | None], float | None] | None:
+        """``((state, opening time), reset_timeout)`` of a decision in Redis this process
+        has not seen yet, or None."""
         if state is None:
             return None
         try:
@@ -445,11 +448,9 @@ class SharedState:
         if current[0] == OPEN and current[1] is not None:
             if seen is not None and seen[0] == OPEN and current[1] <= (seen[1] or 0.0):
                 return None
-            self._seen[worker_id] = current
-            return OPEN, max(0.0, time.time() - current[1]), reset_timeout
+            return current, reset_timeout
         if current[0] == CLOSED and seen is not None and seen[0] == OPEN:
-            self._seen[worker_id] = current
-            return CLOSED, 0.0, None
+            return current, None
         return None
 
     def end_trial(self, worker_id: str) -> None:
