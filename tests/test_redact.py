@@ -46,7 +46,10 @@ def test_a_secret_cut_short_or_quoted_in_part_is_redacted():
     assert scrub(f"token {TOKEN[:MIN_PART_LENGTH]}") == f"token {REDACTED}"
     assert TOKEN[3:18] not in scrub(f"saw ...{TOKEN[3:18]}...")
     # Shorter than that is not looked for: it cannot be told from ordinary text.
-    assert scrub(f"token {TOKEN[: MIN_PART_LENGTH - 1]}") == f"token {TOKEN[: MIN_PART_LENGTH - 1]}"
+    assert (
+        scrub(f"token {TOKEN[: MIN_PART_LENGTH - 1]}")
+        == f"token {TOKEN[: MIN_PART_LENGTH - 1]}"
+    )
 
 
 def test_a_word_a_secret_shares_with_ordinary_text_is_not_redacted():
