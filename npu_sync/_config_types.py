@@ -395,7 +395,8 @@ class BreakerConfig:
         5,
         1,
         10_000,
-        "consecutive worker failures that open a worker's breaker",
+        "consecutive worker failures, in one process, that open a worker's breaker (with "
+        "`shared_state`, the opening is shared, never the count)",
         autobot="circuit_breaker.failure_threshold",
         autobot_note="as is: consecutive failures that open the breaker",
     )

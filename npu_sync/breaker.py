@@ -88,6 +88,14 @@ class WorkerBreaker:
     breaker, its failure opens it again with the reset timeout doubled, up to
     ``max_reset_timeout``. Outcomes that say nothing about the worker's health (the
     task was bad, the model is not loaded there) are recorded as :meth:`release`.
+
+    With ``leased_trials`` (breakers shared between processes) the trial is the
+    fleet's, not this process's: :meth:`admit` hands it out *pending*, the breaker still
+    open, and the caller takes the fleet's lease on it (I/O, outside the lock), then
+    says how that went: :meth:`lease_taken` (the breaker goes half-open and the trial
+    is sent) or :meth:`lease_refused` (another process holds it: this breaker stays
+    open, admitting nothing, until that lease would expire, unless the holder's
+    result comes first through :meth:`force_open` or :meth:`force_close`).
     """
 
     def __init__(
@@ -98,6 +106,7 @@ class WorkerBreaker:
         clock: Clock = SYSTEM_CLOCK,
         storage: pybreaker.CircuitBreakerStorage | None = None,
         listener: StateListener | None = None,
+        leased_trials: bool = False,
     ) -> None:
         import pybreaker
 
@@ -122,6 +131,9 @@ class WorkerBreaker:
         self._early_trial_used = False
         self._early_pending = False  # allow_trial() moved the clock; the next trial is early
         self._trial_early = False  # the trial in flight is an early one
+        self._leased = leased_trials
+        self._lease_pending = False  # the trial admitted waits for the fleet's lease
+        self._held_until = 0.0  # another process's trial lease keeps this one open
         self.trips = 0
 
     # -- reading ---------------------------------------------------------------------
@@ -147,9 +159,24 @@ class WorkerBreaker:
         so, a passing health check cannot cut the opening short again."""
         return self._early_trial_used
 
+    @property
+    def lease_pending(self) -> bool:
+        """Whether the trial admitted last still waits for the fleet's lease."""
+        return self._lease_pending
+
     def retry_at(self) -> float | None:
         """Monotonic time at which an open breaker admits its trial; None unless open."""
-        return self._opened_at + self._reset_timeout if self._state == OPEN else None
+        state = self._state
+        if state == OPEN:
+            return self._due()
+        if state == HALF_OPEN and self._held_until:
+            return self._held_until  # another process's trial, after ours went unsent
+        return None
+
+    def _due(self) -> float:
+        due = self._opened_at + self._reset_timeout
+        held = self._held_until
+        return held if held > due else due
 
     def open_for(self, now: float) -> float:
         """Seconds since the breaker opened (0 when it is not open)."""
@@ -162,7 +189,7 @@ class WorkerBreaker:
             return True
         if self._trial_in_flight:
             return False
-        return state == HALF_OPEN or now >= self._opened_at + self._reset_timeout
+        return now >= (self._held_until if state == HALF_OPEN else self._due())
 
     # -- changing --------------------------------------------------------------------
 
@@ -186,14 +213,39 @@ class WorkerBreaker:
             return False
         if self._trial_in_flight:
             return None
-        if state == OPEN:
-            if now < self._opened_at + self._reset_timeout:
-                return None
+        if now < (self._held_until if state == HALF_OPEN else self._due()):
+            return None
+        if state == OPEN and not self._leased:
             self._cb.half_open()
             self._state = HALF_OPEN
         self._trial_in_flight = True
+        self._lease_pending = self._leased
         self._trial_early, self._early_pending = self._early_pending, False
         return True
+
+    def lease_taken(self) -> bool:
+        """The pending trial got the fleet's lease (or Redis is away: this process tries
+        on its own). Returns False when the trial was called off meanwhile, by another
+        process's opening or closing: the caller gives its lease back unused."""
+        if not self._lease_pending:
+            return False
+        self._lease_pending = False
+        if self._state == OPEN:
+            self._cb.half_open()
+            self._state = HALF_OPEN
+        return True
+
+    def lease_refused(self, until: float) -> None:
+        """Another process holds the trial's lease until ``until`` (monotonic): the
+        trial admitted here is withdrawn, and the breaker admits none before then."""
+        if not self._lease_pending:
+            return
+        self._lease_pending = False
+        self._trial_in_flight = False
+        self._trial_early = False
+        # Half-open too when our own lease ran out with its trial given back unsent:
+        # the other process's trial decides now.
+        self._held_until = until
 
     def allow_trial(self) -> None:
         """Make an open breaker admit its trial now (e.g. after a passing health check).
@@ -202,7 +254,7 @@ class WorkerBreaker:
         (doubled) reset timeout, so a worker whose health check passes while its tasks
         fail does not get a trial task every health interval.
         """
-        if self._state == OPEN and not self._early_trial_used:
+        if self._state == OPEN and not self._early_trial_used and not self._trial_in_flight:
             self._early_trial_used = True
             self._early_pending = True
             self._opened_at = self._clock.monotonic() - self._reset_timeout
@@ -211,6 +263,7 @@ class WorkerBreaker:
         """A call admitted by :meth:`admit` succeeded."""
         if trial:
             self._trial_in_flight = False
+            self._lease_pending = False
             self._close()
         elif self._state == CLOSED and self._storage.counter:
             self._storage.reset_counter()
@@ -219,6 +272,7 @@ class WorkerBreaker:
         """A call admitted by :meth:`admit` failed because of the worker."""
         if trial:
             self._trial_in_flight = False
+            self._lease_pending = False
             if not self._trial_early:
                 # A regular trial failed: the next opening may be cut short by a
                 # passing health check again (only a failed early trial forbids it).
@@ -236,10 +290,12 @@ class WorkerBreaker:
         """A call ended with an outcome that says nothing about the worker's health."""
         if trial:
             self._trial_in_flight = False
+            self._lease_pending = False
 
     def reset(self) -> None:
         """Close the breaker and forget its history (an operator's action)."""
         self._trial_in_flight = False
+        self._lease_pending = False
         self._close()
         self._storage.reset_counter()
 
@@ -255,15 +311,23 @@ class WorkerBreaker:
         """
         opened_at = self._clock.monotonic() - max(0.0, age)
         if self._state == OPEN:
-            if opened_at > self._opened_at:
+            # Newer by more than the drift between two readings of one opening's age
+            # (the same opening may arrive twice: read with a trial's lease, then by
+            # pub/sub).
+            if opened_at > self._opened_at + 0.001:
                 # A newer opening elsewhere (its trial failed): follow its timer rather
-                # than send a trial of our own on the old one.
+                # than send a trial of our own on the old one, nor one still pending.
+                self._cancel_pending()
+                self._held_until = 0.0
                 self._opened_at = opened_at
                 if reset_timeout is not None:
                     self._reset_timeout = min(reset_timeout, self._config.max_reset_timeout)
                     self._cb.reset_timeout = self._reset_timeout
             return False
-        if self._state != CLOSED:
+        if self._state == HALF_OPEN and not self._trial_in_flight and self._held_until:
+            # Our trial went unsent and another process's failed: follow its opening.
+            self._held_until = 0.0
+        elif self._state != CLOSED:
             return False
         self._consecutive_trips += 1
         self.trips += 1
@@ -283,10 +347,20 @@ class WorkerBreaker:
         Returns:
             Whether the state changed.
         """
-        if self._state == CLOSED or self._trial_in_flight:
+        if self._state == CLOSED:
+            return False
+        self._cancel_pending()
+        if self._trial_in_flight:
             return False
         self._close()
         return True
+
+    def _cancel_pending(self) -> None:
+        """Call off a trial still waiting for its lease: another process decided."""
+        if self._lease_pending:
+            self._lease_pending = False
+            self._trial_in_flight = False
+            self._trial_early = False
 
     def _close(self) -> None:
         """Closed, with the trip history forgotten: the base reset timeout, and a passing
@@ -294,6 +368,7 @@ class WorkerBreaker:
         self._consecutive_trips = 0
         self._early_trial_used = False
         self._early_pending = False
+        self._held_until = 0.0
         self._reset_timeout = self._config.reset_timeout
         self._cb.reset_timeout = self._reset_timeout
         if self._state != CLOSED:
@@ -306,6 +381,7 @@ class WorkerBreaker:
         self._consecutive_trips += 1
         self.trips += 1
         self._opened_at = self._clock.monotonic()
+        self._held_until = 0.0
         self._cb.reset_timeout = self._reset_timeout
         self._cb.open()
         self._state = OPEN

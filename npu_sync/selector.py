@@ -5,7 +5,7 @@ the pool, whatever state the pool is in: idle, busy, saturated or mostly down. T
 selector keeps an index for that. Per tier, a list of the workers that have room
 ("ready"); every other worker is parked: *full* until one of its tasks ends, *timed*
 until a known moment (its breaker's trial, the end of a Retry-After cool-down), or
-*blocked* (unhealthy, disabled, draining, reporting a failure, its trial in flight)
+*blocked* (unhealthy, disabled, draining, its trial in flight)
 until told that it changed. Saturated tiers are skipped at a glance, and a tier with
 one free slot among a thousand workers is a list of one.
 
@@ -122,7 +122,6 @@ _RAMP_STEPS = 100
 
 _STALL_RESCANS = 4
 """Stalled winners one selection may pass over before it takes the cheapest anyway."""
-
 
 
 class _Tier:
@@ -939,7 +938,7 @@ class Selector:
             state = _READY
             if breaker.state != CLOSED:
                 self._trials.add(worker)  # its trial is due: see _trial_turn
-        elif doom == _NEVER or worker.reporting:
+        elif doom == _NEVER:
             state = _BLOCKED
         elif worker.in_flight >= worker.capacity:
             state = _FULL

@@ -4,18 +4,20 @@ Several processes (gunicorn workers, several hosts) each run a pool. Alone, each
 find a dead worker by failing on it ``fail_max`` times and keeps its own dead letters.
 With ``shared_state: {backend: redis}`` they share:
 
-- **breakers**: failures are counted in Redis with pybreaker's ``CircuitRedisStorage``
-  (one namespace per pool namespace and worker); the process that sees the shared
-  count reach ``fail_max`` opens its breaker and publishes the opening, and the others
-  open theirs on receipt (pub/sub, with a periodic re-read in case a message is lost).
-  A successful trial publishes the closing the same way;
+- **breakers**: decisions, never counts. Each process counts its own consecutive
+  failures; the one that reaches ``fail_max`` opens its breaker and publishes the
+  opening, and the others open theirs on receipt (pub/sub, with a periodic re-read in
+  case a message is lost). The half-open trial is the fleet's: one process takes it
+  as a lease (:meth:`SharedState.take_trial`, ``SET NX PX``, expiring by itself if
+  that process dies) and publishes its result, closed or opened again, the same way;
 - **dead letters**: :class:`RedisDeadLetterStore`, listed and replayed from any process,
   with a claim per record that expires if the replaying process dies;
 - **the fleet view**: each process's pool snapshot under a key that expires (written by
   :mod:`npu_sync.fleet`'s monitor thread, read by ``stats(scope="fleet")``).
 
-Nothing here runs under the pool's lock, and a task thread touches Redis only on the
-failure path (a failed attempt, a trip, a close), never for a task that simply succeeds;
+Nothing here runs under the pool's lock, and a task thread touches Redis only for a
+breaker decision (an opening, a closing, a trial's lease), never for a task that
+succeeds nor for a failure short of an opening;
 snapshots are written by the fleet monitor's own thread, on a timer.
 
 Redis fails too. The client has short timeouts and no retry loop (redis-py's defaults
@@ -179,7 +181,11 @@ class SharedState:
         self._lock = threading.Lock()
         self._storages: dict[str, Any] = {}
         self._workers: tuple[str, ...] = ()
-        self._counters: dict[str, int] = {}
+        self._trials: set[str] = set()  # workers whose trial lease this process took
+        self.trials_taken = 0
+        self.trials_yielded = 0
+        self.lease_margin = 1.0 + 2 * config.timeout
+        """Seconds a trial lease outlasts its attempt's budget: for the result's write."""
         # The (state, opening time) last read from or written to Redis, per worker.
         self._seen: dict[str, tuple[str, float | None]] = {}
         self.on_resume: Callable[[], None] | None = None
@@ -298,6 +304,9 @@ class SharedState:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
+        # The child speaks for itself: its own messages, claims and trial leases.
+        self._origin = f"{id(self):x}-{time.time_ns():x}-{os.getpid():x}"
+        self._trials = set()
         for store in self._stores:
             store.after_fork()
 
@@ -351,25 +360,122 @@ class SharedState:
         base = f"{self.namespace}:worker:{worker_id}"
         return base if field is None else f"{base}:{field}"
 
-    def report_failure(self, worker_id: str, fail_max: int) -> bool:
-        """Count a worker failure for every process; True when the shared count
-        reached ``fail_max`` (the caller opens its breaker and announces it)."""
-        if self._storage(worker_id) is None:
-            return False
-        # One round trip: INCR returns the new count. The key is the one pybreaker's
-        # storage keeps its failure counter under, so both read the same number.
-        key = self._breaker_keys(worker_id)["fail_counter"]
-        count = int(self._call(lambda: self._client.incr(key)) or 0)
-        self._counters[worker_id] = count
-        return count >= fail_max
+    def take_trial(self, worker_id: str, budget: float) -> float | None:
+        """Take the fleet's one half-open trial of a worker, as a lease in Redis.
 
-    def report_success(self, worker_id: str) -> None:
-        """A success resets the shared failure count, if there is one to reset."""
-        if not self._counters.get(worker_id) or not self.available:
-            return  # the common case: no I/O at all
-        key = self._breaker_keys(worker_id)["fail_counter"]
-        self._call(lambda: self._client.set(key, 0))
-        self._counters[worker_id] = 0
+        ``SET NX PX``: one process gets it, for ``budget`` seconds (the trial's attempt
+        may run that long) plus :attr:`lease_margin`; the lease expires by itself if
+        its holder dies. Its result reaches the others like any breaker change
+        (:meth:`announce`, which also ends the lease).
+
+        The lease is for the opening this process knows: if Redis already holds a
+        newer decision (the trial of another process failed, and its new opening, or
+        its closing, has not reached this process yet), that decision is applied here
+        and no lease is taken. Otherwise a process a moment late would take the lease
+        that trial just gave back and send a second trial in the same period.
+
+        Returns:
+            None when this process may send the trial: it holds the lease (taken now,
+            or still its own), or Redis is unavailable (each process then tries on its
+            own). Otherwise the seconds until the other holder's lease expires (0 when
+            a newer decision was found and applied).
+        """
+        if not self.available:
+            return None
+        keys = self._breaker_keys(worker_id)
+        key = keys["trial"]
+        token = self._origin
+        lease_ms = max(1, int((max(0.0, budget) + self.lease_margin) * 1000))
+        newer: list[tuple[tuple[str, float | None], float | None]] = []
+
+        def take(pipe: Any) -> None:
+            # WATCH: the opening read is still the one in force when the lease is set.
+            pipe.watch(keys["state"], keys["opened_at_precise"])
+            state, opened, reset = pipe.mget(
+                keys["state"], keys["opened_at_precise"], keys["reset_timeout"]
+            )
+            newer.clear()
+            decided = self._newer_decision(worker_id, state, opened, reset)
+            if decided is not None:
+                newer.append(decided)
+                return
+            pipe.multi()
+            pipe.set(key, token, nx=True, px=lease_ms)
+            pipe.get(key)
+            pipe.pttl(key)
+
+        answer = self._call(lambda: self._client.transaction(take))
+        if answer is None:
+            return None  # Redis failed just now: a local trial, as in any outage
+        if newer:
+            (state, opened), reset_timeout = newer[0]
+            with self._lock:
+                self.trials_yielded += 1
+            # Marked seen only now that it is applied: the re-read acts on changes only.
+            self._seen[worker_id] = (state, opened)
+            age = 0.0 if opened is None else max(0.0, time.time() - opened)
+            self._on_remote(worker_id, state, age, reset_timeout)
+            return 0.0
+        taken, holder, ttl_ms = answer
+        if not taken and holder == token.encode():
+            # Ours still (a trial sent earlier was given back unsent): renewed.
+            taken = self._call(lambda: self._client.pexpire(key, lease_ms)) is not None
+        with self._lock:
+            if taken:
+                self._trials.add(worker_id)
+                self.trials_taken += 1
+            else:
+                self.trials_yielded += 1
+        if taken:
+            return None
+        ttl = int(ttl_ms) if ttl_ms is not None else -1
+        # A lease without an expiry is not ours to wait on for ever: one budget.
+        return ttl / 1000 if ttl >= 0 else lease_ms / 1000
+
+    def _newer_decision(
+        self, worker_id: str, state: Any, opened: Any, reset: Any
+    ) -> tuple[tuple[str, float | None], float | None] | None:
+        """``((state, opening time), reset_timeout)`` of a decision in Redis this process
+        has not seen yet, or None."""
+        if state is None:
+            return None
+        try:
+            current = (state.decode(), float(opened) if opened else None)
+            reset_timeout = float(reset) if reset else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+        seen = self._seen.get(worker_id)
+        if current[0] == OPEN and current[1] is not None:
+            if seen is not None and seen[0] == OPEN and current[1] <= (seen[1] or 0.0):
+                return None
+            return current, reset_timeout
+        if current[0] == CLOSED and seen is not None and seen[0] == OPEN:
+            return current, None
+        return None
+
+    def end_trial(self, worker_id: str) -> None:
+        """Give back this process's trial lease unused (the trial was called off)."""
+        if worker_id in self._trials:
+            self._call(lambda: self._client.transaction(self._release_trial(worker_id)))
+
+    def _release_trial(self, worker_id: str, then: Callable[[Any], None] | None = None) -> Any:
+        """A WATCH transaction body: delete ``worker_id``'s trial lease if it is still
+        ours (after it expired another process may hold it), then queue ``then``."""
+        key = self._breaker_keys(worker_id)["trial"]
+        token = self._origin.encode()
+
+        def body(pipe: Any) -> None:
+            pipe.watch(key)
+            mine = pipe.get(key) == token
+            pipe.multi()
+            if then is not None:
+                then(pipe)
+            if mine:
+                pipe.delete(key)
+            with self._lock:
+                self._trials.discard(worker_id)
+
+        return body
 
     def announce(
         self, worker_id: str, state: str, reset_timeout: float | None, age: float = 0.0
@@ -384,8 +490,7 @@ class SharedState:
         now = time.time() - max(0.0, age)  # when it opened, for a breaker opened earlier
         keys = self._breaker_keys(worker_id)
 
-        def write() -> Any:
-            pipe = self._client.pipeline(transaction=True)
+        def queue(pipe: Any) -> None:
             if state == OPEN:
                 pipe.mset(
                     {
@@ -396,8 +501,16 @@ class SharedState:
                     }
                 )
             else:
-                pipe.mset({keys["state"]: state, keys["fail_counter"]: 0})
+                pipe.set(keys["state"], state)
             pipe.publish(self._channel, message)
+
+        def write() -> Any:
+            if worker_id in self._trials:
+                # The end of this process's trial: its result and the lease's end in
+                # one transaction, so the next trial waits for the next reset time.
+                return self._client.transaction(self._release_trial(worker_id, queue))
+            pipe = self._client.pipeline(transaction=True)
+            queue(pipe)
             return pipe.execute()
 
         message = json.dumps(
@@ -409,8 +522,6 @@ class SharedState:
                 "reset_timeout": reset_timeout,
             }
         )
-        if state != OPEN:
-            self._counters[worker_id] = 0
         if self._call(write) is not None:
             self.published += 1
             self._seen[worker_id] = (state, now if state == OPEN else None)
@@ -420,10 +531,10 @@ class SharedState:
         pybreaker_ns = f"{self._key(worker_id)}:pybreaker"
         return {
             "state": f"{pybreaker_ns}:state",
-            "fail_counter": f"{pybreaker_ns}:fail_counter",
             "opened_at": f"{pybreaker_ns}:opened_at",
             "opened_at_precise": self._key(worker_id, "opened_at_precise"),
             "reset_timeout": self._key(worker_id, "reset_timeout"),
+            "trial": self._key(worker_id, "trial"),
         }
 
     # -- the sync thread -----------------------------------------------------------------
@@ -505,13 +616,12 @@ class SharedState:
             if self._storage(worker) is None:
                 return
             k = self._breaker_keys(worker)
-            keys += [k["state"], k["fail_counter"], k["opened_at_precise"], k["reset_timeout"]]
+            keys += [k["state"], k["opened_at_precise"], k["reset_timeout"]]
         values: list[Any] = self._client.mget(keys)  # type: ignore[assignment]
         now = time.time()
         for i, worker in enumerate(workers):
             try:
-                state, counter, opened, reset = values[4 * i : 4 * i + 4]
-                self._counters[worker] = int(counter or 0)
+                state, opened, reset = values[3 * i : 3 * i + 3]
                 if state is None:
                     continue
                 current = (state.decode(), float(opened) if opened else None)
@@ -635,6 +745,8 @@ class SharedState:
             "last_error": self.last_error,
             "published": self.published,
             "received": self.received,
+            "trials_taken": self.trials_taken,
+            "trials_yielded": self.trials_yielded,
             "dead_letters_held_locally": sum(s.held_count() for s in self._stores),
             "eviction_policy": self.eviction.name,
             "eviction_warnings": self.eviction_warnings,

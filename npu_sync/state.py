@@ -174,7 +174,12 @@ class PoolState:
         """A new worker: its transports and a closed breaker reporting to this state."""
         transport, health_transport = self.build_transports(cfg)
         breaker = WorkerBreaker(
-            cfg.id, self.config.circuit_breaker, clock=self.clock, listener=self.on_transition
+            cfg.id,
+            self.config.circuit_breaker,
+            clock=self.clock,
+            listener=self.on_transition,
+            # Shared breakers: one trial per opening for the whole fleet.
+            leased_trials=self.shared is not None,
         )
         worker = Worker(cfg, transport, breaker, health_transport)
         if self.config.balancing.adaptive_concurrency:
@@ -362,9 +367,11 @@ class PoolState:
         now = self.clock.time()
         shared = self.shared
         for name, old, new, remote in transitions:
-            self.notify(BreakerStateChanged(now, name, old, new))
             if shared is not None and not remote and new in (OPEN, CLOSED):
+                # Before the hooks: a slow hook must not keep other processes waiting
+                # for a decision (nor for the trial lease it ends).
                 shared.announce(name, new, timeouts.get(name))
+            self.notify(BreakerStateChanged(now, name, old, new))
         if self.events:
             self.flush_events()
 
@@ -393,7 +400,6 @@ class PoolState:
         self.draining.clear()
         for worker in self.workers.values():
             worker.in_flight = 0
-            worker.reporting = 0
             worker.breaker.release(True)  # a trial in flight is the parent's
             worker.stats = WorkerStats()
             worker.transport, worker.health_transport = self.build_transports(worker.config)

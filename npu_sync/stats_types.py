@@ -120,6 +120,8 @@ class SharedStateStats(_SharedStateBackend, total=False):
     last_error: str | None
     published: int
     received: int
+    trials_taken: int
+    trials_yielded: int
     dead_letters_held_locally: int
     eviction_policy: str | None
     eviction_warnings: int

@@ -483,6 +483,8 @@ class TaskRun:
                 break
             if state.models_known and self.lacks_model(lease):
                 continue
+            if lease.trial and state.shared is not None and not self.fleet_trial(lease):
+                continue
             delay = None
             if hedge is not None and not self.attempts:
                 delay = hedge.delay_for(self.task.idempotent)
@@ -616,6 +618,14 @@ class TaskRun:
         raise AdmissionRefused(
             f"{reason} (task {task_id})", task_id=task_id, expected=late.expected, left=late.left
         )
+
+    def fleet_trial(self, lease: Lease) -> bool:
+        """Whether this task may send the half-open trial its lease holds, with breakers
+        shared between processes: one trial per opening for the whole fleet (see
+        :func:`take_fleet_trial`). False gives the lease back; the task picks again."""
+        remaining = self.deadline - self.clock.monotonic()
+        read = self.config.timeouts.read
+        return take_fleet_trial(self.state, lease, read if read < remaining else remaining)
 
     def lacks_model(self, lease: Lease) -> bool:
         """Whether the lease's worker was learnt to lack the task's model while the task
@@ -1125,7 +1135,10 @@ class TaskRun:
         lease: Lease | None = None
         try:
             lease = state.dispatcher.try_acquire(self.excluded | {first.id})
-            if lease is not None and self.budget.try_withdraw():
+            # A shared breaker's trial needs the fleet's lease, a Redis round trip the
+            # hedge's timer thread does not make: it is left to a task.
+            fleet_trial = lease is not None and lease.trial and state.shared is not None
+            if lease is not None and not fleet_trial and self.budget.try_withdraw():
                 if self.trace is not None:
                     self.trace.add(TraceStep("hedge", self.clock.time(), lease.worker.id))
                 if state.hooks:
@@ -1392,8 +1405,8 @@ def record(
 
     Under the pool's lock, for no I/O and no user code: the worker's slot and breaker,
     the counters and latency samples, the freed slot handed to the next waiter. Then
-    without it: a failure reported to the shared state (Redis I/O), breaker changes
-    announced (hooks run), a removed worker's connections closed once it is idle.
+    without it: breaker changes announced (hooks run, other processes told: Redis I/O),
+    a removed worker's connections closed once it is idle.
 
     Args:
         retry: the attempt retried the task (counted in ``stats()``).
@@ -1401,7 +1414,6 @@ def record(
     """
     worker = lease.worker
     kind = outcome.kind
-    reported = False
     with state.lock:
         worker.in_flight -= 1
         if outcome is _UNUSED:
@@ -1435,7 +1447,7 @@ def record(
                 stats.observe(now, duration, True)
                 state.stats.succeeded += 1
             elif kind is Kind.FAILURE:
-                reported = _count_failure_locked(state, lease, outcome, duration, now, defer)
+                _count_failure_locked(state, lease, outcome, duration, now, defer)
             else:
                 _count_no_fault_locked(state, lease, outcome)
         if retry:
@@ -1444,8 +1456,6 @@ def record(
         drained = worker.removed and not worker.in_flight
         if drained and state.draining.get(worker.id) is worker:
             del state.draining[worker.id]
-    if state.shared is not None:
-        _tell_other_processes(state, worker, kind, reported)
     if state.transitions:
         state.flush_transitions()
     if state.events:
@@ -1475,18 +1485,12 @@ def _sample_limit_locked(state: PoolState, lease: Lease, outcome: Outcome, durat
 
 def _count_failure_locked(
     state: PoolState, lease: Lease, outcome: Outcome, duration: float, now: float, defer: bool
-) -> bool:
-    """Charge a failure to the worker (unless deferred); True when other processes must
-    hear of it before this one sends the worker another attempt."""
+) -> None:
+    """Charge a failure to the worker (unless deferred). Counted here only, in this
+    process: other processes hear of the opening it may cause, never of the count."""
     worker = lease.worker
     stats = worker.stats
     stats.attempts += 1
-    reported = False
-    if state.shared is not None and not defer:
-        # No new attempt here until every process's count is known: on a dead worker
-        # this keeps the attempts near fail_max in total.
-        worker.reporting += 1
-        reported = True
     if defer:
         worker.breaker.release(lease.trial)
     else:
@@ -1500,7 +1504,6 @@ def _count_failure_locked(
         worker.cooldown_until = now + min(outcome.retry_after, cap)
     # A trip or a cool-down changes when a waiter should wake.
     state.dispatcher.wake_all_locked()
-    return reported
 
 
 def _count_refused_locked(state: PoolState, lease: Lease, outcome: Outcome, now: float) -> None:
@@ -1555,22 +1558,32 @@ def _take_out_locked(state: PoolState, worker: Worker, reason: str) -> None:
         state.events.append(lambda at: WorkerHealthChanged(at, wid, False, reason))
 
 
-def _tell_other_processes(state: PoolState, worker: Worker, kind: Kind, reported: bool) -> None:
-    """Redis I/O, without the lock, and only on the failure path (or the first success
-    after failures): a failure counted in every process may trip the breaker here."""
+def take_fleet_trial(state: PoolState, lease: Lease, budget: float) -> bool:
+    """Take the fleet's lease on the half-open trial ``lease`` holds (breakers shared
+    between processes): True when the trial may be sent. Otherwise the lease is given
+    back unused, and the worker stays out here until the other holder's lease expires
+    or its result arrives, whichever comes first.
+
+    Redis I/O: call without the lock, before the attempt. ``budget`` is how long the
+    attempt may run."""
     shared = state.shared
-    if reported:
-        trip = False
-        try:
-            trip = shared.report_failure(worker.id, state.config.circuit_breaker.fail_max)
-        finally:
-            with state.lock:
-                worker.reporting -= 1
-                if trip and worker.breaker.force_open():
-                    state.dispatcher.wake_all_locked()
-                state.dispatcher.release_worker_locked(worker, state.clock.monotonic())
-    elif kind is Kind.SUCCESS:
-        shared.report_success(worker.id)
+    assert shared is not None
+    worker = lease.worker
+    wait = shared.take_trial(worker.id, budget)
+    with state.lock:
+        if wait is None:
+            if worker.breaker.lease_taken():
+                return True
+            # Another process opened or closed the worker meanwhile: no trial now.
+        else:
+            worker.breaker.lease_refused(state.clock.monotonic() + wait)
+        # The breaker has already withdrawn this trial; giving the lease back must not
+        # release a trial admitted since to another task.
+        lease.trial = False
+    if wait is None:
+        shared.end_trial(worker.id)
+    record(state, lease, _UNUSED, 0.0, state.clock.monotonic(), retry=False)
+    return False
 
 
 def charge(state: PoolState, held: list[Held], took: float, now: float) -> None:

@@ -84,7 +84,6 @@ class Worker:
         "refused",
         "refused_until",
         "removed",
-        "reporting",
         "routed",
         "score",
         "share",
@@ -118,7 +117,6 @@ class Worker:
         self.hinted_draining = False
         self.draining = False  # being removed: finishes its tasks, takes no new ones
         self.removed = False
-        self.reporting = 0  # failures being reported to the shared state right now
         self.generation = 0  # bumped when the worker moves: older outcomes are stale
         # The generation whose inference path answered a task (-1: none yet): an NPU
         # worker at this address, whatever it answers later (see npu_sync.blame).
@@ -374,7 +372,6 @@ class Worker:
             and self.enabled
             and not self.draining
             and not self.hinted_draining
-            and not self.reporting
             and now >= self.cooldown_until
             and now >= self.refused_until
             and self.breaker.can_admit(now)

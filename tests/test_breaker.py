@@ -199,3 +199,93 @@ def test_state_names_are_pybreakers_own():
     assert trial is False  # an ordinary call on a closed breaker
     breaker.record_failure(trial)
     assert breaker.state == breaker._cb.current_state == OPEN
+
+
+# -- trials leased from the fleet (breakers shared between processes) ----------------------
+
+
+def make_leased(reset: float = 10.0, listener=None):
+    clock = FakeClock()
+    config = BreakerConfig(fail_max=2, reset_timeout=reset, max_reset_timeout=40.0)
+    breaker = WorkerBreaker("w1", config, clock=clock, listener=listener, leased_trials=True)
+    trip(breaker, clock, 2)
+    clock.advance(reset)
+    return breaker, clock
+
+
+def test_a_leased_trial_stays_open_until_its_lease_is_taken():
+    """The trial is admitted pending: still open, nothing else admitted, no transition
+    told; the lease taken makes it half-open."""
+    seen: list[tuple[str, str]] = []
+    breaker, clock = make_leased(listener=lambda name, old, new: seen.append((old, new)))
+    assert breaker.admit(clock.monotonic()) is True
+    assert (breaker.state, breaker.lease_pending) == (OPEN, True)
+    assert breaker.admit(clock.monotonic()) is None
+    assert seen == [(CLOSED, OPEN)]
+    assert breaker.lease_taken() is True
+    assert breaker.state == HALF_OPEN and not breaker.lease_pending
+    breaker.record_success(True)
+    assert breaker.state == CLOSED
+
+
+def test_a_refused_lease_keeps_the_breaker_open_until_the_other_lease_expires():
+    """Another process holds the trial: none is admitted here before its lease ends,
+    and the wait is when the pool wakes its waiters."""
+    breaker, clock = make_leased()
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.lease_refused(clock.monotonic() + 7.0)
+    assert breaker.state == OPEN
+    assert breaker.retry_at() == clock.monotonic() + 7.0
+    clock.advance(6.9)
+    assert not breaker.can_admit(clock.monotonic())
+    assert breaker.admit(clock.monotonic()) is None
+    clock.advance(0.2)
+    assert breaker.can_admit(clock.monotonic())
+    assert breaker.admit(clock.monotonic()) is True
+
+
+def test_the_holders_result_ends_the_wait_for_its_lease():
+    """A closing from the holder closes at once; its new opening sets a new timer with
+    no wait for the old lease."""
+    breaker, clock = make_leased()
+    breaker.admit(clock.monotonic())
+    breaker.lease_refused(clock.monotonic() + 30.0)
+    assert breaker.force_close() is True and breaker.state == CLOSED
+    trip(breaker, clock, 2)
+    clock.advance(10.0)
+    breaker.admit(clock.monotonic())
+    breaker.lease_refused(clock.monotonic() + 30.0)
+    breaker.force_open(0.0, 20.0)
+    assert breaker.retry_at() == clock.monotonic() + 20.0
+
+
+def test_a_pending_trial_is_called_off_by_another_processs_decision():
+    """A closing or a newer opening that arrives while the lease is being taken calls the
+    pending trial off: lease_taken says so, and nothing half-opens."""
+    breaker, clock = make_leased()
+    breaker.admit(clock.monotonic())
+    assert breaker.force_close() is True
+    assert breaker.lease_taken() is False
+    assert breaker.state == CLOSED
+    trip(breaker, clock, 2)
+    clock.advance(10.0)
+    breaker.admit(clock.monotonic())
+    clock.advance(1.0)
+    breaker.force_open(0.0, 20.0)  # the other process's trial failed just now
+    assert breaker.lease_taken() is False
+    assert breaker.state == OPEN and breaker.admit(clock.monotonic()) is None
+
+
+def test_a_trial_given_back_unsent_waits_for_the_process_that_took_the_lease_since():
+    """Half-open here with the trial released (an outcome that says nothing), our lease
+    ran out and another process took it: its result decides, and until its lease ends
+    none is admitted here."""
+    breaker, clock = make_leased()
+    breaker.admit(clock.monotonic())
+    assert breaker.lease_taken()
+    breaker.release(True)
+    assert breaker.admit(clock.monotonic()) is True
+    breaker.lease_refused(clock.monotonic() + 5.0)
+    assert breaker.state == HALF_OPEN and breaker.admit(clock.monotonic()) is None
+    assert breaker.force_open(0.0, 20.0) is True
+    assert breaker.state == OPEN and breaker.retry_at() == clock.monotonic() + 20.0

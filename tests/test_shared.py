@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -49,20 +50,137 @@ def record(n: int) -> DeadLetter:
     )
 
 
-def test_failures_are_counted_once_for_every_process():
-    """Two processes' failures add up; the one reaching fail_max is told to open."""
+def test_one_process_takes_the_trial_lease_and_the_other_is_told_how_long_to_wait():
+    """SET NX: the first process to ask holds the trial; the second waits out its lease."""
     one, two, _, _ = pair()
-    assert [one.report_failure("w1", 3), two.report_failure("w1", 3)] == [False, False]
-    assert one.report_failure("w1", 3) is True
+    assert one.take_trial("w1", 5.0) is None
+    wait = two.take_trial("w1", 5.0)
+    assert wait is not None and 5.0 < wait <= 5.0 + two.lease_margin
+    assert (one.trials_taken, two.trials_yielded) == (1, 1)
 
 
-def test_a_success_after_failures_resets_the_shared_count():
-    """Consecutive-failure semantics hold across processes."""
+def test_the_holder_asking_again_keeps_its_lease():
+    """A trial given back unsent and admitted again in the same process is still its own."""
     one, two, _, _ = pair()
-    one.report_failure("w1", 3)
-    one.report_success("w1")
-    assert two.report_failure("w1", 3) is False
-    assert two.report_failure("w1", 3) is False
+    assert one.take_trial("w1", 5.0) is None
+    assert one.take_trial("w1", 5.0) is None
+    assert two.take_trial("w1", 5.0) is not None
+
+
+def test_the_lease_expires_by_itself_when_its_holder_never_reports():
+    """A holder that dies mid-trial frees the lease once it expires (PX), not before."""
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    assert one.take_trial("w1", 5.0) is None
+    key = one._breaker_keys("w1")["trial"]
+    assert one._client.pttl(key) > 5000
+    one._client.pexpire(key, 1)  # the time passes: fakeredis honours PX on access
+    deadline = time.monotonic() + 5
+    while one._client.exists(key):
+        assert time.monotonic() < deadline
+    assert two.take_trial("w1", 5.0) is None
+
+
+def test_announcing_the_trials_result_ends_the_lease_with_the_same_transaction():
+    """The holder's closing or re-opening frees the lease, so the next period's trial
+    is not held up by this one's."""
+    for result in ("closed", "open"):
+        one, two, _, _ = pair()
+        assert one.take_trial("w1", 5.0) is None
+        one.announce("w1", result, 10.0)
+        key = one._breaker_keys("w1")["trial"]
+        assert one._client.get(key) is None
+        assert one._client.get(one._breaker_keys("w1")["state"]) == result.encode()
+        two.take_trial("w1", 5.0)  # a new opening is applied first (see below)
+        assert two.take_trial("w1", 5.0) is None
+
+
+def test_a_process_late_to_hear_of_a_failed_trial_applies_it_instead_of_trying_again():
+    """A's trial fails and A's new opening frees the lease; B, which has not received
+    that opening yet, asks for the lease: it is told of the opening (applied through
+    on_remote) and takes no lease, so the period gets no second trial."""
+    one, two, _, seen = pair()
+    one.announce("w1", "open", 10.0)
+    two.set_workers(["w1"])
+    two._sync()
+    assert seen.seen == [("w1", "open")]
+    assert one.take_trial("w1", 5.0) is None
+    one.announce("w1", "open", 20.0)  # the trial failed: opened again, lease ended
+    assert two.take_trial("w1", 5.0) == 0.0
+    assert seen.seen == [("w1", "open"), ("w1", "open")]
+    assert two._client.get(two._breaker_keys("w1")["trial"]) is None
+    # Once the opening it acts on is the latest, the process may take the next trial.
+    assert two.take_trial("w1", 5.0) is None
+
+
+def test_a_process_late_to_hear_of_a_closing_applies_it_instead_of_trying():
+    """The same for a successful trial: the closing found with the lease is applied."""
+    one, two, _, seen = pair()
+    two.set_workers(["w1"])
+    one.announce("w1", "open", 10.0)
+    two._sync()
+    assert one.take_trial("w1", 5.0) is None
+    one.announce("w1", "closed", None)
+    assert two.take_trial("w1", 5.0) == 0.0
+    assert seen.seen == [("w1", "open"), ("w1", "closed")]
+
+
+def test_a_result_announced_after_the_lease_passed_to_another_leaves_that_lease():
+    """Only this process's own lease is deleted: after it expired another may hold one."""
+    one, two, _, _ = pair()
+    assert one.take_trial("w1", 5.0) is None
+    key = one._breaker_keys("w1")["trial"]
+    one._client.delete(key)  # expired
+    assert two.take_trial("w1", 5.0) is None
+    one.announce("w1", "open", 10.0)
+    assert one._client.get(key) == two._origin.encode()
+
+
+def test_a_trial_called_off_gives_its_lease_back():
+    """end_trial frees this process's lease at once, and never another's."""
+    one, two, _, _ = pair()
+    assert one.take_trial("w1", 5.0) is None
+    two.end_trial("w1")  # not its lease: nothing happens
+    assert two.take_trial("w1", 5.0) is not None
+    one.end_trial("w1")
+    assert two.take_trial("w1", 5.0) is None
+
+
+def test_without_redis_every_process_tries_on_its_own():
+    """Redis unavailable: take_trial lets the trial go (the local half-open trial)."""
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    assert one.take_trial("w1", 5.0) is None
+    server.connected = False
+    assert two.take_trial("w1", 5.0) is None
+    assert two.available is False
+
+
+def test_a_forked_child_holds_no_lease_of_its_parent_and_speaks_for_itself():
+    """After fork() the child has its own origin: it neither renews nor ends the
+    parent's trial lease, and its announcements are not taken for the parent's."""
+    one, _, _, _ = pair()
+    assert one.take_trial("w1", 5.0) is None
+    parent = one._origin
+    one.after_fork()
+    assert one._origin != parent
+    assert one.take_trial("w1", 5.0) is not None  # the parent's lease, not the child's
+    one.end_trial("w1")
+    key = one._breaker_keys("w1")["trial"]
+    assert one._client.get(key) == parent.encode()
+
+
+def test_a_redis_that_times_out_on_the_lease_falls_back_to_a_local_trial():
+    """A frozen Redis costs the trial one timeout, then this process tries on its own."""
+
+    class Frozen(fakeredis.FakeRedis):
+        def pipeline(self, *args, **kwargs):
+            raise redis.TimeoutError("Timeout reading from socket")
+
+    config = SharedStateConfig(backend="redis", namespace="t")
+    shared = SharedState(config, Changes(), client=Frozen(server=fakeredis.FakeServer()))
+    assert shared.take_trial("w1", 5.0) is None
+    assert shared.available is False and shared.outages == 1
 
 
 def test_an_announced_opening_reaches_the_other_process_on_its_next_sync():
@@ -138,7 +256,7 @@ def test_an_outage_is_noticed_once_and_then_costs_no_calls(caplog):
     Down.calls = 0
     shared = SharedState(SharedStateConfig(backend="redis"), Changes(), client=Down())
     for _ in range(10):
-        assert shared.report_failure("w1", 3) is False
+        assert shared.take_trial("w1", 1.0) is None
         shared.announce("w1", "open", 1.0)
     assert shared.available is False and shared.outages == 1
     assert Down.calls == 1
@@ -217,7 +335,7 @@ def test_breakers_opened_during_an_outage_are_written_back_when_redis_returns():
     calls = []
     one.on_resume = lambda: calls.append(one.available)
     server.connected = False
-    one.report_failure("w1", 3)
+    one.announce("w1", "open", 3.0)
     assert one.available is False
     server.connected = True
     assert one._probe() is True
