@@ -1115,6 +1115,10 @@ class Monitor:
             raise RuntimeError("the pool of this monitor is gone")
         self._want()
         view = self._view.get()
+        if self._shared is not None and view.available and not self._shared.available:
+            # Redis went away since that read: say so now, not an interval later.
+            self._view.clear()
+            view = self._view.get()
         return {
             "scope": "fleet",
             "shared": view.shared,
