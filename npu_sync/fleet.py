@@ -1107,14 +1107,17 @@ class Monitor:
         the silent ones, per host, their totals and merged history, next to this
         process's ``stats()``.
 
-        The fleet is read from Redis and merged at most once per ``fleet.cache`` seconds
-        (``read_at`` says when), whatever the number of callers; ``local`` is always
-        fresh."""
+        With shared state, the fleet is read from Redis and merged at most once per
+        ``fleet.cache`` seconds (``read_at`` says when), whatever the number of callers;
+        ``local`` is always fresh."""
         pool = self._pool()
         if pool is None:
             raise RuntimeError("the pool of this monitor is gone")
         self._want()
-        view = self._view.get()
+        if self._shared is None or self.settings.mode == "off":
+            view = self._read_view()  # nothing to read from Redis: nothing to share
+        else:
+            view = self._view.get()
         if self._shared is not None and view.available and not self._shared.available:
             # Redis went away since that read: say so now, not an interval later.
             self._view.clear()

@@ -378,3 +378,37 @@ def test_a_fleet_read_in_a_stall_shows_the_last_read_and_keeps_sharing(redis_ser
     assert shared["available"] and shared["outages"] == 0
     assert during["available"] is True and during["totals"]["processes"] == 2
     assert "could not be read now" in during["note"]
+
+
+def test_get_fleet_shows_a_row_per_host_and_one_hosts_processes(redis_server, redis):
+    """GET fleet carries every host and this host's processes; ?host= another's,
+    ?processes=all every one; garbage in a snapshot or a query never breaks the page."""
+    pytest.importorskip("flask")
+    from tests.test_flask import PREFIX, make_app
+
+    net = FakeNetwork(answer)
+    with WorkerPool(make_config(redis_server.url, cache=0), transport_factory=net.factory) as pool:
+        base = own_snapshot(pool, redis)
+        for n in range(3):
+            plant(redis, member(n, "far"), json.dumps(forged(base, member(n, "far"))))
+        plant(redis, member(9, "near"), json.dumps(forged(base, member(9, "near"))))
+        plant(redis, member(10, "near"), "[[[[not json")
+        client = make_app(pool).test_client()
+        plain = client.get(f"{PREFIX}/fleet")
+        far = client.get(f"{PREFIX}/fleet?host=far")
+        every = client.get(f"{PREFIX}/fleet?processes=all")
+        bad = client.get(f"{PREFIX}/fleet?processes=some")
+        twice = client.get(f"{PREFIX}/fleet?host=a&host=b")
+        nowhere = client.get(f"{PREFIX}/fleet?host=nowhere")
+    me = base["process"]["host"]
+    body = plain.get_json()
+    assert plain.status_code == 200
+    assert {h["host"] for h in body["hosts"]} == {me, "far", "near"}
+    assert [p["process"]["host"] for p in body["processes"]] == [me]
+    assert body["processes_of"] == me and body["totals"]["processes"] == 5
+    assert body["skipped"]["malformed"] == 1
+    assert [p["process"]["pid"] for p in far.get_json()["processes"]] == [2000, 2001, 2002]
+    assert len(every.get_json()["processes"]) == 5 and every.get_json()["processes_of"] == "all"
+    assert bad.status_code == 400 and "processes: must be 'all', got 'some'" in bad.get_data(True)
+    assert twice.status_code == 400 and "host: give it once" in twice.get_data(True)
+    assert nowhere.status_code == 200 and nowhere.get_json()["processes"] == []
