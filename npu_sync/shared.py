@@ -583,8 +583,9 @@ class SharedState:
             counts["last_error"] = scrub(f"{type(error).__name__}: {error}")
         if streak == 0:
             log.warning(
-                "fleet snapshot %s failed (%s); counted, and the shared state stays in use",
-                action,
+                "a fleet snapshot %s failed (%s): counted, not taken for a Redis outage; "
+                "breakers are still shared",
+                action.partition("_")[0],
                 counts["last_error"],
             )
 
