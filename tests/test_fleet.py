@@ -555,3 +555,22 @@ def test_a_snapshot_over_the_cap_is_written_without_worker_history_or_not_at_all
         monitor.tick()
         assert redis.get(f"fleet-test:fleet:process:{monitor.process['id']}") is None
         assert monitor.oversized == 1
+
+
+def test_a_listener_that_asks_for_the_fleet_from_the_monitor_thread_gets_it(
+    net, clock, redis_server
+):
+    """A listener reading the fleet view inside a sample (the shared read's computation
+    runs on the caller's thread, under no lock) neither deadlocks nor reads twice."""
+    with WorkerPool(make_config("a", shared=SHARED), transport_factory=net.factory,
+                    clock=clock) as pool:  # fmt: skip
+        monitor = monitor_of(pool)
+        seen: list[int] = []
+        monitor.add_listener(lambda stats, rows: seen.append(
+            pool.stats(scope="fleet")["totals"]["processes"]))  # fmt: skip
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (monitor.tick(), monitor.tick(), done.set()))
+        worker.start()
+        worker.join(30)
+        assert done.is_set(), "a sample calling back into the fleet view hung"
+        assert seen == [1, 1] and monitor.reads == 1
