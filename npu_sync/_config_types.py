@@ -844,6 +844,43 @@ class FleetConfig:
         hot=False,
     )
     points: int = integer(120, 2, 10_000, "samples kept per worker", hot=False)
+    timeout: float = number(
+        1.0,
+        0.05,
+        30,
+        "seconds one snapshot write or read may take; a late one is counted, never taken "
+        "for a Redis outage",
+        unit="s",
+        hot=False,
+    )
+    cache: float | None = optional_number(
+        0,
+        3600,
+        "seconds one read of the fleet serves every reader of this process (status pages, "
+        '`GET fleet`, `stats(scope="fleet")`); null: `interval`',
+        unit="s",
+        hot=False,
+    )
+    silent_for: float = number(
+        600,
+        0,
+        86400,
+        "seconds a process (and a host) that stopped publishing without closing its pool "
+        "stays listed as silent",
+        unit="s",
+        hot=False,
+    )
+    max_processes: int = integer(
+        200, 1, 5000, "processes one read lists, the most recently published first", hot=False
+    )
+    max_snapshot_bytes: int = integer(
+        512 * 1024,
+        16 * 1024,
+        8 * 1024 * 1024,
+        "largest snapshot, in bytes: a larger one is trimmed (or not written) by its process "
+        "and left out by readers",
+        hot=False,
+    )
 
     def __post_init__(self) -> None:
         check_fields(self, "fleet")

@@ -219,6 +219,19 @@ def _add_status_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="show the fleet even without shared state (which then says so); with --json, "
         'print {"workers": rows, "fleet": ...} instead of the list',
     )
+    detail = status.add_mutually_exclusive_group()
+    detail.add_argument(
+        "--processes",
+        action="store_true",
+        help="list every process of the fleet, not only one row per host (the default "
+        "when the fleet runs on more than one host)",
+    )
+    detail.add_argument(
+        "--host",
+        default=None,
+        metavar="HOST",
+        help="list the processes of one host of the fleet",
+    )
     status.add_argument(
         "--watch",
         nargs="?",
@@ -603,7 +616,10 @@ def _status(args: argparse.Namespace) -> int:
         if args.watch is None:
             rows = _probe(pool, config)
             view = _read_fleet(config) if fleet else None
-            _print_status(out, rows, as_json=args.json, compact=False, fleet=view, keyed=args.fleet)
+            _print_status(
+                out, rows, as_json=args.json, compact=False, fleet=view, keyed=args.fleet,
+                detail=_detail(args),
+            )  # fmt: skip
             return _status_code(rows)
         tty = out.isatty() and not args.json
         while True:
@@ -616,7 +632,10 @@ def _status(args: argparse.Namespace) -> int:
                     f"{config.source}: every {args.watch:g}s, "
                     f"{_iso(time.time())} (Ctrl-C to stop)\n\n"
                 )
-            _print_status(out, rows, as_json=args.json, compact=True, fleet=view, keyed=args.fleet)
+            _print_status(
+                out, rows, as_json=args.json, compact=True, fleet=view, keyed=args.fleet,
+                detail=_detail(args),
+            )  # fmt: skip
             out.flush()
             _pause(args.watch)
     finally:
@@ -696,6 +715,7 @@ def _print_status(
     compact: bool,
     fleet: FleetView | None = None,
     keyed: bool = False,
+    detail: str | None = None,
 ) -> None:
     if as_json:
         data: Any = rows
@@ -727,7 +747,15 @@ def _print_status(
         out.write("\nmodels and devices:\n" + "".join(f"  {line}\n" for line in about.splitlines()))
 
     if fleet is not None:
-        _print_fleet(out, fleet)
+        _print_fleet(out, fleet, detail)
+
+
+def _detail(args: argparse.Namespace) -> str | None:
+    """Which processes ``status`` lists: ``"*"`` all, a host's name, None the default."""
+    if args.processes:
+        return "*"
+    host: str | None = args.host
+    return host
 
 
 def _fleet_dict(fleet: FleetView) -> dict[str, Any]:
@@ -736,13 +764,55 @@ def _fleet_dict(fleet: FleetView) -> dict[str, Any]:
         "available": fleet.available,
         "note": fleet.note,
         "totals": fleet.totals,
+        "hosts": fleet.hosts,
         "processes": fleet.processes,
+        "silent": fleet.silent,
+        "skipped": fleet.skipped,
     }
 
 
-def _print_fleet(out: TextIO, fleet: FleetView) -> None:
-    """The processes of the fleet and the totals per worker, under the probe's table."""
+def _print_hosts(out: TextIO, fleet: FleetView) -> None:
+    """One row per host: what an operator of many hosts looks at first."""
+    now = time.time()
+    table = []
+    for h in fleet.hosts:
+        if h["state"] == "silent":
+            state = f"silent {_span(now - (h['silent_since'] or now))}"
+        else:
+            state = "live"
+        t = h["tasks"]
+        table.append(
+            [
+                h["host"],
+                state,
+                str(h["processes"]),
+                str(h["silent_processes"]),
+                f"{h['workers'] - h['workers_down']}/{h['workers']}",
+                str(t["succeeded"]),
+                str(t["failed"]),
+                str(t["in_flight"]),
+                str(h["errors"]),
+            ]
+        )
+    headers = ["HOST", "STATE", "PROCESSES", "SILENT", "WORKERS_UP", "SUCCEEDED", "FAILED"]
+    headers += ["IN_FLIGHT", "ERRORS"]
+    out.write("\n" + _table(headers, table, right={2, 3, 4, 5, 6, 7, 8}))
+
+
+def _print_fleet(out: TextIO, fleet: FleetView, detail: str | None = None) -> None:
+    """The hosts of the fleet, its processes (all, one host's, or — by default — all
+    when it runs on one host) and the totals per worker, under the probe's table."""
     out.write(f"\nfleet: {fleet.note}\n")
+    if fleet.hosts:
+        _print_hosts(out, fleet)
+    processes = fleet.processes
+    if detail is not None and detail != "*":
+        processes = [p for p in processes if p["process"]["host"] == detail]
+        if not processes:
+            out.write(f"\nno live process on host {detail!r}\n")
+    elif detail is None and len(fleet.hosts) > 1:
+        processes = []
+        out.write("\nper process: npu-sync status --processes, or --host HOST\n")
     if not fleet.processes:
         return
     now = time.time()
@@ -758,7 +828,7 @@ def _print_fleet(out: TextIO, fleet: FleetView) -> None:
             str(p["tasks"]["in_flight"]),
             f"{max(0.0, now - p['published_at']):.1f}s",
         ]
-        for p in fleet.processes
+        for p in processes
     ]
     totals = fleet.totals
     t = totals["tasks"]

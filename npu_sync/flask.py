@@ -394,8 +394,30 @@ def _workers() -> Response:
     return _json({"workers": pool.workers(), **_answered_by(pool)})
 
 
+_MAX_HOST_CHARS = 255
+
+
 def _fleet() -> Response:
-    return _json(current_pool().stats(scope="fleet"))
+    """The fleet: every host, and the processes of one host — this process's unless
+    ``?host=NAME`` names another — or of every host with ``?processes=all``. On a fleet
+    of many hosts a page then carries a row per host and one host's processes, not
+    every process of the fleet every two seconds."""
+    hosts = request.args.getlist("host")
+    which = request.args.getlist("processes")
+    if len(hosts) > 1 or len(which) > 1:
+        raise _ApiError(400, f"{'host' if len(hosts) > 1 else 'processes'}: give it once")
+    if which and which[0] != "all":
+        raise _ApiError(400, f"processes: must be 'all', got {which[0][:40]!r}")
+    if hosts and which:
+        raise _ApiError(400, "host, processes: give one or the other")
+    if hosts and not 0 < len(hosts[0]) <= _MAX_HOST_CHARS:
+        raise _ApiError(400, f"host: must be 1 to {_MAX_HOST_CHARS} characters")
+    fleet = current_pool().stats(scope="fleet")
+    if which:
+        return _json({**fleet, "processes_of": "all"})
+    host = hosts[0] if hosts else fleet["this_process"]["host"]
+    shown = [p for p in fleet["processes"] if p["process"]["host"] == host]
+    return _json({**fleet, "processes": shown, "processes_of": host})
 
 
 def _answered_by(pool: WorkerPool) -> dict[str, Any]:

@@ -34,6 +34,7 @@ environment variable that wins over its key when set (see docs/deployment.md):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -49,16 +50,20 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import FleetConfig
 from npu_sync.errors import ConfigError, scrub
+from npu_sync.fleetview import SharedRead, host_rows, silent_process
 from npu_sync.stats_types import (
+    FleetSkipped,
     FleetStatsDict,
     FleetTotals,
     FleetWorkerTotals,
     HistoryDict,
+    HostRow,
     PoolStatsDict,
     PoolTaskStats,
     ProcessInfo,
     ProcessSnapshot,
     ProcessWorkerStats,
+    SilentProcess,
     WorkerHistory,
     WorkerRow,
 )
@@ -85,13 +90,20 @@ SNAPSHOT_VERSION = 1
 
 MODES = ("on", "manual", "off")
 
-MAX_SNAPSHOT_BYTES = 2 * 1024 * 1024
-"""A reader reads at most this much of a snapshot and leaves a larger one out (a pool of
-20 workers with the default 120 points publishes some 40 KB)."""
+MAX_SNAPSHOT_BYTES = 512 * 1024
+"""The default ``fleet.max_snapshot_bytes``: a process trims (or does not write) a larger
+snapshot and a reader leaves one out unread (a pool of 20 workers with the default 120
+points publishes some 40 KB, one of 64 some 130 KB)."""
 
-MAX_FLEET_PROCESSES = 500
-"""The fleet view lists at most this many processes, the most recently published first;
-its note says how many more there are."""
+MAX_FLEET_PROCESSES = 200
+"""The default ``fleet.max_processes``: the fleet view lists at most this many
+processes, the most recently published first; its note says how many more there are."""
+
+SPREAD = 0.3
+"""Each process samples and writes its snapshot this share of a step after the step
+begins, at an offset of its own (stable, drawn from its id): the writes of many
+processes are spread over the step instead of landing on Redis at one instant. Under
+half a step, so that every sample still falls in its own step of the history."""
 
 _MAX_NUMBER = 2**53  # above it a browser's JSON.parse loses digits: no real count gets there
 
@@ -136,6 +148,11 @@ class FleetSettings:
     ttl: float | None = None  # None: three times the interval
     points: int = 120
     mode: str = "on"
+    timeout: float = 1.0
+    cache: float | None = None  # None: the interval
+    silent_for: float = 600.0
+    max_processes: int = MAX_FLEET_PROCESSES
+    max_snapshot_bytes: int = MAX_SNAPSHOT_BYTES
 
     def __post_init__(self) -> None:
         if not (isinstance(self.interval, (int, float)) and 0.05 <= self.interval <= 3600):
@@ -159,11 +176,48 @@ class FleetSettings:
             )
         if self.mode not in MODES:
             raise ConfigError(f"fleet.mode: must be one of {', '.join(MODES)}, got {self.mode!r}")
+        for key, lo, hi in (("timeout", 0.05, 30), ("silent_for", 0, 86400)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not (
+                isinstance(value, (int, float)) and lo <= value <= hi
+            ):
+                raise ConfigError(f"fleet.{key}: must be {lo:g} to {hi:g} seconds, got {value!r}")
+        if self.cache is not None and (
+            isinstance(self.cache, bool)
+            or not (isinstance(self.cache, (int, float)) and 0 <= self.cache <= 3600)
+        ):
+            raise ConfigError(f"fleet.cache: must be 0 to 3600 seconds or null, got {self.cache!r}")
+        for key, lo, hi in (
+            ("max_processes", 1, 5000),
+            ("max_snapshot_bytes", 16 * 1024, 8 * 1024 * 1024),
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not (isinstance(value, int) and lo <= value <= hi):
+                raise ConfigError(
+                    f"fleet.{key}: must be a whole number {lo} to {hi}, got {value!r}"
+                )
 
     @property
     def expiry(self) -> float:
         """Seconds a snapshot lives (``ttl``, filled in)."""
         return self.ttl if self.ttl is not None else 3.0 * self.interval
+
+    @property
+    def view_cache(self) -> float:
+        """Seconds one read of the fleet serves (``cache``, filled in)."""
+        return self.cache if self.cache is not None else self.interval
+
+    @property
+    def retention(self) -> float:
+        """Seconds an index entry is kept after its process last published: its life,
+        then ``silent_for`` listed as silent."""
+        return self.expiry + self.silent_for
+
+    @property
+    def read_budget(self) -> int:
+        """Bytes one read of the fleet may take in all: the listed processes at a
+        typical size (a tenth of the cap each), and never less than eight at the cap."""
+        return max(8 * self.max_snapshot_bytes, self.max_processes * self.max_snapshot_bytes // 10)
 
     @classmethod
     def from_config(cls, config: FleetConfig, env: Mapping[str, str]) -> FleetSettings:
@@ -178,6 +232,11 @@ class FleetSettings:
             "ttl": config.ttl,
             "points": config.points,
             "mode": config.mode,
+            "timeout": config.timeout,
+            "cache": config.cache,
+            "silent_for": config.silent_for,
+            "max_processes": config.max_processes,
+            "max_snapshot_bytes": config.max_snapshot_bytes,
         }
         return cls.from_env(env, base)
 
@@ -392,16 +451,18 @@ def merge_histories(
         shift = round((end_at - h["end_at"]) / step)
         length = h["points"]
 
-        def place(i: int, shift: int = shift, length: int = length) -> int | None:
-            """Index in the result of index ``i`` of this history, if it falls inside."""
-            j = i - (length - points) - shift
-            return j if 0 <= j < points else None
-
-        for i, (s, f) in enumerate(zip(h["tasks"]["succeeded"], h["tasks"]["failed"], strict=True)):
-            j = place(i)
-            if j is not None:
-                ok[j] = _sum(ok[j], s)
-                failed[j] = _sum(failed[j], f)
+        # Index i of this history is index i - offset of the result; only the steps
+        # that fall inside the result are walked.
+        offset = (length - points) + shift
+        first, last = max(0, offset), min(length, points + offset)
+        succeeded, failures = h["tasks"]["succeeded"], h["tasks"]["failed"]
+        for i in range(first, min(last, len(succeeded), len(failures))):
+            j = i - offset
+            s, f = succeeded[i], failures[i]
+            if s is not None:
+                ok[j] = s if ok[j] is None else ok[j] + s  # type: ignore[operator]
+            if f is not None:
+                failed[j] = f if failed[j] is None else failed[j] + f  # type: ignore[operator]
         for series in h["workers"]:
             wid = series["id"]
             merged = per_worker.get(wid)
@@ -414,14 +475,23 @@ def merge_histories(
                     "breaker": "-" * points,
                 }
             letters = list(merged["breaker"])
-            for i in range(len(series["breaker"])):
-                j = place(i)
-                if j is None:
-                    continue
-                merged["succeeded"][j] = _sum(merged["succeeded"][j], series["succeeded"][i])
-                merged["failed"][j] = _sum(merged["failed"][j], series["failed"][i])
-                merged["p99_ms"][j] = _max(merged["p99_ms"][j], series["p99_ms"][i])
-                letters[j] = _worst(letters[j], series["breaker"][i])
+            m_ok, m_failed, m_p99 = merged["succeeded"], merged["failed"], merged["p99_ms"]
+            s_ok, s_failed, s_p99 = series["succeeded"], series["failed"], series["p99_ms"]
+            s_letters = series["breaker"]
+            for i in range(first, min(last, len(s_letters))):
+                j = i - offset
+                v = s_ok[i]
+                if v is not None:
+                    m_ok[j] = v if m_ok[j] is None else m_ok[j] + v  # type: ignore[operator]
+                v = s_failed[i]
+                if v is not None:
+                    m_failed[j] = v if m_failed[j] is None else m_failed[j] + v  # type: ignore[operator]
+                p = s_p99[i]
+                if p is not None and (m_p99[j] is None or p > m_p99[j]):  # type: ignore[operator]
+                    m_p99[j] = p
+                letter = s_letters[i]
+                if letter != letters[j] and _SEVERITY.get(letter, 0) > _SEVERITY.get(letters[j], 0):
+                    letters[j] = letter
             merged["breaker"] = "".join(letters)
     return {
         "step_s": step,
@@ -430,12 +500,6 @@ def merge_histories(
         "tasks": {"succeeded": ok, "failed": failed},
         "workers": list(per_worker.values()),
     }
-
-
-def _sum(a: int | None, b: int | None) -> int | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
 
 
 # -- snapshots ---------------------------------------------------------------------------
@@ -516,9 +580,7 @@ def parse_snapshot(text: str) -> dict[str, Any] | None:
             ):
                 return None
         for values in lists:
-            if not isinstance(values, list) or len(values) != points:
-                return None
-            if not all(v is None or _number(v) for v in values):
+            if not isinstance(values, list) or len(values) != points or not _numbers(values):
                 return None
     except (ValueError, KeyError, TypeError, RecursionError):
         return None
@@ -537,6 +599,18 @@ def _finite(text: str) -> float:
 
 def _not_a_number(name: str) -> Any:
     raise ValueError(f"not a number: {name}")
+
+
+def _numbers(values: list[Any]) -> bool:
+    """Every value None or a :func:`_number`. Inline, since a fleet read checks some
+    500,000 of them (64 processes x 20 workers x 3 series x 120 steps)."""
+    for v in values:
+        if v is None:
+            continue
+        kind = type(v)  # exact: a bool is not a count
+        if (kind is not int and kind is not float) or not 0 <= v <= _MAX_NUMBER:
+            return False
+    return True
 
 
 def _number(value: Any) -> bool:
@@ -563,6 +637,10 @@ def _check(value: Any, types: Mapping[str, type]) -> None:
             raise TypeError(f"{key}: not {kind.__name__}")
 
 
+def _nothing_skipped() -> FleetSkipped:
+    return {"oversized": 0, "malformed": 0, "unread": 0}
+
+
 @dataclasses.dataclass(frozen=True)
 class FleetView:
     """Every process's snapshot, summed up. Frozen; the lists in it are the caller's."""
@@ -573,6 +651,10 @@ class FleetView:
     processes: list[ProcessSnapshot]
     totals: FleetTotals
     history: HistoryDict
+    hosts: list[HostRow] = dataclasses.field(default_factory=list)
+    silent: list[SilentProcess] = dataclasses.field(default_factory=list)
+    skipped: FleetSkipped = dataclasses.field(default_factory=lambda: _nothing_skipped())
+    read_at: float = 0.0
 
 
 def fleet_view(
@@ -586,8 +668,11 @@ def fleet_view(
     available: bool,
     note: str,
     end_at: float | None = None,
+    silent: Sequence[SilentProcess] = (),
+    skipped: FleetSkipped | None = None,
+    this_host: str | None = None,
 ) -> FleetView:
-    """Totals, per-process rows and merged history of checked snapshots.
+    """Totals, per-host and per-process rows and merged history of checked snapshots.
 
     Args:
         snapshots: from :func:`parse_snapshot` (and this process's own).
@@ -597,6 +682,9 @@ def fleet_view(
         order: worker ids in the order to list them (the rest follow, sorted).
         shared, available, note: copied into the view.
         end_at: the newest step of the merged history (None: the newest of any).
+        silent: processes that stopped publishing, listed under their hosts.
+        skipped: snapshots left out, counted.
+        this_host: the host of the process answering, marked in its row.
     """
     snaps = sorted(snapshots, key=lambda s: (s["process"]["host"], s["process"]["pid"]))
     processes: list[ProcessSnapshot] = []
@@ -678,15 +766,67 @@ def fleet_view(
             "workers": listed,
         },
         history=history,
+        hosts=host_rows(processes, silent, this_host=this_host),
+        silent=list(silent),
+        skipped=(skipped if skipped is not None else {"oversized": 0, "malformed": 0, "unread": 0}),
+        read_at=now,
     )
 
 
-def _unlisted(count: int) -> str:
-    if not count:
-        return ""
-    return (
-        f" ({count} more not listed: the view shows the {MAX_FLEET_PROCESSES} most recently "
-        "published)"
+def _collect(
+    found: Mapping[str, Any], *, exclude: str | None = None
+) -> tuple[list[dict[str, Any]], list[SilentProcess], FleetSkipped]:
+    """The checked snapshots, the silent processes and what was left out, of one
+    :meth:`SharedState.read_snapshots` result."""
+    snapshots: list[dict[str, Any]] = []
+    malformed = len(found["malformed"])
+    for member, text in found["entries"]:
+        if member == exclude:
+            continue  # this process: its fresh snapshot instead of the last one
+        parsed = parse_snapshot(text)
+        if parsed is None:
+            malformed += 1
+            log.debug("fleet view: skipping an unreadable snapshot of %s", member)
+        else:
+            snapshots.append(parsed)
+    silent = [silent_process(m, seen) for m, seen in found["silent"] if m != exclude]
+    skipped: FleetSkipped = {
+        "oversized": len(found["oversized"]),
+        "malformed": malformed,
+        "unread": int(found["unread"]),
+    }
+    return snapshots, silent, skipped
+
+
+def _left_out(skipped: FleetSkipped, settings: FleetSettings) -> str:
+    """The note's words for snapshots left out (empty when none was)."""
+    parts = []
+    if skipped["oversized"]:
+        parts.append(
+            f"{skipped['oversized']} over {settings.max_snapshot_bytes // 1024} KiB "
+            "(fleet.max_snapshot_bytes)"
+        )
+    if skipped["malformed"]:
+        parts.append(f"{skipped['malformed']} unreadable")
+    text = f" Left out: {', '.join(parts)}." if parts else ""
+    if skipped["unread"]:
+        text += (
+            f" {skipped['unread']} more not shown: the view lists the "
+            f"{settings.max_processes} most recently published (fleet.max_processes)."
+        )
+    return text
+
+
+def _counted(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else ('es' if word.endswith('s') else 's')}"
+
+
+def _read(shared: SharedState, settings: FleetSettings) -> dict[str, Any] | None:
+    return shared.read_snapshots(
+        settings.retention,
+        limit=settings.max_processes,
+        max_bytes=settings.max_snapshot_bytes,
+        budget=settings.read_budget,
     )
 
 
@@ -719,39 +859,41 @@ def read_fleet(
             ),
         )
     shared = SharedState(config, lambda *change: None)
+    shared.fleet_timeout = settings.timeout
     try:
-        found = None
-        if shared.available:
-            found = shared.read_snapshots(
-                max(60.0, 4 * settings.expiry),
-                limit=MAX_FLEET_PROCESSES,
-                max_bytes=MAX_SNAPSHOT_BYTES,
-            )
+        found = _read(shared, settings) if shared.available else None
+        error = shared.fleet_stats()["last_error"] or shared.last_error
     finally:
         shared.stop()
     if found is None:
-        error = scrub(str(shared.last_error or "no answer"))
         return fleet_view(
             [],
             now=when,
             settings=settings,
             shared=True,
             available=False,
-            note=f"Shared state unavailable ({error}).",
+            note=f"Shared state unavailable ({scrub(str(error or 'no answer'))}).",
         )
-    entries, unread = found
-    snapshots = [p for p in (parse_snapshot(text) for _, text in entries) if p is not None]
+    snapshots, silent, skipped = _collect(found)
     hosts = len({s["process"]["host"] for s in snapshots})
     count = len(snapshots)
     note = (
-        f"{count} process{'es' if count != 1 else ''} on {hosts} host{'s' if hosts != 1 else ''} "
+        f"{_counted(count, 'process')} on {_counted(hosts, 'host')} "
         f"publish to Redis namespace {config.namespace!r}"
-        + ("" if count or unread else ": no pool is running, or none has sampled yet")
-        + _unlisted(unread)
+        + ("" if count or silent or skipped["unread"] else ": none is running, or none sampled yet")
         + "."
+        + (f" {len(silent)} silent (stopped publishing)." if silent else "")
+        + _left_out(skipped, settings)
     )
     return fleet_view(
-        snapshots, now=when, settings=settings, shared=True, available=True, note=note
+        snapshots,
+        now=when,
+        settings=settings,
+        shared=True,
+        available=True,
+        note=note,
+        silent=silent,
+        skipped=skipped,
     )
 
 
@@ -796,6 +938,8 @@ class Monitor:
         self._clock = clock
         self._listeners: tuple[Listener, ...] = ()
         self._thread: threading.Thread | None = None
+        if shared is not None:
+            shared.fleet_timeout = self.settings.timeout
         self._fresh(pool)
         _monitors[pool] = self
 
@@ -810,6 +954,18 @@ class Monitor:
         self._published = False
         self._too_big_logged = False
         self.ticks = 0
+        self.oversized = 0
+        """Snapshots of this pool too large to publish whole (trimmed or not written)."""
+        digest = int.from_bytes(hashlib.sha256(self._process["id"].encode()).digest()[:4], "big")
+        self.offset = SPREAD * self.settings.interval * digest / 2**32
+        """Seconds after each step begins that this process samples and publishes."""
+        # One read and merge of the fleet serves every reader for `fleet.cache` seconds.
+        self._view: SharedRead[FleetView] = SharedRead(
+            self._read_view, self.settings.view_cache, clock=self._clock.monotonic
+        )
+        # The last view merged from a successful read: shown, aged, when a read fails
+        # while Redis is up. A merged view, not the snapshots: it holds no histories.
+        self._last_good: FleetView | None = None
 
     @property
     def process(self) -> ProcessInfo:
@@ -868,19 +1024,23 @@ class Monitor:
             self._listeners = tuple(x for x in self._listeners if x is not listener)
 
     def _run(self) -> None:
-        step = self.settings.interval
         while True:
-            now = self._clock.time()
-            # To the next multiple of the step: every process samples the same steps.
-            delay = step - (now % step)
-            if delay < step * 0.01:
-                delay += step
-            if self._stop.wait(delay):
+            if self._stop.wait(self.next_delay(self._clock.time())):
                 return
             try:
                 self.tick()
             except Exception:  # the thread must outlive one bad sample
                 log.exception("fleet monitor: could not sample the pool")
+
+    def next_delay(self, now: float) -> float:
+        """Seconds from ``now`` (epoch) to this process's next sample: its offset into
+        the next step. Every process samples the same steps, each at its own instant
+        within them, so their snapshots do not reach Redis all at once."""
+        step = self.settings.interval
+        delay = step - ((now - self.offset) % step)
+        if delay < step * 0.01:
+            delay += step
+        return delay
 
     def tick(self) -> None:
         """Sample the pool now: record a step, publish the snapshot, call the listeners."""
@@ -899,16 +1059,10 @@ class Monitor:
             self.ticks += 1
         shared = self._shared
         if shared is not None and shared.available and not self._stop.is_set():
-            payload = json.dumps(snapshot, separators=(",", ":"))
-            if len(payload) > MAX_SNAPSHOT_BYTES and not self._too_big_logged:
-                self._too_big_logged = True
-                log.warning(
-                    "fleet monitor: this pool's snapshot is %d bytes, more than the %d other "
-                    "processes read: lower NPU_SYNC_FLEET_POINTS to stay in the fleet view",
-                    len(payload),
-                    MAX_SNAPSHOT_BYTES,
-                )
-            if shared.publish_snapshot(self._process["id"], payload, self.settings.expiry):
+            payload = self._payload(snapshot)
+            if payload is not None and shared.publish_snapshot(
+                self._process["id"], payload, self.settings.expiry
+            ):
                 with self._lock:
                     self._published = True
                 if self._stop.is_set():
@@ -920,6 +1074,33 @@ class Monitor:
                 listener(stats, rows)
             except Exception:
                 log.exception("fleet monitor: a listener failed")
+
+    def _payload(self, snapshot: dict[str, Any]) -> str | None:
+        """The snapshot as written, within ``fleet.max_snapshot_bytes``: whole, else
+        without its per-worker history (the counts and the fleet's task history stay),
+        else None (not written: readers would leave it out anyway)."""
+        cap = self.settings.max_snapshot_bytes
+        payload = json.dumps(snapshot, separators=(",", ":"))
+        if len(payload) <= cap:
+            return payload
+        trimmed = {**snapshot, "history": {**snapshot["history"], "workers": []}}
+        smaller = json.dumps(trimmed, separators=(",", ":"))
+        fits = len(smaller) <= cap
+        with self._lock:
+            self.oversized += 1
+            first, self._too_big_logged = not self._too_big_logged, True
+        if first:
+            log.warning(
+                "fleet monitor: this pool's snapshot is %d bytes, more than "
+                "fleet.max_snapshot_bytes (%d): %s; lower fleet.points or raise "
+                "fleet.max_snapshot_bytes",
+                len(payload),
+                cap,
+                "published without its per-worker history"
+                if fits
+                else "not published, so this process is missing from the fleet view",
+            )
+        return smaller if fits else None
 
     def _snapshot(
         self, stats: PoolStatsDict, rows: Sequence[WorkerRow], now: float
@@ -942,12 +1123,51 @@ class Monitor:
             return self._history.export()
 
     def fleet(self) -> FleetStatsDict:
-        """What ``pool.stats(scope="fleet")`` returns: every live process's snapshot, this
-        one's fresh, their totals and merged history, next to this process's ``stats()``."""
+        """What ``pool.stats(scope="fleet")`` returns: every live process's snapshot and
+        the silent ones, per host, their totals and merged history, next to this
+        process's ``stats()``.
+
+        With shared state, the fleet is read from Redis and merged at most once per
+        ``fleet.cache`` seconds (``read_at`` says when), whatever the number of callers;
+        ``local`` is always fresh."""
         pool = self._pool()
         if pool is None:
             raise RuntimeError("the pool of this monitor is gone")
         self._want()
+        if self._shared is None or self.settings.mode == "off":
+            view = self._read_view()  # nothing to read from Redis: nothing to share
+        else:
+            view = self._view.get()
+        if self._shared is not None and view.available and not self._shared.available:
+            # Redis went away since that read: say so now, not an interval later.
+            self._view.clear()
+            view = self._view.get()
+        return {
+            "scope": "fleet",
+            "shared": view.shared,
+            "available": view.available,
+            "note": view.note,
+            "this_process": self.process,
+            "totals": view.totals,
+            "hosts": view.hosts,
+            "processes": view.processes,
+            "silent": view.silent,
+            "skipped": view.skipped,
+            "read_at": view.read_at,
+            "history": view.history,
+            "local": pool.stats(),
+        }
+
+    @property
+    def reads(self) -> int:
+        """How many times the fleet was read and merged for ``fleet()``."""
+        return self._view.computed
+
+    def _read_view(self) -> FleetView:
+        """Read the fleet from Redis and merge it with this process's fresh snapshot."""
+        pool = self._pool()
+        if pool is None:
+            raise RuntimeError("the pool of this monitor is gone")
         stats = pool.stats()
         rows = pool.workers()
         now = self._clock.time()
@@ -957,6 +1177,8 @@ class Monitor:
         me = self._process
         where = f"pid {me['pid']} on {me['host']}"
         others: list[dict[str, Any]] = []
+        silent: list[SilentProcess] = []
+        skipped: FleetSkipped | None = None
         shared = self._shared is not None and self.settings.mode != "off"
         available = False
         if self.settings.mode == "off":
@@ -967,37 +1189,47 @@ class Monitor:
                 "(shared_state.backend: redis), so each shows only itself."
             )
         else:
-            found = None
-            if self._shared.available:
-                found = self._shared.read_snapshots(
-                    max(60.0, 4 * self.settings.expiry),
-                    limit=MAX_FLEET_PROCESSES,
-                    max_bytes=MAX_SNAPSHOT_BYTES,
+            found = _read(self._shared, self.settings) if self._shared.available else None
+            last = self._last_good
+            if found is None and self._shared.available and last is not None:
+                # The read failed, Redis did not: show the last view read, aged.
+                error = self._shared.fleet_stats()["last_error"] or "no answer"
+                return dataclasses.replace(
+                    last,
+                    note=f"{last.note} The snapshots could not be read now ({scrub(error)}): "
+                    f"these were read {max(0.0, now - last.read_at):.0f} s ago.",
                 )
+            if found is not None:
+                others, silent, skipped = _collect(found, exclude=me["id"])
+                # This process is always listed, in the place of the stalest other.
+                keep = self.settings.max_processes - 1
+                skipped["unread"] += max(0, len(others) - keep)
+                del others[keep:]
             if found is None:
-                error = scrub(str(self._shared.last_error or "no answer"))
-                note = f"Shared state unavailable ({error}): this shows one process, {where}."
+                error = scrub(
+                    str(
+                        self._shared.last_error
+                        if not self._shared.available
+                        else self._shared.fleet_stats()["last_error"] or "no answer"
+                    )
+                )
+                what = (
+                    "Shared state unavailable"
+                    if not self._shared.available
+                    else ("Fleet snapshots could not be read")
+                )
+                note = f"{what} ({error}): this shows one process, {where}."
             else:
                 available = True
-                entries, unread = found
-                for member, text in entries:
-                    if member == me["id"]:
-                        continue  # this process: the fresh snapshot instead of the last one
-                    parsed = parse_snapshot(text)
-                    if parsed is None:
-                        log.debug("fleet view: skipping an unreadable snapshot of %s", member)
-                    else:
-                        others.append(parsed)
-                # This process is always listed, in the place of the stalest other.
-                unread += max(0, len(others) - (MAX_FLEET_PROCESSES - 1))
-                del others[MAX_FLEET_PROCESSES - 1 :]
                 count = 1 + len(others)
                 hosts = len({me["host"], *(o["process"]["host"] for o in others)})
                 note = (
-                    f"{count} process{'es' if count != 1 else ''} on {hosts} "
-                    f"host{'s' if hosts != 1 else ''}{_unlisted(unread)}, answered by {where}; "
-                    f"snapshots every {self.settings.interval:g} s, gone "
-                    f"{self.settings.expiry:g} s after a process stops."
+                    f"{_counted(count, 'process')} on {_counted(hosts, 'host')}, answered by "
+                    f"{where}; snapshots every {self.settings.interval:g} s, silent "
+                    f"{self.settings.expiry:g} s after a process stops publishing, gone "
+                    f"{self.settings.silent_for:g} s later."
+                    + (f" {len(silent)} silent." if silent else "")
+                    + (_left_out(skipped, self.settings) if skipped is not None else "")
                 )
         view = fleet_view(
             [mine, *others],
@@ -1009,18 +1241,13 @@ class Monitor:
             available=available,
             note=note,
             end_at=end_at,
+            silent=silent,
+            skipped=skipped,
+            this_host=me["host"],
         )
-        return {
-            "scope": "fleet",
-            "shared": view.shared,
-            "available": view.available,
-            "note": view.note,
-            "this_process": self.process,
-            "totals": view.totals,
-            "processes": view.processes,
-            "history": view.history,
-            "local": stats,
-        }
+        if available:
+            self._last_good = view
+        return view
 
 
 _monitors: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()

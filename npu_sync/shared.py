@@ -202,6 +202,16 @@ class SharedState:
         self._origin = f"{id(self):x}-{time.time_ns():x}"
         self.eviction = EvictionPolicy(None)
         self.eviction_warnings = 0
+        self.fleet_timeout = self.FLEET_TIMEOUT
+        self._fleet_redis: Any = None
+        self._fleet_stats: dict[str, Any] = {
+            "written": 0,
+            "write_failed": 0,
+            "read": 0,
+            "read_failed": 0,
+            "streak": 0,
+            "last_error": None,
+        }
         self._check_credentials()
         if self.available:
             self._check_eviction()
@@ -295,6 +305,9 @@ class SharedState:
                     held,
                     store.spool_path,
                 )
+        fleet = self._fleet_redis
+        if fleet is not None and fleet is not self._client:
+            fleet.close()
         self._client.close()
 
     def after_fork(self) -> None:
@@ -641,74 +654,190 @@ class SharedState:
                 self._on_remote(worker, "closed", 0.0, None)
 
     # -- the fleet view -----------------------------------------------------------------
+    #
+    # Snapshots are bookkeeping, not coordination: they go through a client of their
+    # own, with a timeout of their own (``fleet.timeout``, longer than the breakers'),
+    # and a snapshot that is late or refused is counted (``stats()["fleet_snapshots"]``)
+    # but never taken for an outage: only the breaker and dead-letter paths decide
+    # that Redis is down. So one slow write at the instant every process writes, or a
+    # read of a fleet full of oversized members, never stops this process sharing
+    # its breakers.
+
+    FLEET_TIMEOUT = 1.0
+    """Seconds a snapshot write or read may take, unless the fleet settings say."""
+
+    def _fleet_client(self) -> Any:
+        """The client snapshot traffic uses: the same server and credentials as the
+        shared state's, on connections of its own with ``fleet_timeout``."""
+        with self._lock:
+            fleet = self._fleet_redis
+            if fleet is None:
+                main = self._client.connection_pool
+                kwargs = dict(main.connection_kwargs)
+                timeout = self.fleet_timeout
+                kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout)
+                try:
+                    pool = type(main)(connection_class=main.connection_class, **kwargs)
+                    fleet = redis.Redis(connection_pool=pool)
+                except Exception:  # a client given by a test that cannot be copied
+                    fleet = self._client
+                self._fleet_redis = fleet
+            return fleet
+
+    def _fleet_failed(self, action: str, error: BaseException) -> None:
+        with self._lock:
+            counts = self._fleet_stats
+            counts[action] += 1
+            streak = counts["streak"]
+            counts["streak"] = streak + 1
+            counts["last_error"] = scrub(f"{type(error).__name__}: {error}")
+        if streak == 0:
+            log.warning(
+                "a fleet snapshot %s failed (%s): counted, not taken for a Redis outage; "
+                "breakers are still shared",
+                action.partition("_")[0],
+                counts["last_error"],
+            )
+
+    def _fleet_ok(self, action: str) -> None:
+        with self._lock:
+            counts = self._fleet_stats
+            counts[action] += 1
+            counts["streak"] = 0
 
     def publish_snapshot(self, member: str, payload: str, ttl: float) -> bool:
         """Store this process's pool snapshot for ``ttl`` seconds and list it in the
-        fleet's index; False while Redis is unavailable (nothing is sent then).
+        fleet's index; False while Redis is unavailable (nothing is sent then) or when
+        the write failed (counted in ``stats()["fleet_snapshots"]``, not an outage).
 
         Called by the fleet monitor's thread only, never by a task.
         """
+        if not self.available:
+            return False
         key = self._fleet_key(member)
-
-        def write() -> Any:
-            pipe = self._client.pipeline(transaction=False)
+        client = self._fleet_client()
+        try:
+            pipe = client.pipeline(transaction=False)
             pipe.set(key, payload, px=max(1, int(ttl * 1000)))
             pipe.zadd(self._fleet_index, {member: time.time()})
-            return pipe.execute()
-
-        return self._call(write) is not None
+            pipe.execute()
+        except RedisError as exc:
+            self._fleet_failed("write_failed", exc)
+            return False
+        self._fleet_ok("written")
+        return True
 
     def withdraw_snapshot(self, member: str) -> None:
-        """Remove this process from the fleet at once (its pool is closing)."""
-
-        def drop() -> Any:
-            pipe = self._client.pipeline(transaction=False)
+        """Remove this process from the fleet at once (its pool is closing). A failure
+        is counted, not an outage: the snapshot then expires on its own."""
+        if not self.available:
+            return
+        try:
+            pipe = self._fleet_client().pipeline(transaction=False)
             pipe.delete(self._fleet_key(member))
             pipe.zrem(self._fleet_index, member)
-            return pipe.execute()
+            pipe.execute()
+        except RedisError as exc:
+            self._fleet_failed("write_failed", exc)
 
-        self._call(drop)
+    READ_BATCH = 16
+    """Snapshots fetched per round trip: a read of many members is many short replies,
+    none of which can run into the timeout on its own."""
 
     def read_snapshots(
-        self, stale_after: float, *, limit: int, max_bytes: int
-    ) -> tuple[list[tuple[str, str]], int] | None:
-        """``(member, snapshot)`` of the ``limit`` most recently published processes whose
-        snapshot has not expired, and how many index entries were not read; None while
-        Redis is unavailable.
+        self,
+        stale_after: float,
+        *,
+        limit: int,
+        max_bytes: int,
+        budget: int | None = None,
+    ) -> dict[str, Any] | None:
+        """The snapshots of the ``limit`` most recently published processes; None while
+        Redis is unavailable or when the read failed (counted, not an outage).
 
-        Index entries not refreshed for ``stale_after`` seconds are pruned: their
-        snapshots expired long ago (a process killed without closing its pool). At most
-        ``max_bytes`` of each snapshot are read: a larger one is left out, so a key
-        filled with garbage costs a reader no more than that. A key of another type
-        under a snapshot's name is left out too, not taken for an outage.
+        Returns a mapping with:
+
+        - ``entries``: ``(member, snapshot text)`` of each live process, newest first;
+        - ``silent``: ``(member, last published, epoch seconds)`` of each process still
+          in the index whose snapshot has expired: it stopped publishing without
+          closing its pool (killed, hung, cut off from Redis);
+        - ``oversized``: members whose snapshot is over ``max_bytes``, left unread;
+        - ``malformed``: members whose key holds something other than a string;
+        - ``unread``: index entries not read (beyond ``limit``, or past ``budget``).
+
+        Index entries not refreshed for ``stale_after`` seconds are pruned. A snapshot's
+        size is asked first (``STRLEN``) and at most ``max_bytes`` of it is read, and
+        reading stops once ``budget`` bytes are read in all, so a namespace filled with
+        garbage costs a reader no more than that. A key of another type under a
+        snapshot's name is left out too.
         """
+        if not self.available:
+            return None
+        client = self._fleet_client()
         index = self._fleet_index
-
-        def read() -> tuple[list[tuple[str, str]], int]:
-            pipe = self._client.pipeline(transaction=False)
+        spend = budget if budget is not None else max_bytes * limit
+        try:
+            pipe = client.pipeline(transaction=False)
             pipe.zremrangebyscore(index, "-inf", time.time() - stale_after)
             pipe.zcard(index)
-            pipe.zrevrange(index, 0, limit - 1)
+            pipe.zrevrange(index, 0, limit - 1, withscores=True)
             _, total, members = pipe.execute()
-            names = [m.decode("utf-8", "replace") for m in members]
-            if not names:
-                return [], 0
-            pipe = self._client.pipeline(transaction=False)
-            for name in names:
-                pipe.getrange(self._fleet_key(name), 0, max_bytes)
-            values = pipe.execute(raise_on_error=False)
-            found = []
-            for name, value in zip(names, values, strict=True):
-                if not isinstance(value, bytes) or not value:
-                    continue  # expired (the process stopped publishing), or not a string
-                if len(value) > max_bytes:
-                    log.debug("fleet view: snapshot of %s larger than %d bytes", name, max_bytes)
-                    continue
-                found.append((name, value.decode("utf-8", "replace")))
-            return found, max(0, int(total) - len(names))
+            listed = [(m.decode("utf-8", "replace"), float(score)) for m, score in members]
+            entries: list[tuple[str, str]] = []
+            silent: list[tuple[str, float]] = []
+            oversized: list[str] = []
+            malformed: list[str] = []
+            spent = 0
+            done = 0
+            for start in range(0, len(listed), self.READ_BATCH):
+                if spent >= spend:
+                    break
+                batch = listed[start : start + self.READ_BATCH]
+                pipe = client.pipeline(transaction=False)
+                for name, _ in batch:
+                    pipe.strlen(self._fleet_key(name))
+                sizes = pipe.execute(raise_on_error=False)
+                pipe = client.pipeline(transaction=False)
+                wanted = []
+                for (name, seen), size in zip(batch, sizes, strict=True):
+                    if not isinstance(size, int):
+                        malformed.append(name)  # not a string: nothing of ours wrote it
+                        continue
+                    if size == 0:
+                        silent.append((name, seen))
+                    elif size > max_bytes:
+                        oversized.append(name)
+                    else:
+                        wanted.append(name)
+                        pipe.getrange(self._fleet_key(name), 0, max_bytes)
+                values = pipe.execute(raise_on_error=False) if wanted else []
+                for name, value in zip(wanted, values, strict=True):
+                    if not isinstance(value, bytes) or not value:
+                        continue  # expired between the two round trips
+                    if len(value) > max_bytes:
+                        oversized.append(name)  # grew between the two round trips
+                        continue
+                    spent += len(value)
+                    entries.append((name, value.decode("utf-8", "replace")))
+                done += len(batch)
+        except RedisError as exc:
+            self._fleet_failed("read_failed", exc)
+            return None
+        self._fleet_ok("read")
+        return {
+            "entries": entries,
+            "silent": silent,
+            "oversized": oversized,
+            "malformed": malformed,
+            "unread": max(0, int(total) - done),
+        }
 
-        found: tuple[list[tuple[str, str]], int] | None = self._call(read)
-        return found
+    def fleet_stats(self) -> dict[str, Any]:
+        """Counts of snapshot writes and reads, failed ones included."""
+        with self._lock:
+            counts = dict(self._fleet_stats)
+        counts.pop("streak")
+        return counts
 
     @property
     def _fleet_index(self) -> str:
@@ -750,6 +879,7 @@ class SharedState:
             "dead_letters_held_locally": sum(s.held_count() for s in self._stores),
             "eviction_policy": self.eviction.name,
             "eviction_warnings": self.eviction_warnings,
+            "fleet_snapshots": self.fleet_stats(),
         }
 
 

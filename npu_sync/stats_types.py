@@ -12,6 +12,8 @@ __all__ = [
     "BreakerStats",
     "DeadLetterStats",
     "FallbackStats",
+    "FleetSkipped",
+    "FleetSnapshotStats",
     "FleetStatsDict",
     "FleetTotals",
     "FleetWorkerTotals",
@@ -20,6 +22,8 @@ __all__ = [
     "HealthStats",
     "HedgeStats",
     "HistoryDict",
+    "HostRow",
+    "HostTasks",
     "LatencyStats",
     "ModelStats",
     "PoolStatsDict",
@@ -33,6 +37,7 @@ __all__ = [
     "RetryBudgetStats",
     "SelectionStats",
     "SharedStateStats",
+    "SilentProcess",
     "TaskHistory",
     "WorkerBalancing",
     "WorkerHistory",
@@ -110,6 +115,17 @@ class _SharedStateBackend(TypedDict):
     backend: str  # "none" or "redis"
 
 
+class FleetSnapshotStats(TypedDict):
+    """``stats()["shared_state"]["fleet_snapshots"]``: this process's snapshot traffic.
+    A failed one (late, refused) is counted here and is not an outage."""
+
+    written: int
+    write_failed: int
+    read: int
+    read_failed: int
+    last_error: str | None
+
+
 class SharedStateStats(_SharedStateBackend, total=False):
     """``stats()["shared_state"]``: only ``backend`` when it is ``none``."""
 
@@ -125,6 +141,7 @@ class SharedStateStats(_SharedStateBackend, total=False):
     dead_letters_held_locally: int
     eviction_policy: str | None
     eviction_warnings: int
+    fleet_snapshots: FleetSnapshotStats
 
 
 class HealthStats(TypedDict):
@@ -401,6 +418,48 @@ class HistoryDict(TypedDict):
     workers: list[WorkerHistory]
 
 
+class HostTasks(TypedDict):
+    """Tasks of a host's live processes (``hosts[i]["tasks"]``)."""
+
+    succeeded: int
+    failed: int
+    in_flight: int
+    waiting: int
+
+
+class HostRow(TypedDict):
+    """One host of the fleet (``hosts[i]``): its live processes summed."""
+
+    host: str
+    state: str  # "live", or "silent": every process of it stopped publishing
+    this_host: bool
+    processes: int  # live
+    silent_processes: int  # stopped publishing without closing, within fleet.silent_for
+    workers: int  # distinct workers its processes see
+    workers_down: int  # of those, open, half-open or unhealthy in one of its processes
+    tasks: HostTasks
+    errors: int  # failed attempts, over its processes and workers
+    last_seen: float  # epoch seconds: its newest snapshot
+    silent_since: float | None  # when silent: when it last published
+
+
+class SilentProcess(TypedDict):
+    """A process that stopped publishing without closing its pool (``silent[i]``)."""
+
+    id: str
+    host: str
+    pid: int
+    last_seen: float  # epoch seconds: its last snapshot
+
+
+class FleetSkipped(TypedDict):
+    """Snapshots a fleet read left out (``skipped``), each counted and shown."""
+
+    oversized: int  # over fleet.max_snapshot_bytes: not read
+    malformed: int  # not JSON, another version, wrong types: read, refused
+    unread: int  # beyond fleet.max_processes or the read's byte budget
+
+
 class FleetStatsDict(TypedDict):
     """What :meth:`WorkerPool.stats` returns with ``scope="fleet"``."""
 
@@ -410,6 +469,10 @@ class FleetStatsDict(TypedDict):
     note: str
     this_process: ProcessInfo
     totals: FleetTotals
+    hosts: list[HostRow]
     processes: list[ProcessSnapshot]
+    silent: list[SilentProcess]
+    skipped: FleetSkipped
+    read_at: float  # epoch seconds: when the snapshots shown were read
     history: HistoryDict
     local: PoolStatsDict

@@ -202,8 +202,9 @@ def test_an_oversized_snapshot_is_left_out_without_being_read_whole(net, clock, 
         big["pad"] = "x" * (50 * 1024 * 1024)
         plant(redis, "big:1:x", json.dumps(big))
         shared = pool._state.shared
+        fleet_client = shared._fleet_client()  # snapshots go through a client of their own
         sizes: list[int] = []
-        real = shared._client.pipeline
+        real = fleet_client.pipeline
 
         def watched(*args: Any, **kwargs: Any) -> Any:
             pipe = real(*args, **kwargs)
@@ -217,16 +218,17 @@ def test_an_oversized_snapshot_is_left_out_without_being_read_whole(net, clock, 
             pipe.execute = run
             return pipe
 
-        shared._client.pipeline = watched
-        get = shared._client.mget
-        shared._client.mget = lambda *a, **k: pytest.fail("snapshots read whole with MGET")
+        fleet_client.pipeline = watched
+        get = fleet_client.mget
+        fleet_client.mget = lambda *a, **k: pytest.fail("snapshots read whole with MGET")
         try:
             fleet = pool.stats(scope="fleet")
         finally:
-            shared._client.pipeline = real
-            shared._client.mget = get
+            fleet_client.pipeline = real
+            fleet_client.mget = get
     assert [p["this_process"] for p in fleet["processes"]] == [True]
     assert sizes and max(sizes) <= MAX_SNAPSHOT_BYTES + 1
+    assert fleet["skipped"]["oversized"] == 1 and "1 over" in fleet["note"]
 
 
 def test_thousands_of_processes_keep_the_view_bounded_and_say_so(net, clock, redis_server):

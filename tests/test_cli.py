@@ -8,7 +8,9 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -553,12 +555,66 @@ def test_status_with_shared_state_lists_the_fleet_and_its_totals(tmp_path, capsy
     out = capsys.readouterr().out
     assert "fleet: 2 processes on 1 host publish to Redis namespace 'cli-fleet'." in out
     lines = out.splitlines()
-    process_rows = [line for line in lines if line.startswith(socket.gethostname() + " ")]
-    assert len(process_rows) == 2
+    host_rows = [line for line in lines if line.startswith(socket.gethostname() + " ")]
+    # One fleet host: its row, then its processes (listed by default on a single host).
+    assert len(host_rows) == 3 and host_rows[0].split()[1:3] == ["live", "2"]
     total = next(line for line in lines if line.startswith("total "))
     assert total.split()[1:5] == ["2", "proc", "3", "3"]  # 1 + 2 tasks submitted, succeeded
     worker = next(line for line in lines if line.startswith("a ") and "ok" in line.split()[-1])
     assert worker.split()[1:4] == ["3", "3", "0"]
+
+
+def _plant_other_host(namespace: str, server: Any, base_of: Any) -> None:
+    """A live process on host ``far`` (a copy of ``base_of``'s snapshot) and a silent one on
+    host ``gone`` (in the index, its snapshot expired)."""
+    import json as json_
+
+    import fakeredis
+
+    from npu_sync.fleet import monitor_of
+
+    redis = fakeredis.FakeRedis(server=server)
+    mine = monitor_of(base_of).process["id"]
+    snap = json_.loads(redis.get(f"{namespace}:fleet:process:{mine}"))
+    snap["process"] = {**snap["process"], "id": "far:77:aa", "pid": 77, "host": "far"}
+    redis.set(f"{namespace}:fleet:process:far:77:aa", json_.dumps(snap), ex=600)
+    now = time.time()
+    redis.zadd(f"{namespace}:fleet:index", {"far:77:aa": now, "gone:8:bb": now - 20})
+
+
+def test_status_of_many_hosts_shows_a_row_per_host_and_processes_on_demand(
+    tmp_path, capsys, fleet_redis
+):
+    """On several hosts 'status' lists hosts (a silent one as such) and no process rows;
+    --host lists one host's processes, --processes every one."""
+    pools = _fleet_of(2, "cli-hosts")
+    try:
+        _plant_other_host("cli-hosts", fleet_redis, pools[0])
+        config = _write_config(
+            tmp_path / "pool.yaml", shared_state="{backend: redis, namespace: cli-hosts}"
+        )
+        main(["status", str(config)])
+        plain = capsys.readouterr().out.splitlines()
+        main(["status", str(config), "--host", "far"])
+        far = capsys.readouterr().out.splitlines()
+        main(["status", str(config), "--processes"])
+        every = capsys.readouterr().out.splitlines()
+        main(["status", str(config), "--fleet", "--json"])
+        body = json.loads(capsys.readouterr().out)
+    finally:
+        for pool in pools:
+            pool.close()
+    me = socket.gethostname()
+    listed = [line.split() for line in plain if line.startswith(("far ", "gone ", me + " "))]
+    rows = {cells[0]: cells[1:] for cells in listed}
+    assert rows["far"][:3] == ["live", "1", "0"] and rows[me][:3] == ["live", "2", "0"]
+    assert rows["gone"][0] == "silent" and rows["gone"][2:4] == ["0", "1"]  # 0 live, 1 silent
+    assert len(listed) == 3  # no process rows by default on several hosts
+    assert any(line.startswith("per process: npu-sync status --processes") for line in plain)
+    assert [line.split()[1] for line in far if line.startswith("far ")] == ["live", "77"]
+    assert len([line for line in every if line.startswith((me + " ", "far "))]) == 2 + 3
+    assert [h["host"] for h in body["fleet"]["hosts"]] == [*sorted(["far", me]), "gone"]
+    assert body["fleet"]["silent"][0]["id"] == "gone:8:bb"
 
 
 def test_status_fleet_json_and_a_pool_without_shared_state(tmp_path, capsys, fleet_redis):

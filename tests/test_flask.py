@@ -692,7 +692,8 @@ def test_status_page_is_one_self_contained_html_page(client):
     assert response.status_code == 200 and response.mimetype == "text/html"
     html = response.get_data(as_text=True)
     assert 'data-refresh-ms="2000"' in html
-    assert 'fetchJson("fleet")' in html and 'fetchJson("workers")' in html
+    assert '? "fleet" : "fleet?host=" + encodeURIComponent(' in html
+    assert "fetchJson(fleetUrl)" in html and 'fetchJson("workers")' in html
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html)
     assert not re.search(r"<(script|link)[^>]+(src|href)=[\"'](?!data:)", html)
     assert "innerHTML" not in html and "insertAdjacentHTML" not in html

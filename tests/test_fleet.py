@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import threading
+from dataclasses import replace as dataclasses_replace
 
 import pytest
 
@@ -491,3 +492,85 @@ def test_a_fleet_ttl_within_the_interval_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as caught:
         parse_config({"npu_workers": {"workers": [], "fleet": {"interval": 5, "ttl": 4}}})
     assert "npu_workers.fleet.ttl: must be more than fleet.interval (5), got 4" in str(caught.value)
+
+
+# -- spreading the writes, capping the snapshot ----------------------------------------------
+
+
+def test_each_process_samples_at_a_stable_offset_of_its_own_within_the_step(net, clock):
+    """The next sample falls at the process's offset into a step: under a third of the
+    step, the same at every sample, different between processes."""
+    pools = [
+        WorkerPool(make_config("a"), transport_factory=net.factory, clock=clock) for _ in range(8)
+    ]
+    try:
+        monitors = [monitor_of(p) for p in pools]
+        offsets = [m.offset for m in monitors]
+        assert all(0 <= o < 0.3 * STEP for o in offsets)
+        assert len(set(offsets)) == 8
+        m = monitors[0]
+        for now in (WALL, WALL + 0.7, WALL + 3.2, WALL + 4.99, WALL + 1234.5):
+            at = now + m.next_delay(now)
+            assert (at - m.offset) % STEP == pytest.approx(0, abs=1e-6) or (
+                at - m.offset
+            ) % STEP == pytest.approx(STEP, abs=1e-6)
+            assert 0 < at - now <= STEP * 1.01
+        assert m.offset == offsets[0]
+        # The history still lands in the step the offset belongs to.
+        assert round((WALL + m.offset) / STEP) == round(WALL / STEP)
+    finally:
+        for p in pools:
+            p.close()
+
+
+def test_a_snapshot_over_the_cap_is_written_without_worker_history_or_not_at_all(
+    net, clock, redis_server, caplog
+):
+    """A pool whose snapshot is over fleet.max_snapshot_bytes publishes it without its
+    per-worker history (one WARNING); one too large even so publishes nothing."""
+    from npu_sync.config import FleetConfig
+
+    redis = client(redis_server)
+    small = dataclasses_replace(make_config(*[f"w{n}" for n in range(20)], shared=SHARED),
+                                fleet=FleetConfig(max_snapshot_bytes=16 * 1024))  # fmt: skip
+    with WorkerPool(small, transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        for _ in range(3):
+            monitor.tick()
+            clock.advance(STEP)
+        raw = redis.get(f"fleet-test:fleet:process:{monitor.process['id']}")
+        assert raw is not None and len(raw) <= 16 * 1024
+        snap = json.loads(raw)
+        assert snap["history"]["workers"] == [] and len(snap["workers"]) == 20
+        assert parse_snapshot(raw.decode()) is not None
+        assert monitor.oversized == 3
+    assert sum("fleet.max_snapshot_bytes" in r.getMessage() for r in caplog.records) == 1
+    huge = dataclasses_replace(
+        small,
+        workers=tuple(worker_config(f"w{n}", f"http://127.0.0.1:{9500 + n}") for n in range(120)),
+    )
+    redis.flushall()
+    with WorkerPool(huge, transport_factory=net.factory, clock=clock) as pool:
+        monitor = monitor_of(pool)
+        monitor.tick()
+        assert redis.get(f"fleet-test:fleet:process:{monitor.process['id']}") is None
+        assert monitor.oversized == 1
+
+
+def test_a_listener_that_asks_for_the_fleet_from_the_monitor_thread_gets_it(
+    net, clock, redis_server
+):
+    """A listener reading the fleet view inside a sample (the shared read's computation
+    runs on the caller's thread, under no lock) neither deadlocks nor reads twice."""
+    with WorkerPool(make_config("a", shared=SHARED), transport_factory=net.factory,
+                    clock=clock) as pool:  # fmt: skip
+        monitor = monitor_of(pool)
+        seen: list[int] = []
+        monitor.add_listener(lambda stats, rows: seen.append(
+            pool.stats(scope="fleet")["totals"]["processes"]))  # fmt: skip
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (monitor.tick(), monitor.tick(), done.set()))
+        worker.start()
+        worker.join(30)
+        assert done.is_set(), "a sample calling back into the fleet view hung"
+        assert seen == [1, 1] and monitor.reads == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import time
 import types
 import typing
 from pathlib import Path
@@ -304,8 +305,11 @@ def test_a_fleet_view_returns_exactly_the_typed_shape(monkeypatch):
         _exercise(two)
         monitor_of(one).tick()
         monitor_of(two).tick()
+        # A process listed in the index whose snapshot has expired: a silent one.
+        redis.Redis.from_url("").zadd("fleet-types:fleet:index", {"gone:123:ab": time.time()})
         fleet = one.stats(scope="fleet")
     json.dumps(fleet)  # JSON-serialisable
+    assert [s["host"] for s in fleet["silent"]] == ["gone"]
     seen = conform(fleet, FleetStatsDict)
     for leaf in fleet_leaves(FleetStatsDict):
         flat = leaf.replace("[]", "")
