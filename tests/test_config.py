@@ -593,6 +593,11 @@ NESTED_BOUNDS: dict[str, str] = {
     "balancing.retry_budget.min_per_second": ">= 0 and <= 10000",
     "balancing.hedge.delay": "> 0 and <= 3600",
     "balancing.hedge.percentile": ">= 0.5 and <= 0.999",
+    "retry.stall.multiplier": ">= 1 and <= 1000",
+    "retry.stall.percentile": ">= 0.5 and <= 0.999",
+    "retry.stall.floor": "> 0 and <= 3600",
+    "retry.stall.unknown": "> 0 and <= 86400",
+    "retry.stall.declared_share": ">= 0 and <= 1",
 }
 SECTION_CLASSES: dict[str, Any] = {
     "health": HealthConfig,
