@@ -834,6 +834,15 @@ class BalancingConfig:
         above=True,
         unit="s",
     )
+    peak_hold: float = number(
+        1.0,
+        0,
+        3600,
+        "seconds a slow answer's peak is held after a worker's last answer; then an idle "
+        "worker's estimate falls back to its typical latency (the median of its recent "
+        "answers). `0`: only the decay lowers it",
+        unit="s",
+    )
     slow_start: float = number(
         10.0,
         0,

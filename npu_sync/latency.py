@@ -15,6 +15,19 @@ can receive before its first answer is bounded by the selector's stall rule (a
 worker with tasks in flight and no answer for longer than its estimate is taken to be
 at least that slow), and by its capacity.
 
+A peak is *held* only while it is news. A worker that paused for a second answers
+its tasks in flight a second late, and the peak says it is slow; in every process at
+once, since each saw the same answers. Left to the decay, its estimate would take tens
+of seconds to fall back (ln(33) decays from 1 s to 30 ms), and the worker would sit
+idle long after it recovered: each process counts only its own tasks in flight, so
+nothing spills back to it while the others queue. So the last :data:`TYPICAL`
+successful answers are kept, and once ``hold`` seconds have passed since the last
+observation with none in flight, :meth:`PeakEwma.relax` brings the estimate down to
+their median: the worker's typical latency, which a pause's few late answers do not
+move but a worker that stays slower does (its median follows within a few answers).
+Relaxing never lowers an estimate below that median, so a worker that is slower in
+steady state keeps its cost; the selector calls it (``balancing.peak_hold``).
+
 Only a successful answer can lower the estimate. A failure, a timeout, an abandoned
 attempt or a rejected task are not the time inference takes: they may only raise it
 (``ok=False``), so a worker that fails fast (connection refused in a millisecond)
@@ -43,6 +56,12 @@ import math
 DEFAULT_DECAY = 10.0
 """Seconds: the time constant of the estimate (``balancing.latency_decay``)."""
 
+DEFAULT_HOLD = 1.0
+"""Seconds a peak is held after the last observation (``balancing.peak_hold``)."""
+
+TYPICAL = 16
+"""Successful answers whose median is a worker's typical latency."""
+
 MIN_COST = 1e-6
 """Seconds: the smallest estimate, so that 0 never makes in-flight counts irrelevant."""
 
@@ -58,7 +77,7 @@ class PeakEwma:
         seed: the estimate until the first observation.
     """
 
-    __slots__ = ("cost", "decay", "observations", "observed", "stamp")
+    __slots__ = ("_next", "cost", "decay", "observations", "observed", "recent", "stamp")
 
     def __init__(
         self, decay: float = DEFAULT_DECAY, *, now: float = 0.0, seed: float = 0.0
@@ -70,6 +89,8 @@ class PeakEwma:
         self.stamp = now
         self.observed = False  # False while the cost is a seed
         self.observations = 0
+        self.recent: list[float] = []  # the last TYPICAL successful answers, a ring
+        self._next = 0
 
     def observe(self, rtt: float, now: float, ok: bool = True) -> None:
         """Count one attempt that took ``rtt`` seconds and ended at ``now``.
@@ -82,6 +103,13 @@ class PeakEwma:
         if rtt < MIN_COST:
             rtt = MIN_COST
         self.observations += 1
+        if ok:
+            recent = self.recent
+            if len(recent) < TYPICAL:
+                recent.append(rtt)
+            else:
+                recent[self._next] = rtt
+                self._next = (self._next + 1) % TYPICAL
         stamp = self.stamp
         # One exp() serves both the decay since the last observation and the weight.
         w = math.exp((stamp - now) / self.decay) if now > stamp else 1.0
@@ -113,6 +141,30 @@ class PeakEwma:
         self.cost = max(cost, MIN_COST)
         self.stamp = now
         self.observed = False
+        self.recent = []
+        self._next = 0
+
+    def typical(self) -> float | None:
+        """The median of the last :data:`TYPICAL` successful answers; None before any."""
+        recent = self.recent
+        if not recent:
+            return None
+        return sorted(recent)[len(recent) // 2]
+
+    def relax(self, now: float) -> bool:
+        """The peak is no longer news: bring the estimate down to :meth:`typical`, if it
+        is above it (both as of the last observation). Not an observation. Returns
+        whether it moved.
+
+        The caller decides when (``hold`` seconds after the last observation, the
+        worker idle): see :mod:`npu_sync.selector`."""
+        typical = self.typical()
+        if typical is None or not self.observed or self.cost <= typical:
+            return False
+        # As of the same stamp: as if the late answers had not been peaks, and decayed
+        # since like every other estimate.
+        self.cost = typical
+        return True
 
     def value(self, now: float) -> float:
         """The estimate at ``now``: the last one, decayed for the time since."""

@@ -531,3 +531,43 @@ def test_priority_failover_uses_only_the_preferred_worker_while_it_is_up():
         failed = rows(pool)["a"]["tasks"]["failed"]
         assert dict(served(pool, 10)) == {"b": 10}
         assert rows(pool)["a"]["tasks"]["failed"] == failed  # not even tried
+
+
+def _pause_scenario(peak_hold: float) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Three workers answering in 30 ms; ``a`` gives one late answer of 1 s (a pause).
+    Returns which workers took the tasks just after it, and those once ``a`` has been
+    idle past the hold."""
+    clock = FakeClock()
+    latency = {"a": 0.03, "b": 0.03, "c": 0.03}
+
+    def handler(req: FakeRequest) -> Any:
+        clock.advance(latency[req.worker_id])
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    cfg = config(("a", "b", "c"), balancing=BalancingConfig(peak_hold=peak_hold))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        served(pool, 48)
+        latency["a"] = 1.0
+        while pool.execute(OK)["worker_id"] != "a":
+            pass
+        latency["a"] = 0.03
+        during = served(pool, 6)  # 0.18 s: within the hold
+        clock.advance(1.0)
+        after = served(pool, 6)
+    return during, after
+
+
+def test_a_paused_worker_is_chosen_again_once_its_peak_hold_passes():
+    """After one late answer the worker is avoided while the peak is news; once it has
+    been idle past ``peak_hold`` its estimate is its typical 30 ms again, and it takes
+    its share at once instead of after the 10 s decay has worn the peak down."""
+    during, after = _pause_scenario(peak_hold=1.0)
+    assert during["a"] == 0
+    assert after["a"] >= 2
+
+
+def test_without_a_peak_hold_only_the_decay_brings_a_paused_worker_back():
+    """``peak_hold: 0``: the same worker, a second later, still gets nothing."""
+    _, after = _pause_scenario(peak_hold=0.0)
+    assert after["a"] == 0

@@ -576,6 +576,7 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("reload.handover_timeout", "> 0 and <= 86400", 86400, {}),
     ("balancing.latency_decay", "> 0 and <= 3600", 3600, {}),
     ("balancing.slow_start", ">= 0 and <= 3600", 3600, {}),
+    ("balancing.peak_hold", ">= 0 and <= 3600", 3600, {}),
     ("fleet.interval", ">= 0.05 and <= 3600", 3600, {}),
     ("fleet.ttl", "> 0 and <= 86400", 86400, {}),
     ("fleet.points", "2..10000", 10_000, {}),
