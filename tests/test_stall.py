@@ -293,3 +293,37 @@ def test_a_half_open_trial_is_bounded_by_the_rule():
         assert ("a", 1.0) in fleet.budgets
         assert all(budget <= 1.0 for wid, budget in fleet.budgets if wid == "a")
         assert rows(pool)["a"]["breaker"]["state"] == "open"
+
+
+def test_a_hook_that_calls_back_into_the_pool_on_a_cut_attempt():
+    """A hook reading the pool's stats and workers on every event, a cut among them:
+    no deadlock, and the hook sees the cut as a failed attempt that says it stalled."""
+    from npu_sync.events import AttemptFinished
+
+    clock = FakeClock()
+    fleet = Fleet(clock)
+    seen: list[str] = []
+    pools: list[WorkerPool] = []
+
+    def hook(event: object) -> None:
+        for pool in pools:
+            pool.stats()
+            pool.workers()
+        if isinstance(event, AttemptFinished) and event.outcome == "failure":
+            seen.append(event.error or "")
+
+    net = FakeNetwork(fleet)
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9401", max_concurrent=8),
+            worker_config("b", "http://127.0.0.1:9402", max_concurrent=8),
+        ),
+        health=HealthConfig(enabled=False),
+        balancing=BalancingConfig(strategy="round-robin"),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock, hooks=[hook]) as pool:
+        pools.append(pool)
+        warm(pool, 2 * MIN_SAMPLES)
+        fleet.frozen.add("a")
+        assert pool.execute({"input_text": "x"}) == {"by": "b"}
+    assert len(seen) == 1 and "stalled" in seen[0]

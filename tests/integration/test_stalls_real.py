@@ -17,6 +17,7 @@ from npu_sync.config import (
     HealthConfig,
     PoolConfig,
     TimeoutConfig,
+    TransportConfig,
     worker_config,
 )
 from npu_sync.stall import MIN_SAMPLES
@@ -28,8 +29,11 @@ PAYLOAD = {"model_id": "default", "input_text": "x"}
 READ = 20.0  # the default timeouts.read: what a frozen worker held each task for
 
 
-def config(*urls: str, strategy: str = "least-loaded", **timeouts: float) -> PoolConfig:
+def config(
+    *urls: str, strategy: str = "least-loaded", client: str = "builtin", **timeouts: float
+) -> PoolConfig:
     return PoolConfig(
+        transport=TransportConfig(client=client),
         workers=tuple(worker_config(f"w{i}", url, max_concurrent=8) for i, url in enumerate(urls)),
         health=HealthConfig(enabled=False),
         timeouts=TimeoutConfig(**timeouts),
@@ -50,12 +54,14 @@ def warm(pool: WorkerPool, ids: list[str]) -> None:
     raise AssertionError(f"not every worker answered {MIN_SAMPLES} tasks: {rows(pool)}")
 
 
-def test_tasks_on_a_sigstopped_worker_end_long_before_the_read_timeout(start_worker):
+@pytest.mark.parametrize("client", ["builtin", "urllib3"])
+def test_tasks_on_a_sigstopped_worker_end_long_before_the_read_timeout(start_worker, client):
     """Default timeouts; one of two workers frozen with SIGSTOP while eight tasks are
     sent at once: every task returns a result, none waited anywhere near the 20 s
-    read timeout, and the frozen worker's cut attempts say they stalled."""
+    read timeout, and the frozen worker's cut attempts say they stalled. With urllib3,
+    which cannot tell silence, the limit bounds the whole attempt instead."""
     frozen, live = start_worker(worker_id="frozen"), start_worker(worker_id="live")
-    pool = WorkerPool(config(frozen.url, live.url, strategy="round-robin"))
+    pool = WorkerPool(config(frozen.url, live.url, strategy="round-robin", client=client))
     try:
         warm(pool, ["w0", "w1"])
         frozen.pause()
@@ -118,4 +124,31 @@ def test_a_heavy_task_with_a_long_declared_timeout_runs_on_a_fast_worker(start_w
         row = rows(pool)["w0"]
         assert (row["tasks"]["failed"], row["tasks"]["abandoned"]) == (0, 0)
     finally:
+        pool.close()
+
+
+def test_a_forked_child_keeps_what_its_parent_learnt_and_cuts_a_frozen_worker(start_worker):
+    """A pool warmed in the parent, then forked (as gunicorn --preload does): in the
+    child, a task on the frozen worker is cut at the parent's learnt limit, not held
+    for the read timeout, and the task succeeds on the other worker."""
+    from tests.integration.test_fork import run_in_child
+
+    frozen, live = start_worker(worker_id="frozen"), start_worker(worker_id="live")
+    pool = WorkerPool(config(frozen.url, live.url, strategy="round-robin"))
+    try:
+        warm(pool, ["w0", "w1"])
+        frozen.pause()
+
+        def child() -> dict[str, Any]:
+            started = time.monotonic()
+            results = [pool.execute(PAYLOAD)["worker_id"] for _ in range(2)]
+            took = time.monotonic() - started
+            pool.close()
+            return {"results": results, "took": took}
+
+        report = run_in_child(child, timeout=READ + 10)
+        assert report["results"] == ["live", "live"]
+        assert report["took"] < READ / 4
+    finally:
+        frozen.resume()
         pool.close()
