@@ -12,6 +12,11 @@ turn (``ROUNDS`` times, alternating): ``default`` in each tree given (latency-aw
 choice, every setting at its default), and ``least-connections`` in the last tree
 (``balancing.latency_aware: false``).
 
+With ``--slow``, the steady case instead: ``w0`` answers in twice the others' time
+(50 ms) for the whole run, no pause; reported per variant: ``w0``'s share and the p99
+of the run after its warm-up, against least connections' in the same round. Latency-
+aware choice should keep its advantage there, relaxing an estimate or not.
+
 Reported per run: ``w0``'s share of the tasks sent in each second from the pause's end
 (an equal share is 0.33), the first second after the pause in which its share is back
 to half an equal share (0.17) or more, the p99 of the tasks sent in the ``AFTER``
@@ -68,6 +73,49 @@ def one_run(tree: str, workers: list, balancing: dict[str, Any]) -> dict[str, An
     }
 
 
+def slow_run(tree: str, workers: list, balancing: dict[str, Any]) -> dict[str, Any]:  # type: ignore[type-arg]
+    """``w0`` twice as slow as the others all along: its share, and the p99 after WARM."""
+    start = time.monotonic() + 1.0
+    stop_at = start + WARM + AFTER
+    spec = {
+        "config": workers_config(workers, balancing=balancing),
+        "processes": PROCESSES,
+        "threads": THREADS,
+        "stop_at": stop_at,
+    }
+    tasks = [t for t in tasks_of(launch(tree, spec)) if t[0] >= start + WARM]
+    return {
+        "share": sum(w == "w0" for _, _, w in tasks) / max(1, len(tasks)),
+        "p99": quantile([b - a for a, b, _ in tasks], 0.99),
+        "p50": quantile([b - a for a, b, _ in tasks], 0.5),
+        "tasks": len(tasks),
+    }
+
+
+def main_slow(trees: list[str]) -> None:
+    variants = [(tree, "default", {}) for tree in trees]
+    variants.append((trees[-1], "least-connections", {"latency_aware": False}))
+    workers = start_workers(3, latency_ms=25.0, slots=12)
+    workers[0].control(latency_ms=50.0)
+    try:
+        for round_ in range(ROUNDS):
+            runs = {}
+            order = variants if round_ % 2 == 0 else list(reversed(variants))
+            for tree, name, balancing in order:
+                runs[(tree, name)] = slow_run(tree, workers, balancing)
+                time.sleep(1.0)
+            lc = runs[(trees[-1], "least-connections")]["p99"]
+            for (tree, name), r in runs.items():
+                print(
+                    f"round {round_} {tree} {name}: w0 (2x slower) share {r['share']:.2f}; "
+                    f"p99 {r['p99'] * 1000:.0f} ms ({r['p99'] / lc:.2f}x least connections'); "
+                    f"p50 {r['p50'] * 1000:.0f} ms; {r['tasks']} tasks"
+                )
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
 def main(trees: list[str]) -> None:
     variants = [(tree, "default", {}) for tree in trees]
     variants.append((trees[-1], "least-connections", {"latency_aware": False}))
@@ -99,4 +147,9 @@ def main(trees: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["."])
+    args = sys.argv[1:]
+    if "--slow" in args:
+        args.remove("--slow")
+        main_slow(args or ["."])
+    else:
+        main(args or ["."])

@@ -152,3 +152,42 @@ def test_a_forked_child_keeps_what_its_parent_learnt_and_cuts_a_frozen_worker(st
     finally:
         frozen.resume()
         pool.close()
+
+
+def test_a_worker_that_stops_in_the_middle_of_its_answer_is_cut(servers):
+    """Silence counts between any two bytes: a worker that sends its status line,
+    headers and half its body, then nothing, is cut after the limit (not the 10 s read
+    timeout) and the task runs on the other worker; the first is charged once."""
+    hang = threading.Event()
+    body = json.dumps({"response": "whole", "worker_id": "w0"}).encode()
+
+    def behaviour(peer: Peer) -> None:
+        while peer.request() is not None:
+            raw = answer(200, body)
+            if hang.is_set():
+                peer.send(raw[: len(raw) - len(body) // 2])
+                peer.hold()
+                return
+            if not peer.send(raw):
+                return
+
+    def other(peer: Peer) -> None:
+        while peer.request() is not None:
+            if not peer.send(answer(200, json.dumps({"worker_id": "w1"}).encode())):
+                return
+
+    first, second = serve(servers, behaviour), serve(servers, other)
+    pool = WorkerPool(
+        config(first.url(), second.url(), strategy="round-robin", read=10.0, task=15.0)
+    )
+    try:
+        warm(pool, ["w0", "w1"])
+        hang.set()
+        started = time.monotonic()
+        results = [pool.execute(PAYLOAD)["worker_id"] for _ in range(2)]
+        assert results == ["w1", "w1"]
+        assert time.monotonic() - started < 10.0 / 2
+        row = rows(pool)["w0"]
+        assert "stalled" in row["last_error"]
+    finally:
+        pool.close()
