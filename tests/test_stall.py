@@ -327,3 +327,23 @@ def test_a_hook_that_calls_back_into_the_pool_on_a_cut_attempt():
         fleet.frozen.add("a")
         assert pool.execute({"input_text": "x"}) == {"by": "b"}
     assert len(seen) == 1 and "stalled" in seen[0]
+
+
+def test_a_reload_changes_the_limit_for_tasks_that_start_after_it():
+    """``retry.stall`` follows a reload: a floor of 3 s, then the rule turned off."""
+    import dataclasses
+
+    clock = FakeClock()
+    fleet = Fleet(clock)
+    with pool_of(("a", "b"), clock, fleet) as pool:
+        warm(pool, 2 * MIN_SAMPLES)
+        fleet.frozen.add("a")
+        config = pool.config
+        for stall, expected in ((StallConfig(floor=3.0), 3.0), (StallConfig(enabled=False), 20.0)):
+            pool.reload(
+                dataclasses.replace(config, retry=dataclasses.replace(config.retry, stall=stall))
+            )
+            fleet.budgets.clear()
+            while not any(wid == "a" for wid, _ in fleet.budgets):
+                pool.execute({"input_text": "x"})
+            assert [b for wid, b in fleet.budgets if wid == "a"] == [expected]
