@@ -25,8 +25,9 @@ successful answers are kept, and once ``hold`` seconds have passed since the las
 observation with none in flight, :meth:`PeakEwma.relax` brings the estimate down to
 their median: the worker's typical latency, which a pause's few late answers do not
 move but a worker that stays slower does (its median follows within a few answers).
-Relaxing never lowers an estimate below that median, so a worker that is slower in
-steady state keeps its cost; the selector calls it (``balancing.peak_hold``).
+Only an estimate more than :data:`SPIKE` (2) times that median relaxes, and never
+below it, so a worker slower in steady state keeps its cost (its peaks are its own
+jitter, within twice its median); the selector calls it (``balancing.peak_hold``).
 
 Only a successful answer can lower the estimate. A failure, a timeout, an abandoned
 attempt or a rejected task are not the time inference takes: they may only raise it
@@ -61,6 +62,10 @@ DEFAULT_HOLD = 1.0
 
 TYPICAL = 16
 """Successful answers whose median is a worker's typical latency."""
+
+SPIKE = 2.0
+"""An estimate relaxes only when above this multiple of the typical latency: a pause's
+peak is tens of times it, the jitter of a worker slower in steady state is not."""
 
 MIN_COST = 1e-6
 """Seconds: the smallest estimate, so that 0 never makes in-flight counts irrelevant."""
@@ -153,13 +158,13 @@ class PeakEwma:
 
     def relax(self, now: float) -> bool:
         """The peak is no longer news: bring the estimate down to :meth:`typical`, if it
-        is above it (both as of the last observation). Not an observation. Returns
-        whether it moved.
+        is more than :data:`SPIKE` times that (both as of the last observation). Not an
+        observation. Returns whether it moved.
 
         The caller decides when (``hold`` seconds after the last observation, the
         worker idle): see :mod:`npu_sync.selector`."""
         typical = self.typical()
-        if typical is None or not self.observed or self.cost <= typical:
+        if typical is None or not self.observed or self.cost <= SPIKE * typical:
             return False
         # As of the same stamp: as if the late answers had not been peaks, and decayed
         # since like every other estimate.
