@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import sys
 import threading
 import time
@@ -47,6 +48,15 @@ def _process(spec: dict[str, Any], out: Any) -> None:
             thread.start()
         for thread in threads:
             thread.join()
+        if spec.get("report"):
+            for row in pool.workers():
+                breaker, done = row["breaker"], row["tasks"]
+                print(
+                    f"pid {os.getpid()} {row['id']}: breaker {breaker['state']} trips "
+                    f"{breaker['trips']}, succeeded {done['succeeded']} failed {done['failed']}"
+                    f" last error {row['last_error']!r}",
+                    file=sys.stderr,
+                )
     out.put(tasks)
 
 

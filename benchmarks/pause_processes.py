@@ -26,6 +26,7 @@ connections' in the same round. Not run by pytest: it measures, it asserts nothi
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -50,6 +51,7 @@ def one_run(tree: str, workers: list, balancing: dict[str, Any]) -> dict[str, An
         "processes": PROCESSES,
         "threads": THREADS,
         "stop_at": stop_at,
+        "report": bool(os.environ.get("NPU_SYNC_BENCH_REPORT")),
     }
     proc = launch(tree, spec)
     time.sleep(max(0.0, pause_at - time.monotonic()))

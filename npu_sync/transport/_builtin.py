@@ -816,8 +816,16 @@ class _Reader:
         silence = self.silence
         if silence is not None and (quiet := time.monotonic() + silence) < until:
             until = quiet
+        conn = self.conn
         try:
-            n = self.conn.recv_into(view, until)
+            try:
+                n = conn.recv_into(view, until)
+            except _Timeout:
+                # Bytes that came while this thread was not running are not silence (a
+                # starved process wakes past its limit with the answer waiting).
+                if until >= self.deadline or not conn._readable(0.0):
+                    raise
+                n = conn.recv_into(view, self.deadline)
         except _Timeout:
             if until < self.deadline:
                 raise _Stalled from None
