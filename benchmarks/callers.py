@@ -54,6 +54,7 @@ def _process(spec: dict[str, Any], out: Any) -> None:
                 print(
                     f"pid {os.getpid()} {row['id']}: breaker {breaker['state']} trips "
                     f"{breaker['trips']}, succeeded {done['succeeded']} failed {done['failed']}"
+                    f" latency {row.get('latency')} in flight {row['in_flight']}"
                     f" last error {row['last_error']!r}",
                     file=sys.stderr,
                 )

@@ -25,7 +25,10 @@ successful answers are kept, and once ``hold`` seconds have passed since the las
 observation with none in flight, :meth:`PeakEwma.relax` brings the estimate down to
 their median: the worker's typical latency, which a pause's few late answers do not
 move but a worker that stays slower does (its median follows within a few answers).
-Only an estimate more than :data:`SPIKE` (2) times that median relaxes, and never
+A worker with too few answers for its median to say much (its first answer was slow:
+a cold connection, a process starting with every other) relaxes to its tier's typical
+latency instead, else it would stay avoided on one answer. Only an estimate more than
+:data:`SPIKE` (2) times the median relaxes, and never
 below it, so a worker slower in steady state keeps its cost (its peaks are its own
 jitter, within twice its median); the selector calls it (``balancing.peak_hold``).
 
@@ -156,14 +159,22 @@ class PeakEwma:
             return None
         return sorted(recent)[len(recent) // 2]
 
-    def relax(self, now: float) -> bool:
-        """The peak is no longer news: bring the estimate down to :meth:`typical`, if it
-        is more than :data:`SPIKE` times that (both as of the last observation). Not an
-        observation. Returns whether it moved.
+    @property
+    def known(self) -> bool:
+        """Whether enough answers are kept for :meth:`typical` to say much: half of
+        :data:`TYPICAL`."""
+        return len(self.recent) >= TYPICAL // 2
+
+    def relax(self, now: float, typical: float | None = None) -> bool:
+        """The peak is no longer news: bring the estimate down to ``typical`` (by default
+        :meth:`typical`), if it is more than :data:`SPIKE` times that (both as of the
+        last observation). Not an observation. Returns whether it moved.
 
         The caller decides when (``hold`` seconds after the last observation, the
-        worker idle): see :mod:`npu_sync.selector`."""
-        typical = self.typical()
+        worker idle) and, for a worker with few answers, what is typical (its tier's):
+        see :mod:`npu_sync.selector`."""
+        if typical is None:
+            typical = self.typical()
         if typical is None or not self.observed or self.cost <= SPIKE * typical:
             return False
         # As of the same stamp: as if the late answers had not been peaks, and decayed

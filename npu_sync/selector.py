@@ -51,7 +51,8 @@ estimate (in the time-free form below), or ``1 / share``.
 
 A slow answer's peak is held for ``peak_hold`` seconds (1 s by default) after the
 worker's last answer; then, if it has nothing in flight, its estimate relaxes to its
-typical latency (see :meth:`PeakEwma.relax <npu_sync.latency.PeakEwma.relax>`). A worker
+typical latency, or its tier's while it has few answers of its own (see
+:meth:`PeakEwma.relax <npu_sync.latency.PeakEwma.relax>`). A worker
 that paused is back in use a second after its late answers came, in every process,
 rather than once the decay has worn its peak down; one slower in steady state keeps
 its cost. Due relaxations are kept in a heap and looked at with one comparison per
@@ -753,9 +754,25 @@ class Selector:
             due = worker.latency.stamp + hold
             if due > now:
                 self._hold_until(worker, due)
-            elif not worker.in_flight and worker.latency.relax(now):
+            elif not worker.in_flight and worker.latency.relax(now, self._typical(worker)):
                 self._rekey(worker, now)
         self._hold_due = holds[0][0] if holds else _NEVER
+
+    def _typical(self, worker: Worker) -> float | None:
+        """``worker``'s typical latency, or, with too few answers of its own, the median
+        of its tier's workers' that have enough (None: its own, whatever it is)."""
+        if worker.latency.known:
+            return None
+        slot = self._slots[worker]
+        peers = sorted(
+            typical
+            for w in self.workers
+            if self._slots[w].tier is slot.tier
+            and w is not worker
+            and w.latency.known
+            and (typical := w.latency.typical()) is not None
+        )
+        return peers[len(peers) // 2] if peers else None
 
     def _sample(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
         ready = tier.ready

@@ -571,3 +571,22 @@ def test_without_a_peak_hold_only_the_decay_brings_a_paused_worker_back():
     """``peak_hold: 0``: the same worker, a second later, still gets nothing."""
     _, after = _pause_scenario(peak_hold=0.0)
     assert after["a"] == 0
+
+
+def test_a_worker_whose_only_answer_was_slow_is_tried_again_at_its_tiers_latency():
+    """A worker whose first answer was slow (a cold connection) has one answer: its own
+    median says little. Once idle past the hold it relaxes to its tier's typical
+    latency and is chosen again, instead of waiting for the decay."""
+    clock = FakeClock()
+    first = {"a": 0.3}
+
+    def handler(req: FakeRequest) -> Any:
+        clock.advance(first.pop(req.worker_id, 0.03))
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(("a", "b", "c")), transport_factory=net.factory, clock=clock) as pool:
+        before = served(pool, 20)  # 0.6 s: a's one slow answer keeps it out
+        assert before["a"] == 1
+        clock.advance(1.0)  # idle past the hold
+        assert served(pool, 6)["a"] >= 1
