@@ -167,19 +167,18 @@ class PeakEwma:
 
     def relax(self, now: float, typical: float | None = None) -> bool:
         """The peak is no longer news: bring the estimate down to ``typical`` (by default
-        :meth:`typical`), if it is more than :data:`SPIKE` times that (both as of the
-        last observation). Not an observation. Returns whether it moved.
+        :meth:`typical`) at ``now``, if it is more than :data:`SPIKE` times that then.
+        Not an observation. Returns whether it moved.
 
         The caller decides when (``hold`` seconds after the last observation, the
         worker idle) and, for a worker with few answers, what is typical (its tier's):
         see :mod:`npu_sync.selector`."""
         if typical is None:
             typical = self.typical()
-        if typical is None or not self.observed or self.cost <= SPIKE * typical:
+        if typical is None or not self.observed or self.value(now) <= SPIKE * typical:
             return False
-        # As of the same stamp: as if the late answers had not been peaks, and decayed
-        # since like every other estimate.
         self.cost = typical
+        self.stamp = now
         return True
 
     def value(self, now: float) -> float:

@@ -754,25 +754,33 @@ class Selector:
             due = worker.latency.stamp + hold
             if due > now:
                 self._hold_until(worker, due)
-            elif not worker.in_flight and worker.latency.relax(now, self._typical(worker)):
-                self._rekey(worker, now)
+            elif not worker.in_flight:
+                target = self._relaxed(worker, now)
+                if target is not None and worker.latency.relax(now, target):
+                    self._rekey(worker, now)
         self._hold_due = holds[0][0] if holds else _NEVER
 
-    def _typical(self, worker: Worker) -> float | None:
-        """``worker``'s typical latency, or, with too few answers of its own, the median
-        of its tier's workers' that have enough (None: its own, whatever it is)."""
+    def _relaxed(self, worker: Worker, now: float) -> float | None:
+        """What ``worker``'s estimate relaxes to: its typical latency (its tier's median
+        one while it has too few answers of its own), but never below the median of
+        its tier's estimates now. A worker back from a pause looks like its peers, not
+        cheaper than all of them: every process relaxes it at about the same moment,
+        and a worker cheaper than all would draw every process's tasks at once."""
+        members = self._slots[worker].tier
+        peers = [w for w in self.workers if self._slots[w].tier is members and w is not worker]
         if worker.latency.known:
+            typical = worker.latency.typical()
+        else:
+            known = sorted(
+                t for w in peers if w.latency.known and (t := w.latency.typical()) is not None
+            )
+            typical = known[len(known) // 2] if known else worker.latency.typical()
+        if typical is None:
             return None
-        slot = self._slots[worker]
-        peers = sorted(
-            typical
-            for w in self.workers
-            if self._slots[w].tier is slot.tier
-            and w is not worker
-            and w.latency.known
-            and (typical := w.latency.typical()) is not None
-        )
-        return peers[len(peers) // 2] if peers else None
+        now_values = sorted(w.latency.value(now) for w in peers if w.latency.observed)
+        if now_values:
+            typical = max(typical, now_values[len(now_values) // 2])
+        return typical
 
     def _sample(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
         ready = tier.ready

@@ -590,3 +590,28 @@ def test_a_worker_whose_only_answer_was_slow_is_tried_again_at_its_tiers_latency
         assert before["a"] == 1
         clock.advance(1.0)  # idle past the hold
         assert served(pool, 6)["a"] >= 1
+
+
+def test_a_relaxed_worker_looks_like_its_peers_never_cheaper_than_all():
+    """While a worker paused, the others took its load and answer in 60 ms: once
+    relaxed, its estimate is their median, not its own typical 30 ms, so processes
+    relaxing it together do not all send it every task at once."""
+    clock = FakeClock()
+    latency = {"a": 0.03, "b": 0.03, "c": 0.03}
+
+    def handler(req: FakeRequest) -> Any:
+        clock.advance(latency[req.worker_id])
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(("a", "b", "c")), transport_factory=net.factory, clock=clock) as pool:
+        served(pool, 48)
+        latency.update(a=1.0, b=0.06, c=0.06)
+        while pool.execute(OK)["worker_id"] != "a":
+            pass
+        latency["a"] = 0.03
+        served(pool, 12)  # b and c answer in 60 ms now
+        clock.advance(1.0)
+        served(pool, 1)  # the hold has passed: a relaxes at this selection
+        estimates = {r["id"]: r["balancing"]["latency_estimate_ms"] for r in pool.workers()}
+    assert 45 < estimates["a"] < 200
