@@ -762,8 +762,8 @@ class Selector:
 
     def _relaxed(self, worker: Worker, now: float) -> float | None:
         """What ``worker``'s estimate relaxes to: its typical latency (its tier's median
-        one while it has too few answers of its own), but never below the median of
-        its tier's estimates now. A worker back from a pause looks like its peers, not
+        one while it has too few answers of its own), but never below the (lower)
+        median of its tier's estimates now. A worker back from a pause looks like its peers, not
         cheaper than all of them: every process relaxes it at about the same moment,
         and a worker cheaper than all would draw every process's tasks at once."""
         members = self._slots[worker].tier
@@ -779,7 +779,9 @@ class Selector:
             return None
         now_values = sorted(w.latency.value(now) for w in peers if w.latency.observed)
         if now_values:
-            typical = max(typical, now_values[len(now_values) // 2])
+            # The lower median: with two peers, the cheaper one's (then the load term
+            # shares tasks between them as least connections would).
+            typical = max(typical, now_values[(len(now_values) - 1) // 2])
         return typical
 
     def _sample(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
