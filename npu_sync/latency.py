@@ -27,10 +27,11 @@ their median: the worker's typical latency, which a pause's few late answers do 
 move but a worker that stays slower does (its median follows within a few answers).
 A worker with too few answers for its median to say much (its first answer was slow:
 a cold connection, a process starting with every other) relaxes to its tier's typical
-latency instead, else it would stay avoided on one answer. Only an estimate more than
-:data:`SPIKE` (2) times the median relaxes, and never
-below it, so a worker slower in steady state keeps its cost (its peaks are its own
-jitter, within twice its median); the selector calls it (``balancing.peak_hold``).
+latency instead, else it would stay avoided on one answer; and none relaxes below the
+lower median of its tier's estimates (see :mod:`npu_sync.selector`). Only an estimate
+more than :data:`SPIKE` (2) times the target relaxes, so a worker slower in steady
+state keeps its cost (its peaks are its own jitter, within twice its median). The
+selector decides when (``balancing.peak_hold``).
 
 Only a successful answer can lower the estimate. A failure, a timeout, an abandoned
 attempt or a rejected task are not the time inference takes: they may only raise it

@@ -51,12 +51,12 @@ estimate (in the time-free form below), or ``1 / share``.
 
 A slow answer's peak is held for ``peak_hold`` seconds (1 s by default) after the
 worker's last answer; then, if it has nothing in flight, its estimate relaxes to its
-typical latency, or its tier's while it has few answers of its own (see
-:meth:`PeakEwma.relax <npu_sync.latency.PeakEwma.relax>`). A worker
-that paused is back in use a second after its late answers came, in every process,
-rather than once the decay has worn its peak down; one slower in steady state keeps
-its cost. Due relaxations are kept in a heap and looked at with one comparison per
-selection.
+typical latency, or its tier's while it has few answers of its own, but never below
+the lower median of its tier's estimates (see :meth:`PeakEwma.relax
+<npu_sync.latency.PeakEwma.relax>` and :meth:`Selector._relaxed`). A worker that
+paused is back in use a second after its late answers came, in every process, rather
+than once the decay has worn its peak down; one slower in steady state keeps its cost.
+Due relaxations are kept in a heap and looked at with one comparison per selection.
 
 A worker that has tasks in flight and has answered none of them for longer than its
 estimate (it froze, or its network did) is taken to be at least as slow as the time
@@ -762,10 +762,11 @@ class Selector:
 
     def _relaxed(self, worker: Worker, now: float) -> float | None:
         """What ``worker``'s estimate relaxes to: its typical latency (its tier's median
-        one while it has too few answers of its own), but never below the (lower)
-        median of its tier's estimates now. A worker back from a pause looks like its peers, not
-        cheaper than all of them: every process relaxes it at about the same moment,
-        and a worker cheaper than all would draw every process's tasks at once."""
+        one while it has too few answers of its own), but never below the lower median
+        of its tier's estimates now. A worker back from a pause looks like its peers,
+        not cheaper than all of them: every process relaxes it at about the same
+        moment, and a worker cheaper than all would draw every process's tasks at once.
+        Scans the workers: called once per hold of an idle worker, not per task."""
         members = self._slots[worker].tier
         peers = [w for w in self.workers if self._slots[w].tier is members and w is not worker]
         if worker.latency.known:
