@@ -428,6 +428,53 @@ class BreakerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class StallConfig:
+    """When an attempt that has gone silent is ended and retried elsewhere (see
+    :mod:`npu_sync.stall`). Immutable, so thread-safe."""
+
+    enabled: bool = boolean(
+        True,
+        "end an attempt whose worker has sent no byte of its answer for far longer than "
+        "its recent latency, and retry it elsewhere",
+    )
+    multiplier: float = number(
+        5.0,
+        1,
+        1000,
+        "the silence allowed, as a multiple of the worker's recent `percentile` latency",
+    )
+    percentile: float = number(
+        0.99, 0.5, 0.999, "the percentile of the worker's recent successful attempts"
+    )
+    floor: float = number(
+        1.0,
+        0,
+        3600,
+        "the least silence ever allowed",
+        above=True,
+        unit="s",
+    )
+    unknown: float | None = optional_number(
+        0,
+        _DAY,
+        "the silence allowed while no latency is known for a worker nor its tier (a "
+        "pool's first tasks); null: only `timeouts.read` cuts such an attempt",
+        above=True,
+        unit="s",
+    )
+    declared_share: float = number(
+        0.5,
+        0,
+        1,
+        "a task that declares its own timeout may be silent for this share of it (the "
+        "rest leaves time to retry); `0` ignores declared timeouts",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "retry.stall")
+
+
+@dataclass(frozen=True, slots=True)
 class RetryConfig:
     """Retry settings; ``max_retries`` counts attempts after the first. Immutable."""
 
@@ -449,6 +496,7 @@ class RetryConfig:
     backoff_max: float = number(
         2.0, 0, 3600, "longest wait between attempts", unit="s", at_least="backoff_initial"
     )
+    stall: StallConfig = section(StallConfig, "ending attempts that have gone silent")
 
     def __post_init__(self) -> None:
         check_fields(self, "retry")
@@ -785,6 +833,15 @@ class BalancingConfig:
         3600,
         "how fast a latency estimate forgets: its time constant",
         above=True,
+        unit="s",
+    )
+    peak_hold: float = number(
+        1.0,
+        0,
+        3600,
+        "seconds a slow answer's peak is held after a worker's last answer; then an idle "
+        "worker's estimate falls back to its typical latency (the median of its recent "
+        "answers). `0`: only the decay lowers it",
         unit="s",
     )
     slow_start: float = number(

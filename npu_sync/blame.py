@@ -78,6 +78,7 @@ class Held(NamedTuple):
     error: str | None
     duration: float  # how long the worker took to give that answer
     refusal: bool  # a 4xx: the worker refused a task it should have run
+    stalled: bool = False  # cut for silence after ``duration``
 
 
 class _Family(NamedTuple):
@@ -95,11 +96,16 @@ _REFUSED = _Family("refused", False, True)  # a 4xx
 _FAILED_TASK = _Family("failed task", False, True)  # a protocol's 2xx "failed"
 _SERVER_ERROR = _Family("server error", True, False)  # HTTP 500
 _TOO_LARGE = _Family("too large", True, True)  # over transport.max_response_bytes
+# Cut for silence (npu_sync.stall): frozen, or the task is heavy. The first cut is
+# charged at once; later ones only if the task then runs faster elsewhere (proven()).
+_STALLED = _Family("stalled", True, False)
 
 
 def _family(outcome: Outcome) -> _Family:
     if outcome.kind is Kind.REJECTED:
         return _REFUSED
+    if outcome.stalled:
+        return _STALLED
     if outcome.error is not None and outcome.error.startswith("too_large"):
         return _TOO_LARGE
     status = outcome.status
@@ -174,14 +180,17 @@ class Blame:
             self.same = (first, worker.id)
             return Verdict.TASK
         if held:
-            self.held.append(Held(worker, outcome.error, duration, outcome.kind is Kind.REJECTED))
+            refusal = outcome.kind is Kind.REJECTED
+            self.held.append(Held(worker, outcome.error, duration, refusal, outcome.stalled))
         return Verdict.HOLD
 
-    def proven(self) -> list[Held]:
-        """The task succeeded: every held answer was its worker's fault. Returns the
-        charges to make, once."""
+    def proven(self, took: float = 0.0) -> list[Held]:
+        """The task succeeded, in ``took`` seconds on its last attempt: every held answer
+        was its worker's fault, but for a cut for silence after less time than the
+        success took (the task was heavy, not that worker slow). Returns the charges
+        to make, once."""
         held, self.held = self.held, []
-        return held
+        return [h for h in held if not (h.stalled and h.duration < took)]
 
     def refused_only(self) -> bool:
         """Whether every held answer is a refusal (a 4xx): a task that ends with nothing

@@ -15,6 +15,24 @@ can receive before its first answer is bounded by the selector's stall rule (a
 worker with tasks in flight and no answer for longer than its estimate is taken to be
 at least that slow), and by its capacity.
 
+A peak is *held* only while it is news. A worker that paused for a second answers
+its tasks in flight a second late, and the peak says it is slow; in every process at
+once, since each saw the same answers. Left to the decay, its estimate would take tens
+of seconds to fall back (ln(33) decays from 1 s to 30 ms), and the worker would sit
+idle long after it recovered: each process counts only its own tasks in flight, so
+nothing spills back to it while the others queue. So the last :data:`TYPICAL`
+successful answers are kept, and once ``hold`` seconds have passed since the last
+observation with none in flight, :meth:`PeakEwma.relax` brings the estimate down to
+their median: the worker's typical latency, which a pause's few late answers do not
+move but a worker that stays slower does (its median follows within a few answers).
+A worker with too few answers for its median to say much (its first answer was slow:
+a cold connection, a process starting with every other) relaxes to its tier's typical
+latency instead, else it would stay avoided on one answer; and none relaxes below the
+lower median of its tier's estimates (see :mod:`npu_sync.selector`). Only an estimate
+more than :data:`SPIKE` (2) times the target relaxes, so a worker slower in steady
+state keeps its cost (its peaks are its own jitter, within twice its median). The
+selector decides when (``balancing.peak_hold``).
+
 Only a successful answer can lower the estimate. A failure, a timeout, an abandoned
 attempt or a rejected task are not the time inference takes: they may only raise it
 (``ok=False``), so a worker that fails fast (connection refused in a millisecond)
@@ -43,6 +61,16 @@ import math
 DEFAULT_DECAY = 10.0
 """Seconds: the time constant of the estimate (``balancing.latency_decay``)."""
 
+DEFAULT_HOLD = 1.0
+"""Seconds a peak is held after the last observation (``balancing.peak_hold``)."""
+
+TYPICAL = 16
+"""Successful answers whose median is a worker's typical latency."""
+
+SPIKE = 2.0
+"""An estimate relaxes only when above this multiple of the typical latency: a pause's
+peak is tens of times it, the jitter of a worker slower in steady state is not."""
+
 MIN_COST = 1e-6
 """Seconds: the smallest estimate, so that 0 never makes in-flight counts irrelevant."""
 
@@ -58,7 +86,7 @@ class PeakEwma:
         seed: the estimate until the first observation.
     """
 
-    __slots__ = ("cost", "decay", "observations", "observed", "stamp")
+    __slots__ = ("_next", "cost", "decay", "observations", "observed", "recent", "stamp")
 
     def __init__(
         self, decay: float = DEFAULT_DECAY, *, now: float = 0.0, seed: float = 0.0
@@ -70,6 +98,8 @@ class PeakEwma:
         self.stamp = now
         self.observed = False  # False while the cost is a seed
         self.observations = 0
+        self.recent: list[float] = []  # the last TYPICAL successful answers, a ring
+        self._next = 0
 
     def observe(self, rtt: float, now: float, ok: bool = True) -> None:
         """Count one attempt that took ``rtt`` seconds and ended at ``now``.
@@ -82,6 +112,13 @@ class PeakEwma:
         if rtt < MIN_COST:
             rtt = MIN_COST
         self.observations += 1
+        if ok:
+            recent = self.recent
+            if len(recent) < TYPICAL:
+                recent.append(rtt)
+            else:
+                recent[self._next] = rtt
+                self._next = (self._next + 1) % TYPICAL
         stamp = self.stamp
         # One exp() serves both the decay since the last observation and the weight.
         w = math.exp((stamp - now) / self.decay) if now > stamp else 1.0
@@ -113,6 +150,37 @@ class PeakEwma:
         self.cost = max(cost, MIN_COST)
         self.stamp = now
         self.observed = False
+        self.recent = []
+        self._next = 0
+
+    def typical(self) -> float | None:
+        """The median of the last :data:`TYPICAL` successful answers; None before any."""
+        recent = self.recent
+        if not recent:
+            return None
+        return sorted(recent)[len(recent) // 2]
+
+    @property
+    def known(self) -> bool:
+        """Whether enough answers are kept for :meth:`typical` to say much: half of
+        :data:`TYPICAL`."""
+        return len(self.recent) >= TYPICAL // 2
+
+    def relax(self, now: float, typical: float | None = None) -> bool:
+        """The peak is no longer news: bring the estimate down to ``typical`` (by default
+        :meth:`typical`) at ``now``, if it is more than :data:`SPIKE` times that then.
+        Not an observation. Returns whether it moved.
+
+        The caller decides when (``hold`` seconds after the last observation, the
+        worker idle) and, for a worker with few answers, what is typical (its tier's):
+        see :mod:`npu_sync.selector`."""
+        if typical is None:
+            typical = self.typical()
+        if typical is None or not self.observed or self.value(now) <= SPIKE * typical:
+            return False
+        self.cost = typical
+        self.stamp = now
+        return True
 
     def value(self, now: float) -> float:
         """The estimate at ``now``: the last one, decayed for the time since."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from npu_sync.config import RetryConfig
 from npu_sync.errors import printable
+from npu_sync.stall import StallLimit
 from npu_sync.transport import Response, TransportError
 
 
@@ -83,6 +84,8 @@ class Outcome:
     # The answer may be the task's doing as much as the worker's (HTTP 500, a 4xx, an
     # answer over the size limit): see npu_sync.blame for who is charged.
     suspect: bool = False
+    # Cut for silence (npu_sync.stall): the worker's, or a heavy task's (npu_sync.blame).
+    stalled: bool = False
 
 
 def classify_response(response: Response, *, now: float | None = None) -> Outcome:
@@ -140,6 +143,10 @@ def classify_error(error: TransportError, *, cut_by_caller: bool = False) -> Out
         )
     if getattr(error, "stale", False):
         return Outcome(Kind.ABANDONED, error=message, processed=error.sent)
+    if getattr(error, "stalled", False):
+        return Outcome(
+            Kind.FAILURE, error=message, processed=error.sent, suspect=True, stalled=True
+        )
     return Outcome(
         Kind.FAILURE, error=message, processed=error.sent, suspect=error.kind == "too_large"
     )
@@ -218,6 +225,7 @@ class RetryPolicy:
         import tenacity
 
         self.config = config
+        self.stall = StallLimit.from_config(config.stall)
         self.max_attempts = config.max_retries + 1
         self._stop = tenacity.stop_after_attempt(self.max_attempts)
         self._wait = tenacity.wait_exponential_jitter(

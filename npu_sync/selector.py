@@ -49,6 +49,15 @@ off, the plain count of tasks in flight is compared, as above. ``Worker.score`` 
 the part of the cost that changes only when an answer or a ramp step comes: the
 estimate (in the time-free form below), or ``1 / share``.
 
+A slow answer's peak is held for ``peak_hold`` seconds (1 s by default) after the
+worker's last answer; then, if it has nothing in flight, its estimate relaxes to its
+typical latency, or its tier's while it has few answers of its own, but never below
+the lower median of its tier's estimates (see :meth:`PeakEwma.relax
+<npu_sync.latency.PeakEwma.relax>` and :meth:`Selector._relaxed`). A worker that
+paused is back in use a second after its late answers came, in every process, rather
+than once the decay has worn its peak down; one slower in steady state keeps its cost.
+Due relaxations are kept in a heap and looked at with one comparison per selection.
+
 A worker that has tasks in flight and has answered none of them for longer than its
 estimate (it froze, or its network did) is taken to be at least as slow as the time
 it has been quiet: its cost grows with that time, so new tasks avoid it well before
@@ -94,7 +103,7 @@ from itertools import groupby
 
 from npu_sync.breaker import CLOSED
 from npu_sync.config import STRATEGIES
-from npu_sync.latency import DEFAULT_DECAY, MIN_COST
+from npu_sync.latency import DEFAULT_DECAY, DEFAULT_HOLD, MIN_COST
 from npu_sync.outage import down_reason, held_until
 from npu_sync.slowstart import SlowStart
 from npu_sync.worker import Worker
@@ -188,6 +197,8 @@ class Selector:
         now: the time of the first :meth:`set_workers` (workers it adds are not
             ramped: every worker starts together).
         strategy: how a worker is picked within a tier (:data:`STRATEGIES`).
+        peak_hold: seconds after a worker's last answer before an idle worker's
+            estimate relaxes to its typical latency; 0 never relaxes it.
     """
 
     def __init__(
@@ -201,6 +212,7 @@ class Selector:
         slow_start: SlowStart | None = None,
         now: float = 0.0,
         strategy: str = "least-loaded",
+        peak_hold: float = DEFAULT_HOLD,
     ) -> None:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -212,6 +224,11 @@ class Selector:
             raise ValueError(f"decay must be > 0 seconds, got {decay!r}")
         self._latency_aware = latency_aware
         self._decay = decay
+        self._hold = peak_hold
+        # Workers whose estimate may relax, by when: see _relax.
+        self._holds: list[tuple[float, int, Worker]] = []
+        self._held: set[Worker] = set()
+        self._hold_due = _NEVER
         self._slow_start = slow_start or SlowStart(window=0.0)
         self._epoch = now
         self._rebase_at = now + _REBASE * decay
@@ -279,8 +296,11 @@ class Selector:
         slow_start: SlowStart | None,
         now: float,
         strategy: str | None = None,
+        peak_hold: float | None = None,
     ) -> None:
         """Take new balancing settings (a reload). Ramps under way keep their end."""
+        if peak_hold is not None:
+            self._hold = peak_hold
         if not decay > 0:
             raise ValueError(f"decay must be > 0 seconds, got {decay!r}")
         if strategy is not None:
@@ -361,6 +381,8 @@ class Selector:
         latency.observe(rtt, now, ok)
         worker.busy_since = now
         if self._latency_aware:
+            if self._hold and worker not in self._held:
+                self._hold_until(worker, now + self._hold)
             # The estimate as of its stamp, now but for clock reads a hair apart.
             worker.stall_after = now + latency.cost
             slot = self._slots.get(worker)
@@ -466,6 +488,8 @@ class Selector:
                 self._refresh_ramps(now)
             if now > self._rebase_at:
                 self._rebase(now)
+            if now >= self._hold_due:
+                self._relax(now)
             scan = self._scan_scores
         else:
             scan = self._scan
@@ -705,6 +729,60 @@ class Selector:
         it is at least as slow as that silence, until it answers."""
         worker.latency.raise_to(now - worker.busy_since, now)
         self._rekey(worker, now)
+        if self._hold and worker not in self._held:
+            self._hold_until(worker, now + self._hold)
+
+    def _hold_until(self, worker: Worker, when: float) -> None:
+        self._held.add(worker)
+        heapq.heappush(self._holds, (when, id(worker), worker))
+        if when < self._hold_due:
+            self._hold_due = when
+
+    def _relax(self, now: float) -> None:
+        """Relax the estimates whose hold ended (see :meth:`PeakEwma.relax
+        <npu_sync.latency.PeakEwma.relax>`): of idle workers not heard from for
+        ``peak_hold`` seconds. A worker heard from since waits again; a busy one is
+        looked at again when it answers, or when the stall rule raises it."""
+        holds = self._holds
+        hold = self._hold
+        while holds and holds[0][0] <= now:
+            _, _, worker = heapq.heappop(holds)
+            self._held.discard(worker)
+            if worker not in self._slots or not hold:
+                continue
+            due = worker.latency.stamp + hold
+            if due > now:
+                self._hold_until(worker, due)
+            elif not worker.in_flight:
+                target = self._relaxed(worker, now)
+                if target is not None and worker.latency.relax(now, target):
+                    self._rekey(worker, now)
+        self._hold_due = holds[0][0] if holds else _NEVER
+
+    def _relaxed(self, worker: Worker, now: float) -> float | None:
+        """What ``worker``'s estimate relaxes to: its typical latency (its tier's median
+        one while it has too few answers of its own), but never below the lower median
+        of its tier's estimates now. A worker back from a pause looks like its peers,
+        not cheaper than all of them: every process relaxes it at about the same
+        moment, and a worker cheaper than all would draw every process's tasks at once.
+        Scans the workers: called once per hold of an idle worker, not per task."""
+        members = self._slots[worker].tier
+        peers = [w for w in self.workers if self._slots[w].tier is members and w is not worker]
+        if worker.latency.known:
+            typical = worker.latency.typical()
+        else:
+            known = sorted(
+                t for w in peers if w.latency.known and (t := w.latency.typical()) is not None
+            )
+            typical = known[len(known) // 2] if known else worker.latency.typical()
+        if typical is None:
+            return None
+        now_values = sorted(w.latency.value(now) for w in peers if w.latency.observed)
+        if now_values:
+            # The lower median: with two peers, the cheaper one's (then the load term
+            # shares tasks between them as least connections would).
+            typical = max(typical, now_values[(len(now_values) - 1) // 2])
+        return typical
 
     def _sample(self, tier: _Tier, excluded: Collection[str], now: float) -> Worker | None:
         ready = tier.ready

@@ -110,6 +110,7 @@ class PoolState:
                 slow_start=SlowStart(window=balancing.slow_start),
                 now=clock.monotonic(),
                 strategy=balancing.strategy,
+                peak_hold=balancing.peak_hold,
             ),
         )
         self.lock = self.dispatcher.lock
@@ -220,6 +221,7 @@ class PoolState:
             slow_start=SlowStart(window=new.slow_start),
             now=now,
             strategy=new.strategy,
+            peak_hold=new.peak_hold,
         )
         if new.retry_budget != old.retry_budget:
             self.budget = self._new_budget(new)  # a new window: tasks start it afresh

@@ -69,6 +69,7 @@ from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
 from npu_sync.retry import REFUSED_CREDENTIALS, Kind, Outcome, classify_error
 from npu_sync.routing import charged_to, considered
+from npu_sync.stall import Pace
 from npu_sync.state import Placement, PoolState
 from npu_sync.stop import Stopped, TaskStop
 from npu_sync.task import Task
@@ -393,6 +394,7 @@ class TaskRun:
         "check",
         "clock",
         "config",
+        "cut_at",
         "deadline",
         "deposit",
         "excluded",
@@ -443,6 +445,7 @@ class TaskRun:
         self.excluded: set[str] = set()  # not to be chosen for the next attempt
         self.not_here: set[str] = set()  # do not serve the task's model: never again
         self.failures = 0  # the attempts counted against retry.max_retries
+        self.cut_at = 0.0  # the longest silence an attempt of this task was cut at
         self.missing_model: str | None = None
         # Who is charged when the task itself may be at fault (npu_sync.blame).
         self.blame = Blame()
@@ -954,30 +957,28 @@ class TaskRun:
         auth = worker.auth
         if auth is not None:
             headers = {**headers, **auth.headers("POST", worker.base_path + self.path)}
-        try:
-            transport = worker.transport
-            timeout = read_timeout if read_timeout < remaining else remaining
-            if cancel is not None and getattr(transport, "cancellable", False):
-                response = transport.request(  # type: ignore[call-arg]
-                    "POST",
-                    self.path,
-                    body=body,
-                    headers=headers,
-                    timeout=timeout,
-                    connect_timeout=connect_timeout,
-                    replayable=self.task.idempotent,
-                    cancel=cancel,
-                )
+        transport = worker.transport
+        timeout = read_timeout if read_timeout < remaining else remaining
+        extra: dict[str, Any] = {}
+        if cancel is not None and getattr(transport, "cancellable", False):
+            extra["cancel"] = cancel
+        silence = self.silence(worker, timeout)
+        if silence is not None:
+            if getattr(transport, "silences", False):
+                extra["silence"] = silence
             else:
-                response = transport.request(
-                    "POST",
-                    self.path,
-                    body=body,
-                    headers=headers,
-                    timeout=timeout,
-                    connect_timeout=connect_timeout,
-                    replayable=self.task.idempotent,
-                )
+                timeout = silence  # a transport that cannot tell silence: total time
+        try:
+            response = transport.request(
+                "POST",
+                self.path,
+                body=body,
+                headers=headers,
+                timeout=timeout,
+                connect_timeout=connect_timeout,
+                replayable=self.task.idempotent,
+                **extra,
+            )
             outcome = protocol.classify(response, now=t0 + self.wall)
             if (
                 outcome.kind is Kind.REJECTED
@@ -989,6 +990,14 @@ class TaskRun:
             if check is not None and outcome.kind is Kind.SUCCESS:
                 outcome = _checked(check, outcome)
         except TransportError as exc:
+            if silence is not None and (
+                exc.stalled or (exc.kind == "timeout" and exc.sent and "silence" not in extra)
+            ):
+                self.cut_at = max(self.cut_at, silence)
+                if not exc.stalled:  # the budget cut to the limit ran out
+                    happened = f"{worker.id}: stalled: no answer within {silence:g}s"
+                    exc = TransportError("timeout", happened, sent=True, stalled=True)
+                return classify_error(exc)
             # A timeout is the worker's only when its own timeout ran out: one cut
             # short by the task's deadline says nothing about the worker. Connecting
             # gets at most the smaller of the two timeouts.
@@ -1000,6 +1009,18 @@ class TaskRun:
             log.exception("unexpected error sending task to worker %s", worker.id)
             return Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}")
         return outcome
+
+    def silence(self, worker: Worker, budget: float) -> float | None:
+        """How long this attempt may wait without a byte of the answer (see
+        :mod:`npu_sync.stall`), or None when only ``budget`` bounds it."""
+        stall = self.policy.stall
+        if not stall.enabled:
+            return None
+        pace = worker.pace
+        peers = () if pace.enough else _peers(self.state, worker)
+        return stall.silence(
+            stall.known(pace, peers), budget, declared=self.task.timeout, cut_before=self.cut_at
+        )
 
     def not_loaded(self, worker: Worker, outcome: Outcome) -> None:
         """Correct the worker's models after a "not loaded" answer. It lacks the model
@@ -1198,7 +1219,7 @@ class TaskRun:
         """The task's result. The answers held as maybe the task's own fault were the
         workers' after all: they are charged now (``took``: this attempt's time)."""
         if self.blame.held:
-            proven = self.blame.proven()
+            proven = self.blame.proven(took)
             charge(self.state, proven, took, t1)
             if self.trace is not None and proven:
                 charged = ", ".join(held.worker.id for held in proven)
@@ -1440,6 +1461,7 @@ def record(
             if worker.limit is not None:
                 _sample_limit_locked(state, lease, outcome, duration)
             if kind is Kind.SUCCESS:
+                worker.pace.observe(duration)
                 stats = worker.stats
                 stats.attempts += 1
                 worker.breaker.record_success(lease.trial)
@@ -1624,6 +1646,15 @@ def untried_left(state: PoolState, excluded: Collection[str], by: float = math.i
             if w.id not in excluded and held_until(w, now, shared_breakers=shared)[0] < by:
                 return True
         return False
+
+
+def _peers(state: PoolState, worker: Worker) -> list[Pace]:
+    """The paces of ``worker``'s tier (its own included), for a worker that has too few
+    answers of its own yet. The selector's tiers are replaced whole: no lock needed."""
+    for tier in state.dispatcher.selector.tiers:
+        if worker in tier:
+            return [w.pace for w in tier]
+    return []
 
 
 def _checked(check: Callable[[Any], object], outcome: Outcome) -> Outcome:

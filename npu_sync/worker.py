@@ -13,6 +13,7 @@ from npu_sync.health import HealthResult
 from npu_sync.latency import PeakEwma
 from npu_sync.metrics import WorkerStats
 from npu_sync.protocols import MAX_MODELS, WorkerProtocol, get_protocol
+from npu_sync.stall import Pace
 from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
 
@@ -77,6 +78,7 @@ class Worker:
         "models",
         "not_loaded",
         "npu_available",
+        "pace",
         "priority",
         "protocol",
         "ramp_from",
@@ -128,6 +130,7 @@ class Worker:
         self.refused_until = 0.0
         self.stats = WorkerStats()
         self.latency = PeakEwma()
+        self.pace = Pace()  # recent successful durations, for the stall limit
         self.limit: ConcurrencyLimit | None = None
         self.busy_since = 0.0  # the last answer, or when it last became busy
         self.stall_after = _NEVER  # set by the selector when it compares latency

@@ -531,3 +531,87 @@ def test_priority_failover_uses_only_the_preferred_worker_while_it_is_up():
         failed = rows(pool)["a"]["tasks"]["failed"]
         assert dict(served(pool, 10)) == {"b": 10}
         assert rows(pool)["a"]["tasks"]["failed"] == failed  # not even tried
+
+
+def _pause_scenario(peak_hold: float) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Three workers answering in 30 ms; ``a`` gives one late answer of 1 s (a pause).
+    Returns which workers took the tasks just after it, and those once ``a`` has been
+    idle past the hold."""
+    clock = FakeClock()
+    latency = {"a": 0.03, "b": 0.03, "c": 0.03}
+
+    def handler(req: FakeRequest) -> Any:
+        clock.advance(latency[req.worker_id])
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    cfg = config(("a", "b", "c"), balancing=BalancingConfig(peak_hold=peak_hold))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        served(pool, 48)
+        latency["a"] = 1.0
+        while pool.execute(OK)["worker_id"] != "a":
+            pass
+        latency["a"] = 0.03
+        during = served(pool, 6)  # 0.18 s: within the hold
+        clock.advance(1.0)
+        after = served(pool, 6)
+    return during, after
+
+
+def test_a_paused_worker_is_chosen_again_once_its_peak_hold_passes():
+    """After one late answer the worker is avoided while the peak is news; once it has
+    been idle past ``peak_hold`` its estimate is its typical 30 ms again, and it takes
+    its share at once instead of after the 10 s decay has worn the peak down."""
+    during, after = _pause_scenario(peak_hold=1.0)
+    assert during["a"] == 0
+    assert after["a"] >= 2
+
+
+def test_without_a_peak_hold_only_the_decay_brings_a_paused_worker_back():
+    """``peak_hold: 0``: the same worker, a second later, still gets nothing."""
+    _, after = _pause_scenario(peak_hold=0.0)
+    assert after["a"] == 0
+
+
+def test_a_worker_whose_only_answer_was_slow_is_tried_again_at_its_tiers_latency():
+    """A worker whose first answer was slow (a cold connection) has one answer: its own
+    median says little. Once idle past the hold it relaxes to its tier's typical
+    latency and is chosen again, instead of waiting for the decay."""
+    clock = FakeClock()
+    first = {"a": 0.3}
+
+    def handler(req: FakeRequest) -> Any:
+        clock.advance(first.pop(req.worker_id, 0.03))
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(("a", "b", "c")), transport_factory=net.factory, clock=clock) as pool:
+        before = served(pool, 20)  # 0.6 s: a's one slow answer keeps it out
+        assert before["a"] == 1
+        clock.advance(1.0)  # idle past the hold
+        assert served(pool, 6)["a"] >= 1
+
+
+def test_a_relaxed_worker_looks_like_its_peers_never_cheaper_than_all():
+    """While a worker paused, the others took its load and answer in 60 ms: once
+    relaxed, its estimate is their median, not its own typical 30 ms, so processes
+    relaxing it together do not all send it every task at once."""
+    clock = FakeClock()
+    latency = {"a": 0.03, "b": 0.03, "c": 0.03}
+
+    def handler(req: FakeRequest) -> Any:
+        clock.advance(latency[req.worker_id])
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(("a", "b", "c")), transport_factory=net.factory, clock=clock) as pool:
+        served(pool, 48)
+        latency.update(a=1.0, b=0.06, c=0.06)
+        while pool.execute(OK)["worker_id"] != "a":
+            pass
+        latency["a"] = 0.03
+        served(pool, 12)  # b and c answer in 60 ms now
+        clock.advance(1.0)
+        served(pool, 1)  # the hold has passed: a relaxes at this selection
+        estimates = {r["id"]: r["balancing"]["latency_estimate_ms"] for r in pool.workers()}
+    assert 45 < estimates["a"] < 200

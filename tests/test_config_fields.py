@@ -67,13 +67,13 @@ def test_balancing_section_is_read_with_its_nested_sections() -> None:
     """
     cfg = parse_config(yaml.safe_load(text))
     assert cfg.balancing == BalancingConfig(
-        "weighted",
-        False,
-        3.0,
-        0.0,
-        RetryBudgetConfig(0.5, 1.0),
-        True,
-        HedgeConfig(True, 0.25, 0.99),
+        strategy="weighted",
+        latency_aware=False,
+        latency_decay=3.0,
+        slow_start=0.0,
+        retry_budget=RetryBudgetConfig(0.5, 1.0),
+        adaptive_concurrency=True,
+        hedge=HedgeConfig(True, 0.25, 0.99),
     )
     assert cfg.models == ModelsConfig(placement=True, refresh_on_health=False)
 

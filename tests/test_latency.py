@@ -134,3 +134,51 @@ def test_decay_must_be_positive():
     """A decay of 0 would divide by zero: refused at once."""
     with pytest.raises(ValueError, match="decay"):
         PeakEwma(0.0)
+
+
+def test_relax_brings_a_pause_peak_down_to_the_typical_latency():
+    """Four late answers of a 1 s pause after sixteen of 30 ms: the peak says 1 s; once
+    relaxed, the estimate is the median of the recent answers, 30 ms, from then on."""
+    est = PeakEwma(10.0, now=T)
+    for i in range(16):
+        est.observe(0.03, T + i * 0.01)
+    for i in range(4):
+        est.observe(1.0 - i * 0.01, T + 1.2 + i * 0.001)
+    assert est.value(T + 1.203) == pytest.approx(1.0, rel=0.01)
+    assert est.typical() == pytest.approx(0.03)
+    assert est.relax(T + 2.5)
+    assert est.value(T + 2.5) == pytest.approx(0.03)
+    assert est.value(T + 12.5) == pytest.approx(0.03 * math.exp(-1.0))
+
+
+def test_relax_never_lowers_a_steadily_slower_worker():
+    """A worker whose answers are 50-90 ms keeps its cost, its last peak included:
+    that is its own jitter, within twice its median."""
+    est = PeakEwma(10.0, now=T)
+    for i in range(32):
+        est.observe(0.05 + (i % 5) * 0.01, T + i * 0.05)
+    est.observe(0.095, T + 1.6)  # a peak of its own
+    before = est.value(T + 5.0)
+    assert not est.relax(T + 5.0)
+    assert est.value(T + 5.0) == before
+
+
+def test_relax_follows_a_worker_that_stays_slow():
+    """After nine slow answers of sixteen the median is slow: relaxing keeps it slow."""
+    est = PeakEwma(10.0, now=T)
+    for i in range(16):
+        est.observe(0.03, T + i * 0.01)
+    for i in range(9):
+        est.observe(0.5, T + 1.0 + i * 0.5)
+    est.relax(T + 10.0)
+    assert est.value(T + 10.0) > 0.3
+
+
+def test_relax_needs_answers_and_a_seed_forgets_them():
+    """No successful answer: nothing to relax to; a seed starts the recent answers again."""
+    est = PeakEwma(10.0, now=T)
+    est.observe(1.0, T, ok=False)
+    assert est.typical() is None and not est.relax(T + 5.0)
+    est.observe(0.03, T + 1.0)
+    est.seed(0.5, T + 2.0)
+    assert est.typical() is None

@@ -13,6 +13,7 @@ import pytest
 from npu_sync.admission import Dispatcher
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
+from npu_sync.latency import TYPICAL
 from npu_sync.selector import P2C_THRESHOLD, Selector
 from npu_sync.slowstart import SlowStart
 from npu_sync.testing import FakeClock
@@ -457,20 +458,25 @@ def test_costs_follow_capacity_and_weight_with_latency_on():
 
 
 def test_a_slow_worker_is_tried_again_once_its_estimate_has_decayed():
-    """Its last answer took 200 ms; while the others answer in 20 ms, it gets nothing
-    until its estimate decays below theirs (about ln(10) decays), then a task."""
+    """Its answers take 200 ms; while the others answer in 20 ms, it gets a task now
+    and then while it has too few answers for a typical latency of its own (each hold,
+    at its tier's), then nothing until its estimate decays below theirs (about ln(10)
+    decays), then a task."""
     ws = [make_worker(n, capacity=64) for n in "abc"]
     selector = latency_selector(ws)
     fleet = Fleet(selector, {"a": 0.02, "b": 0.02, "c": 0.2}, callers=1)
     start = fleet.clock.monotonic()
     for w in ws:
         selector.observe(w, fleet.latency[w.id] or 0.0, start)
-    fleet.run(start + 40)
+    fleet.run(start + 60)
     to_c = [at - start for at, wid in fleet.sent if wid == "c"]
     assert to_c, "the slow worker was never tried again"
-    assert 20 < to_c[0] < 26  # 0.2 * exp(-t / 10) < 0.02 from t = 23 s
-    # Tried, found slow again (the peak): it waits about as long for the next try.
-    assert len(to_c) == 1 or to_c[1] - to_c[0] > 15
+    assert 1.0 <= to_c[0] < 2.0  # the hold: it has one answer, its tier's median counts
+    # Its own median once it has half of TYPICAL answers: then only the decay.
+    probes = [at for at in to_c if at < 15]
+    assert len(probes) == TYPICAL // 2 - 1
+    later = [at for at in to_c if at >= 15]
+    assert later and later[0] - probes[-1] > 20  # 0.2 * exp(-t / 10) < 0.02: 23 s
 
 
 def test_a_frozen_worker_gets_no_more_tasks_while_its_estimate_decays():

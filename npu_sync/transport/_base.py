@@ -56,15 +56,20 @@ class TransportError(NpuSyncError):
         stale: a reused keep-alive connection was closed by the worker before any
             byte of the answer: most likely the worker never saw the request; nobody
             is to blame. Always with ``kind="reset"`` and ``sent=True``.
+        stalled: the worker sent no byte of the answer for the call's ``silence``
+            (see :mod:`npu_sync.stall`). Always with ``kind="timeout"``.
     """
 
-    def __init__(self, kind: str, message: str, *, sent: bool, stale: bool = False) -> None:
+    def __init__(
+        self, kind: str, message: str, *, sent: bool, stale: bool = False, stalled: bool = False
+    ) -> None:
         if kind not in TRANSPORT_ERROR_KINDS:
             raise ValueError(f"unknown transport error kind {kind!r}")
         super().__init__(message)
         self.kind = kind
         self.sent = sent
         self.stale = stale
+        self.stalled = stalled
 
     def __repr__(self) -> str:
         stale = ", stale=True" if self.stale else ""

@@ -316,6 +316,7 @@ class BuiltinTransport:
     """
 
     cancellable = True
+    silences = True  # request() takes silence=: see npu_sync.stall
 
     def __init__(
         self,
@@ -372,8 +373,11 @@ class BuiltinTransport:
         connect_timeout: float | None = None,
         replayable: bool = False,
         cancel: Cancel | None = None,
+        silence: float | None = None,
     ) -> Response:
-        """Send one request; see :meth:`Transport.request`. ``cancel``: see :class:`Cancel`."""
+        """Send one request; see :meth:`Transport.request`. ``cancel``: see :class:`Cancel`.
+        ``silence``: the call fails (``kind="timeout"``, ``stalled=True``) once that many
+        seconds pass without a byte of the answer, however much of ``timeout`` is left."""
         start = time.monotonic()
         deadline = start + timeout
         path = self._base_path + path
@@ -382,7 +386,7 @@ class BuiltinTransport:
         if conn is None:
             conn = self._connect(start, deadline, connect_timeout, method, path)
         try:
-            return self._exchange(conn, data, method, path, deadline, timeout, cancel)
+            return self._exchange(conn, data, method, path, deadline, timeout, cancel, silence)
         except _Lost as lost:
             # Only a reused connection that failed before any answer byte gets here.
             if cancel is not None and cancel.cancelled:
@@ -400,7 +404,7 @@ class BuiltinTransport:
         log.debug("worker %s: stale keep-alive connection; re-sending", self.worker.id)
         try:
             conn = self._connect(time.monotonic(), deadline, connect_timeout, method, path)
-            return self._exchange(conn, data, method, path, deadline, timeout, cancel)
+            return self._exchange(conn, data, method, path, deadline, timeout, cancel, silence)
         except TransportError as exc:
             if exc.sent or not delivered:
                 raise
@@ -461,6 +465,7 @@ class BuiltinTransport:
         deadline: float,
         timeout: float,
         cancel: Cancel | None = None,
+        silence: float | None = None,
     ) -> Response:
         """Send, read the whole answer, give the connection back or close it.
 
@@ -479,13 +484,13 @@ class BuiltinTransport:
                 sent = True
                 response, keep = self._early_answer(conn, method, deadline, lost), False
             else:
-                response, keep = self._read_response(conn, method, deadline)
+                response, keep = self._read_response(conn, method, deadline, silence)
         except (_Timeout, _Lost, h11.MessageError, OSError) as exc:
             conn.close()
             if isinstance(exc, _Lost) and conn.reused and not exc.answered:
                 raise
             cause = exc if isinstance(exc, OSError) else exc.__cause__
-            raise self._error(exc, sent, method, path, timeout) from cause
+            raise self._error(exc, sent, method, path, timeout, silence) from cause
         except BaseException:
             conn.close()
             raise
@@ -514,9 +519,18 @@ class BuiltinTransport:
         raise lost
 
     def _error(
-        self, exc: Exception, sent: bool, method: str, path: str, timeout: float
+        self,
+        exc: Exception,
+        sent: bool,
+        method: str,
+        path: str,
+        timeout: float,
+        silence: float | None = None,
     ) -> TransportError:
         what = describe(self.worker, method, path)
+        if isinstance(exc, _Stalled):
+            happened = f"stalled: no byte of the answer for {silence:g}s"
+            return TransportError("timeout", what.on(happened), sent=True, stalled=True)
         if isinstance(exc, _Timeout):
             sent = sent or isinstance(exc, _SentTimeout)
             happened = f"timed out after {timeout:g}s waiting for the answer"
@@ -706,9 +720,13 @@ class BuiltinTransport:
 
     # -- reading ------------------------------------------------------------------------
 
-    def _read_response(self, conn: _Conn, method: str, deadline: float) -> tuple[Response, bool]:
-        """Read one whole answer. Returns it and whether the connection may be reused."""
-        reader = _Reader(conn, deadline)
+    def _read_response(
+        self, conn: _Conn, method: str, deadline: float, silence: float | None = None
+    ) -> tuple[Response, bool]:
+        """Read one whole answer. Returns it and whether the connection may be reused.
+        With ``silence``, each wait for more of it ends that many seconds after it
+        began (raising _Stalled) if that comes before ``deadline``."""
+        reader = _Reader(conn, deadline, silence)
         for _ in range(h11.MAX_INTERIM + 1):
             version, status, headers = reader.head()
             if status >= 200:
@@ -773,24 +791,44 @@ class _SentTimeout(_Timeout):
     """The budget ran out after part of the request was written."""
 
 
+class _Stalled(_SentTimeout):
+    """No byte of the answer came for the call's ``silence``."""
+
+
 class _Reader:
     """Reads one answer from a connection's buffer and socket, within a deadline."""
 
-    __slots__ = ("buf", "conn", "deadline", "end", "got", "start")
+    __slots__ = ("buf", "conn", "deadline", "end", "got", "silence", "start")
 
-    def __init__(self, conn: _Conn, deadline: float) -> None:
+    def __init__(self, conn: _Conn, deadline: float, silence: float | None = None) -> None:
         self.conn = conn
         self.deadline = deadline
+        self.silence = silence
         self.buf = conn.buf
         self.start = 0
         self.end = 0
         self.got = False  # any byte of the answer arrived
 
     def _recv_into(self, view: memoryview) -> int:
-        """One read into ``view``; 0 means EOF. Waits for data within the deadline."""
+        """One read into ``view``; 0 means EOF. Waits for data within the deadline, and
+        within ``silence`` from now when given."""
+        until = self.deadline
+        silence = self.silence
+        if silence is not None and (quiet := time.monotonic() + silence) < until:
+            until = quiet
+        conn = self.conn
         try:
-            n = self.conn.recv_into(view, self.deadline)
+            try:
+                n = conn.recv_into(view, until)
+            except _Timeout:
+                # Bytes that came while this thread was not running are not silence (a
+                # starved process wakes past its limit with the answer waiting).
+                if until >= self.deadline or not conn._readable(0.0):
+                    raise
+                n = conn.recv_into(view, self.deadline)
         except _Timeout:
+            if until < self.deadline:
+                raise _Stalled from None
             raise _SentTimeout from None
         except _LOST as exc:
             raise _Lost(f"connection lost: {os_reason(exc)}", answered=self.got) from exc
