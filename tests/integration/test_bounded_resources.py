@@ -242,8 +242,10 @@ def test_close_with_checks_hanging_on_a_worker_that_never_answers_ends_promptly(
     try:
         # 16 checks hang on their sockets, the other 184 wait for a thread.
         assert wait_for(
-            lambda: (pool.stats()["health"]["threads"], pool.stats()["health"]["in_flight"])
-            == (16, 200)
+            lambda: (
+                (pool.stats()["health"]["threads"], pool.stats()["health"]["in_flight"])
+                == (16, 200)
+            )
         )
     finally:
         closer.start()
