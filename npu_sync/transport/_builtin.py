@@ -348,8 +348,9 @@ class BuiltinTransport:
     ) -> None:
         self.worker = worker
         self._tls = check_scheme(worker) == "https"
-        self._host = worker.host
-        self._port = worker.port
+        # Each of these parses the URL again: read once (a fleet builds thousands).
+        self._host = host = worker.host
+        self._port = port = worker.port
         self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._maxsize = max(1, maxsize)
@@ -358,14 +359,17 @@ class BuiltinTransport:
         self._ctx = _ssl_context(tls) if self._tls else None
         headers = base_headers(worker)
         default_port = 443 if self._tls else 80
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        authority = host if self._port == default_port else f"{host}:{self._port}"
+        host = f"[{host}]" if ":" in host else host
+        authority = host if port == default_port else f"{host}:{port}"
         if "host" not in header_index(headers):
             headers = {"Host": authority, **headers}
         json_headers = with_content_type(headers)
         try:
             self._block = h11.header_lines(headers)
-            self._json_block = h11.header_lines(json_headers)
+            if len(json_headers) == len(headers) + 1:  # only Content-Type added, last
+                self._json_block = self._block + "Content-Type: application/json\r\n"
+            else:
+                self._json_block = h11.header_lines(json_headers)
         except h11.BadRequest as exc:
             raise ValueError(f"worker {worker.id}: {exc}") from None
         self._headers = headers
@@ -378,7 +382,8 @@ class BuiltinTransport:
         self._budget: IdleBudget | None = None
         self._closed = False
         _live.add(self)
-        log.debug("builtin transport for worker %s (%s)", worker.id, worker.url)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("builtin transport for worker %s (%s)", worker.id, worker.url)
 
     # -- the call ------------------------------------------------------------------
 
