@@ -688,6 +688,8 @@ class HealthChecker:
                 if self._stop.is_set():
                     return 0.0
                 for target, at in due:
+                    if self._stop.is_set():
+                        break  # close(): do not queue thousands of checks to drop them
                     previous = self._running.get(target.id)
                     if previous is not None and not previous.done():
                         self.skipped += 1
