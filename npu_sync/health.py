@@ -569,7 +569,7 @@ class HealthChecker:
             wait = budget if overdue is None else max(0.0, overdue - self._timer()) + 0.001
             done, _ = concurrent.futures.wait(pending, timeout=min(wait, _MAX_DELAY))
             pending -= done
-            self._runner.abandon_overdue()
+            self._abandon_overdue()
             pending = {f for f in pending if not self._runner.is_abandoned(f)}
 
     def _submit(
@@ -580,9 +580,12 @@ class HealthChecker:
         models: bool,
         scrubber: Scrubber,
         due: float,
+        *,
+        by_thread: bool = False,
     ) -> concurrent.futures.Future[HealthResult] | None:
         """Queue one probe on the probe threads; None once stopped. Called with
-        ``_lock`` held; queueing does no I/O."""
+        ``_lock`` held; queueing does no I/O. ``by_thread``: the health thread's own
+        check, whose result it applies (check_once() applies its own)."""
         options: dict[str, Any] = {
             "protocol": getattr(target, "protocol", LINUX),
             "auth": getattr(target, "auth", None),
@@ -606,7 +609,10 @@ class HealthChecker:
             return dataclasses.replace(result, generation=generation) if generation else result
 
         future = self._runner.submit(
-            run, budget=config.timeout + _ROUND_MARGIN, due=due, tag=(worker_id, generation)
+            run,
+            budget=config.timeout + _ROUND_MARGIN,
+            due=due,
+            tag=(worker_id, generation, by_thread, config.timeout),
         )
         if future is not None:
             self._running[worker_id] = future
@@ -669,17 +675,7 @@ class HealthChecker:
         if schedule.round_end <= now:
             self._round_ended(schedule, config, now)
             schedule.round_end = now + interval
-        for abandoned in self._runner.abandon_overdue(now):
-            worker_id, generation = cast("tuple[str, int]", abandoned)
-            self._done.append(
-                HealthResult(
-                    worker_id,
-                    False,
-                    self._clock.time(),
-                    error=f"no answer within {config.timeout}s",
-                    generation=generation,
-                )
-            )
+        self._abandon_overdue(now)
         due = schedule.take_due(now + _SLACK)
         if due:
             models = bool(self._models())
@@ -696,7 +692,13 @@ class HealthChecker:
                         schedule.skipped += 1
                         continue
                     future = self._submit(
-                        target, config, getattr(target, "generation", 0), models, scrubber, at
+                        target,
+                        config,
+                        getattr(target, "generation", 0),
+                        models,
+                        scrubber,
+                        at,
+                        by_thread=True,
                     )
                     if future is not None:
                         future.add_done_callback(self._probe_done)
@@ -707,6 +709,22 @@ class HealthChecker:
         if self._done:
             wake_at = min(wake_at, now + _APPLY_EVERY)
         return wake_at - now
+
+    def _abandon_overdue(self, now: float | None = None) -> None:
+        """Give up checks past their budget; the thread's own are reported failed (a
+        check_once() reports its own)."""
+        for tag in self._runner.abandon_overdue(now):
+            worker_id, generation, by_thread, timeout = cast("tuple[str, int, bool, float]", tag)
+            if by_thread:
+                failed = HealthResult(
+                    worker_id,
+                    False,
+                    self._clock.time(),
+                    error=f"no answer within {timeout}s",
+                    generation=generation,
+                )
+                with self._lock:
+                    self._done.append(failed)
 
     def _probe_done(self, future: concurrent.futures.Future[HealthResult]) -> None:
         if future.cancelled() or future.exception() is not None:

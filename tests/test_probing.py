@@ -252,3 +252,32 @@ def test_checks_that_cannot_keep_up_are_skipped_counted_and_logged(caplog):
         checker.stop()
     assert "health.concurrency (now 1)" in caplog.text
     assert checker.stats()["skipped"] == checker.skipped
+
+
+def test_the_threads_check_that_overruns_its_budget_is_reported_failed_once():
+    """A transport that ignores its budget: the health thread gives its check up after
+    health.timeout + 0.5 s, applies one failure, and the worker is not probed twice."""
+    net = FakeNetwork()
+    release = threading.Event()
+    calls = []
+
+    def hung(req):
+        calls.append(req)
+        release.wait(30)  # ignores its budget and its cancellation
+        return json_response(200, {"status": "healthy"})
+
+    targets = fleet(net, 1, hung)
+    applied: list[str | None] = []
+    checker = HealthChecker(
+        lambda: targets,
+        lambda results: applied.extend(r.error for r in results.values()),
+        lambda: HealthConfig(interval=0.05, timeout=0.05, concurrency=1),
+    )
+    checker.start()
+    try:
+        assert wait_for(lambda: any(e and "no answer within 0.05s" in e for e in applied))
+        assert len(calls) == 1 and checker.skipped > 0
+    finally:
+        release.set()
+        checker.stop()
+    assert sum(1 for e in applied if e and "no answer" in e) == 1
