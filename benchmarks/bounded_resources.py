@@ -6,13 +6,17 @@ check and close: two source trees side by side.
 Each tree is a directory holding the ``npu_sync`` package; each scenario runs in a
 fresh interpreter with that tree first on ``sys.path`` and the soft open-file limit
 at the default 1,024, against one worker process on many loopback ports
-(``tests/idle_worker.py``). Two scenarios:
+(``tests/idle_worker.py``). Three scenarios:
 
 ``failover``
     44 workers in 44 priority tiers, each serving 100 tasks and then answering 503, so
     that 32 callers fail over from worker to worker; the worker closes idle
     connections after 1 s (as uvicorn does after 5). Samples the process's
     descriptors every 0.25 s during the load and for 3 s after it.
+
+``callers``
+    10,000 workers, health checks on, 256 threads each running 20 tasks: descriptors
+    at their peak and tasks or checks failed with ``EMFILE``.
 
 ``fleet``
     1,000 and 10,000 workers (on 50 ports): the time to build and start the pool, a
@@ -133,6 +137,45 @@ FLEET = COMMON + textwrap.dedent(
     """
 )
 
+CALLERS = COMMON + textwrap.dedent(
+    """
+    proc, ports = serve("--ports", "50", "--idle-close", "60")
+    workers = tuple(
+        worker_config(f"w{i}", f"http://127.0.0.1:{ports[i % 50]}") for i in range(10000)
+    )
+    out = {"start": fds()}
+    peak = [0]
+    done = threading.Event()
+    def sample():
+        while not done.wait(0.05):
+            peak[0] = max(peak[0], fds())
+    try:
+        pool = WorkerPool(PoolConfig(workers=workers, health=HealthConfig(interval=30)))
+    except NpuSyncError as exc:
+        out["error"] = str(exc)
+    else:
+        sampler = threading.Thread(target=sample); sampler.start()
+        failed, emfile = [0], [0]
+        def caller(n):
+            for i in range(20):
+                try:
+                    pool.execute({"input_text": f"{n}-{i}"})
+                except Exception as exc:
+                    failed[0] += 1
+                    emfile[0] += "open files" in repr(exc)
+        callers = [threading.Thread(target=caller, args=(n,)) for n in range(256)]
+        for t in callers: t.start()
+        for t in callers: t.join()
+        done.set(); sampler.join()
+        health = pool.check_health()
+        out.update(tasks=256 * 20, failed=failed[0], emfile=emfile[0], peak_fds=peak[0],
+                   health_emfile=sum("open files" in (r["error"] or "") for r in health.values()))
+        pool.close()
+    proc.stdin.close(); proc.kill(); proc.wait()
+    print(json.dumps(out))
+    """
+)
+
 
 def run(tree: str, code: str, *args: str) -> dict[str, object]:
     tree = os.path.abspath(tree)
@@ -159,6 +202,9 @@ def main(trees: list[str]) -> None:
     print("failover: 44 workers failing over, 32 callers, idle connections closed after 1 s")
     for tree in trees:
         print(f"  {tree}: {run(tree, FAILOVER)}")
+    print("callers: 256 threads, 20 tasks each, over 10,000 workers, health on")
+    for tree in trees:
+        print(f"  {tree}: {run(tree, CALLERS)}")
     for n in ("1000", "10000"):
         print(f"fleet of {n} workers")
         for tree in trees:
