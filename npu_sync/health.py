@@ -1,10 +1,12 @@
 """Active health checks: a daemon thread probes every worker's ``/health``.
 
-Each round checks all workers in parallel, each on a thread and a connection of its
-own (never the task connections) and bounded by ``health.timeout``, so a hung worker
-delays neither the other checks nor ``close()`` by more than that timeout, and
-whatever one worker answers fails at most that worker's check. Rounds run every
-``health.interval`` seconds ±10 % so that many processes do not probe in step.
+Each worker is checked once per ``health.interval``, at an offset of its own within
+the interval (salted per process, so that many processes do not probe in step), on at
+most ``health.concurrency`` threads, each check on a connection of its own (never the
+task connections) and bounded by ``health.timeout``. A worker whose previous check
+still runs is not checked again: that check is skipped and counted, and the checker
+says it falls behind. ``close()`` shuts the sockets of running checks rather than
+waiting for them, and whatever one worker answers fails at most that worker's check.
 The checker only *measures*; the pool applies results (thresholds, hints, breaker
 trials, model lists) under its own lock.
 
@@ -46,7 +48,8 @@ from npu_sync.transport import DEFAULT_IDLE_TIMEOUT, Cancel, Response, Transport
 log = logging.getLogger(__name__)
 
 JITTER = 0.1
-"""Rounds are spaced ``interval * (1 +/- JITTER)`` apart."""
+"""Headroom over a day-long interval for the longest wait (kept for compatibility:
+checks now come at per-worker slots, not at jittered rounds)."""
 
 
 @dataclass(frozen=True, slots=True)
