@@ -382,6 +382,15 @@ class HealthConfig:
         1, 1, 1000, "consecutive passed checks that mark it healthy again"
     )
     endpoint: str = endpoint("/health", "path of the health check (`GET`)")
+    concurrency: int = integer(
+        32,
+        1,
+        4096,
+        "checks in flight at once: the threads, and the sockets, health checks use. Each "
+        "worker is checked once per `interval` at an offset of its own, so the checks of "
+        "a large fleet spread over the interval (see "
+        "[operations.md](operations.md#health-checks-of-a-large-fleet))",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self, "health")
@@ -722,6 +731,19 @@ class TransportConfig:
         "own keep-alive timeout (uvicorn's, which the AutoBot worker runs, is 5 s)",
         above=True,
         unit="s",
+        hot=False,
+    )
+    # Go's net/http keeps 100 idle connections in all (MaxIdleConns); with the health
+    # checks' sockets, the tasks' and a process's own files this stays under the
+    # 1024 descriptors of a default `ulimit -n`.
+    max_idle_connections: int = integer(
+        128,
+        0,
+        1_000_000,
+        "idle keep-alive connections kept for reuse across all workers together; a "
+        "connection released beyond it is closed. Idle connections are also closed when "
+        "`idle_timeout` passes or the worker closes them (swept every second; see "
+        "[transport.md](transport.md#idle-connections))",
         hot=False,
     )
 

@@ -1,10 +1,12 @@
 """Active health checks: a daemon thread probes every worker's ``/health``.
 
-Each round checks all workers in parallel, each on a thread and a connection of its
-own (never the task connections) and bounded by ``health.timeout``, so a hung worker
-delays neither the other checks nor ``close()`` by more than that timeout, and
-whatever one worker answers fails at most that worker's check. Rounds run every
-``health.interval`` seconds ±10 % so that many processes do not probe in step.
+Each worker is checked once per ``health.interval``, at an offset of its own within
+the interval (salted per process, so that many processes do not probe in step), on at
+most ``health.concurrency`` threads, each check on a connection of its own (never the
+task connections) and bounded by ``health.timeout``. A worker whose previous check
+still runs is not checked again: that check is skipped and counted, and the checker
+says it falls behind. ``close()`` shuts the sockets of running checks rather than
+waiting for them, and whatever one worker answers fails at most that worker's check.
 The checker only *measures*; the pool applies results (thresholds, hints, breaker
 trials, model lists) under its own lock.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import heapq
 import logging
 import math
 import random
@@ -30,21 +33,23 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from npu_sync.auth import RequestAuth
 from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.config import HealthConfig
 from npu_sync.errors import printable
+from npu_sync.probing import ProbeRunner, Slots
 from npu_sync.protocols import LINUX, WorkerProtocol
 from npu_sync.redact import NO_SCRUBBER, Scrubber
 from npu_sync.retry import NOT_A_WORKER, REFUSED_CREDENTIALS
-from npu_sync.transport import Response, Transport, TransportError
+from npu_sync.transport import DEFAULT_IDLE_TIMEOUT, Cancel, Response, Transport, TransportError
 
 log = logging.getLogger(__name__)
 
 JITTER = 0.1
-"""Rounds are spaced ``interval * (1 +/- JITTER)`` apart."""
+"""Headroom over a day-long interval for the longest wait (kept for compatibility:
+checks now come at per-worker slots, not at jittered rounds)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +115,20 @@ def probe(
     base_path: str = "",
     models: bool = False,
     scrubber: Scrubber = NO_SCRUBBER,
+    cancel: Cancel | None = None,
 ) -> HealthResult:
     """Check one worker once: GET the health endpoint and read its verdict and hints;
     with ``models``, read its model list too (see the module's docstring). The error
-    text is passed through ``scrubber``.
+    text is passed through ``scrubber``. ``cancel`` (for a transport that is
+    ``cancellable``) lets another thread shut the probe's socket.
 
     Never raises: whatever goes wrong is a failed check of this worker.
     """
+    extra: dict[str, Any] = {}
+    if cancel is not None and getattr(transport, "cancellable", False):
+        extra["cancel"] = cancel
     result = _probe(
-        worker_id, transport, config, clock, protocol, auth, base_path, models, scrubber
+        worker_id, transport, config, clock, protocol, auth, base_path, models, scrubber, extra
     )
     if result.error is not None:
         result = dataclasses.replace(result, error=scrubber(result.error))
@@ -135,6 +145,7 @@ def _probe(
     base_path: str,
     models: bool,
     scrubber: Scrubber,
+    extra: Mapping[str, Any],
 ) -> HealthResult:
     checked_at = clock.time()
     started = clock.monotonic()
@@ -146,6 +157,7 @@ def _probe(
             headers=None if auth is None else auth.headers("GET", base_path + path),
             timeout=config.timeout,
             replayable=True,
+            **extra,
         )
     except TransportError as exc:
         return HealthResult(worker_id, False, checked_at, error=f"{exc.kind}: {exc}")
@@ -172,7 +184,7 @@ def _probe(
         left = config.timeout - (clock.monotonic() - started)
         if left > 0.001:
             result = _with_models(
-                result, transport, protocol, auth, base_path, left, clock, scrubber
+                result, transport, protocol, auth, base_path, left, clock, scrubber, extra
             )
     return result
 
@@ -186,6 +198,7 @@ def _with_models(
     timeout: float,
     clock: Clock,
     scrubber: Scrubber = NO_SCRUBBER,
+    extra: Mapping[str, Any] | None = None,
 ) -> HealthResult:
     """``result`` with the worker's model list, when it can be read in ``timeout``;
     a list that cannot be read leaves the last one standing (never a failed check)."""
@@ -198,6 +211,7 @@ def _with_models(
             headers=None if auth is None else auth.headers("GET", base_path + path),
             timeout=timeout,
             replayable=True,
+            **(extra or {}),
         )
         if response.status != 200 or len(response.body) > MAX_BODY_BYTES:
             raise ValueError(f"HTTP {response.status}")
@@ -308,37 +322,6 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _probe_generation(
-    worker_id: str,
-    transport: Transport,
-    config: HealthConfig,
-    clock: Clock,
-    generation: int,
-    options: Mapping[str, Any],
-) -> HealthResult:
-    result = probe(worker_id, transport, config, clock, **options)
-    return dataclasses.replace(result, generation=generation) if generation else result
-
-
-def _run_probe(
-    future: concurrent.futures.Future[HealthResult],
-    worker_id: str,
-    transport: Transport,
-    config: HealthConfig,
-    clock: Clock,
-    generation: int,
-    options: Mapping[str, Any],
-) -> None:
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        result = _probe_generation(worker_id, transport, config, clock, generation, options)
-    except BaseException as exc:  # the round must learn of it, as of any other end
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
-
-
 def _bool(value: object) -> bool | None:
     return value if isinstance(value, bool) else None
 
@@ -349,17 +332,35 @@ def _positive_int(value: object, *, allow_zero: bool = False) -> int | None:
     return value if value > 0 or (allow_zero and value == 0) else None
 
 
-# A round waits this long past health.timeout for its probes: scheduling, not network.
+# A probe may run this long past health.timeout before it is given up: scheduling, not
+# network (every transport keeps to its budget; this covers one that does not).
 _ROUND_MARGIN = 0.5
 # Event.wait raises OverflowError beyond threading.TIMEOUT_MAX, which would end the
 # thread; no valid interval (at most a day, plus jitter) comes near this cap.
 _MAX_DELAY = 86400 * (1 + JITTER)
 # The wait after a round whose settings could not be read at all.
 _FALLBACK_DELAY = HealthConfig().interval
+# How long stop() waits for probe threads once their sockets are shut.
+STOP_WAIT = 0.5
+# The checker reads the pool's workers at most this often (and when told of a change).
+_REFRESH = 1.0
+# Results are applied in batches at most this often: applying takes the pool's lock.
+_APPLY_EVERY = 0.05
+# Due probes this close together are sent in one go.
+_SLACK = 0.002
 
 
 class HealthChecker:
-    """Runs health rounds, on demand (:meth:`check_once`) or on a daemon thread.
+    """Checks workers' health, on demand (:meth:`check_once`) or on a daemon thread.
+
+    The thread checks each worker once per ``health.interval``, at an offset of its
+    own within the interval (:class:`~npu_sync.probing.Slots`), so a large fleet's
+    checks are spread over the interval; a worker the pool adds, or moves, is checked
+    at once. Probes run on at most ``health.concurrency`` threads
+    (:class:`~npu_sync.probing.ProbeRunner`), each with at most one socket. When the
+    checks cannot keep up — a worker's check is due while its last one is still
+    queued or running — that check is skipped, counted in :attr:`skipped`, and a
+    warning says what to raise; the schedule never drifts.
 
     Thread-safe: ``check_once`` may be called while the thread runs.
 
@@ -367,11 +368,18 @@ class HealthChecker:
         targets: returns the workers to check now (the pool's current set). A target
             with ``protocol``, ``auth`` and ``base_path`` attributes is spoken to in its
             protocol, with its auth headers.
-        apply: receives each round's results; the pool updates worker state with them.
+        apply: receives results (the thread's in batches); the pool updates worker
+            state with them.
         config: returns the health settings in force (they are hot-reloadable).
         models: returns whether passed checks read the workers' model lists too.
         scrubber: returns the scrubber that keeps secrets out of the probes' error
             texts (read once per round).
+        keep_idle: returns how long a transport keeps an idle connection
+            (``transport.idle_timeout``): a probe's connection is closed after the
+            probe unless the worker's next probe comes sooner.
+        housekeeping: a chore and its period in seconds, run on the thread whether
+            checks are on or off (the pool's sweep of idle connections).
+        timer: monotonic seconds for the schedule (waits are real).
     """
 
     def __init__(
@@ -384,32 +392,57 @@ class HealthChecker:
         rng: random.Random | None = None,
         models: Callable[[], bool] = lambda: False,
         scrubber: Callable[[], Scrubber] = lambda: NO_SCRUBBER,
+        keep_idle: Callable[[], float] = lambda: DEFAULT_IDLE_TIMEOUT,
+        housekeeping: tuple[Callable[[], object], float] | None = None,
+        timer: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._housekeeping = housekeeping
+        self._chore_at = 0.0
         self._models = models
         self._scrubber = scrubber
         self._targets = targets
         self._apply = apply
         self._config = config
         self._clock = clock
+        self._timer = timer
+        self._keep_idle = keep_idle
         self._rng = rng or random.Random()
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._soon = threading.Event()
+        self._changed = threading.Event()  # settings changed: slots move
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        # Each worker's latest probe, and the thread running it.
-        self._running: dict[
-            str, tuple[concurrent.futures.Future[HealthResult], threading.Thread]
-        ] = {}
+        # Sized from the settings in force at each round (they are hot-reloadable).
+        self._runner = ProbeRunner(HealthConfig().concurrency, timer=timer)
+        # Each worker's latest probe: never two of one worker at once.
+        self._running: dict[str, concurrent.futures.Future[HealthResult]] = {}
+        # Results of the thread's probes, waiting to be applied in a batch.
+        self._done: list[HealthResult] = []
         self.rounds = 0
+        self.skipped = 0  # checks not made because the worker's last one still ran
+        self.lag = 0.0  # the longest a check waited past its slot, last interval
+        self.behind = False  # the last interval had skipped checks
+        self._warned_at: float | None = None
 
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    def stats(self) -> dict[str, Any]:
+        """What the checker does now: threads, probes in flight, and whether it keeps up."""
+        return {
+            "threads": self._runner.threads(),
+            "concurrency": self._runner.size,
+            "in_flight": self._runner.busy(),
+            "skipped": self.skipped,
+            "behind": self.behind,
+            "lag_ms": self.lag * 1000,
+        }
+
     def start(self) -> None:
-        """Start the daemon thread, or start it again if it died; the first round runs
-        at once. Does nothing once :meth:`stop` was called.
+        """Start the daemon thread, or start it again if it died; every worker is
+        checked at once, then at its slot. Does nothing once :meth:`stop` was called.
         """
         with self._lock:
             if self._stop.is_set() or self.running:
@@ -421,52 +454,46 @@ class HealthChecker:
             self._thread.start()
 
     def wake(self) -> None:
-        """The settings changed: start the next wait over with the new interval."""
+        """The settings changed: the thread reads them, and the slots follow the new
+        interval."""
+        self._changed.set()
         self._wake.set()
 
     def check_soon(self) -> None:
-        """Run a round now rather than at the end of the current wait (new workers to
-        hear from); a thread that is not running is left so."""
+        """Look at the pool's workers now: those it added are checked at once."""
         self._soon.set()
         self._wake.set()
 
     def stop_soon(self) -> None:
-        """Ask the thread to stop after its current round, without waiting for it."""
+        """Ask the thread and the checks to stop, without waiting for them."""
         self._stop.set()
         self._wake.set()
+        self._runner.stop(0.0)
 
     def stop(self) -> None:
-        """Stop the thread and wait for probes in flight.
+        """Stop the thread and the checks in flight.
 
-        Returns within about ``health.timeout`` + 0.5 s: a round in progress waits at
-        most that long for its probes, and every probe is bounded by ``health.timeout``
-        end to end. A probe that overruns even that (a transport not keeping to its
-        budget) is left to end on its own; its thread is a daemon.
+        Returns within about half a second (``STOP_WAIT``) after the thread's current
+        batch: queued checks are dropped, and running ones have their sockets shut
+        (a transport that can be cancelled). A check that ignores that is left to end
+        on its own; its thread is a daemon.
         """
-        try:
-            budget = self._config().timeout + _ROUND_MARGIN
-        except Exception:
-            budget = HealthConfig().timeout + _ROUND_MARGIN
-        # Every probe running now, and every probe of a round in progress, started
-        # before this and ends within health.timeout of its start.
-        deadline = time.monotonic() + budget
         self._stop.set()
         self._wake.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join()  # a round in progress waits at most `budget` for its probes
-        with self._lock:
-            probes = [probe_thread for _, probe_thread in self._running.values()]
-        for probe_thread in probes:
-            if probe_thread is not threading.current_thread():
-                probe_thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join()
+        self._runner.stop(STOP_WAIT)
+
+    # -- one round, on demand -------------------------------------------------------
 
     def check_once(self) -> dict[str, HealthResult]:
-        """Check every worker now, in parallel; apply and return the results."""
+        """Check every worker now, on the probe threads; apply and return the results."""
         config = self._config()
         targets = list(self._targets())
         if not targets:
             return {}
+        self._runner.resize(config.concurrency)
         futures: dict[concurrent.futures.Future[HealthResult], str] = {}
         # Workers whose probe from another round still runs: never probed twice at
         # once. That probe's answer, if it comes in time, is this round's answer too,
@@ -475,29 +502,27 @@ class HealthChecker:
         generations = {t.id: getattr(t, "generation", 0) for t in targets}
         models = bool(self._models())
         scrubber = self._scrubber()
+        now = self._timer()
         with self._lock:
             if self._stop.is_set():
                 return {}
             for t in targets:
                 previous = self._running.get(t.id)
-                if previous is not None and not previous[0].done():
-                    busy[previous[0]] = t.id
+                if previous is not None and not previous.done():
+                    busy[previous] = t.id
                     continue
-                future = self._start_probe(t, config, generations[t.id], models, scrubber)
+                future = self._submit(t, config, generations[t.id], models, scrubber, now)
                 if future is not None:
                     futures[future] = t.id
             for worker_id in [w for w in self._running if w not in generations]:
-                if self._running[worker_id][0].done():
+                if self._running[worker_id].done():
                     del self._running[worker_id]  # the worker left the pool
-        # Each probe is bounded by health.timeout end to end; the margin covers
-        # scheduling. One still running after that (a transport overrunning its budget)
-        # is reported as failed now and is not probed again until it ends.
-        done, _ = concurrent.futures.wait([*futures, *busy], timeout=config.timeout + _ROUND_MARGIN)
+        self._wait([*futures, *busy], config)
         now = self._clock.time()
         results: dict[str, HealthResult] = {}
         shared: dict[str, HealthResult] = {}
         for future, worker_id in busy.items():
-            if future in done and future.exception() is None:
+            if future.done() and not future.cancelled() and future.exception() is None:
                 shared[worker_id] = future.result()
             else:
                 results[worker_id] = HealthResult(
@@ -508,7 +533,7 @@ class HealthChecker:
                     generation=generations[worker_id],
                 )
         for future, worker_id in futures.items():
-            if future not in done:
+            if not future.done() or future.cancelled():
                 results[worker_id] = HealthResult(
                     worker_id,
                     False,
@@ -532,82 +557,311 @@ class HealthChecker:
         self._apply(results)
         return {**results, **shared}
 
-    def _start_probe(
+    def _wait(
+        self, futures: list[concurrent.futures.Future[HealthResult]], config: HealthConfig
+    ) -> None:
+        """Until every probe ended, was given up (past its budget) or the checker stopped.
+
+        Probes queued behind others start as threads free up; each is given up
+        ``health.timeout`` + 0.5 s after it started, so this ends.
+        """
+        pending = set(futures)
+        budget = config.timeout + _ROUND_MARGIN
+        while pending and not self._stop.is_set():
+            overdue = self._runner.next_overdue()
+            wait = budget if overdue is None else max(0.0, overdue - self._timer()) + 0.001
+            done, _ = concurrent.futures.wait(pending, timeout=min(wait, _MAX_DELAY))
+            pending -= done
+            self._abandon_overdue()
+            pending = {f for f in pending if not self._runner.is_abandoned(f)}
+
+    def _submit(
         self,
         target: Target,
         config: HealthConfig,
         generation: int,
-        models: bool = False,
-        scrubber: Scrubber = NO_SCRUBBER,
+        models: bool,
+        scrubber: Scrubber,
+        due: float,
+        *,
+        by_thread: bool = False,
     ) -> concurrent.futures.Future[HealthResult] | None:
-        """Start one probe on a thread of its own; None if no thread could be started.
-
-        A thread per probe rather than a fixed pool: probes queued behind hung ones in
-        a pool would never start within the round, and their workers would be marked
-        unhealthy for another worker's fault. A probe's thread lives at most
-        ``health.timeout``, so there are never more of them than workers. Called
-        with ``_lock`` held; starting a thread does no I/O.
-        """
-        future: concurrent.futures.Future[HealthResult] = concurrent.futures.Future()
-        options = {
+        """Queue one probe on the probe threads; None once stopped. Called with
+        ``_lock`` held; queueing does no I/O. ``by_thread``: the health thread's own
+        check, whose result it applies (check_once() applies its own)."""
+        options: dict[str, Any] = {
             "protocol": getattr(target, "protocol", LINUX),
             "auth": getattr(target, "auth", None),
             "base_path": getattr(target, "base_path", ""),
             "models": models,
             "scrubber": scrubber,
         }
-        thread = threading.Thread(
-            target=_run_probe,
-            args=(
-                future,
-                target.id,
-                target.health_transport,
-                config,
-                self._clock,
-                generation,
-                options,
-            ),
-            name=f"npu-sync-health-check-{target.id}",
-            daemon=True,
+        transport = target.health_transport
+        worker_id = target.id
+        clock = self._clock
+        close_after = config.interval >= self._keep_idle()
+
+        def run(cancel: Cancel) -> HealthResult:
+            try:
+                result = probe(worker_id, transport, config, clock, cancel=cancel, **options)
+            finally:
+                if close_after:
+                    # The next probe comes after the connection would have expired:
+                    # holding it idle till then only takes a descriptor.
+                    _close_idle(transport)
+            return dataclasses.replace(result, generation=generation) if generation else result
+
+        future = self._runner.submit(
+            run,
+            budget=config.timeout + _ROUND_MARGIN,
+            due=due,
+            tag=(worker_id, generation, by_thread, config.timeout),
         )
-        try:
-            thread.start()
-        except RuntimeError:
-            # Out of threads: the process's trouble, not the worker's, so this worker
-            # is not checked this round rather than failed.
-            log.warning("cannot start a health check of worker %s: out of threads", target.id)
-            return None
-        self._running[target.id] = (future, thread)
+        if future is not None:
+            self._running[worker_id] = future
         return future
 
+    # -- the thread ---------------------------------------------------------------------
+
     def _run(self) -> None:
-        delay = 0.0
+        schedule = _Schedule(Slots(self._rng.random(), self._timer()))
         while not self._stop.is_set():
             # Nothing may end this loop but stop(): the pool relies on the thread.
             try:
-                if self._wake.wait(delay):
-                    self._wake.clear()
-                    if self._soon.is_set():
-                        self._soon.clear()
-                        delay = 0.0
-                    else:
-                        delay = self._next_delay()  # new settings: wait the new interval
-                    continue
-                if self._stop.is_set():
-                    return
-                if self._config().enabled:  # a reload may turn checks off, and on again
-                    self.check_once()
+                delay = self._step(schedule)
             except Exception:
                 log.exception("health round failed")
-            delay = self._next_delay()
+                delay = _FALLBACK_DELAY
+            if self._wake.wait(min(max(delay, 0.0), _MAX_DELAY)):
+                self._wake.clear()
+        self._runner.stop(0.0)  # stopped by stop_soon() alone: the probe threads end too
 
-    def _next_delay(self) -> float:
-        """The wait before the next round: the interval, jittered, capped; never raises."""
+    def _step(self, schedule: _Schedule) -> float:
+        """Apply what came in, send what is due; the wait until there is more to do."""
+        now = self._timer()
+        chore_wait = self._chores(now)
+        return min(chore_wait, self._checks(schedule, now))
+
+    def _chores(self, now: float) -> float:
+        """Run the housekeeping chore when due; the wait until it is due again."""
+        if self._housekeeping is None:
+            return _MAX_DELAY
+        chore, every = self._housekeeping
+        if now >= self._chore_at:
+            self._chore_at = now + every
+            try:
+                chore()
+            except Exception:
+                log.exception("health thread housekeeping failed")
+        return self._chore_at - now
+
+    def _checks(self, schedule: _Schedule, now: float) -> float:
+        changed = self._changed.is_set()
+        self._changed.clear()
         try:
-            delay = float(self._config().interval) * self._rng.uniform(1 - JITTER, 1 + JITTER)
+            config = self._config()
         except Exception:
-            log.exception("cannot read health.interval; next round in %ss", _FALLBACK_DELAY)
+            log.exception("cannot read the health settings; next try in %ss", _FALLBACK_DELAY)
             return _FALLBACK_DELAY
-        if not math.isfinite(delay) or delay > _MAX_DELAY:
-            return _MAX_DELAY  # NaN too: it would make Event.wait raise
-        return max(delay, 0.0)
+        self._flush()
+        if not config.enabled:  # a reload may turn checks off, and on again
+            schedule.forget()
+            return _MAX_DELAY
+        self._runner.resize(config.concurrency)
+        interval = _interval(config)
+        soon = self._soon.is_set()
+        self._soon.clear()
+        if soon or changed or schedule.refresh_at <= now or interval != schedule.interval:
+            targets = {t.id: t for t in self._targets()}
+            schedule.update(targets, interval, now, moved=changed)
+            schedule.refresh_at = now + min(interval, _REFRESH)
+        if schedule.round_end <= now:
+            self._round_ended(schedule, config, now)
+            schedule.round_end = now + interval
+        self._abandon_overdue(now)
+        due = schedule.take_due(now + _SLACK)
+        if due:
+            models = bool(self._models())
+            scrubber = self._scrubber()
+            with self._lock:
+                if self._stop.is_set():
+                    return 0.0
+                for target, at in due:
+                    if self._stop.is_set():
+                        break  # close(): do not queue thousands of checks to drop them
+                    previous = self._running.get(target.id)
+                    if previous is not None and not previous.done():
+                        self.skipped += 1
+                        schedule.skipped += 1
+                        continue
+                    future = self._submit(
+                        target,
+                        config,
+                        getattr(target, "generation", 0),
+                        models,
+                        scrubber,
+                        at,
+                        by_thread=True,
+                    )
+                    if future is not None:
+                        future.add_done_callback(self._probe_done)
+        wake_at = min(schedule.next_due(), schedule.refresh_at, schedule.round_end)
+        overdue = self._runner.next_overdue()
+        if overdue is not None:
+            wake_at = min(wake_at, overdue + 0.001)
+        if self._done:
+            wake_at = min(wake_at, now + _APPLY_EVERY)
+        return wake_at - now
+
+    def _abandon_overdue(self, now: float | None = None) -> None:
+        """Give up checks past their budget; the thread's own are reported failed (a
+        check_once() reports its own)."""
+        for tag in self._runner.abandon_overdue(now):
+            worker_id, generation, by_thread, timeout = cast("tuple[str, int, bool, float]", tag)
+            if by_thread:
+                failed = HealthResult(
+                    worker_id,
+                    False,
+                    self._clock.time(),
+                    error=f"no answer within {timeout}s",
+                    generation=generation,
+                )
+                with self._lock:
+                    self._done.append(failed)
+
+    def _probe_done(self, future: concurrent.futures.Future[HealthResult]) -> None:
+        if future.cancelled() or future.exception() is not None:
+            return  # cancelled by stop(); probe() itself never raises
+        with self._lock:
+            self._done.append(future.result())
+        self._wake.set()
+
+    def _flush(self) -> None:
+        with self._lock:
+            batch, self._done = self._done, []
+        if batch:
+            try:
+                self._apply({r.worker_id: r for r in batch})
+            except Exception:  # those results are lost; the next ones are not
+                log.exception("health round failed")
+
+    def _round_ended(self, schedule: _Schedule, config: HealthConfig, now: float) -> None:
+        """An interval passed: count it, and say so when the checks fell behind."""
+        if schedule.interval is None:
+            return
+        self.rounds += 1
+        self.lag = self._runner.take_max_lag()
+        self.behind = schedule.skipped > 0
+        if schedule.skipped and (
+            self._warned_at is None or now - self._warned_at >= max(60.0, schedule.interval)
+        ):
+            self._warned_at = now
+            log.warning(
+                "health checks fall behind: %d of %d workers' checks were skipped in the last "
+                "%gs because the previous check was still running (checks wait up to %.3gs "
+                "past their slot); raise health.concurrency (now %d) or health.interval",
+                schedule.skipped,
+                len(schedule.targets),
+                schedule.interval,
+                self.lag,
+                config.concurrency,
+            )
+        schedule.skipped = 0
+
+
+def _interval(config: HealthConfig) -> float:
+    try:
+        interval = float(config.interval)
+    except (TypeError, ValueError):
+        return _FALLBACK_DELAY
+    if not math.isfinite(interval) or interval > _MAX_DELAY:
+        return _MAX_DELAY
+    return max(interval, 0.001)
+
+
+def _close_idle(transport: Transport) -> None:
+    close_idle = getattr(transport, "close_idle", None)
+    if close_idle is not None:
+        try:
+            close_idle()
+        except Exception:
+            log.exception("closing the idle health connection failed")
+
+
+class _Schedule:
+    """The health thread's plan: every worker's next slot. Owned by that thread."""
+
+    def __init__(self, slots: Slots) -> None:
+        self.slots = slots
+        self.targets: dict[str, Target] = {}
+        self.generations: dict[str, int] = {}
+        self.due: dict[str, float] = {}
+        self.heap: list[tuple[float, str]] = []
+        self.interval: float | None = None
+        self.refresh_at = 0.0
+        self.round_end = 0.0
+        self.skipped = 0
+
+    def forget(self) -> None:
+        """Checks are off: when they come back on, every worker is checked at once."""
+        self.targets.clear()
+        self.generations.clear()
+        self.due.clear()
+        self.heap.clear()
+        self.interval = None
+
+    def update(
+        self, targets: dict[str, Target], interval: float, now: float, *, moved: bool
+    ) -> None:
+        """Follow the pool's workers: new (or moved) ones are due now; a new interval
+        moves every other worker to its slot in it."""
+        resched = moved or interval != self.interval
+        self.interval = interval
+        for worker_id in [w for w in self.targets if w not in targets]:
+            del self.targets[worker_id]
+            self.generations.pop(worker_id, None)
+            self.due.pop(worker_id, None)
+        for worker_id, target in targets.items():
+            generation = getattr(target, "generation", 0)
+            known = worker_id in self.targets and self.generations.get(worker_id) == generation
+            self.targets[worker_id] = target
+            self.generations[worker_id] = generation
+            if not known:
+                self._plan(worker_id, now)
+            elif resched:
+                self._plan(worker_id, self.slots.next(worker_id, interval, now))
+        if resched or len(self.heap) > 2 * len(self.due) + 64:
+            self.heap = [(at, w) for w, at in self.due.items()]
+            heapq.heapify(self.heap)
+
+    def _plan(self, worker_id: str, at: float) -> None:
+        self.due[worker_id] = at
+        heapq.heappush(self.heap, (at, worker_id))
+
+    def take_due(self, until: float) -> list[tuple[Target, float]]:
+        """The workers whose slot came, each moved to its next slot."""
+        interval = self.interval
+        if interval is None:
+            return []
+        taken: list[tuple[Target, float]] = []
+        heap = self.heap
+        while heap and heap[0][0] <= until:
+            at, worker_id = heapq.heappop(heap)
+            if self.due.get(worker_id) != at:
+                continue  # replaced by a later plan
+            target = self.targets.get(worker_id)
+            if target is None:
+                continue
+            taken.append((target, at))
+            # The next slot after this one, at least half an interval away (the first
+            # check of a new worker comes at once, off its slot).
+            self._plan(
+                worker_id, self.slots.next(worker_id, interval, max(at, until) + interval / 2)
+            )
+        return taken
+
+    def next_due(self) -> float:
+        heap = self.heap
+        while heap and self.due.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else math.inf

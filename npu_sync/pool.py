@@ -50,6 +50,7 @@ from npu_sync.events import (
     WorkerHealthChanged,
     WorkerModelsChanged,
 )
+from npu_sync.fdlimit import check as check_descriptors
 from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.guard import ReloadGuard
 from npu_sync.health import HealthChecker, HealthResult
@@ -62,7 +63,9 @@ from npu_sync.state import PoolState
 from npu_sync.state import TransportFactory as TransportFactory
 from npu_sync.stats_types import (
     BalancingStats,
+    ConnectionStats,
     FleetStatsDict,
+    HealthStats,
     PoolStatsDict,
     ReloadStats,
     SharedStateStats,
@@ -72,7 +75,7 @@ from npu_sync.stop import TaskStop
 from npu_sync.task import Task, as_task, traced
 from npu_sync.taskrun import Runner
 from npu_sync.trace import Trace
-from npu_sync.transport import make_transport
+from npu_sync.transport import IdleReaper, make_transport, reap_interval
 from npu_sync.worker import Worker, render
 
 log = logging.getLogger(__name__)
@@ -119,11 +122,17 @@ class WorkerPool:
     ) -> None:
         # Read first: a bad NPU_SYNC_RELOAD_* value fails before anything is started.
         guard = reload_guard if reload_guard is not None else ReloadGuard.from_env(os.environ)
+        check_descriptors(config)  # before any socket: EMFILE named now, not mid-task
+        # Idle connections of every worker: one cap over them all, swept for expiry.
+        self._reaper = IdleReaper(
+            config.transport.max_idle_connections,
+            reap_interval(config.transport.idle_timeout),
+        )
         shared = _shared_state(config, _weakly(self, WorkerPool._apply_remote, None))
         state = self._state = PoolState(
             config,
             clock=clock,
-            transport_factory=transport_factory,
+            transport_factory=self._reaper.factory(transport_factory),
             rng=rng,
             hooks=hooks,
             shared=shared,
@@ -431,11 +440,16 @@ class WorkerPool:
                     {**self._reconfigurer.counts(), "handover": self._reconfigurer.handover()},
                 ),
                 "shared_state": cast(SharedStateStats, shared),
-                "health": {
-                    "enabled": self._state.config.health.enabled,
-                    "running": self._health.running,
-                    "rounds": self._health.rounds,
-                },
+                "health": cast(
+                    HealthStats,
+                    {
+                        "enabled": self._state.config.health.enabled,
+                        "running": self._health.running,
+                        "rounds": self._health.rounds,
+                        **self._health.stats(),
+                    },
+                ),
+                "connections": cast(ConnectionStats, self._reaper.stats()),
                 "selection_us": {
                     "p50": None if sel50 is None else sel50 * 1e6,
                     "p99": None if sel99 is None else sel99 * 1e6,
@@ -730,6 +744,8 @@ class WorkerPool:
             rng=self._rng,
             models=_weakly(self, _refresh_models, False),
             scrubber=_weakly(self, _scrubber, NO_SCRUBBER),
+            keep_idle=_weakly(self, _idle_timeout, 0.0),
+            housekeeping=(self._reaper.sweep, self._reaper.interval),
         )
 
     def _health_targets(self) -> list[Worker]:
@@ -865,6 +881,7 @@ class WorkerPool:
         reload watcher, shared state) start again on the child's first use.
         """
         self._local = threading.local()
+        self._reaper.after_fork()
         self._state.after_fork()
         self._idle = threading.Condition(self._state.lock)
         self._reconfigurer.after_fork()
@@ -928,6 +945,10 @@ def _weakly(pool: WorkerPool, method: Callable[..., Any], dead: Any) -> Callable
 
 def _health_config(pool: WorkerPool) -> HealthConfig:
     return pool._state.config.health
+
+
+def _idle_timeout(pool: WorkerPool) -> float:
+    return pool._state.config.transport.idle_timeout
 
 
 def _scrubber(pool: WorkerPool) -> Scrubber:

@@ -10,6 +10,7 @@ from typing import TypedDict
 __all__ = [
     "BalancingStats",
     "BreakerStats",
+    "ConnectionStats",
     "DeadLetterStats",
     "FallbackStats",
     "FleetSkipped",
@@ -150,6 +151,21 @@ class HealthStats(TypedDict):
     enabled: bool
     running: bool
     rounds: int
+    threads: int
+    concurrency: int
+    in_flight: int
+    skipped: int
+    behind: bool
+    lag_ms: float
+
+
+class ConnectionStats(TypedDict):
+    """``stats()["connections"]``: idle keep-alive connections over all workers."""
+
+    idle: int
+    max_idle: int
+    closed_over_budget: int
+    reaped: int
 
 
 class SelectionStats(TypedDict):
@@ -229,6 +245,7 @@ class PoolStatsDict(TypedDict):
     reloads: ReloadStats
     shared_state: SharedStateStats
     health: HealthStats
+    connections: ConnectionStats
     selection_us: SelectionStats
     models: ModelStats
     balancing: BalancingStats

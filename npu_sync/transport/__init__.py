@@ -26,6 +26,7 @@ from npu_sync.transport._base import (
     TransportError,
 )
 from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT, BuiltinTransport
+from npu_sync.transport._idle import IdleBudget, IdleReaper, reap_interval
 
 if TYPE_CHECKING:
     from npu_sync.config import TransportConfig, WorkerConfig
@@ -33,15 +34,19 @@ if TYPE_CHECKING:
     from npu_sync.transport._urllib3 import Urllib3Transport
 
 __all__ = [
+    "DEFAULT_IDLE_TIMEOUT",
     "TRANSPORT_ERROR_KINDS",
     "BuiltinTransport",
     "Cancel",
+    "IdleBudget",
+    "IdleReaper",
     "RequestsTransport",
     "Response",
     "Transport",
     "TransportError",
     "Urllib3Transport",
     "make_transport",
+    "reap_interval",
 ]
 
 
@@ -79,13 +84,21 @@ def make_transport(
         from npu_sync.transport._urllib3 import Urllib3Transport
 
         return Urllib3Transport(
-            worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
+            worker,
+            tls=tls,
+            max_response_bytes=transport.max_response_bytes,
+            maxsize=size,
+            idle_timeout=idle_timeout,
         )
     if transport.client == "requests":
         from npu_sync.transport._requests import RequestsTransport
 
         return RequestsTransport(
-            worker, tls=tls, max_response_bytes=transport.max_response_bytes, maxsize=size
+            worker,
+            tls=tls,
+            max_response_bytes=transport.max_response_bytes,
+            maxsize=size,
+            idle_timeout=idle_timeout,
         )
     raise ValueError(f"unknown transport client {transport.client!r}")
 

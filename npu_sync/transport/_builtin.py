@@ -61,6 +61,7 @@ from npu_sync.transport._base import (
     tls_reason,
     with_content_type,
 )
+from npu_sync.transport._idle import IdleBudget
 from npu_sync.transport._resolve import (
     BoundedResolver,
     Lookup,
@@ -202,6 +203,14 @@ class _Conn:
         # TLS: bytes OpenSSL has not read yet cannot be counted; ask the socket.
         return not self._readable(0.0)
 
+    def peer_closed(self) -> bool:
+        """Whether the worker closed or reset this idle connection, judged by the TCP
+        state alone where the kernel tells it: bytes waiting on it (a stray answer,
+        a TLS close_notify on a connection kept open) are for :meth:`alive` to judge
+        when the connection is next taken, not a reason to sweep it."""
+        closed = tcp_closed(self.sock)
+        return (not self.alive()) if closed is None else closed
+
     def recv_into(self, view: memoryview, deadline: float) -> int:
         """One read into ``view`` (0 means EOF), waiting no later than ``deadline``.
 
@@ -278,6 +287,16 @@ class _Conn:
             self.sock.close()
 
 
+def tcp_closed(sock: socket.socket) -> bool | None:
+    """Whether the peer closed or reset a TCP connection (its state is no longer
+    ESTABLISHED), from one ``getsockopt(TCP_INFO)``; None where the kernel cannot say.
+    """
+    if _TCP_INFO is None:
+        return None
+    info = sock.getsockopt(_IPPROTO_TCP, _TCP_INFO, _TCP_INFO_SIZE)
+    return bool(info[0] != _ESTABLISHED)
+
+
 def _ssl_context(tls: TLSConfig) -> ssl.SSLContext:
     """One client context per transport, with the worker's verification settings."""
     if tls.verify is False:
@@ -330,8 +349,9 @@ class BuiltinTransport:
     ) -> None:
         self.worker = worker
         self._tls = check_scheme(worker) == "https"
-        self._host = worker.host
-        self._port = worker.port
+        # Each of these parses the URL again: read once (a fleet builds thousands).
+        self._host = host = worker.host
+        self._port = port = worker.port
         self._base_path = worker.base_path
         self._limit = max_response_bytes
         self._maxsize = max(1, maxsize)
@@ -340,14 +360,17 @@ class BuiltinTransport:
         self._ctx = _ssl_context(tls) if self._tls else None
         headers = base_headers(worker)
         default_port = 443 if self._tls else 80
-        host = f"[{self._host}]" if ":" in self._host else self._host
-        authority = host if self._port == default_port else f"{host}:{self._port}"
+        host = f"[{host}]" if ":" in host else host
+        authority = host if port == default_port else f"{host}:{port}"
         if "host" not in header_index(headers):
             headers = {"Host": authority, **headers}
         json_headers = with_content_type(headers)
         try:
             self._block = h11.header_lines(headers)
-            self._json_block = h11.header_lines(json_headers)
+            if len(json_headers) == len(headers) + 1:  # only Content-Type added, last
+                self._json_block = self._block + "Content-Type: application/json\r\n"
+            else:
+                self._json_block = h11.header_lines(json_headers)
         except h11.BadRequest as exc:
             raise ValueError(f"worker {worker.id}: {exc}") from None
         self._headers = headers
@@ -356,9 +379,12 @@ class BuiltinTransport:
         self._json_index = header_index(json_headers)
         self._request_lines: dict[tuple[str, str], str] = {}
         self._idle: deque[_Conn] = deque()
+        # Shared with the pool's other transports (transport.max_idle_connections).
+        self._budget: IdleBudget | None = None
         self._closed = False
         _live.add(self)
-        log.debug("builtin transport for worker %s (%s)", worker.id, worker.url)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("builtin transport for worker %s (%s)", worker.id, worker.url)
 
     # -- the call ------------------------------------------------------------------
 
@@ -563,6 +589,8 @@ class BuiltinTransport:
                 conn = idle.pop()
             except IndexError:
                 return None
+            if self._budget is not None:
+                self._budget.give()
             # Expired, or closed (or written to) by the worker while idle.
             if conn.expires <= now or not conn.alive():
                 conn.close()
@@ -577,10 +605,16 @@ class BuiltinTransport:
         if self._closed or len(idle) >= self._maxsize:
             conn.close()  # racing releases may keep one or two more: harmless
             return
+        budget = self._budget
+        if budget is not None and not budget.take():
+            conn.close()  # the pool's idle connections are at their total cap
+            return
         idle.append(conn)
         if self._closed:
             self._drain()  # close() ran between the check and the append
             return
+        if budget is not None:
+            budget.holding(self, now)
         # LIFO leaves the bottom of the stack unused longest: close it once it has
         # expired instead of leaving the worker's close unanswered.
         try:
@@ -591,17 +625,67 @@ class BuiltinTransport:
             return  # others took every connection meanwhile
         if bottom.expires <= now:
             bottom.close()
+            if budget is not None:
+                budget.give()
         else:
             idle.appendleft(bottom)  # another thread's pop changed the bottom
 
-    def _drain(self) -> None:
+    def _drain(self) -> int:
         idle = self._idle
+        closed = 0
         while True:
             try:
                 conn = idle.pop()
             except IndexError:
-                return
+                break
             conn.close()
+            closed += 1
+        if closed and self._budget is not None:
+            self._budget.give(closed)
+        return closed
+
+    def share_idle(self, budget: IdleBudget) -> None:
+        """Count this transport's idle connections against ``budget``, which the
+        pool's other transports share (``transport.max_idle_connections``). Call
+        before the first request."""
+        self._budget = budget
+
+    def reap(self, now: float | None = None) -> int:
+        """Close the idle connections that expired or that the worker closed or reset
+        while they sat idle; returns how many. Never blocks: one ``getsockopt`` (or,
+        off Linux, a zero-timeout ``poll()``) per idle connection.
+
+        Safe while requests run: a connection a request takes meanwhile is that
+        request's, and is checked again by it.
+        """
+        at = time.monotonic() if now is None else now
+        idle = self._idle
+        closed = 0
+        for conn in list(idle):
+            try:
+                dead = conn.expires <= at or conn.peer_closed()
+            except OSError:
+                dead = True  # closed under us: in use by a request that failed
+            if not dead:
+                continue
+            try:
+                idle.remove(conn)
+            except ValueError:
+                continue  # a request took it meanwhile: its own check decides
+            conn.close()
+            closed += 1
+        if closed and self._budget is not None:
+            self._budget.give(closed)
+        return closed
+
+    def close_idle(self) -> int:
+        """Close every idle connection now (the transport stays usable); how many."""
+        return self._drain()
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections kept open for reuse right now."""
+        return len(self._idle)
 
     def close(self) -> None:
         """Close idle connections now; connections in use close when their call ends.

@@ -11,6 +11,7 @@ of npu_sync together.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Mapping
 from http.cookiejar import DefaultCookiePolicy
 from typing import TYPE_CHECKING, Any
@@ -32,8 +33,10 @@ from npu_sync.transport._base import (
     tls_reason,
 )
 from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT
+from npu_sync.transport._idle import IdleBudget
 from npu_sync.transport._resolve import BoundedResolver, Lookup, default_resolver
 from npu_sync.transport._urllib3 import (
+    IdleShare,
     _check_headers,
     _exchange,
     _from_urllib3,
@@ -54,7 +57,17 @@ class _NoRetryAdapter(requests.adapters.HTTPAdapter):
 
     def __init__(self, idle_timeout: float, **kwargs: Any) -> None:
         self._idle_timeout = idle_timeout
+        self.idle_share = IdleShare()
         super().__init__(**kwargs)
+
+    def reap(self, now: float, *, everything: bool = False) -> int:
+        pools = self.poolmanager.pools
+        closed = 0
+        for key in pools.keys():  # noqa: SIM118 - the container refuses plain iteration
+            pool = pools.get(key)
+            if pool is not None:
+                closed += pool.reap(now, everything=everything)
+        return closed
 
     def init_poolmanager(
         self, connections: int, maxsize: int, block: bool = False, **pool_kwargs: Any
@@ -63,8 +76,12 @@ class _NoRetryAdapter(requests.adapters.HTTPAdapter):
         # PoolManager builds pools as cls(host, port, **kw) and refuses unknown keys in
         # kw (they become part of the pool key), so the idle timeout is bound here.
         self.poolmanager.pool_classes_by_scheme = {
-            "http": functools.partial(_HTTPConnectionPool, idle_timeout=self._idle_timeout),
-            "https": functools.partial(_HTTPSConnectionPool, idle_timeout=self._idle_timeout),
+            "http": functools.partial(
+                _HTTPConnectionPool, idle_timeout=self._idle_timeout, share=self.idle_share
+            ),
+            "https": functools.partial(
+                _HTTPSConnectionPool, idle_timeout=self._idle_timeout, share=self.idle_share
+            ),
         }
 
     def close(self) -> None:
@@ -147,6 +164,7 @@ class RequestsTransport:
         session.adapters.clear()
         session.mount(self._base_url + "/", adapter)
         self._session = session
+        self._adapter = adapter
         self._json_headers = {"Content-Type": "application/json"}
         # A closed Session would quietly build a new pool on the next request.
         self._closed = False
@@ -206,6 +224,19 @@ class RequestsTransport:
             connect_timeout,
             replayable,
         )
+
+    def share_idle(self, budget: IdleBudget) -> None:
+        """Count the idle connections against ``budget``, shared with the pool's other
+        transports (``transport.max_idle_connections``)."""
+        self._adapter.idle_share.budget = budget
+
+    def reap(self, now: float | None = None) -> int:
+        """Close idle connections that expired or that the worker closed; how many."""
+        return self._adapter.reap(time.monotonic() if now is None else now)
+
+    def close_idle(self) -> int:
+        """Close every idle connection now (the transport stays usable); how many."""
+        return self._adapter.reap(0.0, everything=True)
 
     def close(self) -> None:
         """Close every pooled connection; later requests fail with ``kind="connect"``."""

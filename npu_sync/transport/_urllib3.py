@@ -76,6 +76,7 @@ from urllib3.exceptions import (
     ReadTimeoutError,
     SSLError,
 )
+from urllib3.util.connection import is_connection_dropped
 from urllib3.util.response import assert_header_parsing
 from urllib3.util.retry import Retry
 from urllib3.util.ssl_ import resolve_cert_reqs
@@ -97,7 +98,8 @@ from npu_sync.transport._base import (
     tls_reason,
     with_content_type,
 )
-from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT
+from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT, tcp_closed
+from npu_sync.transport._idle import IdleBudget
 from npu_sync.transport._resolve import (
     BoundedResolver,
     Lookup,
@@ -308,6 +310,7 @@ class _Hooks(urllib3.connection.HTTPConnection):
     response_class = _HTTPResponse
     _npu_served = 0  # requests sent on the current socket
     _npu_idle_since = 0.0
+    _npu_counted = False  # counted against the shared idle budget
 
     def _new_conn(self) -> socket.socket:
         call = _current()
@@ -423,14 +426,38 @@ class _HTTPSConnection(_Hooks, urllib3.connection.HTTPSConnection):
     pass
 
 
+def _peer_closed(conn: Any) -> bool:
+    """The worker closed or reset an idle connection (bytes merely waiting on it are
+    urllib3's to judge when it is next taken)."""
+    try:
+        closed = tcp_closed(conn.sock)
+    except OSError:
+        return True
+    return bool(is_connection_dropped(conn)) if closed is None else closed
+
+
+class IdleShare:
+    """The idle budget a transport's urllib3 pools count against, once one is shared
+    (the requests transport's pools are built after the transport)."""
+
+    __slots__ = ("budget",)
+
+    def __init__(self) -> None:
+        self.budget: IdleBudget | None = None
+
+
 class _PoolHooks(urllib3.HTTPConnectionPool):
-    """Idle timeout, and fresh connections for re-sends."""
+    """Idle timeout, the shared idle budget, the reaper, fresh connections for re-sends."""
 
     ConnectionCls: Any = _HTTPConnection
     _npu_idle_timeout = DEFAULT_IDLE_TIMEOUT
+    _npu_share: IdleShare | None = None
 
     def _get_conn(self, timeout: float | None = None) -> Any:
         conn: Any = super()._get_conn(timeout)
+        if getattr(conn, "_npu_counted", False):
+            conn._npu_counted = False
+            self._npu_give(1)
         if conn.sock is not None:
             call = _current()
             if (call is not None and call.fresh) or (
@@ -442,15 +469,83 @@ class _PoolHooks(urllib3.HTTPConnectionPool):
     def _put_conn(self, conn: Any) -> None:
         if conn is not None:
             conn._npu_idle_since = time.monotonic()
+            share = self._npu_share
+            budget = None if share is None else share.budget
+            if budget is not None and conn.sock is not None and self.pool is not None:
+                if budget.take():
+                    conn._npu_counted = True
+                else:
+                    conn.close()  # the pool's idle connections are at their total cap
+            super()._put_conn(conn)
+            if budget is not None and conn._npu_counted:
+                budget.holding(self, conn._npu_idle_since)
+            return
         super()._put_conn(conn)
+
+    @property
+    def idle_connections(self) -> int:
+        queue = self.pool
+        if queue is None:
+            return 0
+        with queue.mutex:
+            return sum(1 for c in queue.queue if c is not None and c.sock is not None)
+
+    def _npu_give(self, count: int) -> None:
+        share = self._npu_share
+        if count and share is not None and share.budget is not None:
+            share.budget.give(count)
+
+    def reap(self, now: float, *, everything: bool = False) -> int:
+        """Close idle connections that expired or whose worker closed them (with
+        ``everything``, every idle connection)."""
+        queue = self.pool
+        if queue is None:
+            return 0
+        closed = counted = 0
+        # Under the queue's own lock, so no request takes a connection being judged;
+        # closing a socket does not block.
+        with queue.mutex:
+            for conn in queue.queue:
+                if conn is None or conn.sock is None:
+                    continue
+                if (
+                    not everything
+                    and now - conn._npu_idle_since <= self._npu_idle_timeout
+                    and not _peer_closed(conn)
+                ):
+                    continue
+                conn.close()  # stays in the queue, closed: urllib3 reconnects it on use
+                closed += 1
+                if getattr(conn, "_npu_counted", False):
+                    conn._npu_counted = False
+                    counted += 1
+        self._npu_give(counted)
+        return closed
+
+    def close(self) -> None:
+        queue = self.pool
+        counted = 0
+        if queue is not None:
+            with queue.mutex:
+                for conn in queue.queue:
+                    if conn is not None and getattr(conn, "_npu_counted", False):
+                        conn._npu_counted = False
+                        counted += 1
+        super().close()
+        self._npu_give(counted)
 
 
 class _HTTPConnectionPool(_PoolHooks):
     def __init__(
-        self, *args: Any, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, **kwargs: Any
+        self,
+        *args: Any,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        share: IdleShare | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._npu_idle_timeout = idle_timeout
+        self._npu_share = share
 
 
 class _HTTPSConnectionPool(_PoolHooks, urllib3.HTTPSConnectionPool):
@@ -461,10 +556,15 @@ class _HTTPSConnectionPool(_PoolHooks, urllib3.HTTPSConnectionPool):
     ConnectionCls = _HTTPSConnection
 
     def __init__(
-        self, *args: Any, idle_timeout: float = DEFAULT_IDLE_TIMEOUT, **kwargs: Any
+        self,
+        *args: Any,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        share: IdleShare | None = None,
+        **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._npu_idle_timeout = idle_timeout
+        self._npu_share = share
 
     def _validate_conn(self, conn: Any) -> None:
         # urllib3 connects HTTPS connections here, before anything is written, so any
@@ -778,6 +878,23 @@ class Urllib3Transport:
             replayable,
             cancel,
         )
+
+    def share_idle(self, budget: IdleBudget) -> None:
+        """Count the idle connections against ``budget``, shared with the pool's other
+        transports (``transport.max_idle_connections``)."""
+        share = IdleShare()
+        share.budget = budget
+        self._pool._npu_share = share  # type: ignore[attr-defined]
+
+    def reap(self, now: float | None = None) -> int:
+        """Close idle connections that expired or that the worker closed; how many."""
+        pool: Any = self._pool
+        return int(pool.reap(time.monotonic() if now is None else now))
+
+    def close_idle(self) -> int:
+        """Close every idle connection now (the transport stays usable); how many."""
+        pool: Any = self._pool
+        return int(pool.reap(0.0, everything=True))
 
     def close(self) -> None:
         """Close every pooled connection; later requests fail with ``kind="connect"``."""
