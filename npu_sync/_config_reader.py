@@ -39,6 +39,7 @@ from npu_sync._config_types import (
     TransportConfig,
     WorkerConfig,
     _no_headers,
+    bad_label,
 )
 from npu_sync._schema import (
     Range,
@@ -95,6 +96,8 @@ def worker_config(
     platform: str = "linux",
     protocol: str | None = None,
     auth: AuthConfig | Mapping[str, Any] | None = None,
+    capabilities: Collection[str] | None = None,
+    tags: Mapping[str, str] | None = None,
 ) -> WorkerConfig:
     """Build a validated worker, with the same rules as a YAML worker entry.
 
@@ -126,6 +129,12 @@ def worker_config(
         "name": name,
         "protocol": protocol,
         "auth": _auth_mapping(auth) if isinstance(auth, AuthConfig) else auth,
+        "capabilities": (
+            list(capabilities)
+            if isinstance(capabilities, Collection) and not isinstance(capabilities, str)
+            else capabilities
+        ),
+        "tags": tags,
     }
     raw.update((key, value) for key, value in optional.items() if value is not None)
     reader = _Reader(expand=False, base_dir=None)
@@ -219,9 +228,7 @@ _PLAIN_WORKER_KEYS: Final = ("enabled", "weight", "platform", "protocol")
 # A secret in a file is a reference to the environment, and nothing else.
 _ENV_ONLY = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 # Keys AutoBot's own tooling writes that say nothing npu_sync acts on.
-_AUTOBOT_IGNORED_KEYS: Final = frozenset(
-    {"description", "device", "models", "capabilities", "tags", "assigned_models"}
-)
+_AUTOBOT_IGNORED_KEYS: Final = frozenset({"description", "device", "models", "assigned_models"})
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
 _TLS_KEYS: Final = _key_names(TLSConfig)
 # Set by the transport per request; a configured value would break de-duplication or framing.
@@ -641,6 +648,8 @@ class _Reader:
         headers = self.headers(m.get("headers"), f"{path}.headers")
         tls = self.tls(m.get("tls"), f"{path}.tls", tls_base)
         auth = self.auth(m.get("auth"), f"{path}.auth", headers)
+        capabilities = self.capabilities(m.get("capabilities"), f"{path}.capabilities")
+        tags = self.tags(m.get("tags"), f"{path}.tags")
         return (
             WorkerConfig(
                 id=worker_id,
@@ -651,6 +660,8 @@ class _Reader:
                 tls=tls,
                 name=name,
                 auth=auth,
+                capabilities=capabilities,
+                tags=tags,
                 **plain,
             ),
             address_key,
@@ -777,6 +788,49 @@ class _Reader:
             return f"{scheme}://{normal}:{port}", "host"
         self.error(path, "needs a url, or a host (and port)")
         return "", "url"
+
+    def capabilities(self, raw: object, path: str) -> tuple[str, ...]:
+        """A worker's capabilities: a list of names (a single name is refused, so that
+        ``capabilities: llm, vision`` is not read as one capability)."""
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.error(path, f"must be a list of names, got {show(raw)}")
+            return ()
+        found: list[str] = []
+        for index, item in enumerate(raw):
+            value = self.scalar(item, f"{path}[{index}]")
+            why = bad_label(value)
+            if why:
+                if value is not _INVALID:
+                    self.error(f"{path}[{index}]", why)
+                continue
+            found.append(str(value))
+        return tuple(sorted(set(found)))
+
+    def tags(self, raw: object, path: str) -> Mapping[str, str]:
+        """A worker's tags: a flat map of names to names (a number is read as its text,
+        so ``cost: 1`` matches ``cost=1``)."""
+        m = self.section(raw, path, ())
+        if not m:
+            return _no_headers()
+        found: dict[str, str] = {}
+        for key, item in m.items():
+            item_path = f"{path}.{key}"
+            why = bad_label(key)
+            if why:
+                self.error(item_path, f"the key {why}")
+                continue
+            value = self.scalar(item, item_path)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)
+            why = bad_label(value)
+            if why:
+                if value is not _INVALID:
+                    self.error(item_path, why)
+                continue
+            found[key] = str(value)
+        return MappingProxyType(found)
 
     def headers(self, raw: object, path: str) -> Mapping[str, str]:
         m = self.section(raw, path, ())

@@ -42,6 +42,9 @@ AutoBot's worker serves TLS there."""
 DEFAULT_MAX_CONCURRENT: Final = 32
 """Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
 
+MAX_LABEL: Final = 100
+"""The longest capability, tag key or tag value, in characters."""
+
 MAX_FILE_BYTES: Final = 1 << 20
 """The largest configuration file read (1 MiB): a real one is a few kilobytes."""
 
@@ -303,11 +306,39 @@ class WorkerConfig:
         default_text="`autobot-windows` for `platform: windows`, else `autobot-linux`",
     )
     auth: AuthConfig = section(AuthConfig, "how each request is authenticated")
+    capabilities: tuple[str, ...] = custom(
+        (),
+        "what the worker can run (`llm`, `vision`, `audio`, ...): a task that `requires` "
+        "one goes only to workers that list it",
+        type_text="list of str",
+        default_text="`[]`",
+        allowed_text=f"names of 1..{MAX_LABEL} printable characters, no spaces, no `=`",
+        autobot="capabilities",
+        autobot_note="as is",
+    )
+    # Unhashable, so it takes no part in hash(); equality still compares it.
+    tags: Mapping[str, str] = field(
+        default_factory=_no_headers,
+        hash=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "labels a task can require or prefer as `key=value` (`location: lab`, `cost: low`)",
+                type_text="map str → str",
+                default_text="`{}`",
+                allowed_text=f"keys and values of 1..{MAX_LABEL} printable characters, no "
+                "spaces, no `=`; numbers are read as their text",
+                autobot="tags",
+                autobot_note="as is",
+            )
+        },
+    )
 
     def __post_init__(self) -> None:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
             object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        _freeze_labels(self)
         if not self.name:
             object.__setattr__(self, "name", self.id)
         if not self.protocol:
@@ -336,6 +367,35 @@ class WorkerConfig:
     def base_path(self) -> str:
         """The path prefix every request path is joined to: ``""`` or ``/api/v1``."""
         return urlsplit(self.url).path.rstrip("/")
+
+
+def bad_label(value: object) -> str | None:
+    """Why ``value`` cannot be a capability, tag key or tag value; None when it can."""
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not 0 < len(value) <= MAX_LABEL:
+        return f"must be 1..{MAX_LABEL} characters, got {len(value)}"
+    if not value.isprintable() or any(ch.isspace() for ch in value) or "=" in value:
+        return f"must be printable, without spaces or '=', got {value!r}"
+    return None
+
+
+def _freeze_labels(config: WorkerConfig) -> None:
+    """Check and freeze a worker's capabilities (sorted, unique) and tags."""
+    caps = config.capabilities
+    if isinstance(caps, str):
+        raise ConfigError(f"worker.capabilities: must be a list of names, got {caps!r}")
+    for cap in caps:
+        why = bad_label(cap)
+        if why:
+            raise ConfigError(f"worker.capabilities: {why}")
+    object.__setattr__(config, "capabilities", tuple(sorted(set(caps))))
+    for key, value in config.tags.items():
+        why = bad_label(key) or bad_label(value)
+        if why:
+            raise ConfigError(f"worker.tags.{key}: {why}")
+    if not isinstance(config.tags, MappingProxyType):
+        object.__setattr__(config, "tags", MappingProxyType(dict(config.tags)))
 
 
 @dataclass(frozen=True, slots=True)

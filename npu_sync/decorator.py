@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast, overload
 
 from npu_sync.pool import WorkerPool, get_pool
@@ -33,6 +33,8 @@ class NpuTask(Generic[P]):
         timeout: float | None,
         endpoint: str | None,
         idempotent: bool,
+        requires: Collection[str] = frozenset(),
+        prefers: Collection[str] = frozenset(),
     ) -> None:
         functools.update_wrapper(self, func)
         self._func = func
@@ -41,6 +43,10 @@ class NpuTask(Generic[P]):
         self._timeout = timeout
         self._endpoint = endpoint
         self._idempotent = idempotent
+        # Checked now, so that a bad requirement fails at decoration, not at a call.
+        probe = Task(payload=None, requires=requires, prefers=prefers)
+        self._requires = probe.requires
+        self._prefers = probe.prefers
 
     @property
     def pool(self) -> WorkerPool:
@@ -59,6 +65,8 @@ class NpuTask(Generic[P]):
                 endpoint=self._endpoint,
                 timeout=self._timeout,
                 idempotent=self._idempotent,
+                requires=self._requires,
+                prefers=self._prefers,
             )
         )
         fallback = self._fallback
@@ -140,6 +148,8 @@ def npu_task(
     timeout: float | None = None,
     endpoint: str | None = None,
     idempotent: bool = True,
+    requires: Collection[str] = frozenset(),
+    prefers: Collection[str] = frozenset(),
 ) -> Callable[[Callable[P, Any]], NpuTask[P]]:
     """Turn a payload-building function into one that runs the task on a pool.
 
@@ -149,7 +159,8 @@ def npu_task(
         fallback: called with the same arguments when the task fails on every
             worker; its result is returned and no dead letter is stored. If it
             raises too, the dead letter is stored and ``TaskFailed`` raised.
-        timeout, endpoint, idempotent: the task options (see :class:`Task`), unless
+        timeout, endpoint, idempotent, requires, prefers: the task options (see
+            :class:`Task`), unless
             the function returns a ``Task`` itself.
 
     The wrapper keeps the function's name, docstring and signature.
@@ -165,6 +176,8 @@ def npu_task(
             timeout=timeout,
             endpoint=endpoint,
             idempotent=idempotent,
+            requires=requires,
+            prefers=prefers,
         )
 
     return decorate

@@ -17,6 +17,7 @@ from typing import Any
 from npu_sync.admission import Dispatcher
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.budget import BudgetTotals, RetryBudget
+from npu_sync.capability import CapabilityFilter
 from npu_sync.clock import Clock
 from npu_sync.config import BalancingConfig, PoolConfig, WorkerConfig
 from npu_sync.events import (
@@ -153,6 +154,7 @@ class PoolState:
         self._protocols: tuple[WorkerProtocol, ...] = (LINUX,)
         self._protocols_for: PoolConfig | None = None
         self.placements: dict[str, Placement] = {}  # models being loaded right now
+        self.capabilities = CapabilityFilter()  # who meets a task's requires/prefers
         self.model_counts = {"corrections": 0, "placements": 0, "placement_failures": 0}
 
     def new_scrubber(self, config: PoolConfig, previous: Scrubber | None = None) -> Scrubber:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from npu_sync.errors import InvalidTask
 
 __all__ = ["Attempt", "Task", "as_task", "new_task_id"]
 
+_NONE: frozenset[str] = frozenset()  # the needs of a task that needs nothing
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
 _V4_SET = (0x4000 << 64) | (0x8000 << 48)
@@ -43,6 +45,12 @@ class Task:
             reached the worker (connect errors, an open breaker).
         task_id: sent as ``X-NPU-Task-Id`` on every attempt; a uuid4 by default.
             Printable ASCII, at most 200 characters.
+        requires: what a worker must have to be given the task: capability names
+            (``"vision"``, matched against a worker's ``capabilities``) and tags as
+            ``"key=value"`` (``"location=lab"``, matched against its ``tags``). A task
+            no configured worker meets is rejected at once (``TaskRejected``).
+        prefers: the same, as a preference: a worker meeting all of it is chosen when
+            one has room now, else any worker meeting ``requires``.
     """
 
     payload: Any
@@ -50,8 +58,14 @@ class Task:
     timeout: float | None = None
     idempotent: bool = True
     task_id: str = field(default_factory=lambda: new_task_id())
+    requires: Collection[str] = _NONE
+    prefers: Collection[str] = _NONE
 
     def __post_init__(self) -> None:
+        if self.requires is not _NONE or self.prefers is not _NONE:
+            # Off the path of a task that needs nothing: it keeps the shared defaults.
+            object.__setattr__(self, "requires", _needs("requires", self.requires))
+            object.__setattr__(self, "prefers", _needs("prefers", self.prefers))
         if self.endpoint is not None and (
             not isinstance(self.endpoint, str) or not self.endpoint.startswith("/")
         ):
@@ -85,6 +99,38 @@ class Task:
             raise InvalidTask(
                 f"task {self.task_id} payload is not JSON-serialisable: {exc}"
             ) from None
+
+
+_MAX_NEEDS = 32
+_MAX_NEED = 201  # a tag: key, "=", value of at most 100 characters each
+
+
+def _needs(key: str, value: object) -> frozenset[str]:
+    """``requires``/``prefers`` checked: capability names and ``key=value`` tags."""
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Collection) or isinstance(items, (bytes, dict)):
+        raise InvalidTask(
+            f"task {key} must be a name or a collection of names, got {type(value).__name__}"
+        )
+    if len(items) > _MAX_NEEDS:
+        raise InvalidTask(f"task {key} must have at most {_MAX_NEEDS} items, got {len(items)}")
+    for item in items:
+        if not isinstance(item, str):
+            raise InvalidTask(f"task {key} items must be strings, got {item!r}")
+        name, eq, tag_value = item.partition("=")
+        if (
+            not name
+            or (eq and not tag_value)
+            or "=" in tag_value
+            or len(item) > _MAX_NEED
+            or not item.isprintable()
+            or any(ch.isspace() for ch in item)
+        ):
+            raise InvalidTask(
+                f"task {key} items must be a capability (`vision`) or a tag (`location=lab`) "
+                f"without spaces, got {item!r}"
+            )
+    return frozenset(items)
 
 
 def as_task(task: Task | Any) -> Task:

@@ -469,6 +469,11 @@ class TaskRun:
         in ``self.reason``, when none could be had."""
         deadline = self.deadline
         state = self.state
+        task = self.task
+        if task.requires or task.prefers:
+            ready = self.fit()
+            if ready is not None:
+                return ready
         excluded: set[str] | frozenset[str] = self.excluded
         deposit = self.deposit
         if state.models_known and (model := self.named_model()) is not None:
@@ -493,6 +498,50 @@ class TaskRun:
             self.reason = self._refusal_reason(lease, wait_until)
             return None
         return lease
+
+    def fit(self) -> Lease | None:
+        """Keep the task off the workers that lack what it ``requires`` (for good, like
+        a missing model), and a lease on one meeting what it ``prefers`` if one has room
+        now (see :mod:`npu_sync.capability`).
+
+        Raises:
+            TaskRejected: no configured worker meets ``requires``; nothing is sent.
+        """
+        state = self.state
+        task = self.task
+        config = state.config
+        needs = state.capabilities
+        if task.requires:
+            unfit = needs.unfit(config, task.requires)
+            if unfit:
+                if len(unfit) >= len(config.workers):
+                    why = needs.missing(config, task.requires)
+                    raise self.reject_unfit(why)
+                self.excluded |= unfit
+                self.not_here |= unfit
+        if not task.prefers:
+            return None
+        others = needs.unfit(config, task.prefers)
+        if not others or len(others) >= len(config.workers):
+            return None  # all or none preferred: the usual choice is the preferred one
+        excluded = self.excluded | others
+        if state.models_known and (model := self.named_model()) is not None:
+            excluded |= state.lacking(model)
+        if self.deposit is not None:
+            self.deposit = None
+            self.budget.deposit(self.start)
+        return state.dispatcher.try_acquire(excluded)
+
+    def reject_unfit(self, why: str) -> TaskRejected:
+        """The rejection of a task no configured worker can serve; nobody is charged."""
+        state = self.state
+        task_id = self.task.task_id
+        with state.lock:
+            state.stats.rejected += 1
+        needs = ", ".join(sorted(self.task.requires))
+        message = f"no worker meets the task's requires ({needs}): {why}"
+        state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, None, message))
+        return TaskRejected(f"{message} (task {task_id})", task_id=task_id)
 
     def lacks_model(self, lease: Lease) -> bool:
         """Whether the lease's worker was learnt to lack the task's model while the task
