@@ -876,6 +876,22 @@ class ModelsConfig:
     refresh_on_health: bool = boolean(
         True, "re-read each worker's models (`GET /models`) with every health round"
     )
+    model_latency: bool = boolean(
+        True,
+        "learn each worker's latency per model (and per unit of a task's `size`) and send "
+        "a task naming a model to the worker fastest for it",
+        hot=False,
+    )
+    latency_models: int = integer(
+        32,
+        1,
+        10_000,
+        "models whose latency is remembered per worker; the least recently used is forgotten",
+        hot=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "models")
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from npu_sync.events import (
 from npu_sync.hedge import HedgePolicy, HedgeTimer, HedgeTotals
 from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
+from npu_sync.modelcost import ModelCosts
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
 from npu_sync.redact import MIN_SECRET_LENGTH, Scrubber
 from npu_sync.retry import RetryPolicy
@@ -155,6 +156,13 @@ class PoolState:
         self._protocols_for: PoolConfig | None = None
         self.placements: dict[str, Placement] = {}  # models being loaded right now
         self.capabilities = CapabilityFilter()  # who meets a task's requires/prefers
+        models = config.models
+        # Per-(worker, model) latency (models.model_latency), None when off.
+        self.model_costs = (
+            ModelCosts(config.balancing.latency_decay, models.latency_models)
+            if models.model_latency
+            else None
+        )
         self.model_counts = {"corrections": 0, "placements": 0, "placement_failures": 0}
 
     def new_scrubber(self, config: PoolConfig, previous: Scrubber | None = None) -> Scrubber:

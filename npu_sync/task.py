@@ -51,6 +51,10 @@ class Task:
             no configured worker meets is rejected at once (``TaskRejected``).
         prefers: the same, as a preference: a worker meeting all of it is chosen when
             one has room now, else any worker meeting ``requires``.
+        size: how big the task is, in a unit of the caller's choosing for its model
+            (tokens, pixels, bytes): its answer time is learnt per unit of size, so
+            that workers given larger tasks are not taken for slower ones. A positive
+            finite number, or None.
     """
 
     payload: Any
@@ -60,8 +64,16 @@ class Task:
     task_id: str = field(default_factory=lambda: new_task_id())
     requires: Collection[str] = _NONE
     prefers: Collection[str] = _NONE
+    size: float | None = None
 
     def __post_init__(self) -> None:
+        if self.size is not None and (
+            isinstance(self.size, bool)
+            or not isinstance(self.size, (int, float))
+            or not math.isfinite(self.size)
+            or self.size <= 0
+        ):
+            raise InvalidTask(f"task size must be a positive number, got {self.size!r}")
         if self.requires is not _NONE or self.prefers is not _NONE:
             # Off the path of a task that needs nothing: it keeps the shared defaults.
             object.__setattr__(self, "requires", _needs("requires", self.requires))

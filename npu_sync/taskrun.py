@@ -56,6 +56,7 @@ from npu_sync.events import (
     emit,
 )
 from npu_sync.hedge import HedgePolicy
+from npu_sync.modelcost import ModelCosts
 from npu_sync.outage import describe, down_reason, held_until, refuse_credentials
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
@@ -456,6 +457,8 @@ class TaskRun:
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
+                if state.model_costs is not None:
+                    self.learn(worker, t1 - t0, t1)
                 if self.blame.held or state.hooks:
                     return self.succeeded(worker, outcome, t1, t1 - t0)
                 return outcome.value
@@ -472,6 +475,18 @@ class TaskRun:
         task = self.task
         if task.requires or task.prefers:
             ready = self.fit()
+            if ready is not None:
+                return ready
+        costs = state.model_costs
+        if (
+            costs is not None
+            and costs.active
+            and (model := self.named_model()) is not None
+            and costs.uneven(model)
+            and self.config.balancing.latency_aware
+            and self.config.balancing.strategy == "least-loaded"
+        ):
+            ready = self.fastest_for(costs, model)
             if ready is not None:
                 return ready
         excluded: set[str] | frozenset[str] = self.excluded
@@ -531,6 +546,35 @@ class TaskRun:
             self.deposit = None
             self.budget.deposit(self.start)
         return state.dispatcher.try_acquire(excluded)
+
+    def learn(self, worker: Worker, rtt: float, now: float) -> None:
+        """A success took ``rtt``: feed the per-(worker, model) estimate."""
+        model = self.named_model()
+        costs = self.state.model_costs
+        if model is not None and costs is not None:
+            costs.observe(worker.id, model, rtt, now, self.task.size)
+
+    def fastest_for(self, costs: ModelCosts, model: str) -> Lease | None:
+        """A lease on the worker fastest for ``model`` by its per-model estimate, if
+        that worker has room now (see :mod:`npu_sync.modelcost`); else None, and the
+        usual choice follows."""
+        state = self.state
+        now = self.clock.monotonic()
+        excluded = self.excluded
+        lacking = state.lacking(model) if state.models_known else frozenset()
+        workers = list(state.workers.values())
+        candidates = [
+            w for w in workers if w.id not in excluded and w.id not in lacking and w.eligible(now)
+        ]
+        if len(candidates) < 2:
+            return None
+        best = costs.best(candidates, model, now, self.task.size)
+        if best is None:
+            return None
+        if self.deposit is not None:
+            self.deposit = None
+            self.budget.deposit(self.start)
+        return state.dispatcher.try_acquire([w.id for w in workers if w is not best])
 
     def reject_unfit(self, why: str) -> TaskRejected:
         """The rejection of a task no configured worker can serve; nobody is charged."""
