@@ -33,6 +33,8 @@ from npu_sync._config_types import (
     DEFAULT_WINDOWS_PORT,
     AuthConfig,
     DeadLetterConfig,
+    ModelPolicy,
+    ModelsConfig,
     PoolConfig,
     SharedStateConfig,
     TLSConfig,
@@ -98,6 +100,7 @@ def worker_config(
     auth: AuthConfig | Mapping[str, Any] | None = None,
     capabilities: Collection[str] | None = None,
     tags: Mapping[str, str] | None = None,
+    max_models: int | None = None,
 ) -> WorkerConfig:
     """Build a validated worker, with the same rules as a YAML worker entry.
 
@@ -135,6 +138,7 @@ def worker_config(
             else capabilities
         ),
         "tags": tags,
+        "max_models": max_models,
     }
     raw.update((key, value) for key, value in optional.items() if value is not None)
     reader = _Reader(expand=False, base_dir=None)
@@ -231,6 +235,8 @@ _ENV_ONLY = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 _AUTOBOT_IGNORED_KEYS: Final = frozenset({"description", "device", "models", "assigned_models"})
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
 _TLS_KEYS: Final = _key_names(TLSConfig)
+_MAX_MODELS: Final = Range(1, 10_000, integer=True)
+_REPLICAS: Final = Range(0, 10_000, integer=True)
 # Set by the transport per request; a configured value would break de-duplication or framing.
 _RESERVED_HEADERS: Final = frozenset(
     {"x-npu-task-id", "x-npu-attempt", "content-length", "transfer-encoding"}
@@ -305,7 +311,11 @@ class _Reader:
             section.get("workers"), f"{prefix}workers", autobot=autobot, tls_base=transport.tls
         )
         found: dict[str, Any] = {"workers": workers, "transport": transport}
-        custom_readers = {"dead_letter": self.dead_letter, "shared_state": self.shared_state}
+        custom_readers = {
+            "dead_letter": self.dead_letter,
+            "shared_state": self.shared_state,
+            "models": self.models,
+        }
         for name, spec, _ in specs(PoolConfig):
             if name in found or spec.section is None:
                 if name == "transport":
@@ -648,6 +658,7 @@ class _Reader:
         headers = self.headers(m.get("headers"), f"{path}.headers")
         tls = self.tls(m.get("tls"), f"{path}.tls", tls_base)
         auth = self.auth(m.get("auth"), f"{path}.auth", headers)
+        max_models = self.optional_int(m, "max_models", path, _MAX_MODELS)
         capabilities = self.capabilities(m.get("capabilities"), f"{path}.capabilities")
         tags = self.tags(m.get("tags"), f"{path}.tags")
         return (
@@ -662,6 +673,7 @@ class _Reader:
                 auth=auth,
                 capabilities=capabilities,
                 tags=tags,
+                max_models=max_models,
                 **plain,
             ),
             address_key,
@@ -917,6 +929,60 @@ class _Reader:
         if text is None:
             return _INVALID
         return _scalar(text)
+
+    def optional_int(self, m: Mapping[Any, Any], key: str, path: str, limit: Range) -> int | None:
+        """The integer at ``m[key]`` within ``limit``, or None when absent, null or invalid."""
+        if m.get(key) is None:
+            return None
+        checked = self.bounded(m, key, path, limit)
+        return None if checked is None else int(checked)
+
+    def models(self, raw: object, path: str) -> ModelsConfig:
+        """The ``models`` section: its plain keys by their specs, ``max_models`` and the
+        ``catalog`` of per-model replica targets by code of their own."""
+        m = self.section(raw, path, _key_names(ModelsConfig))
+        if m is None:
+            return ModelsConfig()
+        found = self.fields(m, path, ModelsConfig)
+        found["max_models"] = self.optional_int(m, "max_models", path, _MAX_MODELS)
+        found["catalog"] = self.catalog(m.get("catalog"), f"{path}.catalog")
+        try:
+            return ModelsConfig(**found)
+        except ConfigError as exc:  # a cross-field rule of the dataclass
+            parent = path.rpartition(".")[0]
+            self.errors.extend(_join(parent, problem) for problem in exc.errors)
+            return ModelsConfig()
+
+    def catalog(self, raw: object, path: str) -> Mapping[str, ModelPolicy]:
+        m = self.section(raw, path, ())
+        if not m:
+            return MappingProxyType({})
+        found: dict[str, ModelPolicy] = {}
+        for model, entry in m.items():
+            item_path = f"{path}.{model}"
+            if (
+                not isinstance(model, str)
+                or not model
+                or len(model) > 200
+                or not model.isprintable()
+            ):
+                self.error(item_path, "the model id must be 1..200 printable characters")
+                continue
+            spec = self.section(entry, item_path, ("replicas",))
+            if spec is None:
+                continue
+            replicas = self.section(spec.get("replicas"), f"{item_path}.replicas", ("min", "max"))
+            if replicas is None:
+                continue
+            low = self.integer(replicas, "min", f"{item_path}.replicas", 0, limit=_REPLICAS)
+            high = self.optional_int(replicas, "max", f"{item_path}.replicas", _REPLICAS)
+            if high is not None and high < low:
+                self.error(
+                    f"{item_path}.replicas.max", f"must be >= replicas.min ({low}), got {high}"
+                )
+                continue
+            found[model] = ModelPolicy(low, high)
+        return MappingProxyType(found)
 
     def integer(
         self, m: Mapping[Any, Any], key: str, path: str, default: int, *, limit: Range

@@ -334,6 +334,15 @@ class WorkerConfig:
         },
     )
 
+    max_models: int | None = custom(
+        None,
+        "models this worker may hold at once (placement evicts the coldest first); null: "
+        "`models.max_models`, or what the worker's `GET /models` answer says",
+        type_text="int or null",
+        default_text="null",
+        allowed_text="`1..10000`",
+    )
+
     def __post_init__(self) -> None:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
@@ -390,6 +399,11 @@ def _freeze_labels(config: WorkerConfig) -> None:
         if why:
             raise ConfigError(f"worker.capabilities: {why}")
     object.__setattr__(config, "capabilities", tuple(sorted(set(caps))))
+    most = config.max_models
+    if most is not None and (
+        isinstance(most, bool) or not isinstance(most, int) or not 0 < most <= 10_000
+    ):
+        raise ConfigError(f"worker.max_models: must be 1..10000, got {most!r}")
     for key, value in config.tags.items():
         why = bad_label(key) or bad_label(value)
         if why:
@@ -866,6 +880,34 @@ class BalancingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """Placement targets of one model (``models.catalog.<id>``). Immutable.
+
+    ``min_replicas``/``max_replicas`` are written ``replicas: {min: 1, max: 3}``:
+    how many workers should hold the model at least and at most. ``max_replicas``
+    None: as many as the load asks for."""
+
+    min_replicas: int = 0
+    max_replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("min", self.min_replicas), ("max", self.max_replicas)):
+            if value is None and name == "max":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10_000:
+                raise ConfigError(f"replicas.{name}: must be an integer 0..10000, got {value!r}")
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ConfigError(
+                f"replicas.max: must be >= replicas.min ({self.min_replicas}), "
+                f"got {self.max_replicas}"
+            )
+
+
+def _no_catalog() -> Mapping[str, ModelPolicy]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class ModelsConfig:
     """What the pool learns and does about the models each worker holds. Immutable."""
 
@@ -890,8 +932,87 @@ class ModelsConfig:
         hot=False,
     )
 
+    balance: bool = boolean(
+        False,
+        "run placement rounds: keep each model between its replica targets, add a "
+        "replica where load outgrows the ones it has, drop one gone cold, evict the "
+        "coldest model of a full worker (see [placement.md](placement.md))",
+        hot=False,
+    )
+    interval: float = number(
+        10.0, 0, 3600, "seconds between placement rounds (jittered)", above=True, unit="s"
+    )
+    hold: float = number(
+        60.0,
+        0,
+        _DAY,
+        "a model is not unloaded within this time of being loaded on a worker (no thrash)",
+        unit="s",
+    )
+    idle: float = number(
+        120.0,
+        0,
+        _DAY,
+        "a replica that served no task for this long is cold: removed down to the model's `min`",
+        above=True,
+        unit="s",
+    )
+    scale_up: float = number(
+        0.75,
+        0,
+        1,
+        "add a replica when a model's tasks in flight reach this share of its replicas' capacity",
+        above=True,
+    )
+    scale_down: float = number(
+        0.25,
+        0,
+        1,
+        "drop a replica when the model's tasks in flight would fit in one fewer at this share",
+    )
+    max_models: int | None = custom(
+        None,
+        "models one worker may hold at once, unless its own `max_models` or its `GET /models` "
+        "answer says otherwise; null: no limit known",
+        type_text="int or null",
+        default_text="null",
+        allowed_text="`1..10000`",
+    )
+    loads_per_round: int = integer(
+        1, 1, 1000, "the most loads one placement round starts (the rest wait for the next)"
+    )
+    # Unhashable, so it takes no part in hash(); equality still compares it.
+    catalog: Mapping[str, ModelPolicy] = field(
+        default_factory=_no_catalog,
+        hash=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "per model id, its replica targets: `{llama-3b: {replicas: {min: 1, max: 3}}}`",
+                type_text="map model id → `{replicas: {min, max}}`",
+                default_text="`{}`",
+                allowed_text="`min` `0..10000` (default 0), `max` `min..10000` or null (default)",
+            )
+        },
+    )
+
     def __post_init__(self) -> None:
         check_fields(self, "models")
+        if self.max_models is not None and (
+            isinstance(self.max_models, bool)
+            or not isinstance(self.max_models, int)
+            or not 1 <= self.max_models <= 10_000
+        ):
+            raise ConfigError(f"models.max_models: must be 1..10000, got {self.max_models!r}")
+        if not isinstance(self.catalog, MappingProxyType):
+            object.__setattr__(self, "catalog", MappingProxyType(dict(self.catalog)))
+
+    def policy(self, model: str) -> ModelPolicy:
+        """The targets of ``model``: its catalog entry, else no minimum and no maximum."""
+        return self.catalog.get(model) or _ANY_POLICY
+
+
+_ANY_POLICY: Final = ModelPolicy()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from npu_sync.admission import Dispatcher
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
@@ -51,6 +51,18 @@ TransportFactory = Callable[..., Transport]
 
 _LACKING_LIMIT = 1024
 """Models whose lacking workers are remembered at once; tasks may name any number."""
+
+
+class ModelPlacer(Protocol):
+    """What the life of a task asks of placement (``models.balance``, see
+    :mod:`npu_sync.placement`): counting tasks per worker and model, and loading a
+    model no live worker holds where it is cheapest, evicting if need be."""
+
+    def started(self, worker_id: str, model: str, now: float) -> None: ...
+
+    def ended(self, worker_id: str, model: str, now: float) -> None: ...
+
+    def place(self, model: str, timeout: float) -> str | None: ...
 
 
 class Placement:
@@ -156,6 +168,7 @@ class PoolState:
         self._protocols_for: PoolConfig | None = None
         self.placements: dict[str, Placement] = {}  # models being loaded right now
         self.capabilities = CapabilityFilter()  # who meets a task's requires/prefers
+        self.placer: ModelPlacer | None = None  # set by the pool with models.balance
         models = config.models
         # Per-(worker, model) latency (models.model_latency), None when off.
         self.model_costs = (

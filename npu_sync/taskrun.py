@@ -446,12 +446,21 @@ class TaskRun:
             delay = None
             if hedge is not None and not self.attempts:
                 delay = hedge.delay_for(self.task.idempotent)
-            if delay is None:
-                done = self.attempt(lease)
-                if done is not None and state.hooks:
-                    self.announce_attempt(lease.worker, done[0], done[2], done[3])
-            else:
-                lease, done = self.hedged(lease, delay)
+            placer = state.placer
+            used = None
+            if placer is not None and (model := self.named_model()) is not None:
+                used = lease.worker.id  # tasks in flight per model: placement's measure
+                placer.started(used, model, self.clock.monotonic())
+            try:
+                if delay is None:
+                    done = self.attempt(lease)
+                    if done is not None and state.hooks:
+                        self.announce_attempt(lease.worker, done[0], done[2], done[3])
+                else:
+                    lease, done = self.hedged(lease, delay)
+            finally:
+                if used is not None and placer is not None and model is not None:
+                    placer.ended(used, model, self.clock.monotonic())
             if done is None:
                 break
             outcome, deferred, t0, t1 = done
@@ -646,9 +655,23 @@ class TaskRun:
             self.placed = True
             failed = self.place(model)
             if failed is None:
+                self.readmit(model)
                 return True
             detail += f"; {failed}"
         raise self.reject_model(model, detail)
+
+    def readmit(self, model: str) -> None:
+        """``model`` was just loaded: a worker this task found without it (it unloaded
+        the model behind the pool's back) may hold it now, and may be tried again."""
+        state = self.state
+        with state.lock:
+            back = {
+                wid
+                for wid in self.not_here
+                if (w := state.workers.get(wid)) is not None and not w.lacks(model)
+            }
+        self.not_here -= back
+        self.excluded -= back
 
     def place(self, model: str) -> str | None:
         """Have the least-loaded live worker load ``model`` (``models.placement``).
@@ -658,6 +681,9 @@ class TaskRun:
         loaded, else why it is not.
         """
         state = self.state
+        placer = state.placer
+        if placer is not None:  # models.balance: where loading is cheapest, evicting
+            return placer.place(model, self.deadline - self.clock.monotonic())
         with state.lock:
             placement = state.placements.get(model)
             worker = None
