@@ -411,3 +411,54 @@ def test_real_workers_full_worker_evicts_and_a_slow_load_ends_by_the_deadline() 
             with pytest.raises(TaskRejected, match="loading it on a failed"):
                 pool.execute(Task({"model_id": "m9", "input_text": "x"}, timeout=1.0))
             assert time.monotonic() - start < 15  # the deadline, not the load, ends it
+
+
+def test_placement_is_counted_by_prometheus() -> None:
+    """Loads, evictions and load time reach the Prometheus series."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry
+
+    from npu_sync.prometheus import instrument
+
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("old",), cap=1, load_seconds=3.0)
+    registry = CollectorRegistry()
+    with fleet(clock, worker, hold=0) as pool, instrument(pool, registry):
+        pool.check_placement()
+        clock.advance(5)
+        assert pool.execute({"model_id": "new"})["model_id"] == "new"
+
+        def sample(name: str, **labels: str) -> float | None:
+            return registry.get_sample_value(name, {**labels})
+
+        assert sample("npu_sync_model_placements_total", action="load") == 1
+        assert sample("npu_sync_model_placements_total", action="evict") == 1
+        assert sample("npu_sync_model_placements_total", action="failed") == 1  # the 507
+        assert sample("npu_sync_model_load_seconds_total") == pytest.approx(3.0)
+
+
+def test_status_shows_each_model_its_replicas_and_targets(tmp_path, capsys) -> None:
+    """'npu-sync status' lists per model its holders and catalog targets, and says when
+    a model is below its min."""
+    from npu_sync.cli import main
+
+    with (
+        LocalWorker(worker_id="a", models=("llama", "e5")).start() as a,
+        LocalWorker(worker_id="b", models=("e5",)).start() as b,
+    ):
+        path = tmp_path / "pool.yaml"
+        path.write_text(
+            "npu_workers:\n  workers:\n"
+            f"    - {{id: a, url: '{a.url}'}}\n"
+            f"    - {{id: b, url: '{b.url}'}}\n"
+            "  models:\n    catalog:\n"
+            "      llama: {replicas: {min: 2, max: 3}}\n"
+            "      whisper: {replicas: {min: 1}}\n",
+            encoding="utf-8",
+        )
+        assert main(["status", str(path)]) == 0
+    out = capsys.readouterr().out.split("per model:", 1)[1]
+    rows = {line.split()[0]: line.split() for line in out.strip().splitlines()[1:]}
+    assert rows["e5"][:4] == ["e5", "2", "0", "-"] and "a," in rows["e5"] and "b" in rows["e5"]
+    assert rows["llama"][:4] == ["llama", "1", "2", "3"] and "min" in " ".join(rows["llama"])
+    assert rows["whisper"][:5] == ["whisper", "0", "1", "-", "none"]
