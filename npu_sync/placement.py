@@ -48,7 +48,7 @@ from npu_sync.outage import down_reason
 from npu_sync.retry import Kind
 from npu_sync.state import PoolState
 from npu_sync.stats_types import ModelRowDict
-from npu_sync.transport import TransportError
+from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
 
 __all__ = [
@@ -371,6 +371,7 @@ class Placer:
         self._learnt_cap: dict[str, int] = {}
         self._last_status: dict[str, int] = {}
         self._last_look = state.clock.monotonic()  # when what workers hold was last seen
+        self._cancels: set[Cancel] = set()  # requests under way, cut short by stop()
 
     # -- the thread ------------------------------------------------------------------
 
@@ -387,9 +388,14 @@ class Placer:
         thread.start()
 
     def stop(self) -> None:
-        """Stop the round thread; returns once it has ended (a load in progress is
-        bounded by ``timeouts.read``)."""
+        """Stop the round thread; returns once it has ended. A load or unload under way
+        is cut short (its connection closed) where the transport allows, else bounded
+        by ``timeouts.read``."""
         self._stop.set()
+        with self._pending_lock:
+            cancels = list(self._cancels)
+        for cancel in cancels:
+            cancel.cancel()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -400,6 +406,7 @@ class Placer:
         self._acting = threading.Lock()
         self._pending_lock = threading.Lock()
         self._pending = {}
+        self._cancels = set()
         self.use = ModelUse()
         self._stop = threading.Event()
         self._thread = None
@@ -615,20 +622,34 @@ class Placer:
         state = self._state
         timeouts = state.config.timeouts
         auth = worker.auth
+        transport = worker.transport
+        kwargs: dict[str, Any] = {
+            "body": None if body is None else json.dumps(body).encode(),
+            "headers": None if auth is None else auth.headers(method, worker.base_path + path),
+            "timeout": timeouts.read if timeout is None else max(timeout, 0.001),
+            "connect_timeout": timeouts.connect,
+        }
+        cancel = None
+        if getattr(transport, "cancellable", False):
+            # stop() cuts a round's request short instead of waiting out a slow load.
+            cancel = kwargs["cancel"] = Cancel()
+            with self._pending_lock:
+                self._cancels.add(cancel)
         try:
-            response = worker.transport.request(
-                method,
-                path,
-                body=None if body is None else json.dumps(body).encode(),
-                headers=None if auth is None else auth.headers(method, worker.base_path + path),
-                timeout=timeouts.read if timeout is None else max(timeout, 0.001),
-                connect_timeout=timeouts.connect,
-            )
+            if self._stop.is_set():
+                return "placement stopped"
+            response = transport.request(method, path, **kwargs)
         except TransportError as exc:
+            if self._stop.is_set():
+                return "placement stopped"
             return state.scrubber(printable(f"{exc.kind}: {exc}"))
         except Exception as exc:  # a bug of ours, or of a custom transport
             log.exception("unexpected error placing a model on worker %s", worker.id)
             return type(exc).__name__
+        finally:
+            if cancel is not None:
+                with self._pending_lock:
+                    self._cancels.discard(cancel)
         self._last_status[worker.id] = response.status
         if 200 <= response.status < 300:
             outcome = worker.protocol.classify(response)

@@ -17,6 +17,7 @@ from npu_sync.config import (
     ModelsConfig,
     PoolConfig,
     RetryConfig,
+    TimeoutConfig,
     worker_config,
 )
 from npu_sync.events import Event, ModelPlacement
@@ -462,3 +463,30 @@ def test_status_shows_each_model_its_replicas_and_targets(tmp_path, capsys) -> N
     assert rows["e5"][:4] == ["e5", "2", "0", "-"] and "a," in rows["e5"] and "b" in rows["e5"]
     assert rows["llama"][:4] == ["llama", "1", "2", "3"] and "min" in " ".join(rows["llama"])
     assert rows["whisper"][:5] == ["whisper", "0", "1", "-", "none"]
+
+
+def test_close_cuts_a_rounds_slow_load_short() -> None:
+    """A round loading on a worker whose loads take a minute does not hold close():
+    the request is cut, the thread ends, and nothing is left behind."""
+    with LocalWorker(worker_id="slow", models=("x",), load_delay_ms=60_000).start() as slow:
+        cfg = PoolConfig(
+            workers=(worker_config("slow", slow.url),),
+            health=HealthConfig(interval=3600),
+            timeouts=TimeoutConfig(read=120.0, task=120.0),
+            models=ModelsConfig(balance=True, interval=0.05, catalog={"m": ModelPolicy(1, None)}),
+        )
+        pool = WorkerPool(cfg)
+        try:
+            pool.check_health()
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # until the round's load reached the worker
+                if slow.stats()["requests"].get("/models/load"):
+                    break
+                time.sleep(0.01)
+            else:
+                pytest.fail("no load was asked for")
+        finally:
+            start = time.monotonic()
+            pool.close()
+        assert time.monotonic() - start < 20  # not the minute the load would take
+        assert not any(t.name == "npu-sync-placement" for t in threading.enumerate())
