@@ -431,7 +431,16 @@ class Placer:
                 if state.closed or self._stop.is_set():
                     break
                 if isinstance(action, Load):
-                    self._do_load(action)
+                    if self._do_load(action) is not None and self._learnt_full(action, views):
+                        # Full after all (507): once more, evicting where allowed.
+                        again = planner.target(
+                            action.model,
+                            self._views(state.clock.monotonic()),
+                            now,
+                            reason=action.reason,
+                        )
+                        if again is not None:
+                            self._do_load(again)
                 else:
                     self._unload(action.worker_id, action.model, "unload", action.reason)
             return actions

@@ -490,3 +490,17 @@ def test_close_cuts_a_rounds_slow_load_short() -> None:
             pool.close()
         assert time.monotonic() - start < 20  # not the minute the load would take
         assert not any(t.name == "npu-sync-placement" for t in threading.enumerate())
+
+
+def test_a_round_learns_a_workers_cap_from_its_507_and_evicts() -> None:
+    """No cap configured: the round's load is answered 507, the cap is learnt from it,
+    and the same round evicts the idle model and loads the one below its min."""
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("old",), cap=1)
+    events: list[Event] = []
+    with fleet(clock, worker, events=events, hold=0, catalog={"new": ModelPolicy(1, None)}) as pool:
+        pool.check_placement()
+        assert worker.models == ["new"] and worker.unloads == ["old"]
+        assert placements(events, "failed") == [("w0", "new")]  # the 507
+        assert placements(events, "evict") == [("w0", "old")]
+        assert placements(events, "load") == [("w0", "new")]
