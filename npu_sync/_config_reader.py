@@ -34,6 +34,8 @@ from npu_sync._config_types import (
     AuthConfig,
     ClassConfig,
     DeadLetterConfig,
+    ModelPolicy,
+    ModelsConfig,
     PoolConfig,
     PriorityConfig,
     SharedStateConfig,
@@ -41,6 +43,7 @@ from npu_sync._config_types import (
     TransportConfig,
     WorkerConfig,
     _no_headers,
+    bad_label,
 )
 from npu_sync._schema import (
     Range,
@@ -97,6 +100,9 @@ def worker_config(
     platform: str = "linux",
     protocol: str | None = None,
     auth: AuthConfig | Mapping[str, Any] | None = None,
+    capabilities: Collection[str] | None = None,
+    tags: Mapping[str, str] | None = None,
+    max_models: int | None = None,
 ) -> WorkerConfig:
     """Build a validated worker, with the same rules as a YAML worker entry.
 
@@ -128,6 +134,13 @@ def worker_config(
         "name": name,
         "protocol": protocol,
         "auth": _auth_mapping(auth) if isinstance(auth, AuthConfig) else auth,
+        "capabilities": (
+            list(capabilities)
+            if isinstance(capabilities, Collection) and not isinstance(capabilities, str)
+            else capabilities
+        ),
+        "tags": tags,
+        "max_models": max_models,
     }
     raw.update((key, value) for key, value in optional.items() if value is not None)
     reader = _Reader(expand=False, base_dir=None)
@@ -221,11 +234,11 @@ _PLAIN_WORKER_KEYS: Final = ("enabled", "weight", "platform", "protocol")
 # A secret in a file is a reference to the environment, and nothing else.
 _ENV_ONLY = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 # Keys AutoBot's own tooling writes that say nothing npu_sync acts on.
-_AUTOBOT_IGNORED_KEYS: Final = frozenset(
-    {"description", "device", "models", "capabilities", "tags", "assigned_models"}
-)
+_AUTOBOT_IGNORED_KEYS: Final = frozenset({"description", "device", "models", "assigned_models"})
 _AUTOBOT_DEFAULT_PRIORITY: Final = 5
 _TLS_KEYS: Final = _key_names(TLSConfig)
+_MAX_MODELS: Final = Range(1, 10_000, integer=True)
+_REPLICAS: Final = Range(0, 10_000, integer=True)
 # Set by the transport per request; a configured value would break de-duplication or framing.
 _RESERVED_HEADERS: Final = frozenset(
     {"x-npu-task-id", "x-npu-attempt", "content-length", "transfer-encoding"}
@@ -304,6 +317,7 @@ class _Reader:
             "dead_letter": self.dead_letter,
             "shared_state": self.shared_state,
             "priority": self.priority,
+            "models": self.models,
         }
         for name, spec, _ in specs(PoolConfig):
             if name in found or spec.section is None:
@@ -703,6 +717,9 @@ class _Reader:
         headers = self.headers(m.get("headers"), f"{path}.headers")
         tls = self.tls(m.get("tls"), f"{path}.tls", tls_base)
         auth = self.auth(m.get("auth"), f"{path}.auth", headers)
+        max_models = self.optional_int(m, "max_models", path, _MAX_MODELS)
+        capabilities = self.capabilities(m.get("capabilities"), f"{path}.capabilities")
+        tags = self.tags(m.get("tags"), f"{path}.tags")
         return (
             WorkerConfig(
                 id=worker_id,
@@ -713,6 +730,9 @@ class _Reader:
                 tls=tls,
                 name=name,
                 auth=auth,
+                capabilities=capabilities,
+                tags=tags,
+                max_models=max_models,
                 **plain,
             ),
             address_key,
@@ -840,6 +860,49 @@ class _Reader:
         self.error(path, "needs a url, or a host (and port)")
         return "", "url"
 
+    def capabilities(self, raw: object, path: str) -> tuple[str, ...]:
+        """A worker's capabilities: a list of names (a single name is refused, so that
+        ``capabilities: llm, vision`` is not read as one capability)."""
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.error(path, f"must be a list of names, got {show(raw)}")
+            return ()
+        found: list[str] = []
+        for index, item in enumerate(raw):
+            value = self.scalar(item, f"{path}[{index}]")
+            why = bad_label(value)
+            if why:
+                if value is not _INVALID:
+                    self.error(f"{path}[{index}]", why)
+                continue
+            found.append(str(value))
+        return tuple(sorted(set(found)))
+
+    def tags(self, raw: object, path: str) -> Mapping[str, str]:
+        """A worker's tags: a flat map of names to names (a number is read as its text,
+        so ``cost: 1`` matches ``cost=1``)."""
+        m = self.section(raw, path, ())
+        if not m:
+            return _no_headers()
+        found: dict[str, str] = {}
+        for key, item in m.items():
+            item_path = f"{path}.{key}"
+            why = bad_label(key)
+            if why:
+                self.error(item_path, f"the key {why}")
+                continue
+            value = self.scalar(item, item_path)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = str(value)
+            why = bad_label(value)
+            if why:
+                if value is not _INVALID:
+                    self.error(item_path, why)
+                continue
+            found[key] = str(value)
+        return MappingProxyType(found)
+
     def headers(self, raw: object, path: str) -> Mapping[str, str]:
         m = self.section(raw, path, ())
         if not m:
@@ -925,6 +988,60 @@ class _Reader:
         if text is None:
             return _INVALID
         return _scalar(text)
+
+    def optional_int(self, m: Mapping[Any, Any], key: str, path: str, limit: Range) -> int | None:
+        """The integer at ``m[key]`` within ``limit``, or None when absent, null or invalid."""
+        if m.get(key) is None:
+            return None
+        checked = self.bounded(m, key, path, limit)
+        return None if checked is None else int(checked)
+
+    def models(self, raw: object, path: str) -> ModelsConfig:
+        """The ``models`` section: its plain keys by their specs, ``max_models`` and the
+        ``catalog`` of per-model replica targets by code of their own."""
+        m = self.section(raw, path, _key_names(ModelsConfig))
+        if m is None:
+            return ModelsConfig()
+        found = self.fields(m, path, ModelsConfig)
+        found["max_models"] = self.optional_int(m, "max_models", path, _MAX_MODELS)
+        found["catalog"] = self.catalog(m.get("catalog"), f"{path}.catalog")
+        try:
+            return ModelsConfig(**found)
+        except ConfigError as exc:  # a cross-field rule of the dataclass
+            parent = path.rpartition(".")[0]
+            self.errors.extend(_join(parent, problem) for problem in exc.errors)
+            return ModelsConfig()
+
+    def catalog(self, raw: object, path: str) -> Mapping[str, ModelPolicy]:
+        m = self.section(raw, path, ())
+        if not m:
+            return MappingProxyType({})
+        found: dict[str, ModelPolicy] = {}
+        for model, entry in m.items():
+            item_path = f"{path}.{model}"
+            if (
+                not isinstance(model, str)
+                or not model
+                or len(model) > 200
+                or not model.isprintable()
+            ):
+                self.error(item_path, "the model id must be 1..200 printable characters")
+                continue
+            spec = self.section(entry, item_path, ("replicas",))
+            if spec is None:
+                continue
+            replicas = self.section(spec.get("replicas"), f"{item_path}.replicas", ("min", "max"))
+            if replicas is None:
+                continue
+            low = self.integer(replicas, "min", f"{item_path}.replicas", 0, limit=_REPLICAS)
+            high = self.optional_int(replicas, "max", f"{item_path}.replicas", _REPLICAS)
+            if high is not None and high < low:
+                self.error(
+                    f"{item_path}.replicas.max", f"must be >= replicas.min ({low}), got {high}"
+                )
+                continue
+            found[model] = ModelPolicy(low, high)
+        return MappingProxyType(found)
 
     def integer(
         self, m: Mapping[Any, Any], key: str, path: str, default: int, *, limit: Range

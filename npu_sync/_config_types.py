@@ -42,6 +42,9 @@ AutoBot's worker serves TLS there."""
 DEFAULT_MAX_CONCURRENT: Final = 32
 """Tasks in flight on one worker at once unless its ``max_concurrent`` says otherwise."""
 
+MAX_LABEL: Final = 100
+"""The longest capability, tag key or tag value, in characters."""
+
 MAX_FILE_BYTES: Final = 1 << 20
 """The largest configuration file read (1 MiB): a real one is a few kilobytes."""
 
@@ -303,11 +306,48 @@ class WorkerConfig:
         default_text="`autobot-windows` for `platform: windows`, else `autobot-linux`",
     )
     auth: AuthConfig = section(AuthConfig, "how each request is authenticated")
+    capabilities: tuple[str, ...] = custom(
+        (),
+        "what the worker can run (`llm`, `vision`, `audio`, ...): a task that `requires` "
+        "one goes only to workers that list it",
+        type_text="list of str",
+        default_text="`[]`",
+        allowed_text=f"names of 1..{MAX_LABEL} printable characters, no spaces, no `=`",
+        autobot="capabilities",
+        autobot_note="as is",
+    )
+    # Unhashable, so it takes no part in hash(); equality still compares it.
+    tags: Mapping[str, str] = field(
+        default_factory=_no_headers,
+        hash=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "labels a task can require or prefer as `key=value` (`location: lab`, `cost: low`)",
+                type_text="map str → str",
+                default_text="`{}`",
+                allowed_text=f"keys and values of 1..{MAX_LABEL} printable characters, no "
+                "spaces, no `=`; numbers are read as their text",
+                autobot="tags",
+                autobot_note="as is",
+            )
+        },
+    )
+
+    max_models: int | None = custom(
+        None,
+        "models this worker may hold at once (placement evicts the coldest first); null: "
+        "`models.max_models`, or what the worker's `GET /models` answer says",
+        type_text="int or null",
+        default_text="null",
+        allowed_text="`1..10000`",
+    )
 
     def __post_init__(self) -> None:
         # A caller's dict must not be able to change a frozen config behind its back.
         if not isinstance(self.headers, MappingProxyType):
             object.__setattr__(self, "headers", MappingProxyType(dict(self.headers)))
+        _freeze_labels(self)
         if not self.name:
             object.__setattr__(self, "name", self.id)
         if not self.protocol:
@@ -336,6 +376,40 @@ class WorkerConfig:
     def base_path(self) -> str:
         """The path prefix every request path is joined to: ``""`` or ``/api/v1``."""
         return urlsplit(self.url).path.rstrip("/")
+
+
+def bad_label(value: object) -> str | None:
+    """Why ``value`` cannot be a capability, tag key or tag value; None when it can."""
+    if not isinstance(value, str):
+        return f"must be a string, got {type(value).__name__}"
+    if not 0 < len(value) <= MAX_LABEL:
+        return f"must be 1..{MAX_LABEL} characters, got {len(value)}"
+    if not value.isprintable() or any(ch.isspace() for ch in value) or "=" in value:
+        return f"must be printable, without spaces or '=', got {value!r}"
+    return None
+
+
+def _freeze_labels(config: WorkerConfig) -> None:
+    """Check and freeze a worker's capabilities (sorted, unique) and tags."""
+    caps = config.capabilities
+    if isinstance(caps, str):
+        raise ConfigError(f"worker.capabilities: must be a list of names, got {caps!r}")
+    for cap in caps:
+        why = bad_label(cap)
+        if why:
+            raise ConfigError(f"worker.capabilities: {why}")
+    object.__setattr__(config, "capabilities", tuple(sorted(set(caps))))
+    most = config.max_models
+    if most is not None and (
+        isinstance(most, bool) or not isinstance(most, int) or not 0 < most <= 10_000
+    ):
+        raise ConfigError(f"worker.max_models: must be 1..10000, got {most!r}")
+    for key, value in config.tags.items():
+        why = bad_label(key) or bad_label(value)
+        if why:
+            raise ConfigError(f"worker.tags.{key}: {why}")
+    if not isinstance(config.tags, MappingProxyType):
+        object.__setattr__(config, "tags", MappingProxyType(dict(config.tags)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -886,6 +960,34 @@ class BalancingConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelPolicy:
+    """Placement targets of one model (``models.catalog.<id>``). Immutable.
+
+    ``min_replicas``/``max_replicas`` are written ``replicas: {min: 1, max: 3}``:
+    how many workers should hold the model at least and at most. ``max_replicas``
+    None: as many as the load asks for."""
+
+    min_replicas: int = 0
+    max_replicas: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("min", self.min_replicas), ("max", self.max_replicas)):
+            if value is None and name == "max":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10_000:
+                raise ConfigError(f"replicas.{name}: must be an integer 0..10000, got {value!r}")
+        if self.max_replicas is not None and self.max_replicas < self.min_replicas:
+            raise ConfigError(
+                f"replicas.max: must be >= replicas.min ({self.min_replicas}), "
+                f"got {self.max_replicas}"
+            )
+
+
+def _no_catalog() -> Mapping[str, ModelPolicy]:
+    return MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
 class ModelsConfig:
     """What the pool learns and does about the models each worker holds. Immutable."""
 
@@ -896,6 +998,101 @@ class ModelsConfig:
     refresh_on_health: bool = boolean(
         True, "re-read each worker's models (`GET /models`) with every health round"
     )
+    model_latency: bool = boolean(
+        True,
+        "learn each worker's latency per model (and per unit of a task's `size`) and send "
+        "a task naming a model to the worker fastest for it",
+        hot=False,
+    )
+    latency_models: int = integer(
+        32,
+        1,
+        10_000,
+        "models whose latency is remembered per worker; the least recently used is forgotten",
+        hot=False,
+    )
+
+    balance: bool = boolean(
+        False,
+        "run placement rounds: keep each model between its replica targets, add a "
+        "replica where load outgrows the ones it has, drop one gone cold, evict the "
+        "coldest model of a full worker (see [placement.md](placement.md))",
+        hot=False,
+    )
+    interval: float = number(
+        10.0, 0, 3600, "seconds between placement rounds (jittered)", above=True, unit="s"
+    )
+    hold: float = number(
+        60.0,
+        0,
+        _DAY,
+        "a model is not unloaded within this time of being loaded on a worker (no thrash)",
+        unit="s",
+    )
+    idle: float = number(
+        120.0,
+        0,
+        _DAY,
+        "a replica that served no task for this long is cold: removed down to the model's `min`",
+        above=True,
+        unit="s",
+    )
+    scale_up: float = number(
+        0.75,
+        0,
+        1,
+        "add a replica when a model's tasks in flight reach this share of its replicas' capacity",
+        above=True,
+    )
+    scale_down: float = number(
+        0.25,
+        0,
+        1,
+        "drop a replica when the model's tasks in flight would fit in one fewer at this share",
+    )
+    max_models: int | None = custom(
+        None,
+        "models one worker may hold at once, unless its own `max_models` or its `GET /models` "
+        "answer says otherwise; null: no limit known",
+        type_text="int or null",
+        default_text="null",
+        allowed_text="`1..10000`",
+    )
+    loads_per_round: int = integer(
+        1, 1, 1000, "the most loads one placement round starts (the rest wait for the next)"
+    )
+    # Unhashable, so it takes no part in hash(); equality still compares it.
+    catalog: Mapping[str, ModelPolicy] = field(
+        default_factory=_no_catalog,
+        hash=False,
+        metadata={
+            SPEC: Spec(
+                "custom",
+                "per model id, its replica targets: `{llama-3b: {replicas: {min: 1, max: 3}}}`",
+                type_text="map model id → `{replicas: {min, max}}`",
+                default_text="`{}`",
+                allowed_text="`min` `0..10000` (default 0), `max` `min..10000` or null (default)",
+            )
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "models")
+        if self.max_models is not None and (
+            isinstance(self.max_models, bool)
+            or not isinstance(self.max_models, int)
+            or not 1 <= self.max_models <= 10_000
+        ):
+            raise ConfigError(f"models.max_models: must be 1..10000, got {self.max_models!r}")
+        if not isinstance(self.catalog, MappingProxyType):
+            object.__setattr__(self, "catalog", MappingProxyType(dict(self.catalog)))
+
+    def policy(self, model: str) -> ModelPolicy:
+        """The targets of ``model``: its catalog entry, else no minimum and no maximum."""
+        return self.catalog.get(model) or _ANY_POLICY
+
+
+_ANY_POLICY: Final = ModelPolicy()
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,7 +31,7 @@ from npu_sync.errors import (
 )
 
 if TYPE_CHECKING:
-    from npu_sync.config import PoolConfig
+    from npu_sync.config import ModelPolicy, PoolConfig
     from npu_sync.deadletter import DeadLetterStore
     from npu_sync.fleet import FleetView
     from npu_sync.pool import WorkerPool
@@ -618,7 +618,7 @@ def _status(args: argparse.Namespace) -> int:
             view = _read_fleet(config) if fleet else None
             _print_status(
                 out, rows, as_json=args.json, compact=False, fleet=view, keyed=args.fleet,
-                detail=_detail(args),
+                detail=_detail(args), catalog=config.models.catalog,
             )  # fmt: skip
             return _status_code(rows)
         tty = out.isatty() and not args.json
@@ -634,7 +634,7 @@ def _status(args: argparse.Namespace) -> int:
                 )
             _print_status(
                 out, rows, as_json=args.json, compact=True, fleet=view, keyed=args.fleet,
-                detail=_detail(args),
+                detail=_detail(args), catalog=config.models.catalog,
             )  # fmt: skip
             out.flush()
             _pause(args.watch)
@@ -716,6 +716,7 @@ def _print_status(
     fleet: FleetView | None = None,
     keyed: bool = False,
     detail: str | None = None,
+    catalog: Mapping[str, ModelPolicy] | None = None,
 ) -> None:
     if as_json:
         data: Any = rows
@@ -745,6 +746,10 @@ def _print_status(
         # Indented, after the summary: lines that start with an id stay the health rows.
         about = _table(["ID", "NAME", "PROTOCOL", "DEVICE", "MODELS"], _about(described))
         out.write("\nmodels and devices:\n" + "".join(f"  {line}\n" for line in about.splitlines()))
+    per_model = _per_model(rows, catalog or {})
+    if per_model:
+        table_text = _table(["MODEL", "REPLICAS", "MIN", "MAX", "WORKERS"], per_model, right={1})
+        out.write("\nper model:\n" + "".join(f"  {line}\n" for line in table_text.splitlines()))
 
     if fleet is not None:
         _print_fleet(out, fleet, detail)
@@ -899,6 +904,30 @@ def _about(rows: list[dict[str, Any]]) -> list[list[str]]:
         models = row["models"]
         shown = "unknown" if models is None else ", ".join(models) or "none"
         table.append([row["id"], row["name"], row["protocol"], device, shown])
+    return table
+
+
+def _per_model(rows: list[dict[str, Any]], catalog: Mapping[str, ModelPolicy]) -> list[list[str]]:
+    """Per model held by a healthy worker or named in ``models.catalog``: how many
+    healthy workers hold it, its replica targets, and which workers; a model below its
+    ``min`` says so."""
+    held: dict[str, list[str]] = {}
+    for row in rows:
+        if row["ok"] and row["enabled"]:
+            for model in row["models"] or ():
+                held.setdefault(model, []).append(row["id"])
+    table = []
+    for model in sorted(set(held) | set(catalog)):
+        policy = catalog.get(model)
+        workers = held.get(model, [])
+        low = 0 if policy is None else policy.min_replicas
+        high = None if policy is None else policy.max_replicas
+        shown = ", ".join(workers) or "none"
+        if len(workers) < low:
+            shown += f" (below min {low})"
+        table.append(
+            [model, str(len(workers)), str(low), "-" if high is None else str(high), shown]
+        )
     return table
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, cast, overload
 
 from npu_sync.pool import WorkerPool, get_pool
@@ -34,6 +34,8 @@ class NpuTask(Generic[P]):
         endpoint: str | None,
         idempotent: bool,
         priority: str | None = None,
+        requires: Collection[str] = frozenset(),
+        prefers: Collection[str] = frozenset(),
     ) -> None:
         functools.update_wrapper(self, func)
         self._priority = priority
@@ -43,6 +45,10 @@ class NpuTask(Generic[P]):
         self._timeout = timeout
         self._endpoint = endpoint
         self._idempotent = idempotent
+        # Checked now, so that a bad requirement fails at decoration, not at a call.
+        probe = Task(payload=None, requires=requires, prefers=prefers)
+        self._requires = probe.requires
+        self._prefers = probe.prefers
 
     @property
     def pool(self) -> WorkerPool:
@@ -62,6 +68,8 @@ class NpuTask(Generic[P]):
                 timeout=self._timeout,
                 idempotent=self._idempotent,
                 priority=self._priority,
+                requires=self._requires,
+                prefers=self._prefers,
             )
         )
         fallback = self._fallback
@@ -144,6 +152,8 @@ def npu_task(
     endpoint: str | None = None,
     idempotent: bool = True,
     priority: str | None = None,
+    requires: Collection[str] = frozenset(),
+    prefers: Collection[str] = frozenset(),
 ) -> Callable[[Callable[P, Any]], NpuTask[P]]:
     """Turn a payload-building function into one that runs the task on a pool.
 
@@ -153,8 +163,8 @@ def npu_task(
         fallback: called with the same arguments when the task fails on every
             worker; its result is returned and no dead letter is stored. If it
             raises too, the dead letter is stored and ``TaskFailed`` raised.
-        timeout, endpoint, idempotent, priority: the task options (see
-            :class:`Task`), unless the function returns a ``Task`` itself.
+        timeout, endpoint, idempotent, priority, requires, prefers: the task options
+            (see :class:`Task`), unless the function returns a ``Task`` itself.
 
     The wrapper keeps the function's name, docstring and signature.
     """
@@ -170,6 +180,8 @@ def npu_task(
             endpoint=endpoint,
             idempotent=idempotent,
             priority=priority,
+            requires=requires,
+            prefers=prefers,
         )
 
     if priority is not None:

@@ -175,6 +175,25 @@ class WorkerModelsChanged(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class ModelPlacement(Event):
+    """Placement acted on a model (see docs/placement.md).
+
+    ``action`` is ``load`` (a replica added), ``unload`` (a replica removed: the model
+    went cold, or above its ``max``), ``evict`` (unloaded to make room on a full
+    worker) or ``failed`` (a load or unload the worker refused or did not answer);
+    ``reason`` says why in a few words; ``seconds`` is how long the request took.
+    """
+
+    name: ClassVar[str] = "model.placement"
+    level: ClassVar[int] = logging.INFO
+    worker_id: str
+    model: str
+    action: str
+    reason: str
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class ConfigReloaded(Event):
     """A new configuration was applied; ``changes`` is ``ReloadResult.to_dict()``."""
 

@@ -55,6 +55,7 @@ from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.guard import ReloadGuard
 from npu_sync.health import HealthChecker, HealthResult
 from npu_sync.outage import awaiting_first_check, credentials_news
+from npu_sync.placement import Load, Placer, Unload
 from npu_sync.reconfigure import Reconfigurer
 from npu_sync.reconfigure import ReloadResult as ReloadResult
 from npu_sync.redact import NO_SCRUBBER, Scrubber
@@ -66,6 +67,7 @@ from npu_sync.stats_types import (
     ConnectionStats,
     FleetStatsDict,
     HealthStats,
+    ModelStats,
     PoolStatsDict,
     ReloadStats,
     SharedStateStats,
@@ -201,6 +203,11 @@ class WorkerPool:
             shared.on_resume = _weakly(self, WorkerPool._announce_open_breakers, None)
             shared.start()
         self._monitor.start()
+        # Placement rounds (models.balance): the thread only when asked for.
+        self._placer: Placer | None = None
+        if config.models.balance:
+            self._placer = state.placer = Placer(state, self._rng)
+            self._placer.start()
         _live_pools.add(self)
 
     @classmethod
@@ -454,14 +461,18 @@ class WorkerPool:
                     "p50": None if sel50 is None else sel50 * 1e6,
                     "p99": None if sel99 is None else sel99 * 1e6,
                 },
-                "models": {
-                    "placement": self._state.config.models.placement,
-                    "held": sorted({m for w in workers if w.models for m in w.models}),
-                    "unknown": sum(1 for w in workers if w.models is None),
-                    "corrections": self._state.model_counts["corrections"],
-                    "placements": self._state.model_counts["placements"],
-                    "placement_failures": self._state.model_counts["placement_failures"],
-                },
+                "models": cast(
+                    ModelStats,
+                    {
+                        "placement": self._state.config.models.placement,
+                        "held": sorted({m for w in workers if w.models for m in w.models}),
+                        "unknown": sum(1 for w in workers if w.models is None),
+                        "corrections": self._state.model_counts["corrections"],
+                        "placements": self._state.model_counts["placements"],
+                        "placement_failures": self._state.model_counts["placement_failures"],
+                        **self._placement_stats(),
+                    },
+                ),
                 "balancing": cast(
                     BalancingStats,
                     {
@@ -604,6 +615,8 @@ class WorkerPool:
             workers = [*self._state.workers.values(), *self._state.draining.values()]
         try:
             self._health.stop()
+            if self._placer is not None:
+                self._placer.stop()
             self._monitor.stop()  # before the shared state: it withdraws the snapshot
             # Every task has ended, so every hedge's race is decided: a hedge still on
             # the wire is its task's loser, cancelled, and ends at once. Joined before
@@ -816,6 +829,40 @@ class WorkerPool:
             # New workers that answer now take over from those a reload removed.
             self._reconfigurer.health_checked()
 
+    def check_placement(self) -> list[Load | Unload]:
+        """Run one placement round now (``models.balance``; see docs/placement.md) and
+        return the loads and unloads it tried.
+
+        Raises:
+            RuntimeError: ``models.balance`` was off when the pool was built.
+        """
+        if self._placer is None:
+            raise RuntimeError("placement is off: set models.balance: true")
+        return self._placer.check_once()
+
+    def _placement_stats(self) -> dict[str, Any]:
+        placer = self._placer
+        if placer is None:
+            return {
+                "balance": False,
+                "loads": 0,
+                "unloads": 0,
+                "evictions": 0,
+                "load_failures": 0,
+                "load_seconds": 0.0,
+                "per_model": [],
+            }
+        counts = placer.counts
+        return {
+            "balance": True,
+            "loads": counts["loads"],
+            "unloads": counts["unloads"],
+            "evictions": counts["evictions"],
+            "load_failures": counts["failures"],
+            "load_seconds": placer.load_seconds,
+            "per_model": placer.rows(),
+        }
+
     def _check_soon(self) -> None:
         self._health.check_soon()
 
@@ -900,6 +947,8 @@ class WorkerPool:
         if self._state.shared is not None:
             self._state.shared.after_fork()
         self._monitor.after_fork()
+        if self._placer is not None:
+            self._placer.after_fork()
         self.dead_letters.after_fork()
         self._restart_pending = not self._state.closed
 
@@ -915,6 +964,8 @@ class WorkerPool:
         if self._state.shared is not None:
             self._state.shared.start()
         self._monitor.start()
+        if self._placer is not None:
+            self._placer.start()
 
 
 _live_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()

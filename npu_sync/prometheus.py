@@ -71,6 +71,7 @@ from npu_sync.events import (
     ConfigReloadFailed,
     Event,
     Hook,
+    ModelPlacement,
     RetryScheduled,
     TaskDeadLettered,
     TaskFallback,
@@ -112,6 +113,7 @@ generation's minute (``+Inf`` is added)."""
 ATTEMPT_OUTCOMES = ("succeeded", "rejected", "not_here", "failed", "misconfigured", "abandoned")
 TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
 RELOAD_RESULTS = ("ok", "failed")
+PLACEMENT_ACTIONS = ("load", "unload", "evict", "failed")
 BREAKER_STATES = ("closed", "open", "half-open")
 HEDGE_RESULTS = ("won", "lost")
 BALANCING_TOTALS = ("refused", "won", "lost", "skipped")
@@ -159,6 +161,8 @@ class _Counts:
     retries: int = 0
     trips: dict[str, int] = field(default_factory=dict)
     reloads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RELOAD_RESULTS, 0))
+    placements: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PLACEMENT_ACTIONS, 0))
+    load_seconds: float = 0.0
     durations: dict[str, _Histogram] = field(default_factory=dict)
     # The balancing counters, followed from the pool's totals (no event per refusal or
     # skip): what was counted, and the totals last read.
@@ -395,6 +399,13 @@ class PrometheusExporter:
             return
         elif isinstance(event, BreakerStateChanged) and event.new == "open":
             family, key = "trips", event.worker_id
+        elif isinstance(event, ModelPlacement):
+            family, key = "placements", event.action
+            if event.action == "load":
+                with self._lock:
+                    c.load_seconds += event.seconds
+                if files is not None:
+                    files.add("load_seconds", self._const, event.seconds)
         elif isinstance(event, ConfigReloaded):
             family, key = "reloads", "ok"
         elif isinstance(event, ConfigReloadFailed):
@@ -528,6 +539,8 @@ class PrometheusExporter:
             retries = c.retries
             trips = dict(c.trips)
             reloads = dict(c.reloads)
+            placements = dict(c.placements)
+            load_seconds = c.load_seconds
             durations = {wid: (list(h.counts), h.total) for wid, h in c.durations.items()}
             balancing = dict(c.balancing) if c.seen else None
         # Current workers get zero series, so rate() and absent() work before any event.
@@ -548,6 +561,9 @@ class PrometheusExporter:
             families.trips.add_metric([*const, wid], n)
         for result, n in reloads.items():
             families.reloads.add_metric([*const, result], n)
+        for action, n in placements.items():
+            families.placements.add_metric([*const, action], n)
+        families.load_seconds.add_metric(list(const), load_seconds)
         for wid, (counts, total) in sorted(durations.items()):
             cumulative, running = [], 0
             for bound, n in zip(self._le, counts, strict=True):
@@ -706,6 +722,12 @@ _HELP = {
         ("result",),
     ),
     "hedges_skipped": ("Hedges due but not sent: no budget or no worker free.", "", ()),
+    "placements": (
+        "Placement's model loads, unloads, evictions and refused requests, by action.",
+        "",
+        ("action",),
+    ),
+    "load_seconds": ("Time placement's model loads took, in all.", "", ()),
 }
 _NAMES = {
     "attempts": "attempts",
@@ -725,6 +747,8 @@ _NAMES = {
     "budget_refused": "retry_budget_refused",
     "hedges": "hedges",
     "hedges_skipped": "hedges_skipped",
+    "placements": "model_placements",
+    "load_seconds": "model_load_seconds",
     "latency_estimate": "worker_latency_estimate_seconds",
     "share": "worker_share",
     "budget_balance": "retry_budget_balance",
@@ -805,9 +829,13 @@ class _Families:
         self.budget_refused = counter("budget_refused")
         self.hedges = counter("hedges")
         self.hedges_skipped = counter("hedges_skipped")
+        self.placements = counter("placements")
+        self.load_seconds = counter("load_seconds")
 
     def all(self) -> list[Metric]:
         return [
+            self.placements,
+            self.load_seconds,
             self.attempts,
             self.tasks,
             self.retries,

@@ -12,11 +12,12 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from npu_sync.admission import Dispatcher
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.budget import BudgetTotals, RetryBudget
+from npu_sync.capability import CapabilityFilter
 from npu_sync.clock import Clock
 from npu_sync.config import BalancingConfig, PoolConfig, WorkerConfig
 from npu_sync.events import (
@@ -34,6 +35,7 @@ from npu_sync.events import (
 from npu_sync.hedge import HedgePolicy, HedgeTimer, HedgeTotals
 from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
+from npu_sync.modelcost import ModelCosts
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
 from npu_sync.redact import MIN_SECRET_LENGTH, Scrubber
 from npu_sync.retry import RetryPolicy
@@ -49,6 +51,18 @@ TransportFactory = Callable[..., Transport]
 
 _LACKING_LIMIT = 1024
 """Models whose lacking workers are remembered at once; tasks may name any number."""
+
+
+class ModelPlacer(Protocol):
+    """What the life of a task asks of placement (``models.balance``, see
+    :mod:`npu_sync.placement`): counting tasks per worker and model, and loading a
+    model no live worker holds where it is cheapest, evicting if need be."""
+
+    def started(self, worker_id: str, model: str, now: float) -> None: ...
+
+    def ended(self, worker_id: str, model: str, now: float) -> None: ...
+
+    def place(self, model: str, timeout: float) -> str | None: ...
 
 
 class Placement:
@@ -155,6 +169,15 @@ class PoolState:
         self._protocols: tuple[WorkerProtocol, ...] = (LINUX,)
         self._protocols_for: PoolConfig | None = None
         self.placements: dict[str, Placement] = {}  # models being loaded right now
+        self.capabilities = CapabilityFilter()  # who meets a task's requires/prefers
+        self.placer: ModelPlacer | None = None  # set by the pool with models.balance
+        models = config.models
+        # Per-(worker, model) latency (models.model_latency), None when off.
+        self.model_costs = (
+            ModelCosts(config.balancing.latency_decay, models.latency_models)
+            if models.model_latency
+            else None
+        )
         self.model_counts = {"corrections": 0, "placements": 0, "placement_failures": 0}
 
     def new_scrubber(self, config: PoolConfig, previous: Scrubber | None = None) -> Scrubber:

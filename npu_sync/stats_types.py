@@ -26,6 +26,7 @@ __all__ = [
     "HostRow",
     "HostTasks",
     "LatencyStats",
+    "ModelRowDict",
     "ModelStats",
     "PoolStatsDict",
     "PoolTaskStats",
@@ -192,6 +193,24 @@ class ModelStats(TypedDict):
     corrections: int
     placements: int
     placement_failures: int
+    balance: bool
+    loads: int
+    unloads: int
+    evictions: int
+    load_failures: int
+    load_seconds: float
+    per_model: list["ModelRowDict"]
+
+
+class ModelRowDict(TypedDict):
+    """``stats()["models"]["per_model"][i]``: one model as placement sees it."""
+
+    model: str
+    min: int
+    max: int | None
+    workers: list[str]
+    in_flight: int
+    load_seconds: float | None
 
 
 class RetryBudgetStats(TypedDict):

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -19,6 +19,7 @@ from npu_sync.trace import Trace
 
 __all__ = ["Attempt", "Task", "as_task", "new_task_id", "priority_scope", "traced"]
 
+_NONE: frozenset[str] = frozenset()  # the needs of a task that needs nothing
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _V4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48))
 _V4_SET = (0x4000 << 64) | (0x8000 << 48)
@@ -53,6 +54,16 @@ class Task:
             ``priority.default``. Decides who is served first while tasks wait for a
             worker (see docs/priority.md); a name the pool does not know raises
             ``InvalidTask`` when the task is run.
+        requires: what a worker must have to be given the task: capability names
+            (``"vision"``, matched against a worker's ``capabilities``) and tags as
+            ``"key=value"`` (``"location=lab"``, matched against its ``tags``). A task
+            no configured worker meets is rejected at once (``TaskRejected``).
+        prefers: the same, as a preference: a worker meeting all of it is chosen when
+            one has room now, else any worker meeting ``requires``.
+        size: how big the task is, in a unit of the caller's choosing for its model
+            (tokens, pixels, bytes): its answer time is learnt per unit of size, so
+            that workers given larger tasks are not taken for slower ones. A positive
+            finite number, or None.
     """
 
     payload: Any
@@ -63,8 +74,22 @@ class Task:
     priority: str | None = None
     # Filled as the task runs when given (see npu_sync.trace); not part of its identity.
     trace: Trace | None = field(default=None, compare=False, repr=False)
+    requires: Collection[str] = _NONE
+    prefers: Collection[str] = _NONE
+    size: float | None = None
 
     def __post_init__(self) -> None:
+        if self.size is not None and (
+            isinstance(self.size, bool)
+            or not isinstance(self.size, (int, float))
+            or not math.isfinite(self.size)
+            or self.size <= 0
+        ):
+            raise InvalidTask(f"task size must be a positive number, got {self.size!r}")
+        if self.requires is not _NONE or self.prefers is not _NONE:
+            # Off the path of a task that needs nothing: it keeps the shared defaults.
+            object.__setattr__(self, "requires", _needs("requires", self.requires))
+            object.__setattr__(self, "prefers", _needs("prefers", self.prefers))
         if self.endpoint is not None and (
             not isinstance(self.endpoint, str) or not self.endpoint.startswith("/")
         ):
@@ -132,6 +157,36 @@ def priority_scope(name: str) -> Iterator[None]:
         yield
     finally:
         _SCOPED.reset(token)
+_MAX_NEEDS = 32
+_MAX_NEED = 201  # a tag: key, "=", value of at most 100 characters each
+
+
+def _needs(key: str, value: object) -> frozenset[str]:
+    """``requires``/``prefers`` checked: capability names and ``key=value`` tags."""
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, Collection) or isinstance(items, (bytes, dict)):
+        raise InvalidTask(
+            f"task {key} must be a name or a collection of names, got {type(value).__name__}"
+        )
+    if len(items) > _MAX_NEEDS:
+        raise InvalidTask(f"task {key} must have at most {_MAX_NEEDS} items, got {len(items)}")
+    for item in items:
+        if not isinstance(item, str):
+            raise InvalidTask(f"task {key} items must be strings, got {item!r}")
+        name, eq, tag_value = item.partition("=")
+        if (
+            not name
+            or (eq and not tag_value)
+            or "=" in tag_value
+            or len(item) > _MAX_NEED
+            or not item.isprintable()
+            or any(ch.isspace() for ch in item)
+        ):
+            raise InvalidTask(
+                f"task {key} items must be a capability (`vision`) or a tag (`location=lab`) "
+                f"without spaces, got {item!r}"
+            )
+    return frozenset(items)
 
 
 def as_task(task: Task | Any) -> Task:

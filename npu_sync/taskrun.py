@@ -64,6 +64,7 @@ from npu_sync.events import (
 )
 from npu_sync.foresight import Late
 from npu_sync.hedge import HedgePolicy
+from npu_sync.modelcost import ModelCosts
 from npu_sync.outage import describe, down_reason, held_until, refuse_credentials
 from npu_sync.protocols import WorkerProtocol
 from npu_sync.redact import Scrubber
@@ -491,17 +492,28 @@ class TaskRun:
             delay = None
             if hedge is not None and not self.attempts:
                 delay = hedge.delay_for(self.task.idempotent)
-            if delay is None:
-                done = self.attempt(lease)
-                if done is not None and state.hooks:
-                    self.announce_attempt(lease.worker, done[0], done[2], done[3])
-            else:
-                lease, done = self.hedged(lease, delay)
+            placer = state.placer
+            used = None
+            if placer is not None and (model := self.named_model()) is not None:
+                used = lease.worker.id  # tasks in flight per model: placement's measure
+                placer.started(used, model, self.clock.monotonic())
+            try:
+                if delay is None:
+                    done = self.attempt(lease)
+                    if done is not None and state.hooks:
+                        self.announce_attempt(lease.worker, done[0], done[2], done[3])
+                else:
+                    lease, done = self.hedged(lease, delay)
+            finally:
+                if used is not None and placer is not None and model is not None:
+                    placer.ended(used, model, self.clock.monotonic())
             if done is None:
                 break
             outcome, deferred, t0, t1 = done
             worker = lease.worker
             if outcome.kind is Kind.SUCCESS:
+                if state.model_costs is not None:
+                    self.learn(worker, t1 - t0, t1)
                 if self.trace is not None:
                     self.traced_attempt(worker, outcome, t0, t1, False)
                 if self.blame.held or state.hooks:
@@ -517,6 +529,23 @@ class TaskRun:
         in ``self.reason``, when none could be had."""
         deadline = self.deadline
         state = self.state
+        task = self.task
+        if task.requires or task.prefers:
+            ready = self.fit()
+            if ready is not None:
+                return ready
+        costs = state.model_costs
+        if (
+            costs is not None
+            and costs.active
+            and (model := self.named_model()) is not None
+            and costs.uneven(model)
+            and self.config.balancing.latency_aware
+            and self.config.balancing.strategy == "least-loaded"
+        ):
+            ready = self.fastest_for(costs, model)
+            if ready is not None:
+                return ready
         excluded: set[str] | frozenset[str] = self.excluded
         deposit = self.deposit
         if state.models_known and (model := self.named_model()) is not None:
@@ -630,6 +659,79 @@ class TaskRun:
         read = self.config.timeouts.read
         return take_fleet_trial(self.state, lease, read if read < remaining else remaining)
 
+    def fit(self) -> Lease | None:
+        """Keep the task off the workers that lack what it ``requires`` (for good, like
+        a missing model), and a lease on one meeting what it ``prefers`` if one has room
+        now (see :mod:`npu_sync.capability`).
+
+        Raises:
+            TaskRejected: no configured worker meets ``requires``; nothing is sent.
+        """
+        state = self.state
+        task = self.task
+        config = state.config
+        needs = state.capabilities
+        if task.requires:
+            unfit = needs.unfit(config, task.requires)
+            if unfit:
+                if len(unfit) >= len(config.workers):
+                    why = needs.missing(config, task.requires)
+                    raise self.reject_unfit(why)
+                self.excluded |= unfit
+                self.not_here |= unfit
+        if not task.prefers:
+            return None
+        others = needs.unfit(config, task.prefers)
+        if not others or len(others) >= len(config.workers):
+            return None  # all or none preferred: the usual choice is the preferred one
+        excluded = self.excluded | others
+        if state.models_known and (model := self.named_model()) is not None:
+            excluded |= state.lacking(model)
+        if self.deposit is not None:
+            self.deposit = None
+            self.budget.deposit(self.start)
+        return state.dispatcher.try_acquire(excluded)
+
+    def learn(self, worker: Worker, rtt: float, now: float) -> None:
+        """A success took ``rtt``: feed the per-(worker, model) estimate."""
+        model = self.named_model()
+        costs = self.state.model_costs
+        if model is not None and costs is not None:
+            costs.observe(worker.id, model, rtt, now, self.task.size)
+
+    def fastest_for(self, costs: ModelCosts, model: str) -> Lease | None:
+        """A lease on the worker fastest for ``model`` by its per-model estimate, if
+        that worker has room now (see :mod:`npu_sync.modelcost`); else None, and the
+        usual choice follows."""
+        state = self.state
+        now = self.clock.monotonic()
+        excluded = self.excluded
+        lacking = state.lacking(model) if state.models_known else frozenset()
+        workers = list(state.workers.values())
+        candidates = [
+            w for w in workers if w.id not in excluded and w.id not in lacking and w.eligible(now)
+        ]
+        if len(candidates) < 2:
+            return None
+        best = costs.best(candidates, model, now, self.task.size)
+        if best is None:
+            return None
+        if self.deposit is not None:
+            self.deposit = None
+            self.budget.deposit(self.start)
+        return state.dispatcher.try_acquire([w.id for w in workers if w is not best])
+
+    def reject_unfit(self, why: str) -> TaskRejected:
+        """The rejection of a task no configured worker can serve; nobody is charged."""
+        state = self.state
+        task_id = self.task.task_id
+        with state.lock:
+            state.stats.rejected += 1
+        needs = ", ".join(sorted(self.task.requires))
+        message = f"no worker meets the task's requires ({needs}): {why}"
+        state.notify(TaskRejectedEvent(state.clock.time(), task_id, None, None, message))
+        return TaskRejected(f"{message} (task {task_id})", task_id=task_id)
+
     def lacks_model(self, lease: Lease) -> bool:
         """Whether the lease's worker was learnt to lack the task's model while the task
         waited for it (another task's attempt bounced there): if so, the lease is given
@@ -689,9 +791,23 @@ class TaskRun:
             self.placed = True
             failed = self.place(model)
             if failed is None:
+                self.readmit(model)
                 return True
             detail += f"; {failed}"
         raise self.reject_model(model, detail)
+
+    def readmit(self, model: str) -> None:
+        """``model`` was just loaded: a worker this task found without it (it unloaded
+        the model behind the pool's back) may hold it now, and may be tried again."""
+        state = self.state
+        with state.lock:
+            back = {
+                wid
+                for wid in self.not_here
+                if (w := state.workers.get(wid)) is not None and not w.lacks(model)
+            }
+        self.not_here -= back
+        self.excluded -= back
 
     def place(self, model: str) -> str | None:
         """Have the least-loaded live worker load ``model`` (``models.placement``).
@@ -701,6 +817,9 @@ class TaskRun:
         loaded, else why it is not.
         """
         state = self.state
+        placer = state.placer
+        if placer is not None:  # models.balance: where loading is cheapest, evicting
+            return placer.place(model, self.deadline - self.clock.monotonic())
         with state.lock:
             placement = state.placements.get(model)
             worker = None

@@ -149,6 +149,11 @@ class WorkerBehaviour:
             has "fallen back to CPU" and names :data:`CPU_DEVICE` as its device.
         load_delay_ms: time loading a model takes (``/models/load``,
             ``/model/optimize``, or a first use under ``"*"``).
+        max_models: the most models loaded at once (None: no limit); a load beyond it
+            answers ``507 {"detail": "..."}`` and loads nothing (the pool unloads one
+            first). Reported as ``max_models`` in ``GET /models``.
+        load_status: when set (400..599), every load request answers it at once with
+            ``{"detail": "forced"}`` and loads nothing.
         echo_header: the name of a request header this worker quotes, value and all,
             in every error it answers (``detail``, a failed task's ``error``, an
             unhealthy ``/health``'s ``status``): a careless worker that leaks the
@@ -167,8 +172,22 @@ class WorkerBehaviour:
     npu_available: bool = True
     load_delay_ms: float = 0.0
     echo_header: str | None = None
+    max_models: int | None = None
+    load_status: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_models is not None and (
+            isinstance(self.max_models, bool)
+            or not isinstance(self.max_models, int)
+            or self.max_models < 1
+        ):
+            raise ValueError(f"max_models: must be null or >= 1, got {self.max_models!r}")
+        if self.load_status is not None and (
+            isinstance(self.load_status, bool)
+            or not isinstance(self.load_status, int)
+            or self.load_status not in _FORCEABLE_STATUS
+        ):
+            raise ValueError(f"load_status: must be null or 400..599, got {self.load_status!r}")
         _check_number("latency_ms", self.latency_ms)
         _check_number("load_delay_ms", self.load_delay_ms)
         _check_number("jitter_ms", self.jitter_ms)
@@ -206,6 +225,12 @@ class WorkerBehaviour:
 
 
 _BEHAVIOUR_FIELDS = frozenset(f.name for f in fields(WorkerBehaviour))
+
+
+class ModelCapacity(Exception):
+    """A load asked of a worker that has ``max_models`` loaded already."""
+
+
 # Not a behaviour: which models are loaded is the worker's state, set through the same
 # update() and /_control so that a test can load or unload models at run time.
 _MODELS_SETTING = "models"
@@ -346,19 +371,28 @@ class _WorkerState:
                 }
                 for model, info in self._loaded.items()
             }
-        return {
+        status: dict[str, Any] = {
             "npu_available": behaviour.npu_available,
             "optimal_device": behaviour.device,
             "loaded_models": loaded,
             "available_devices": _available_devices(behaviour),
         }
+        if behaviour.max_models is not None:  # not AutoBot's: only when set
+            status["max_models"] = behaviour.max_models
+        return status
 
     def load(self, model: str) -> bool:
         """Load ``model``, taking the configured load delay; False when the server
-        closes meanwhile. Loading a loaded model is instant."""
+        closes meanwhile. Loading a loaded model is instant.
+
+        Raises:
+            ModelCapacity: ``max_models`` are loaded already (checked before and after
+                the delay).
+        """
         with self._cond:
             if model in self._loaded:
                 return True
+            self._check_room_locked()
         delay = self.behaviour.load_delay_ms / 1000.0
         if delay > 0 and self.clock.wait(self.closing, delay):
             return False
@@ -366,11 +400,20 @@ class _WorkerState:
             return False
         with self._cond:
             if model not in self._loaded:
+                self._check_room_locked()
                 self._loaded[model] = _Model(self.behaviour.device, self._now_iso())
                 self._loads += 1
             self._cond.notify_all()
         _log.info("worker %s loaded model %s", self.worker_id, model)
         return True
+
+    def _check_room_locked(self) -> None:
+        cap = self.behaviour.max_models
+        if cap is not None and len(self._loaded) >= cap:
+            raise ModelCapacity(
+                f"model capacity reached: {len(self._loaded)} of {cap} loaded "
+                f"({', '.join(sorted(self._loaded))}); unload one first"
+            )
 
     def unload(self, model: str) -> bool:
         """Unload ``model``; False when it was not loaded."""
@@ -389,7 +432,10 @@ class _WorkerState:
                 return True
             if not self.any_model:
                 return False
-        return True if self.load(model) else None
+        try:
+            return True if self.load(model) else None
+        except ModelCapacity:
+            return False  # answered as a model that is not loaded
 
     def release(self) -> None:
         """Wake every hung handler and latency wait for shutdown."""
@@ -915,7 +961,16 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             self._send_json(422, {"detail": str(exc)})
             return
-        if not self.server.state.load(model):
+        forced = self.server.state.behaviour.load_status
+        if forced is not None:
+            self._send_json(forced, {"detail": "forced"})
+            return
+        try:
+            loaded = self.server.state.load(model)
+        except ModelCapacity as exc:
+            self._send_json(507, {"detail": str(exc)})
+            return
+        if not loaded:
             self._drop()
             return
         self._send_json(200, {"status": "success", "model_id": model})
@@ -936,7 +991,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         level = (query.get("optimization_level") or ["balanced"])[0]
         state = self.server.state
-        if not state.load(model):
+        try:
+            loaded = state.load(model)
+        except ModelCapacity as exc:
+            self._send_json(507, {"detail": str(exc)})
+            return
+        if not loaded:
             self._drop()
             return
         self._send_json(
@@ -1452,6 +1512,13 @@ def build_arg_parser(parser: argparse.ArgumentParser | None = None) -> argparse.
         "(default %(default)s)",
     )
     parser.add_argument(
+        "--max-models",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the most models loaded at once; a load beyond answers 507 (default: no limit)",
+    )
+    parser.add_argument(
         "--protocol",
         choices=PROTOCOLS,
         default="linux",
@@ -1577,6 +1644,7 @@ def serve(args: argparse.Namespace, *, stop: threading.Event | None = None) -> i
             health_status=args.health_status,
             npu_available=args.npu_available,
             load_delay_ms=args.load_delay_ms,
+            max_models=args.max_models,
         )
         server = WorkerServer(
             args.host,
@@ -1648,7 +1716,7 @@ class LocalWorker:
         models: model ids served; ``"*"`` serves any.
         max_concurrent: the load hint reported by ``/health``.
         protocol: ``"linux"`` or ``"windows"`` (see :class:`WorkerServer`).
-        load_delay_ms, npu_available: initial behaviour; see WorkerBehaviour.
+        load_delay_ms, npu_available, max_models: initial behaviour; see WorkerBehaviour.
         slots: tasks inferred at once, the rest queued (see :class:`WorkerServer`).
         hmac_auth: ``(service_id, secret)`` the worker requires signatures with; the
             secret reaches the child through its environment, not its command line.
@@ -1674,6 +1742,7 @@ class LocalWorker:
         load_delay_ms: float = 0.0,
         npu_available: bool = True,
         slots: int | None = None,
+        max_models: int | None = None,
         hmac_auth: tuple[str, str] | None = None,
         bearer_token: str | None = None,
         tls_cert: str | os.PathLike[str] | None = None,
@@ -1703,6 +1772,8 @@ class LocalWorker:
             self._args.append("--no-npu")
         if slots is not None:
             self._args += ["--slots", str(slots)]
+        if max_models is not None:
+            self._args += ["--max-models", str(max_models)]
         self._secrets: dict[str, str] = {}
         if hmac_auth is not None:
             self._args += ["--hmac-service-id", hmac_auth[0], "--hmac-secret-env", _CHILD_HMAC_ENV]

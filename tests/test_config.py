@@ -20,6 +20,7 @@ from npu_sync.config import (
     DeadLetterConfig,
     FleetConfig,
     HealthConfig,
+    ModelsConfig,
     PoolConfig,
     PoolSettings,
     PriorityConfig,
@@ -592,12 +593,21 @@ POOL_BOUNDS: list[tuple[str, str, int, dict[str, Any]]] = [
     ("admission.deadline_margin", ">= 1 and <= 100", 100, {}),
     ("admission.min_samples", "1..1000000", 1_000_000, {}),
     ("priority.aging", ">= 0 and <= 86400", 86400, {}),
+    ("models.latency_models", "1..10000", 10_000, {}),
+    ("models.interval", "> 0 and <= 3600", 3600, {}),
+    ("models.hold", ">= 0 and <= 86400", 86400, {}),
+    ("models.idle", "> 0 and <= 86400", 86400, {}),
+    ("models.scale_up", "> 0 and <= 1", 1, {}),
+    ("models.scale_down", ">= 0 and <= 1", 1, {}),
+    ("models.max_models", "1..10000", 10_000, {}),
+    ("models.loads_per_round", "1..1000", 1000, {}),
 ]
 WORKER_BOUNDS: list[tuple[str, str, int]] = [
     ("port", "1..65535", 65535),
     ("priority", "0..1000000", 1_000_000),
     ("max_concurrent", "1..10000", 10_000),
     ("weight", "1..100", 100),
+    ("max_models", "1..10000", 10_000),
 ]
 # Keys of sections nested one level further (balancing.retry_budget.ratio), with their
 # ranges; tests/test_config_fields.py checks them.
@@ -613,6 +623,7 @@ NESTED_BOUNDS: dict[str, str] = {
     "retry.stall.declared_share": ">= 0 and <= 1",
 }
 SECTION_CLASSES: dict[str, Any] = {
+    "models": ModelsConfig,
     "health": HealthConfig,
     "circuit_breaker": BreakerConfig,
     "retry": RetryConfig,

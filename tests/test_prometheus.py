@@ -317,6 +317,8 @@ def test_the_hook_counts_constructed_events_and_ignores_the_rest(registry):
             "npu_sync_tasks_total",
             "npu_sync_retries_total",
             "npu_sync_reloads_total",
+            "npu_sync_model_placements_total",
+            "npu_sync_model_load_seconds_total",
             "npu_sync_tasks_waiting",
             "npu_sync_dead_letters_pending",
         }
