@@ -124,7 +124,6 @@ _STALL_RESCANS = 4
 """Stalled winners one selection may pass over before it takes the cheapest anyway."""
 
 
-
 class _Tier:
     __slots__ = ("alone", "keys", "last", "observed", "ready", "turn")
 
