@@ -17,6 +17,7 @@ take them (MSET as SETs inside the same MULTI, PUBLISH sent once the MULTI ran).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from typing import Any
@@ -101,7 +102,9 @@ def reconnect(client: Any) -> None:
         if isinstance(client, ClusterClient):
             client.reset()
         else:
-            client.connection_pool.disconnect()
+            # Idle connections only: one in use is another thread's call, which a closed
+            # socket would fail with an error that is not Redis's.
+            client.connection_pool.disconnect(inuse_connections=False)
     except (RedisError, OSError):
         log.debug("dropping the Redis connections failed", exc_info=True)
 
@@ -202,6 +205,25 @@ class SlotPipeline:
         self._pipe.reset()
 
 
+def _live_replicas(sentinels: Sentinel, service: str, *, settled: bool) -> int:
+    """Replicas the first sentinel that answers sees up; with ``settled``, only those
+    reporting ``role:slave`` with their link to the primary ok."""
+    for one in sentinels.sentinels:
+        try:
+            found: list[dict[str, Any]] = _untyped(one.sentinel_slaves)(service)
+        except RedisError:
+            continue
+        up = [r for r in found if not (r.get("is_sdown") or r.get("is_odown"))]
+        if settled:
+            up = [
+                r
+                for r in up
+                if r.get("role-reported") == "slave" and r.get("master-link-status") == "ok"
+            ]
+        return len(up)
+    return 0
+
+
 class ReplicatedWriter:
     """Writes a dead letter so that it counts as stored only once it is on the primary
     and, when the primary has replicas, on at least one of them (``WAIT 1``). Thread-safe.
@@ -225,6 +247,7 @@ class ReplicatedWriter:
         """Replica acknowledgements a write needs: 0 or 1."""
         self.stale = True
         """True until :meth:`check` has run since the last unconfirmed write."""
+        self._primary: tuple[str, int] | None = None
 
     def _node(self) -> Any:
         if isinstance(self._client, ClusterClient):
@@ -232,30 +255,86 @@ class ReplicatedWriter:
         return self._client
 
     def check(self) -> bool:
-        """Read whether replicas are expected; False (and every connection dropped,
-        so the next one finds the primary afresh) when the server is not a primary.
+        """Read whether replicas are expected; False (and the idle connections dropped,
+        so the next one finds the primary afresh) when the server is not the primary.
+
+        Behind Sentinel the server must be at the address the sentinels name: a primary
+        a failover is replacing still says ``role:master`` for seconds, and what it
+        takes then is lost when it turns replica. The replicas counted are those the
+        sentinels see up. On a primary checked before, a replica counts until the
+        sentinels find it down: one that left may be the replica a failover is
+        promoting, and what the old primary takes alone then is lost. On a new primary
+        only replicas reporting ``role:slave`` with their link ok count: the old
+        primary, not yet reconfigured, still says it is one.
 
         Raises:
             RedisError: Redis did not answer.
         """
-        try:
-            info = self._node().info("replication")
-        except ResponseError:
-            info = {}  # INFO refused (an ACL, a renamed command): no replicas known
-        role = str(info.get("role", "master")) if isinstance(info, dict) else "master"
+        found = sentinel_of(self._client)
+        if found is None:
+            info = self._info(self._node())
+            where = None
+        else:
+            info, where = self._info_of_connection(self._client.connection_pool)
+        role = info.get("role", "master")
+        if role == "master" and found is not None:
+            sentinels, service = found
+            named = _untyped(sentinels.discover_master)(service)
+            if where is None or (str(named[0]), int(named[1])) != where:
+                role = "not at the address the sentinels name"
         if role != "master":
-            log.warning("the shared-state Redis is a replica now (a failover): reconnecting")
+            log.warning("the shared-state Redis is not the primary (%s): reconnecting", role)
+            if found is not None:
+                # Tells the pool the primary moved: it drops connections to the old one.
+                _untyped(self._client.connection_pool.get_master_address)()
             reconnect(self._client)
             return False
-        found = sentinel_of(self._client)
         if found is not None:
             sentinels, service = found
-            replicas = len(_untyped(sentinels.discover_slaves)(service))
+            # A replica that vanished from the primary we already wrote to may be one a
+            # failover is promoting: it counts until the sentinels find it down. On a
+            # new primary only replicas replicating from it count.
+            replicas = _live_replicas(sentinels, service, settled=where != self._primary)
+            self._primary = where
         else:
-            replicas = int(info.get("connected_slaves", 0)) if isinstance(info, dict) else 0
+            replicas = int(info.get("connected_slaves") or 0)
         self.replicas = 1 if replicas > 0 else 0
         self.stale = False
         return True
+
+    @staticmethod
+    def _info(client: Any) -> dict[str, str]:
+        try:
+            info = client.info("replication")
+        except ResponseError:
+            return {}  # INFO refused (an ACL, a renamed command): no replicas known
+        return {str(k): str(v) for k, v in info.items()} if isinstance(info, dict) else {}
+
+    @staticmethod
+    def _info_of_connection(pool: Any) -> tuple[dict[str, str], tuple[str, int]]:
+        """``INFO replication`` and the address it came from, on one pooled connection."""
+        connection = pool.get_connection()
+        raw: Any = None
+        try:
+            connection.send_command("INFO", "replication")
+            # INFO refused (an ACL, a renamed command): no replicas known.
+            with contextlib.suppress(ResponseError):
+                raw = connection.read_response()
+            where = (str(connection.host), int(connection.port))
+        except BaseException:
+            connection.disconnect()
+            raise
+        finally:
+            pool.release(connection)
+        if raw is None:
+            return {}, where
+        text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+        info = {}
+        for line in text.splitlines():
+            key, sep, value = line.partition(":")
+            if sep and not key.startswith("#"):
+                info[key.strip()] = value.strip()
+        return info, where
 
     def write(self, records: str, order: str, record_id: str, body: str, at: float) -> int:
         """Write one record and its place in the order in one MULTI, then wait for a
