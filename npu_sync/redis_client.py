@@ -67,13 +67,15 @@ def build_client(config: SharedStateConfig) -> Any:
     if target.kind == _redis_url.SENTINEL:
         # The sentinels are asked with the same short timeouts and no retries: asking is
         # part of connecting, which a task may wait on. They take no password here.
+        # Timeouts are retried only through `retry` (none): the flag is deprecated there.
+        given = {k: v for k, v in own.items() if k != "retry_on_timeout"}
         sentinels = _untyped(Sentinel)(
             list(target.nodes),
-            sentinel_kwargs={k: v for k, v in own.items() if k != "health_check_interval"},
+            sentinel_kwargs={k: v for k, v in given.items() if k != "health_check_interval"},
         )
         assert target.service is not None
         client = _untyped(sentinels.master_for)(
-            target.service, db=target.db, ssl=target.tls, **auth, **own, **extra
+            target.service, db=target.db, ssl=target.tls, **auth, **given, **extra
         )
         client.npu_sync_sentinel = (sentinels, target.service)
         return client
@@ -125,7 +127,8 @@ class ClusterClient:
         real = self._real
         if real is not None:
             return real
-        options = dict(self._options)
+        # RedisCluster retries timeouts only through `retry`: the flag is deprecated there.
+        options = {k: v for k, v in self._options.items() if k != "retry_on_timeout"}
         # One immediate retry: enough to follow a MOVED after the slots moved.
         options["retry"] = Retry(NoBackoff(), 1)
         try:
