@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from typing import Any
 
 import redis
@@ -37,7 +38,14 @@ from npu_sync.errors import scrub
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClusterClient", "NotReplicated", "ReplicatedWriter", "build_client"]
+__all__ = [
+    "ClusterClient",
+    "NotReplicated",
+    "ReplicatedWriter",
+    "build_client",
+    "primary_moved",
+    "reconnect",
+]
 
 
 def _untyped(fn: Any) -> Any:
@@ -95,6 +103,22 @@ def sentinel_of(client: Any) -> tuple[Sentinel, str] | None:
     """The sentinels and service name behind a client :func:`build_client` made."""
     found = getattr(client, "npu_sync_sentinel", None)
     return found if isinstance(found, tuple) else None
+
+
+def primary_moved(client: Any) -> bool:
+    """Behind Sentinel: whether the sentinels name another primary than the one this
+    client's connections go to (a failover, which a client that only reads would not
+    notice until the old primary is turned into a replica, seconds later). One question
+    to a sentinel; False for other clients, and before any connection was made."""
+    found = sentinel_of(client)
+    if found is None:
+        return False
+    current = client.connection_pool.master_address
+    if current is None:
+        return False
+    sentinels, service = found
+    named = _untyped(sentinels.discover_master)(service)
+    return bool((str(named[0]), int(named[1])) != (str(current[0]), int(current[1])))
 
 
 def reconnect(client: Any) -> None:
@@ -227,12 +251,18 @@ def _live_replicas(sentinels: Sentinel, service: str, *, settled: bool) -> int:
     return 0
 
 
+RECHECK = 10.0
+"""Seconds after which whether the primary has replicas is read again, at the next
+dead letter (the old primary rejoining as a replica after a failover, a new replica)."""
+
+
 class ReplicatedWriter:
     """Writes a dead letter so that it counts as stored only once it is on the primary
     and, when the primary has replicas, on at least one of them (``WAIT 1``). Thread-safe.
 
     Whether replicas are expected is read by :meth:`check` (at start, on every
-    reconnect, and after a write no replica confirmed): from the sentinels' list of
+    reconnect, after a write no replica confirmed, and every ``RECHECK`` seconds at the
+    next write): from the sentinels' list of
     live replicas behind a Sentinel URL, else from the primary's ``INFO replication``.
     A primary that is no longer one (demoted by a failover) fails the check.
 
@@ -248,9 +278,15 @@ class ReplicatedWriter:
         self._wait_ms = max(1, int(wait_timeout * 1000))
         self.replicas = 0
         """Replica acknowledgements a write needs: 0 or 1."""
-        self.stale = True
-        """True until :meth:`check` has run since the last unconfirmed write."""
+        self._checked_at = -RECHECK
+        self._stale = True
         self._primary: tuple[str, int] | None = None
+
+    @property
+    def stale(self) -> bool:
+        """Whether :meth:`check` is due: never run, a write no replica confirmed since,
+        or ``RECHECK`` seconds passed (a replica may have joined)."""
+        return self._stale or time.monotonic() - self._checked_at >= RECHECK
 
     def _node(self) -> Any:
         if isinstance(self._client, ClusterClient):
@@ -302,7 +338,8 @@ class ReplicatedWriter:
         else:
             replicas = int(info.get("connected_slaves") or 0)
         self.replicas = 1 if replicas > 0 else 0
-        self.stale = False
+        self._stale = False
+        self._checked_at = time.monotonic()
         return True
 
     @staticmethod
@@ -368,6 +405,6 @@ class ReplicatedWriter:
         if not isinstance(done, list) or len(done) != 3:
             raise RedisError("the dead letter's MULTI was aborted")
         if needed and int(results[5]) < needed:
-            self.stale = True
+            self._stale = True
             raise NotReplicated(f"no replica confirmed a dead letter within {self._wait_ms} ms")
         return int(done[2])

@@ -61,7 +61,13 @@ from npu_sync.breaker import CLOSED, OPEN, redis_storage
 from npu_sync.config import SharedStateConfig
 from npu_sync.deadletter import CLAIM_SECONDS, DeadLetter, SQLiteDeadLetterStore
 from npu_sync.errors import ConfigError, NpuSyncError, scrub
-from npu_sync.redis_client import NotReplicated, ReplicatedWriter, build_client, reconnect
+from npu_sync.redis_client import (
+    NotReplicated,
+    ReplicatedWriter,
+    build_client,
+    primary_moved,
+    reconnect,
+)
 from npu_sync.spool import ProcessSpool, default_base
 
 log = logging.getLogger(__name__)
@@ -455,6 +461,10 @@ class SharedState:
                 if message is not None:
                     self._handle(message)
                 if time.monotonic() >= next_sync:
+                    if primary_moved(self._client):
+                        # Reads and pub/sub would go on with the old primary unnoticed.
+                        self.lost(None, "the sentinels name another primary (a failover)")
+                        continue
                     self._sync()
                     self._flush_stores()
                     next_sync = time.monotonic() + self.config.sync_interval

@@ -117,7 +117,7 @@ def test_a_write_no_replica_confirms_is_not_acknowledged():
     assert writer.check() and writer.replicas == 1
     with pytest.raises(NotReplicated):
         writer.write("{app}:dlq:records", "{app}:dlq:order", "r1", "{}", 1.5)
-    assert writer.stale
+    assert writer.stale  # checked again before the next write
     assert [a[0] for a in node.sent] == ["MULTI", "HSET", "ZADD", "ZCARD", "EXEC", "WAIT"]
     assert node.sent[-1] == ("WAIT", 1, 100)
     node.sent.clear()
@@ -178,3 +178,45 @@ def test_a_cluster_pipeline_takes_mset_inside_the_multi_and_publishes_after_it()
     assert pipe.execute() == [True, True, True, 2]
     assert inner.calls == [("SET", "{a}:x", 1), ("SET", "{a}:y", 2), ("INCR", "{a}:z")]
     assert order == ["publish {a}:breakers"]
+
+
+class NamedPrimary:
+    """Stands in for redis.sentinel.Sentinel: names a primary, which a test moves."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+
+    def discover_master(self, service: str) -> tuple[str, int]:
+        return self.address
+
+
+def test_a_process_that_only_reads_notices_a_failover_at_its_next_sync():
+    """The sentinels naming another primary is an outage at the next re-read, so the
+    sync thread reconnects instead of reading the old primary until it is demoted."""
+    import threading
+    import time
+
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    named = NamedPrimary(("10.0.0.1", 6379))
+    client.npu_sync_sentinel = (named, "mymaster")
+    client.connection_pool.master_address = ("10.0.0.1", 6379)
+    client.connection_pool.get_master_address = lambda: named.address
+    config = SharedStateConfig(backend="redis", namespace="app", sync_interval=0.05)
+    shared = SharedState(config, lambda *a: None, client=client)
+    # fakeredis's connections have no address the sentinels could name: start as if the
+    # check at start had passed.
+    shared.available, shared.outages = True, 0
+    shared.set_workers(["w1"])
+    shared.start()
+    try:
+        deadline = time.monotonic() + 10
+        while shared.outages == 0:
+            threading.Event().wait(0.02)
+            if shared.outages == 0 and named.address == ("10.0.0.1", 6379):
+                assert shared.available  # no outage while the sentinels name the same one
+                named.address = ("10.0.0.2", 6379)  # the failover
+            assert time.monotonic() < deadline, "the moved primary was not noticed"
+        assert "another primary" in (shared.last_error or "")
+    finally:
+        shared.stop()

@@ -69,6 +69,14 @@ class Sentinel:
         return server
 
     def start(self) -> Sentinel:
+        """Start everything, or stop what started and raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Sentinel:
         primary = self._server("primary")
         self._server("replica", "--replicaof", "127.0.0.1", str(primary.port))
         _until("the replica's link", lambda: self._linked(primary.port))
@@ -177,6 +185,14 @@ class Cluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in self.servers)
 
     def start(self) -> Cluster:
+        """Start everything, or stop what started and raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> Cluster:
         for i in range(3):
             path = os.path.join(self.directory, f"node{i}")
             os.makedirs(path, exist_ok=True)
