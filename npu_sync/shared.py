@@ -31,13 +31,19 @@ Redis's ``maxmemory-policy`` is read at start and after each outage
 (:class:`EvictionPolicy`): dead letters are refused a Redis that may evict them, and
 any other policy but ``noeviction`` is warned about and counted.
 
+Redis is one server, a primary behind Sentinel or a Cluster (the client is built by
+:mod:`npu_sync.redis_client`); every key of a namespace starts with the hash tag
+``{namespace}``, so on a Cluster all of them share one slot. A dead letter counts as
+stored once the primary's replica has it too (``WAIT``), when there is one; behind
+Sentinel a failover is one outage, which ends once the new primary answers.
+
 Redis refusing the credentials (or the database number) is not an outage but a
 configuration error, raised when the state is built. A new process reads the shared
 breaker states before its first task (:meth:`SharedState.start`), so it does not
 open with an attempt on a worker every other process already knows is down.
 
 pybreaker's ``CircuitRedisStorage`` keeps ``opened_at`` in whole seconds; npu_sync also
-stores the opening time to the microsecond (``<namespace>:opened_at_precise``) with the
+stores the opening time to the microsecond (``{<namespace>}:…:opened_at_precise``) with the
 reset timeout in force, and uses those, so a reset timeout is not cut short or
 stretched by up to a second in the other processes.
 """
@@ -171,7 +177,8 @@ class SharedState:
     ) -> None:
         self.config = config
         self.namespace = config.namespace
-        # Every key starts with the hash tag: one slot on a Cluster (see keys()).
+        # Every key starts with the hash tag `{namespace}`: one slot on a Cluster, where
+        # MGET and MULTI then work (docs/deployment.md, keys under one hash tag).
         self.prefix = "{" + config.namespace + "}"
         self._client = client or build_client(config)
         self._on_remote = on_remote

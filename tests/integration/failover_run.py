@@ -102,6 +102,7 @@ def run(
             stdout=subprocess.PIPE,
             text=True,
             env=env,
+            cwd=directory,  # not this checkout: `code`'s npu_sync must be the one imported
             stderr=log,
         )
         for _ in range(processes)
@@ -154,6 +155,7 @@ def run(
     listing = subprocess.run(
         [sys.executable, "-c", LIST, config],
         env=env,
+        cwd=directory,
         capture_output=True,
         text=True,
         timeout=120,

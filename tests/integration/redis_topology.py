@@ -24,6 +24,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (the port + 10000) is free and valid too."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+            if port > 55535:
+                continue
+            with socket.socket() as bus:
+                try:
+                    bus.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+        return port
+
+
 def _client(port: int, timeout: float = 1.0) -> Any:
     import redis
 
@@ -196,17 +212,20 @@ class Cluster:
         for i in range(3):
             path = os.path.join(self.directory, f"node{i}")
             os.makedirs(path, exist_ok=True)
-            self.servers.append(
-                RedisServer(
-                    path,
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    os.path.join(path, "nodes.conf"),
-                    "--cluster-node-timeout",
-                    "2000",
-                ).start()
+            server = RedisServer(
+                path,
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                os.path.join(path, "nodes.conf"),
+                "--cluster-node-timeout",
+                "2000",
             )
+            # A node also listens on its port + 10000 (the cluster bus).
+            server.port = _cluster_port()
+            server.url = f"redis://127.0.0.1:{server.port}/0"
+            self.servers.append(server)
+            server.start()
         subprocess.run(
             [
                 shutil.which("redis-cli") or "redis-cli",
