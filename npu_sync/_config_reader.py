@@ -23,6 +23,7 @@ from types import MappingProxyType
 from typing import Any, Final, TypeVar
 from urllib.parse import parse_qsl, urlsplit
 
+from npu_sync import _redis_url
 from npu_sync._config_types import (
     _AUTH_HEADERS,
     _AUTOBOT_PRIORITY,
@@ -569,6 +570,9 @@ class _Reader:
             if text is not None:
                 if not text or any(c.isspace() for c in text):
                     self.error(f"{path}.namespace", f"must be a word without spaces, got {text!r}")
+                elif "{" in text or "}" in text:
+                    # Every key is `{namespace}:…`, one hash slot on a Cluster.
+                    self.error(f"{path}.namespace", f"must not contain '{{' or '}}', got {text!r}")
                 else:
                     found["namespace"] = text
         return SharedStateConfig(**found)
@@ -1276,8 +1280,15 @@ def _installed(package: str) -> bool:
 
 def _redis_url_problem(text: str) -> str | None:
     """What is wrong with a Redis URL, without quoting it; None when usable."""
-    if not text.startswith(("redis://", "rediss://", "unix://")):
-        return "must start with redis://, rediss:// or unix://"
+    try:
+        target = _redis_url.parse(text)
+    except _redis_url.RedisUrlError as exc:
+        return str(exc)
+    if target.kind != _redis_url.SERVER:
+        if any(name == "db" for name, _ in target.query):
+            where = "the path (/service/db)" if target.kind == _redis_url.SENTINEL else "none"
+            return f"sets 'db' in its query: the database is in {where}"
+        return _redis_query_problem("rediss" if target.tls else "redis", urlsplit(text).query)
     try:
         parts = urlsplit(text)
         port = parts.port

@@ -694,13 +694,15 @@ class SharedStateConfig:
         "the Redis server; typically `${NPU_SYNC_REDIS_URL}`. Never quoted in messages, "
         "and shown with its password as `***` in `repr()`",
         hot=False,
-        allowed_text="`redis://`, `rediss://`, `unix://`; port `1..65535`, database a number",
+        allowed_text="`redis://`, `rediss://`, `unix://`, `redis+sentinel://` (`host:port,…"
+        "/service[/db]`), `redis+cluster://` (`host:port,…`), and `rediss+` for TLS; port "
+        "`1..65535`, database a number",
     )
     namespace: str = custom(
         "npu_sync",
         "key prefix: pools with the same namespace share state, others are apart",
         hot=False,
-        allowed_text="no spaces",
+        allowed_text="no spaces, no `{` or `}`",
     )
     timeout: float = number(
         0.05,

@@ -33,13 +33,19 @@ Redis's ``maxmemory-policy`` is read at start and after each outage
 (:class:`EvictionPolicy`): dead letters are refused a Redis that may evict them, and
 any other policy but ``noeviction`` is warned about and counted.
 
+Redis is one server, a primary behind Sentinel or a Cluster (the client is built by
+:mod:`npu_sync.redis_client`); every key of a namespace starts with the hash tag
+``{namespace}``, so on a Cluster all of them share one slot. A dead letter counts as
+stored once the primary's replica has it too (``WAIT``), when there is one; behind
+Sentinel a failover is one outage, which ends once the new primary answers.
+
 Redis refusing the credentials (or the database number) is not an outage but a
 configuration error, raised when the state is built. A new process reads the shared
 breaker states before its first task (:meth:`SharedState.start`), so it does not
 open with an attempt on a worker every other process already knows is down.
 
 pybreaker's ``CircuitRedisStorage`` keeps ``opened_at`` in whole seconds; npu_sync also
-stores the opening time to the microsecond (``<namespace>:opened_at_precise``) with the
+stores the opening time to the microsecond (``{<namespace>}:…:opened_at_precise``) with the
 reset timeout in force, and uses those, so a reset timeout is not cut short or
 stretched by up to a second in the other processes.
 """
@@ -57,15 +63,19 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import redis
-from redis.backoff import NoBackoff
 from redis.exceptions import AuthenticationError, RedisError, ResponseError
-from redis.retry import Retry
 
 from npu_sync.breaker import CLOSED, OPEN, redis_storage
 from npu_sync.config import SharedStateConfig
 from npu_sync.deadletter import CLAIM_SECONDS, DeadLetter, SQLiteDeadLetterStore
 from npu_sync.errors import ConfigError, NpuSyncError, scrub
+from npu_sync.redis_client import (
+    NotReplicated,
+    ReplicatedWriter,
+    build_client,
+    primary_moved,
+    reconnect,
+)
 from npu_sync.spool import ProcessSpool, default_base
 
 log = logging.getLogger(__name__)
@@ -169,14 +179,11 @@ class SharedState:
     ) -> None:
         self.config = config
         self.namespace = config.namespace
-        self._client = client or redis.Redis.from_url(
-            config.url,
-            socket_connect_timeout=config.timeout,
-            socket_timeout=config.timeout,
-            retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
-            health_check_interval=0,
-        )
+        # Every key starts with the hash tag `{namespace}`: one slot on a Cluster, where
+        # MGET and MULTI then work (docs/deployment.md, keys under one hash tag).
+        self.prefix = "{" + config.namespace + "}"
+        self._client_given = client is not None
+        self._client = client or build_client(config)
         self._on_remote = on_remote
         self._lock = threading.Lock()
         self._storages: dict[str, Any] = {}
@@ -198,7 +205,7 @@ class SharedState:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._stores: list[RedisDeadLetterStore] = []
-        self._channel = f"{self.namespace}:breakers"
+        self._channel = f"{self.prefix}:breakers"
         self._origin = f"{id(self):x}-{time.time_ns():x}"
         self.eviction = EvictionPolicy(None)
         self.eviction_warnings = 0
@@ -212,9 +219,13 @@ class SharedState:
             "streak": 0,
             "last_error": None,
         }
+        # WAIT's own timeout stays under the socket's, which would take it for an outage.
+        self.replication = ReplicatedWriter(self._client, self._channel, config.timeout / 2)
         self._check_credentials()
-        if self.available:
-            self._check_eviction()
+        if self.available and self._check_eviction():
+            problem = self._check_replication()
+            if problem is not None:
+                self.lost(None, problem)
 
     def _check_credentials(self) -> None:
         """One PING at start: a wrong password, or a database number the server does not
@@ -273,6 +284,17 @@ class SharedState:
             )
         return True
 
+    def _check_replication(self) -> str | None:
+        """Read whether the primary has replicas a dead letter must reach (at start, and
+        whenever Redis answers again). What keeps Redis unavailable, or None: it did not
+        answer, or is no longer the primary (a failover demoted it)."""
+        try:
+            if self.replication.check():
+                return None
+        except RedisError as exc:
+            return scrub(f"{type(exc).__name__}: {exc}")
+        return "the server is no longer the primary (a failover): waiting for the new one"
+
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
@@ -329,14 +351,12 @@ class SharedState:
 
     # -- availability --------------------------------------------------------------------
 
-    def lost(self, error: BaseException | None) -> None:
+    def lost(self, error: BaseException | None, reason: str = "unknown error") -> None:
         """Redis failed: stop using it until the sync thread sees it answer again."""
         with self._lock:
             was = self.available
             self.available = False
-            self.last_error = (
-                scrub(f"{type(error).__name__}: {error}") if error else "unknown error"
-            )
+            self.last_error = scrub(f"{type(error).__name__}: {error}") if error else reason
             if was:
                 self.outages += 1
         if was:
@@ -370,7 +390,7 @@ class SharedState:
         return storage
 
     def _key(self, worker_id: str, field: str | None = None) -> str:
-        base = f"{self.namespace}:worker:{worker_id}"
+        base = f"{self.prefix}:worker:{worker_id}"
         return base if field is None else f"{base}:{field}"
 
     def take_trial(self, worker_id: str, budget: float) -> float | None:
@@ -573,6 +593,10 @@ class SharedState:
                 if message is not None:
                     self._handle(message)
                 if time.monotonic() >= next_sync:
+                    if primary_moved(self._client):
+                        # Reads and pub/sub would go on with the old primary unnoticed.
+                        self.lost(None, "the sentinels name another primary (a failover)")
+                        continue
                     self._sync()
                     self._flush_stores()
                     next_sync = time.monotonic() + self.config.sync_interval
@@ -586,6 +610,9 @@ class SharedState:
                 pubsub.close()
 
     def _probe(self) -> bool:
+        # A fresh connection each probe: behind Sentinel it goes to the primary the
+        # sentinels name now, not to one a failover demoted.
+        reconnect(self._client)
         try:
             self._client.ping()
         except RedisError:
@@ -593,6 +620,12 @@ class SharedState:
         # The policy before anything is written: Redis may be back with another
         # configuration, one that may evict the dead letters spooled meanwhile.
         if not self._check_eviction():
+            return False
+        # And whether it is still the primary, and has replicas a dead letter must reach.
+        problem = self._check_replication()
+        if problem is not None:
+            with self._lock:
+                self.last_error = problem
             return False
         with self._lock:
             self.available = True
@@ -630,7 +663,7 @@ class SharedState:
                 return
             k = self._breaker_keys(worker)
             keys += [k["state"], k["opened_at_precise"], k["reset_timeout"]]
-        values: list[Any] = self._client.mget(keys)  # type: ignore[assignment]
+        values: list[Any] = self._client.mget(keys)
         now = time.time()
         for i, worker in enumerate(workers):
             try:
@@ -672,15 +705,10 @@ class SharedState:
         with self._lock:
             fleet = self._fleet_redis
             if fleet is None:
-                main = self._client.connection_pool
-                kwargs = dict(main.connection_kwargs)
-                timeout = self.fleet_timeout
-                kwargs.update(socket_timeout=timeout, socket_connect_timeout=timeout)
-                try:
-                    pool = type(main)(connection_class=main.connection_class, **kwargs)
-                    fleet = redis.Redis(connection_pool=pool)
-                except Exception:  # a client given by a test that cannot be copied
+                if self._client_given:  # a test's client: snapshots share it
                     fleet = self._client
+                else:  # one server, a Sentinel's primary or a Cluster, as configured
+                    fleet = build_client(self.config, timeout=self.fleet_timeout)
                 self._fleet_redis = fleet
             return fleet
 
@@ -841,10 +869,10 @@ class SharedState:
 
     @property
     def _fleet_index(self) -> str:
-        return f"{self.namespace}:fleet:index"
+        return f"{self.prefix}:fleet:index"
 
     def _fleet_key(self, member: str) -> str:
-        return f"{self.namespace}:fleet:process:{member}"
+        return f"{self.prefix}:fleet:process:{member}"
 
     # -- dead letters --------------------------------------------------------------------
 
@@ -910,10 +938,13 @@ class RedisDeadLetterStore:
         self._shared = shared
         self._client = shared._client
         ns = shared.namespace
-        self._records = f"{ns}:dlq:records"
-        self._order = f"{ns}:dlq:order"
-        self._dropped_key = f"{ns}:dlq:dropped"
-        self._claims = f"{ns}:dlq:claim:"
+        self._records = f"{shared.prefix}:dlq:records"
+        self._order = f"{shared.prefix}:dlq:order"
+        self._dropped_key = f"{shared.prefix}:dlq:dropped"
+        self._claims = f"{shared.prefix}:dlq:claim:"
+        # Where versions before the hash tag kept them: moved here by flush().
+        self._old_records, self._old_order = f"{ns}:dlq:records", f"{ns}:dlq:order"
+        self._old_checked = False
         self._max = max_records
         self._lock = threading.Lock()
         # One flush at a time per store (the sync thread, close(), a listing): taken
@@ -948,14 +979,20 @@ class RedisDeadLetterStore:
         return self._spool.own.store.counts()[0] or 0
 
     def _write(self, record: DeadLetter) -> None:
-        pipe = self._client.pipeline(transaction=True)
-        pipe.hset(self._records, record.id, json.dumps(record.to_dict()))
-        pipe.zadd(self._order, {record.id: record.created_at})
-        pipe.zcard(self._order)
-        count = pipe.execute()[-1]
+        """Store one record, durably: on the primary and, when it has replicas, on one.
+
+        Raises:
+            NotReplicated: no replica confirmed it (it is to stay spooled).
+            RedisError: Redis failed.
+        """
+        replication = self._shared.replication
+        if replication.stale and not replication.check():
+            raise RedisError("the server is no longer the primary (a failover)")
+        body = json.dumps(record.to_dict())
+        count = replication.write(self._records, self._order, record.id, body, record.created_at)
         excess = int(count) - self._max
         if excess > 0:
-            oldest: list[Any] = self._client.zpopmin(self._order, excess)  # type: ignore[assignment]
+            oldest: list[Any] = self._client.zpopmin(self._order, excess)
             ids = [member for member, _ in oldest]
             if ids:
                 self._client.hdel(self._records, *ids)
@@ -973,6 +1010,8 @@ class RedisDeadLetterStore:
             try:
                 self._write(record)
                 return
+            except NotReplicated:
+                pass  # on the primary alone: kept here too until a replica has it
             except RedisError as exc:
                 self._shared.lost(exc)
         self._spool.own.store.add(record, timeout=timeout)
@@ -998,6 +1037,8 @@ class RedisDeadLetterStore:
         try:
             if not self._move_all(self._spool.own.store, batch):
                 return
+            if not self._old_checked and not self._move_old_keys(batch):
+                return
             for orphan in self._spool.orphans():
                 try:
                     moved = self._move_all(orphan.store, batch)
@@ -1011,6 +1052,38 @@ class RedisDeadLetterStore:
                 self._flush_shared(self._legacy, batch)
         finally:
             self._flushing.release()
+
+    def _move_old_keys(self, batch: int) -> bool:
+        """Move the records kept under the keys of versions before the hash tag
+        (``<ns>:dlq:…``) to today's (``{<ns>}:dlq:…``), once per process, each written
+        durably before it is removed from the old keys; False when Redis failed."""
+        while self._keeps_records():
+            try:
+                ids = self._client.zrange(self._old_order, 0, batch - 1)
+                if not ids:
+                    self._old_checked = True
+                    return True
+                for record_id in ids:
+                    raw = self._client.hget(self._old_records, record_id)
+                    try:
+                        record = None if raw is None else DeadLetter.from_dict(json.loads(raw))
+                    except (ValueError, TypeError, KeyError):
+                        log.error(
+                            "a dead letter under the old key %s cannot be read: left there",
+                            self._old_records,
+                        )
+                        record = None
+                    if record is not None:
+                        self._write(record)
+                        self._client.hdel(self._old_records, record_id)
+                    self._client.zrem(self._old_order, record_id)
+                log.info("moved %d dead letter(s) from the keys of earlier versions", len(ids))
+            except NotReplicated:
+                return False
+            except RedisError as exc:
+                self._shared.lost(exc)
+                return False
+        return False
 
     def _move_all(self, spool: SQLiteDeadLetterStore, batch: int) -> bool:
         """Move every record of a spool only this process uses; False when Redis failed.
@@ -1028,6 +1101,8 @@ class RedisDeadLetterStore:
             for record in waiting:
                 try:
                     self._write(record)
+                except NotReplicated:
+                    return False  # tried again at the next flush
                 except RedisError as exc:
                     self._shared.lost(exc)
                     return False
@@ -1070,6 +1145,8 @@ class RedisDeadLetterStore:
                 return True  # moved already
             try:
                 self._write(record)
+            except NotReplicated:
+                return None
             except RedisError as exc:
                 self._shared.lost(exc)
                 return None

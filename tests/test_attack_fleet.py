@@ -36,7 +36,7 @@ from npu_sync.transport import Response
 from tests.fleetkit import STEP, WALL, client, clock, manual, redis_server  # noqa: F401
 
 SHARED = SharedStateConfig(backend="redis", namespace="attack")
-INDEX = "attack:fleet:index"
+INDEX = "{attack}:fleet:index"
 
 
 def answer(req: FakeRequest) -> Response:
@@ -67,13 +67,13 @@ def own_snapshot(pool: WorkerPool, redis: Any) -> dict[str, Any]:
     """The snapshot this pool just published, as a dict to tamper with."""
     monitor = monitor_of(pool)
     monitor.tick()
-    text = redis.get(f"attack:fleet:process:{monitor.process['id']}")
+    text = redis.get(f"{{attack}}:fleet:process:{monitor.process['id']}")
     return json.loads(text)
 
 
 def plant(redis: Any, member: str, text: str | bytes) -> None:
     """Another 'process' publishes ``text`` as its snapshot."""
-    redis.set(f"attack:fleet:process:{member}", text)
+    redis.set(f"{{attack}}:fleet:process:{member}", text)
     redis.zadd(INDEX, {member: redis.time()[0]})
 
 
@@ -184,7 +184,7 @@ def test_a_key_of_another_redis_type_under_a_snapshot_name_is_left_out(net, cloc
     with WorkerPool(make_config("a", shared=SHARED), transport_factory=net.factory,
                     clock=clock) as pool:  # fmt: skip
         monitor_of(pool).tick()
-        redis.rpush("attack:fleet:process:list:1:x", "a", "b")
+        redis.rpush("{attack}:fleet:process:list:1:x", "a", "b")
         redis.zadd(INDEX, {"list:1:x": redis.time()[0]})
         fleet = pool.stats(scope="fleet")
         stats = pool.stats()
@@ -244,7 +244,7 @@ def test_thousands_of_processes_keep_the_view_bounded_and_say_so(net, clock, red
         pipe = redis.pipeline(transaction=False)
         for n in range(extra):
             member = f"h{n}:{n}:x"
-            pipe.set(f"attack:fleet:process:{member}", json.dumps(forged(base, member)))
+            pipe.set(f"{{attack}}:fleet:process:{member}", json.dumps(forged(base, member)))
             pipe.zadd(INDEX, {member: now - 30 + n * 1e-3})
         pipe.execute()
         fleet = pool.stats(scope="fleet")

@@ -488,7 +488,8 @@ def test_shared_state_section() -> None:
     assert config.shared_state.namespace == "p1" and config.shared_state.timeout == 0.05
     assert config.dead_letter.backend == "redis"
     assert errors_of(native(shared_state={"url": "http://x", "namespace": "a b"})) == (
-        "npu_workers.shared_state.url: must start with redis://, rediss:// or unix://",
+        "npu_workers.shared_state.url: must start with redis://, rediss://, unix://, "
+        "redis+sentinel:// or redis+cluster:// (rediss+ for TLS)",
         "npu_workers.shared_state.namespace: must be a word without spaces, got 'a b'",
     )
 
@@ -1340,7 +1341,11 @@ def test_a_worker_url_with_a_credential_is_never_quoted(url: str) -> None:
             "has a database that is not a number (the path is the database, e.g. /0)",
         ),
         (f"redis://:{SECRET}@:6379/0", "has no host"),
-        (f"http://:{SECRET}@127.0.0.1:6379", "must start with redis://, rediss:// or unix://"),
+        (
+            f"http://:{SECRET}@127.0.0.1:6379",
+            "must start with redis://, rediss://, unix://, redis+sentinel:// or "
+            "redis+cluster:// (rediss+ for TLS)",
+        ),
         ("unix://", "needs the socket's path (unix:///run/redis.sock)"),
     ],
 )

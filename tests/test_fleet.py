@@ -273,14 +273,14 @@ def test_a_snapshot_lives_for_its_ttl_and_a_closed_pool_withdraws_it(
     with WorkerPool(config, transport_factory=net.factory, clock=clock) as pool:
         monitor = monitor_of(pool)
         member = monitor.process["id"]
-        key = f"fleet-test:fleet:process:{member}"
+        key = f"{{fleet-test}}:fleet:process:{member}"
         assert redis.exists(key) == 0  # nothing before the first sample
         monitor.tick()
         assert 6000 < redis.pttl(key) <= 7000
         snapshot = parse_snapshot(redis.get(key).decode())
         assert snapshot is not None and snapshot["process"]["pid"] == os.getpid()
     assert redis.exists(key) == 0
-    assert redis.zrange("fleet-test:fleet:index", 0, -1) == []
+    assert redis.zrange("{fleet-test}:fleet:index", 0, -1) == []
 
 
 def test_expired_and_unreadable_snapshots_are_left_out(net, clock, redis_server):
@@ -291,12 +291,12 @@ def test_expired_and_unreadable_snapshots_are_left_out(net, clock, redis_server)
     with WorkerPool(config, transport_factory=net.factory, clock=clock) as pool:
         monitor_of(pool).tick()
         now = redis.time()[0]
-        redis.zadd("fleet-test:fleet:index", {"gone:1:x": now, "bad:2:x": now, "v9:3:x": now})
-        redis.set("fleet-test:fleet:process:bad:2:x", "{not json")
-        redis.set("fleet-test:fleet:process:v9:3:x", json.dumps({"v": 9}))
-        redis.zadd("fleet-test:fleet:index", {"ancient:4:x": now - 3600})
+        redis.zadd("{fleet-test}:fleet:index", {"gone:1:x": now, "bad:2:x": now, "v9:3:x": now})
+        redis.set("{fleet-test}:fleet:process:bad:2:x", "{not json")
+        redis.set("{fleet-test}:fleet:process:v9:3:x", json.dumps({"v": 9}))
+        redis.zadd("{fleet-test}:fleet:index", {"ancient:4:x": now - 3600})
         fleet = pool.stats(scope="fleet")
-        index = {m.decode() for m in redis.zrange("fleet-test:fleet:index", 0, -1)}
+        index = {m.decode() for m in redis.zrange("{fleet-test}:fleet:index", 0, -1)}
     assert [p["this_process"] for p in fleet["processes"]] == [True]
     assert "ancient:4:x" not in index
 
@@ -538,7 +538,7 @@ def test_a_snapshot_over_the_cap_is_written_without_worker_history_or_not_at_all
         for _ in range(3):
             monitor.tick()
             clock.advance(STEP)
-        raw = redis.get(f"fleet-test:fleet:process:{monitor.process['id']}")
+        raw = redis.get(f"{{fleet-test}}:fleet:process:{monitor.process['id']}")
         assert raw is not None and len(raw) <= 16 * 1024
         snap = json.loads(raw)
         assert snap["history"]["workers"] == [] and len(snap["workers"]) == 20
@@ -553,7 +553,7 @@ def test_a_snapshot_over_the_cap_is_written_without_worker_history_or_not_at_all
     with WorkerPool(huge, transport_factory=net.factory, clock=clock) as pool:
         monitor = monitor_of(pool)
         monitor.tick()
-        assert redis.get(f"fleet-test:fleet:process:{monitor.process['id']}") is None
+        assert redis.get(f"{{fleet-test}}:fleet:process:{monitor.process['id']}") is None
         assert monitor.oversized == 1
 
 

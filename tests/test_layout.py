@@ -16,7 +16,7 @@ HOMES = {
     "requests": {"transport"},
     "http": {"transport", "worker_server"},  # the reference worker is stdlib-only
     "prometheus_client": {"prometheus"},
-    "redis": {"shared"},
+    "redis": {"shared", "redis_client"},  # the state; building its client and durable write
     "flask": {"flask"},
     "werkzeug": {"flask"},
 }

@@ -402,7 +402,7 @@ def test_a_record_another_process_is_flushing_from_the_old_shared_spool_is_left_
     rid = store_one._legacy.list()[0].id
     assert store_two._legacy.claim(rid)  # the other process is moving it right now
     store_one.flush()
-    assert one._client.zcard("t:dlq:order") == 0  # still only in the old spool
+    assert one._client.zcard("{t}:dlq:order") == 0  # still only in the old spool
     store_two._legacy.release_claim(rid)
     store_one.flush()
     assert [r.id for r in store_two.list()] == [rid] and len(store_one._legacy) == 0
@@ -438,7 +438,7 @@ def test_a_claim_is_released_only_if_still_ours_even_when_it_changes_meanwhile()
     server = fakeredis.FakeServer()
     config = SharedStateConfig(backend="redis", namespace="t")
     rival = fakeredis.FakeRedis(server=server)
-    key = "t:dlq:claim:r1"
+    key = "{t}:dlq:claim:r1"
 
     class Racing(fakeredis.FakeRedis):
         raced = False

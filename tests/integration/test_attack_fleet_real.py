@@ -65,8 +65,8 @@ def make_config(ids: list[str], url: str) -> PoolConfig:
 
 
 def plant(redis: Any, member: str, text: str) -> None:
-    redis.set(f"{NAMESPACE}:fleet:process:{member}", text, ex=600)
-    redis.zadd(f"{NAMESPACE}:fleet:index", {member: redis.time()[0]})
+    redis.set(f"{{{NAMESPACE}}}:fleet:process:{member}", text, ex=600)
+    redis.zadd(f"{{{NAMESPACE}}}:fleet:index", {member: redis.time()[0]})
 
 
 def other_process(base: dict[str, Any], n: int) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def test_a_hostile_fleet_renders_escaped_and_fits_1280_and_800_px(
             pool.execute({})
         monitor = monitor_of(pool)
         monitor.tick()
-        base = json.loads(redis.get(f"{NAMESPACE}:fleet:process:{monitor.process['id']}"))
+        base = json.loads(redis.get(f"{{{NAMESPACE}}}:fleet:process:{monitor.process['id']}"))
         for n in range(50):
             plant(redis, f"h{n}:{1000 + n}:x", json.dumps(other_process(base, n)))
         nan = other_process(base, 99)

@@ -86,7 +86,7 @@ def test_an_evicting_redis_that_comes_up_after_start_gets_no_dead_letters(lru_re
         assert record_id
         client = redis.Redis.from_url(lru_redis_down.url)
         try:
-            assert client.hget("npu_sync:dlq:records", record_id) is None
+            assert client.hget("{npu_sync}:dlq:records", record_id) is None
         finally:
             client.close()
         with pytest.raises(NpuSyncError, match="maxmemory-policy allkeys-lru"):

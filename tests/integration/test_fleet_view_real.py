@@ -30,7 +30,9 @@ from npu_sync.transport import Response
 pytestmark = pytest.mark.integration
 
 NS = "fleet-real"
-INDEX = f"{NS}:fleet:index"
+# Every key of a namespace sits under its hash tag (one Cluster slot).
+PREFIX = "{" + NS + "}"
+INDEX = f"{PREFIX}:fleet:index"
 WORKERS = [f"npu-{n:02d}" for n in range(20)]
 
 
@@ -87,7 +89,7 @@ def forged(base: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def plant(redis: Any, name: str, value: Any, *, ttl: float = 600) -> None:
-    key = f"{NS}:fleet:process:{name}"
+    key = f"{PREFIX}:fleet:process:{name}"
     if isinstance(value, dict):
         redis.delete(key)
         redis.hset(key, mapping=value)
@@ -102,7 +104,7 @@ def own_snapshot(pool: WorkerPool, redis: Any) -> dict[str, Any]:
     for _ in range(3):
         pool.execute({})
     monitor.tick()
-    raw = redis.get(f"{NS}:fleet:process:{monitor.process['id']}")
+    raw = redis.get(f"{PREFIX}:fleet:process:{monitor.process['id']}")
     assert raw, "the pool did not publish its snapshot"
     return dict(json.loads(raw))
 
@@ -297,7 +299,7 @@ def pause(redis: Any, seconds: float) -> None:
     re-read of the breakers (the second MGET, after the one on start): either in the
     stall would be an outage of the breakers' own (with their 50 ms timeout), which is
     not what these tests are about."""
-    channel = f"{NS}:breakers"
+    channel = f"{PREFIX}:breakers"
     poll(lambda: dict(redis.pubsub_numsub(channel)).get(channel.encode()), "sync thread subscribed")
 
     def resynced() -> bool:

@@ -438,7 +438,7 @@ def test_two_processes_flushing_one_spool_write_each_record_once(
     checker.set("flush:end-marker", 1)
     for event in monitor.listen():
         command = event["command"]
-        if command.startswith("HSET flush:dlq:records"):
+        if command.startswith("HSET {flush}:dlq:records"):
             writes.append(command.split()[2])
         if "flush:end-marker" in command:
             break
@@ -447,7 +447,7 @@ def test_two_processes_flushing_one_spool_write_each_record_once(
     assert len(left) == 0  # records the other process was moving are not waited for
     left.close()
     assert len(writes) == 200, f"{len(writes) - len(set(writes))} records written twice"
-    assert [m.decode() for m in checker.zrange("flush:dlq:order", 0, -1)] == ids
+    assert [m.decode() for m in checker.zrange("{flush}:dlq:order", 0, -1)] == ids
     checker.close()
     client.close()
 

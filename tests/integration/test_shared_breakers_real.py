@@ -248,7 +248,7 @@ def test_a_lease_whose_holder_is_killed_mid_trial_expires_and_another_process_tr
     until(lambda: pattern_worker.arrivals() == before + 1, "no trial reached w0")
     client = redis.Redis.from_url(redis_server.url)
     try:
-        lease = "sb:worker:w0:trial"
+        lease = "{sb}:worker:w0:trial"  # under the namespace's hash tag
         holder = client.get(lease)
         assert holder is not None
         f.kill(0)

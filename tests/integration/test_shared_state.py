@@ -208,7 +208,7 @@ def test_a_replaying_process_killed_midway_loses_no_record(start_worker, redis_s
         import redis
 
         client = redis.Redis.from_url(redis_server.url)
-        for key in client.keys("kill-test:dlq:claim:*"):
+        for key in client.keys("{kill-test}:dlq:claim:*"):
             client.delete(key)
         client.close()
         report = pool.dead_letters.replay()
@@ -353,7 +353,7 @@ def test_dead_letters_held_during_an_outage_reach_redis_at_close(start_worker, r
     import redis
 
     client = redis.Redis.from_url(redis_server.url)
-    assert client.zcard("held:dlq:order") == 3
+    assert client.zcard("{held}:dlq:order") == 3
     client.close()
 
 
@@ -495,5 +495,5 @@ def test_dead_letters_spooled_during_an_outage_survive_a_killed_process(
             time.sleep(0.02)
         assert [(r.id, r.task_id) for r in pool.dead_letters.list()] == [(record_id, "spooled")]
     client = redis.Redis.from_url(redis_server.url)
-    assert client.hexists("spool-test:dlq:records", record_id)
+    assert client.hexists("{spool-test}:dlq:records", record_id)
     client.close()

@@ -1,0 +1,222 @@
+"""Key names under one hash tag, the move of dead letters from the keys of earlier
+versions, the durable write's replica rule and the Cluster pipeline (npu_sync.shared,
+npu_sync.redis_client)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+fakeredis = pytest.importorskip("fakeredis")
+redis = pytest.importorskip("redis")
+
+from npu_sync import _redis_url  # noqa: E402
+from npu_sync.config import SharedStateConfig  # noqa: E402
+from npu_sync.deadletter import DeadLetter  # noqa: E402
+from npu_sync.redis_client import (  # noqa: E402
+    ClusterClient,
+    NotReplicated,
+    ReplicatedWriter,
+    SlotPipeline,
+)
+from npu_sync.shared import SharedState  # noqa: E402
+from npu_sync.task import Attempt, Task  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def private_temp_dir(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+
+def state(server, namespace: str = "app") -> SharedState:
+    config = SharedStateConfig(backend="redis", namespace=namespace)
+    return SharedState(config, lambda *a: None, client=fakeredis.FakeRedis(server=server))
+
+
+def record(n: int) -> DeadLetter:
+    task = Task({"n": n}, task_id=f"task-{n}")
+    return DeadLetter.from_task(
+        task, endpoint="/inference", error="down", attempts=[Attempt("w", "x", 0.1)], now=1000.0 + n
+    )
+
+
+def test_every_key_of_a_namespace_carries_its_hash_tag():
+    """Breakers, claims, records, the fleet and the channel: all `{namespace}:…`, one slot."""
+    server = fakeredis.FakeServer()
+    shared = state(server)
+    shared.set_workers(["w1"])
+    store = shared.dead_letter_store(10)
+    first = record(1)
+    store.add(first)
+    assert store.claim(first.id)
+    assert shared.take_trial("w1", 1.0) is None  # this process holds the lease
+    shared.announce("w1", "open", 30.0)
+    assert shared.publish_snapshot("m1", "{}", 10)
+    keys = {k.decode() for k in fakeredis.FakeRedis(server=server).keys("*")}
+    assert keys and all(k.startswith("{app}:") for k in keys), keys
+    assert shared._channel == "{app}:breakers"
+    store.close()
+    shared.stop()
+
+
+def test_dead_letters_under_the_keys_of_earlier_versions_are_moved_once_and_listed():
+    """Records an earlier version stored as `<ns>:dlq:…` are moved to `{<ns>}:dlq:…` by
+    the first flush, each written before it leaves the old keys; a corrupt one stays."""
+    server = fakeredis.FakeServer()
+    old = fakeredis.FakeRedis(server=server)
+    records = [record(n) for n in (1, 2, 3)]
+    for r in records:
+        old.hset("app:dlq:records", r.id, json.dumps(r.to_dict()))
+        old.zadd("app:dlq:order", {r.id: r.created_at})
+    old.hset("app:dlq:records", "broken", "{not json")
+    old.zadd("app:dlq:order", {"broken": 1.0})
+    shared = state(server)
+    store = shared.dead_letter_store(10)
+    listed = [r.id for r in store.list()]
+    assert listed == [r.id for r in records]
+    assert old.zcard("app:dlq:order") == 0
+    assert old.hkeys("app:dlq:records") == [b"broken"]  # left for an operator to read
+    assert store._old_checked
+    assert [r.id for r in store.list()] == listed  # moved once, listed once
+    store.close()
+    shared.stop()
+
+
+class FakeNode:
+    """A client whose pipeline answers like Redis does, WAIT included."""
+
+    def __init__(self, acks: int) -> None:
+        self.acks = acks
+        self.sent: list[tuple[object, ...]] = []
+
+    def pipeline(self, transaction: bool = True) -> FakeNode:
+        assert transaction is False  # MULTI, EXEC and WAIT are sent as plain commands
+        return self
+
+    def execute_command(self, *args: object) -> None:
+        self.sent.append(args)
+
+    def execute(self) -> list[object]:
+        names = [a[0] for a in self.sent]
+        replies: list[object] = [b"OK", b"QUEUED", b"QUEUED", b"QUEUED", [1, 1, 7]]
+        if "WAIT" in names:
+            replies.append(self.acks)
+        return replies
+
+    def info(self, section: str) -> dict[str, object]:
+        return {"role": "master", "connected_slaves": 1}
+
+
+def test_a_write_no_replica_confirms_is_not_acknowledged():
+    """With a replica expected, WAIT answering 0 raises NotReplicated; 1 returns the count."""
+    node = FakeNode(acks=0)
+    writer = ReplicatedWriter(node, "{app}:breakers", 0.1)
+    assert writer.check() and writer.replicas == 1
+    with pytest.raises(NotReplicated):
+        writer.write("{app}:dlq:records", "{app}:dlq:order", "r1", "{}", 1.5)
+    assert writer.stale  # checked again before the next write
+    assert [a[0] for a in node.sent] == ["MULTI", "HSET", "ZADD", "ZCARD", "EXEC", "WAIT"]
+    assert node.sent[-1] == ("WAIT", 1, 100)
+    node.sent.clear()
+    node.acks = 1
+    assert writer.write("{app}:dlq:records", "{app}:dlq:order", "r1", "{}", 1.5) == 7
+
+
+def test_the_store_keeps_a_record_no_replica_confirmed_in_its_spool(monkeypatch):
+    """add() spools a record WAIT did not confirm, and flush() keeps it there until one does."""
+    server = fakeredis.FakeServer()
+    shared = state(server)
+    store = shared.dead_letter_store(10)
+    confirmed = {"now": False}
+
+    def write(records, order, record_id, body, at):
+        if not confirmed["now"]:
+            raise NotReplicated("no replica")
+        return 1
+
+    monkeypatch.setattr(shared.replication, "write", write)
+    store.add(record(1))
+    assert store.held_count() == 1 and shared.available
+    store.flush()
+    assert store.held_count() == 1
+    confirmed["now"] = True
+    store.flush()
+    assert store.held_count() == 0
+    store.close()
+    shared.stop()
+
+
+class FakeClusterPipeline:
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+
+    def set(self, key: str, value: object) -> None:
+        self.calls.append(("SET", key, value))
+
+    def incr(self, key: str) -> None:
+        self.calls.append(("INCR", key))
+
+    def execute(self, raise_on_error: bool = True) -> list[object]:
+        return [True for _ in self.calls]
+
+
+def test_a_cluster_pipeline_takes_mset_inside_the_multi_and_publishes_after_it():
+    """MSET becomes SETs in the transaction; PUBLISH goes out once it has run."""
+    target = _redis_url.parse("redis+cluster://127.0.0.1:7000")
+    client = ClusterClient(target, {})
+    order: list[str] = []
+    inner = FakeClusterPipeline()
+    client.publish = lambda channel, message: order.append(f"publish {channel}") or 2  # type: ignore[method-assign]
+    pipe = SlotPipeline(inner, client)
+    pipe.mset({"{a}:x": 1, "{a}:y": 2})
+    pipe.publish("{a}:breakers", "m")
+    pipe.incr("{a}:z")  # anything else goes to the cluster pipeline as it is
+    assert order == []  # nothing published before the transaction ran
+    assert pipe.execute() == [True, True, True, 2]
+    assert inner.calls == [("SET", "{a}:x", 1), ("SET", "{a}:y", 2), ("INCR", "{a}:z")]
+    assert order == ["publish {a}:breakers"]
+
+
+class NamedPrimary:
+    """Stands in for redis.sentinel.Sentinel: names a primary, which a test moves."""
+
+    def __init__(self, address: tuple[str, int]) -> None:
+        self.address = address
+
+    def discover_master(self, service: str) -> tuple[str, int]:
+        return self.address
+
+
+def test_a_process_that_only_reads_notices_a_failover_at_its_next_sync():
+    """The sentinels naming another primary is an outage at the next re-read, so the
+    sync thread reconnects instead of reading the old primary until it is demoted."""
+    import threading
+    import time
+
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    named = NamedPrimary(("10.0.0.1", 6379))
+    client.npu_sync_sentinel = (named, "mymaster")
+    client.connection_pool.master_address = ("10.0.0.1", 6379)
+    client.connection_pool.get_master_address = lambda: named.address
+    config = SharedStateConfig(backend="redis", namespace="app", sync_interval=0.05)
+    shared = SharedState(config, lambda *a: None, client=client)
+    # fakeredis's connections have no address the sentinels could name: start as if the
+    # check at start had passed.
+    shared.available, shared.outages = True, 0
+    shared.set_workers(["w1"])
+    shared.start()
+    try:
+        deadline = time.monotonic() + 10
+        while shared.outages == 0:
+            threading.Event().wait(0.02)
+            if shared.outages == 0 and named.address == ("10.0.0.1", 6379):
+                assert shared.available  # no outage while the sentinels name the same one
+                named.address = ("10.0.0.2", 6379)  # the failover
+            assert time.monotonic() < deadline, "the moved primary was not noticed"
+        assert "another primary" in (shared.last_error or "")
+    finally:
+        shared.stop()
