@@ -303,7 +303,7 @@ class AsyncWorkerPool:
             weakref.WeakKeyDictionary()
         )
         self._closed = False
-        self._pid = os.getpid()
+        _live.add(self)
 
     @classmethod
     def from_yaml(
@@ -539,13 +539,17 @@ class AsyncWorkerPool:
         call.future = future
         future.add_done_callback(call.deliver)
 
+    def _after_fork(self) -> None:
+        """In a child, right after ``fork()``: the parent's threads do not exist here,
+        and its tasks are the parent's. Their stops are dropped, never used: stopping
+        one would shut a socket the child shares with the parent, cutting the parent's
+        request. The lock may have been held by a thread that is gone."""
+        self._lock = threading.Lock()
+        self._executor = self._spare = None
+        self._calls = set()
+        self._pumps = weakref.WeakKeyDictionary()
+
     def _executor_locked(self) -> _Threads:
-        pid = os.getpid()
-        if pid != self._pid:
-            # A forked child: the parent's threads do not exist here.
-            self._pid = pid
-            self._executor = self._spare = None
-            self._calls = set()
         if self._executor is None:
             self._executor = _Threads(self._threads, "npu-sync-aio", self._pool._mark_own_thread)
         return self._executor
@@ -626,6 +630,18 @@ class AsyncWorkerPool:
                 self._calls.remove(call)
                 return True
             return False
+
+
+_live: weakref.WeakSet[AsyncWorkerPool] = weakref.WeakSet()
+
+
+def _reinit_after_fork() -> None:
+    for apool in list(_live):
+        apool._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
 
 
 def _check_threads(threads: object) -> None:
