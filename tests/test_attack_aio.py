@@ -16,8 +16,16 @@ from typing import Any
 import pytest
 
 from npu_sync import AsyncWorkerPool
-from tests.hostile import Peer, answer, serve
-from tests.test_aio import PATIENCE, PAYLOAD, Requests, make_pool, row
+from tests.hostile import Peer, answer, keep_answering, serve
+from tests.test_aio import (
+    PATIENCE,
+    PAYLOAD,
+    Requests,
+    check_untouched,
+    make_pool,
+    row,
+    until_async,
+)
 
 OK = answer(200, b'{"response": "ok"}')
 
@@ -98,4 +106,126 @@ def test_a_child_forked_mid_task_neither_sees_nor_cuts_the_parents_tasks(servers
     finally:
         release.set()
         apool.close()
+        pool.close()
+
+
+def test_ten_thousand_cancels_leave_every_slot_and_the_full_concurrency(servers):
+    """10,000 tasks cancelled at once — on the wire, queued for a slot, waiting for a
+    thread, not yet pumped — leave no slot, waiter or thread taken, charge nobody,
+    store no dead letter; then every slot of the worker serves at once again."""
+    requests, release = Requests(), threading.Event()
+    server = serve(servers, released(requests, release))
+    pool = make_pool([server.url()], max_concurrent=4)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=16) as apool:
+            tasks = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(10_000)]
+            assert await asyncio.to_thread(requests.wait, 4)  # every slot on the wire
+            assert await until_async(lambda: pool.stats()["tasks"]["waiting"] == 12)
+            for task in tasks:
+                task.cancel()
+            ends = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(e, asyncio.CancelledError) for e in ends)
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: pool.stats()["tasks"]["active"] == 0)
+            check_untouched(pool)
+            # Slots freed by the first cancels may take a queued task onto the wire
+            # before its own cancel is run: each request that went out is abandoned.
+            abandoned = row(pool)["tasks"]["abandoned"]
+            assert abandoned >= 4
+            assert await asyncio.to_thread(
+                server.wait_for, lambda: len(server.seen) == abandoned, PATIENCE
+            )
+            counts = apool.stats()
+            assert counts["waiting_for_thread"] == 0 and counts["started"] <= 16
+            # The four slots serve four tasks at once: each is held until all arrived.
+            seen = requests.count
+            again = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(4)]
+            assert await asyncio.to_thread(requests.wait, seen + 4)
+            release.set()
+            assert await asyncio.gather(*again) == [{"response": "ok"}] * 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        pool.close()
+
+
+def test_a_cancel_while_the_request_is_half_written_ends_it_at_once(servers):
+    """A worker that reads the head of a large request and then stops reading: the
+    sender blocks with the body half written. Cancelling then shuts the connection at
+    once, abandons the attempt, gives the slot back and charges nobody."""
+    heads = Requests()
+
+    def stalls_reading(peer: Peer) -> None:
+        if peer.head() is not None:
+            heads.seen()
+            peer.wait_readable()  # until the client hangs up (it has sent more)
+            while peer.receive():
+                pass  # drain until the client's close arrives
+
+    server = serve(servers, stalls_reading, rcvbuf=4096)
+    pool = make_pool([server.url()], max_concurrent=1)
+    big = {"model_id": "default", "input_text": "x" * (8 << 20)}
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=2) as apool:
+            task = asyncio.ensure_future(apool.execute(big))
+            assert await asyncio.to_thread(heads.wait, 1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await asyncio.to_thread(
+                server.wait_for, lambda: server.closed_connections == 1, PATIENCE
+            )
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: pool.stats()["tasks"]["active"] == 0)
+            check_untouched(pool)
+            assert row(pool)["tasks"]["abandoned"] == 1
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.close()
+
+
+def test_cancels_racing_answers_end_each_task_once_and_count_every_attempt(servers):
+    """Each task is cancelled the moment its request reaches a worker that answers at
+    once, so the cancel races the answer: every caller sees its answer or a
+    CancelledError, nothing is charged or dead-lettered, and every request the worker
+    read counts once, as a success or an abandoned attempt."""
+    requests = Requests()
+
+    def reply(_seen: Any) -> bytes:
+        requests.seen()
+        return OK
+
+    server = serve(servers, keep_answering(reply))
+    pool = make_pool([server.url()], max_concurrent=2)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=4) as apool:
+            answered = 0
+            for n in range(1, 201):
+                task = asyncio.ensure_future(apool.execute(PAYLOAD))
+                assert await asyncio.to_thread(requests.wait, n)
+                task.cancel()
+                try:
+                    assert await task == {"response": "ok"}
+                    answered += 1
+                except asyncio.CancelledError:
+                    pass
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: pool.stats()["tasks"]["active"] == 0)
+            check_untouched(pool)
+            tasks = pool.stats()["tasks"]
+            worker = row(pool)["tasks"]
+            assert tasks["submitted"] == 200 and tasks["failed"] == tasks["rejected"] == 0
+            assert answered <= tasks["succeeded"] == worker["succeeded"]
+            assert worker["succeeded"] + worker["abandoned"] == len(server.seen) == 200
+
+    try:
+        asyncio.run(main())
+    finally:
         pool.close()
