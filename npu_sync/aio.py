@@ -527,8 +527,10 @@ class AsyncWorkerPool:
     def _submit(self, call: _Call) -> None:
         """Hand ``call`` to a thread (on its loop, from the pump)."""
         with self._lock:
-            if call not in self._calls:
-                return  # cancelled, or closed, while it waited for the pump
+            if self._closed or call not in self._calls:
+                # Cancelled, or closing, while it waited for the pump: close() ends it,
+                # and shuts only the threads it saw.
+                return
             executor = self._executor_locked()
         try:
             future = executor.submit(self._work, call)
@@ -589,10 +591,15 @@ class AsyncWorkerPool:
         """On the loop, when the task may wait for a thread no longer: if it still
         waits, it ends as a task no worker could take, its dead letter stored first."""
         future = call.future
-        # cancel() is true for a future cancelled before: _take() tells who ends it.
-        if (future is not None and not future.cancel()) or not self._take(call):
-            return  # running, over, or cancelled by its caller or close()
+        if future is not None and not future.cancel():
+            return  # running, or over
         with self._lock:
+            # cancel() is true for a future cancelled before: who ends the call is
+            # whoever takes it. Once closing, close() does (and shuts only the
+            # threads it saw: a spare started now would be left running).
+            if self._closed or call not in self._calls:
+                return
+            self._calls.remove(call)
             spare = self._spare
             if spare is None:
                 spare = self._spare = _Threads(1, "npu-sync-aio-letters", _nothing)

@@ -15,15 +15,18 @@ from typing import Any
 
 import pytest
 
-from npu_sync import AsyncWorkerPool
+from npu_sync import AsyncWorkerPool, PoolClosed
 from tests.hostile import Peer, answer, keep_answering, serve
 from tests.test_aio import (
     PATIENCE,
     PAYLOAD,
     Requests,
+    aio_threads,
     check_untouched,
+    holding,
     make_pool,
     row,
+    until,
     until_async,
 )
 
@@ -227,5 +230,37 @@ def test_cancels_racing_answers_end_each_task_once_and_count_every_attempt(serve
 
     try:
         asyncio.run(main())
+    finally:
+        pool.close()
+
+
+def test_a_thread_wait_running_out_while_closing_leaves_no_thread_behind(servers):
+    """close() stops the tasks one by one; a task whose wait for a thread runs out
+    meanwhile must not start a thread that nobody shuts down. Here stopping the first
+    task is held up (its stop's callbacks: what wakes its waits) until the other
+    task's wait has run out, or long enough that it would have."""
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    pool = make_pool([server.url()], max_queue_wait=0.3)
+    ended = threading.Event()
+
+    async def main() -> BaseException | None:
+        apool = AsyncWorkerPool(pool, threads=1)
+        busy = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        waiting = asyncio.ensure_future(apool.execute(PAYLOAD))
+        waiting.add_done_callback(lambda _: ended.set())
+        assert await until_async(lambda: apool.stats()["waiting_for_thread"] == 1)
+        for call in list(apool._calls):
+            call.stop.on_cancel(lambda: ended.wait(2.0))
+        await apool.aclose()
+        await asyncio.gather(busy, return_exceptions=True)
+        return (await asyncio.gather(waiting, return_exceptions=True))[0]
+
+    try:
+        error = asyncio.run(main())
+        assert isinstance(error, PoolClosed), error
+        assert pool.dead_letters.list() == []
+        assert until(lambda: not aio_threads(), 2.0), aio_threads()
     finally:
         pool.close()
