@@ -54,12 +54,15 @@ _LACKING_LIMIT = 1024
 class Placement:
     """One model being loaded on a worker for the tasks that wait for it."""
 
-    __slots__ = ("done", "error", "worker_id")
+    __slots__ = ("done", "error", "wakers", "worker_id")
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self.done = threading.Event()
         self.error: str | None = None
+        # Set with ``done``: what a task that can also be stopped waits on. Guarded by
+        # the pool's lock, under which the placement ends.
+        self.wakers: list[threading.Event] = []
 
 
 class PoolState:

@@ -15,7 +15,14 @@ from typing import Any
 
 import pytest
 
-from npu_sync import AsyncWorkerPool, PoolClosed
+from npu_sync import AsyncWorkerPool, PoolClosed, WorkerPool
+from npu_sync.config import (
+    HealthConfig,
+    ModelsConfig,
+    PoolConfig,
+    TimeoutConfig,
+    worker_config,
+)
 from tests.hostile import Peer, answer, keep_answering, serve
 from tests.test_aio import (
     PATIENCE,
@@ -263,4 +270,57 @@ def test_a_thread_wait_running_out_while_closing_leaves_no_thread_behind(servers
         assert pool.dead_letters.list() == []
         assert until(lambda: not aio_threads(), 2.0), aio_threads()
     finally:
+        pool.close()
+
+
+def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers):
+    """Tasks for a model no worker holds wait while one of them has it loaded (which
+    may take minutes on an NPU). Cancelling one that only waits ends it at once: its
+    thread is free again, the load and the task that asked for it go on."""
+    loading, release = Requests(), threading.Event()
+    held = ["other"]
+
+    def reply(seen: Any) -> bytes:
+        if seen.path == "/health":
+            return answer(200, b'{"status": "healthy"}')
+        if seen.path == "/models":
+            listed = ", ".join(f'"{m}": {{"device": "NPU"}}' for m in held)
+            return answer(200, ('{"loaded_models": {' + listed + "}}").encode())
+        if seen.path == "/models/load":
+            loading.seen()
+            release.wait(PATIENCE)
+            held.append("m")
+            return answer(200, b'{"status": "success"}')
+        return OK
+
+    server = serve(servers, keep_answering(reply))
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(worker_config("w0", server.url(), max_concurrent=4),),
+            timeouts=TimeoutConfig(connect=30.0, read=30.0, task=60.0),
+            health=HealthConfig(enabled=False),
+            models=ModelsConfig(placement=True),
+        )
+    )
+    task = {"model_id": "m", "input_text": "hi"}
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=4) as apool:
+            await asyncio.to_thread(pool.check_health)
+            placer = asyncio.ensure_future(apool.execute(task))
+            assert await asyncio.to_thread(loading.wait, 1)
+            waiter = asyncio.ensure_future(apool.execute(task))
+            assert await until_async(lambda: apool.stats()["in_flight"] == 2)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            assert await until_async(lambda: apool.in_flight() == 1)
+            assert pool.stats()["tasks"]["active"] == 1
+            release.set()
+            assert await placer == {"response": "ok"}
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
         pool.close()
