@@ -602,7 +602,11 @@ class AsyncWorkerPool:
             self._calls.remove(call)
             spare = self._spare
             if spare is None:
-                spare = self._spare = _Threads(1, "npu-sync-aio-letters", _nothing)
+                # A pool thread: close() from a hook told of the dead letter there
+                # must not wait for the very task it runs in.
+                spare = self._spare = _Threads(
+                    1, "npu-sync-aio-letters", self._pool._mark_own_thread
+                )
         try:
             letter = spare.submit(self._dead_letter, call)
         except RuntimeError:  # closing: close() has told the caller
@@ -656,7 +660,3 @@ def _check_threads(threads: object) -> None:
         raise ValueError(f"threads: must be an integer, got {threads!r}")
     if not 1 <= threads <= _MAX_THREADS:
         raise ValueError(f"threads: must be 1..{_MAX_THREADS}, got {threads}")
-
-
-def _nothing() -> None:
-    pass

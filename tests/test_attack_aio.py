@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from npu_sync import AsyncWorkerPool, PoolClosed, WorkerPool
+from npu_sync import AsyncWorkerPool, NoWorkerAvailable, PoolClosed, WorkerPool
 from npu_sync.config import (
     HealthConfig,
     ModelsConfig,
@@ -324,3 +324,37 @@ def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers
     finally:
         release.set()
         pool.close()
+
+
+def test_a_hook_closing_the_pools_as_a_thread_less_task_is_dead_lettered_returns(servers):
+    """A task that found no thread is dead-lettered on a thread of its own; a hook told
+    of it there that closes the AsyncWorkerPool (and with it the pool) returns, as
+    close() does from any other hook, instead of waiting for its own task forever."""
+    from npu_sync.events import TaskDeadLettered
+
+    requests = Requests()
+    server = serve(servers, holding(requests))
+    apools: list[AsyncWorkerPool] = []
+    returned = threading.Event()
+
+    def hook(event: Any) -> None:
+        if isinstance(event, TaskDeadLettered):
+            apools[0].close()
+            returned.set()
+
+    pool = make_pool([server.url()], max_queue_wait=0.3, hooks=(hook,))
+
+    async def main() -> BaseException | None:
+        apool = AsyncWorkerPool(pool, threads=1, close_pool=True)
+        apools.append(apool)
+        busy = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(requests.wait, 1)
+        waiting = asyncio.ensure_future(apool.execute(PAYLOAD))
+        assert await asyncio.to_thread(returned.wait, PATIENCE), "close() from the hook hung"
+        await asyncio.gather(busy, return_exceptions=True)
+        return (await asyncio.gather(waiting, return_exceptions=True))[0]
+
+    error = asyncio.run(main())
+    assert isinstance(error, NoWorkerAvailable), error
+    assert pool.closed
+    assert until(lambda: not aio_threads()), aio_threads()
