@@ -379,7 +379,8 @@ class PoolState:
 
     def after_fork(self) -> None:
         """In a child process: a fresh lock and slots, the child's own numbers and
-        connections. Tasks in flight, their slots and draining workers are the parent's.
+        connections. Tasks in flight, their slots, model loads and draining workers are
+        the parent's.
         """
         self.dispatcher = Dispatcher(self.clock, self.dispatcher.selector)
         self.lock = self.dispatcher.lock
@@ -393,6 +394,9 @@ class PoolState:
         self.hedger = self._new_hedger()
         self.stats = PoolStats()
         self.draining.clear()
+        # A load under way is the parent's: no thread here would ever end it, and the
+        # child's tasks for its model would wait on it until their deadlines.
+        self.placements.clear()
         for worker in self.workers.values():
             worker.in_flight = 0
             worker.reporting = 0

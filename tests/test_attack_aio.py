@@ -273,11 +273,9 @@ def test_a_thread_wait_running_out_while_closing_leaves_no_thread_behind(servers
         pool.close()
 
 
-def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers):
-    """Tasks for a model no worker holds wait while one of them has it loaded (which
-    may take minutes on an NPU). Cancelling one that only waits ends it at once: its
-    thread is free again, the load and the task that asked for it go on."""
-    loading, release = Requests(), threading.Event()
+def model_worker(loading: Requests, release: threading.Event) -> Callable[[Peer], None]:
+    """A Linux-protocol worker holding only ``other``; its first load of a model waits
+    for ``release`` (a model may take minutes to load), later ones answer at once."""
     held = ["other"]
 
     def reply(seen: Any) -> bytes:
@@ -288,20 +286,33 @@ def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers
             return answer(200, ('{"loaded_models": {' + listed + "}}").encode())
         if seen.path == "/models/load":
             loading.seen()
-            release.wait(PATIENCE)
+            if loading.count == 1:
+                release.wait(PATIENCE)
             held.append("m")
             return answer(200, b'{"status": "success"}')
         return OK
 
-    server = serve(servers, keep_answering(reply))
-    pool = WorkerPool(
+    return keep_answering(reply)
+
+
+def placing_pool(url: str) -> WorkerPool:
+    return WorkerPool(
         PoolConfig(
-            workers=(worker_config("w0", server.url(), max_concurrent=4),),
+            workers=(worker_config("w0", url, max_concurrent=4),),
             timeouts=TimeoutConfig(connect=30.0, read=30.0, task=60.0),
             health=HealthConfig(enabled=False),
             models=ModelsConfig(placement=True),
         )
     )
+
+
+def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers):
+    """Tasks for a model no worker holds wait while one of them has it loaded (which
+    may take minutes on an NPU). Cancelling one that only waits ends it at once: its
+    thread is free again, the load and the task that asked for it go on."""
+    loading, release = Requests(), threading.Event()
+    server = serve(servers, model_worker(loading, release))
+    pool = placing_pool(server.url())
     task = {"model_id": "m", "input_text": "hi"}
 
     async def main() -> None:
@@ -358,3 +369,43 @@ def test_a_hook_closing_the_pools_as_a_thread_less_task_is_dead_lettered_returns
     assert isinstance(error, NoWorkerAvailable), error
     assert pool.closed
     assert until(lambda: not aio_threads()), aio_threads()
+
+
+def test_a_child_forked_while_a_model_loads_places_it_itself(servers):
+    """A child forked while the parent has a model loaded does not wait for the
+    parent's load (no thread of the child's would ever end it): its own task for the
+    model loads it and is answered."""
+    from npu_sync import TaskRejected
+
+    loading, release = Requests(), threading.Event()
+    server = serve(servers, model_worker(loading, release))
+    pool = placing_pool(server.url())
+    task = {"model_id": "m", "input_text": "hi"}
+    try:
+        pool.check_health()
+        placer = pool.submit(task)
+        assert loading.wait(1)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest machinery from here on
+            code = 1
+            try:
+                try:
+                    said = repr(pool.execute(task, timeout=5.0))
+                except TaskRejected as exc:
+                    said = f"TaskRejected: {exc}"
+                os.write(write, said.encode()[:500])
+                pool.close()
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        assert wait_child(pid) == 0
+        said = os.read(read, 500).decode()
+        os.close(read)
+        assert said == "{'response': 'ok'}", said
+        release.set()
+        assert placer.result(PATIENCE) == {"response": "ok"}
+    finally:
+        release.set()
+        pool.close()
