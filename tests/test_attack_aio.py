@@ -35,9 +35,11 @@ from tests.test_aio import (
     row,
     until,
     until_async,
+    until_hung_up,
 )
 
 OK = answer(200, b'{"response": "ok"}')
+HEALTHY = answer(200, b'{"status": "healthy"}')
 
 
 def released(requests: Requests, release: threading.Event) -> Callable[[Peer], None]:
@@ -408,4 +410,42 @@ def test_a_child_forked_while_a_model_loads_places_it_itself(servers):
         assert placer.result(PATIENCE) == {"response": "ok"}
     finally:
         release.set()
+        pool.close()
+
+
+def test_a_task_cancelled_on_a_retiring_worker_lets_the_handover_finish(servers):
+    """A reload replaces the worker a task is on; the old one drains. Cancelling the
+    task then shuts its connection, gives the old worker's slot back, charges nobody,
+    and the old worker leaves; the new one serves."""
+    import dataclasses
+
+    requests = Requests()
+    old = serve(servers, until_hung_up(requests))
+    new = serve(servers, keep_answering(lambda seen: OK if seen.path != "/health" else HEALTHY))
+    pool = make_pool([old.url()], max_concurrent=2)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=4) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)
+            replaced = dataclasses.replace(
+                pool.config, workers=(worker_config("w1", new.url(), max_concurrent=2),)
+            )
+            await asyncio.to_thread(pool.reload, replaced)
+            assert {w["id"] for w in pool.workers()} == {"w0", "w1"}  # w0 drains
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: [w["id"] for w in pool.workers()] == ["w1"])
+            assert await asyncio.to_thread(
+                old.wait_for, lambda: old.closed_connections == 1, PATIENCE
+            )
+            check_untouched(pool)
+            assert await apool.execute(PAYLOAD) == {"response": "ok"}
+            assert row(pool, "w1")["tasks"]["succeeded"] == 1
+
+    try:
+        asyncio.run(main())
+    finally:
         pool.close()
