@@ -172,9 +172,11 @@ class _Threads:
         return future
 
     def counts(self) -> tuple[int, int]:
-        """Threads started, and jobs waiting for one."""
+        """Threads started, and jobs waiting for one (a job cancelled meanwhile stays
+        queued until a thread skips it, but waits for nothing)."""
         with self._cond:
-            return len(self._threads), len(self._jobs)
+            waiting = sum(1 for future, _, _ in self._jobs if not future.cancelled())
+            return len(self._threads), waiting
 
     def shutdown(self, wait: bool = True) -> None:
         """Take no more jobs; the threads end once the queue is empty."""

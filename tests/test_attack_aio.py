@@ -449,3 +449,30 @@ def test_a_task_cancelled_on_a_retiring_worker_lets_the_handover_finish(servers)
         asyncio.run(main())
     finally:
         pool.close()
+
+
+def test_cancelled_tasks_stop_counting_as_waiting_for_a_thread(servers):
+    """With every thread busy, tasks cancelled while they wait for one no longer count
+    in stats()'s waiting_for_thread, which stays a part of in_flight."""
+    requests = Requests()
+    server = serve(servers, until_hung_up(requests))
+    pool = make_pool([server.url()])
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=1) as apool:
+            busy = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)
+            queued = [asyncio.ensure_future(apool.execute(PAYLOAD)) for _ in range(100)]
+            assert await until_async(lambda: apool.stats()["waiting_for_thread"] == 100)
+            for task in queued:
+                task.cancel()
+            await asyncio.gather(*queued, return_exceptions=True)
+            counts = apool.stats()
+            assert counts["in_flight"] == 1 and counts["waiting_for_thread"] == 0, counts
+            busy.cancel()
+            await asyncio.gather(busy, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        pool.close()
