@@ -825,6 +825,8 @@ class TaskRun:
                 record(state, lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
         stopped = stop is not None and stop.cancelled and side == _FIRST
         if stopped and outcome.kind is not Kind.SUCCESS:
+            if state.hooks:  # counted as stats() counts it (the caller announces others)
+                self.announce_attempt(lease.worker, outcome, t0, t1)
             raise Stopped(self.task.task_id)
         return outcome, deferred, t0, t1
 

@@ -476,3 +476,43 @@ def test_cancelled_tasks_stop_counting_as_waiting_for_a_thread(servers):
         asyncio.run(main())
     finally:
         pool.close()
+
+
+def test_prometheus_counts_a_cancelled_attempt_as_stats_does(servers):
+    """An attempt cut short by a cancel counts once as abandoned in Prometheus, as in
+    workers(); the worker's in-flight gauge is back to 0, and no gauge is negative."""
+    pytest.importorskip("prometheus_client")
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from npu_sync.prometheus import instrument
+
+    requests = Requests()
+    server = serve(servers, until_hung_up(requests))
+    pool = make_pool([server.url()], max_concurrent=1)
+    registry = CollectorRegistry()
+    exporter = instrument(pool, registry)
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool, threads=2) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 1)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert await until_async(lambda: apool.in_flight() == 0)
+
+    try:
+        asyncio.run(main())
+        assert row(pool)["tasks"]["abandoned"] == 1
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for s in family.samples
+        }
+        key = ("npu_sync_attempts_total", (("outcome", "abandoned"), ("worker", "w0")))
+        assert samples[key] == 1, {k: v for k, v in samples.items() if "attempts" in k[0]}
+        assert samples[("npu_sync_worker_in_flight", (("worker", "w0"),))] == 0
+        assert all(v >= 0 for v in samples.values())
+    finally:
+        exporter.close()
+        pool.close()
