@@ -516,3 +516,56 @@ def test_prometheus_counts_a_cancelled_attempt_as_stats_does(servers):
     finally:
         exporter.close()
         pool.close()
+
+
+def test_a_cancelled_hedged_task_tells_the_hooks_of_both_attempts(servers):
+    """A hedged task cancelled with its attempt and its hedge on the wire: each
+    attempt is told to the hooks once, as abandoned, as workers() counts them."""
+    from npu_sync.config import BalancingConfig, BreakerConfig, HedgeConfig, RetryConfig
+    from npu_sync.events import AttemptFinished
+
+    requests = Requests()
+    a = serve(servers, until_hung_up(requests))
+    b = serve(servers, until_hung_up(requests))
+    told: list[AttemptFinished] = []
+    lock = threading.Lock()
+
+    def hook(event: Any) -> None:
+        if isinstance(event, AttemptFinished):
+            with lock:
+                told.append(event)
+
+    pool = WorkerPool(
+        PoolConfig(
+            workers=(
+                worker_config("w0", a.url(), max_concurrent=4),
+                worker_config("w1", b.url(), max_concurrent=4),
+            ),
+            timeouts=TimeoutConfig(connect=30, read=30, task=30),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=1),
+            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
+            balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
+        ),
+        hooks=(hook,),
+    )
+
+    async def main() -> None:
+        async with AsyncWorkerPool(pool) as apool:
+            task = asyncio.ensure_future(apool.execute(PAYLOAD))
+            assert await asyncio.to_thread(requests.wait, 2)  # the attempt and its hedge
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert await until_async(lambda: apool.in_flight() == 0)
+            assert await until_async(lambda: pool.stats()["tasks"]["in_flight"] == 0)
+
+    try:
+        asyncio.run(main())
+        check_untouched(pool)
+        assert until(lambda: len(told) >= 2)
+        with lock:
+            outcomes = sorted((e.worker_id, e.outcome) for e in told)
+        assert outcomes == [("w0", "abandoned"), ("w1", "abandoned")], outcomes
+        assert [w["tasks"]["abandoned"] for w in pool.workers()] == [1, 1]
+    finally:
+        pool.close()
