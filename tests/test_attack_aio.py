@@ -142,12 +142,10 @@ def test_ten_thousand_cancels_leave_every_slot_and_the_full_concurrency(servers)
             assert await until_async(lambda: pool.stats()["tasks"]["active"] == 0)
             check_untouched(pool)
             # Slots freed by the first cancels may take a queued task onto the wire
-            # before its own cancel is run: each request that went out is abandoned.
+            # before its own cancel is run: each attempt that went out is abandoned,
+            # whether the worker read its request or it was cut short before that.
             abandoned = row(pool)["tasks"]["abandoned"]
-            assert abandoned >= 4
-            assert await asyncio.to_thread(
-                server.wait_for, lambda: len(server.seen) == abandoned, PATIENCE
-            )
+            assert abandoned >= 4 and len(server.seen) <= abandoned
             counts = apool.stats()
             assert counts["waiting_for_thread"] == 0 and counts["started"] <= 16
             # The four slots serve four tasks at once: each is held until all arrived.
