@@ -172,9 +172,11 @@ class _Threads:
         return future
 
     def counts(self) -> tuple[int, int]:
-        """Threads started, and jobs waiting for one."""
+        """Threads started, and jobs waiting for one (a job cancelled meanwhile stays
+        queued until a thread skips it, but waits for nothing)."""
         with self._cond:
-            return len(self._threads), len(self._jobs)
+            waiting = sum(1 for future, _, _ in self._jobs if not future.cancelled())
+            return len(self._threads), waiting
 
     def shutdown(self, wait: bool = True) -> None:
         """Take no more jobs; the threads end once the queue is empty."""
@@ -303,7 +305,7 @@ class AsyncWorkerPool:
             weakref.WeakKeyDictionary()
         )
         self._closed = False
-        self._pid = os.getpid()
+        _live.add(self)
 
     @classmethod
     def from_yaml(
@@ -527,8 +529,10 @@ class AsyncWorkerPool:
     def _submit(self, call: _Call) -> None:
         """Hand ``call`` to a thread (on its loop, from the pump)."""
         with self._lock:
-            if call not in self._calls:
-                return  # cancelled, or closed, while it waited for the pump
+            if self._closed or call not in self._calls:
+                # Cancelled, or closing, while it waited for the pump: close() ends it,
+                # and shuts only the threads it saw.
+                return
             executor = self._executor_locked()
         try:
             future = executor.submit(self._work, call)
@@ -539,13 +543,17 @@ class AsyncWorkerPool:
         call.future = future
         future.add_done_callback(call.deliver)
 
+    def _after_fork(self) -> None:
+        """In a child, right after ``fork()``: the parent's threads do not exist here,
+        and its tasks are the parent's. Their stops are dropped, never used: stopping
+        one would shut a socket the child shares with the parent, cutting the parent's
+        request. The lock may have been held by a thread that is gone."""
+        self._lock = threading.Lock()
+        self._executor = self._spare = None
+        self._calls = set()
+        self._pumps = weakref.WeakKeyDictionary()
+
     def _executor_locked(self) -> _Threads:
-        pid = os.getpid()
-        if pid != self._pid:
-            # A forked child: the parent's threads do not exist here.
-            self._pid = pid
-            self._executor = self._spare = None
-            self._calls = set()
         if self._executor is None:
             self._executor = _Threads(self._threads, "npu-sync-aio", self._pool._mark_own_thread)
         return self._executor
@@ -585,13 +593,22 @@ class AsyncWorkerPool:
         """On the loop, when the task may wait for a thread no longer: if it still
         waits, it ends as a task no worker could take, its dead letter stored first."""
         future = call.future
-        # cancel() is true for a future cancelled before: _take() tells who ends it.
-        if (future is not None and not future.cancel()) or not self._take(call):
-            return  # running, over, or cancelled by its caller or close()
+        if future is not None and not future.cancel():
+            return  # running, or over
         with self._lock:
+            # cancel() is true for a future cancelled before: who ends the call is
+            # whoever takes it. Once closing, close() does (and shuts only the
+            # threads it saw: a spare started now would be left running).
+            if self._closed or call not in self._calls:
+                return
+            self._calls.remove(call)
             spare = self._spare
             if spare is None:
-                spare = self._spare = _Threads(1, "npu-sync-aio-letters", _nothing)
+                # A pool thread: close() from a hook told of the dead letter there
+                # must not wait for the very task it runs in.
+                spare = self._spare = _Threads(
+                    1, "npu-sync-aio-letters", self._pool._mark_own_thread
+                )
         try:
             letter = spare.submit(self._dead_letter, call)
         except RuntimeError:  # closing: close() has told the caller
@@ -628,12 +645,20 @@ class AsyncWorkerPool:
             return False
 
 
+_live: weakref.WeakSet[AsyncWorkerPool] = weakref.WeakSet()
+
+
+def _reinit_after_fork() -> None:
+    for apool in list(_live):
+        apool._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reinit_after_fork)
+
+
 def _check_threads(threads: object) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int):
         raise ValueError(f"threads: must be an integer, got {threads!r}")
     if not 1 <= threads <= _MAX_THREADS:
         raise ValueError(f"threads: must be 1..{_MAX_THREADS}, got {threads}")
-
-
-def _nothing() -> None:
-    pass

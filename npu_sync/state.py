@@ -68,12 +68,15 @@ class ModelPlacer(Protocol):
 class Placement:
     """One model being loaded on a worker for the tasks that wait for it."""
 
-    __slots__ = ("done", "error", "worker_id")
+    __slots__ = ("done", "error", "wakers", "worker_id")
 
     def __init__(self, worker_id: str) -> None:
         self.worker_id = worker_id
         self.done = threading.Event()
         self.error: str | None = None
+        # Set with ``done``: what a task that can also be stopped waits on. Guarded by
+        # the pool's lock, under which the placement ends.
+        self.wakers: list[threading.Event] = []
 
 
 class PoolState:
@@ -409,7 +412,8 @@ class PoolState:
 
     def after_fork(self) -> None:
         """In a child process: a fresh lock and slots, the child's own numbers and
-        connections. Tasks in flight, their slots and draining workers are the parent's.
+        connections. Tasks in flight, their slots, model loads and draining workers are
+        the parent's.
         """
         self.dispatcher = Dispatcher(self.clock, self.dispatcher.selector)
         self.lock = self.dispatcher.lock
@@ -423,6 +427,9 @@ class PoolState:
         self.hedger = self._new_hedger()
         self.stats = PoolStats()
         self.draining.clear()
+        # A load under way is the parent's: no thread here would ever end it, and the
+        # child's tasks for its model would wait on it until their deadlines.
+        self.placements.clear()
         for worker in self.workers.values():
             worker.in_flight = 0
             worker.breaker.release(True)  # a trial in flight is the parent's

@@ -831,7 +831,7 @@ class TaskRun:
                     return "no live worker to load it on"
                 placement = state.placements[model] = Placement(worker.id)
         if worker is None:
-            if not placement.done.wait(max(0.0, self.deadline - self.clock.monotonic())):
+            if not self.await_placement(placement):
                 return f"loading it on {placement.worker_id} did not end before the deadline"
             return placement.error
         error: str | None = "loading it was interrupted"
@@ -849,8 +849,12 @@ class TaskRun:
                 else:
                     state.model_counts["placement_failures"] += 1
                 models = worker.models
-            placement.error = error
-            placement.done.set()
+                placement.error = error
+                # Under the lock: a waiter that can be stopped checks done under it.
+                placement.done.set()
+                wakers = list(placement.wakers)
+            for waker in wakers:
+                waker.set()
         if error is None:
             state.notify(
                 WorkerModelsChanged(
@@ -863,6 +867,35 @@ class TaskRun:
                 )
             )
         return error
+
+    def await_placement(self, placement: Placement) -> bool:
+        """Wait for another task's placement to end, within the deadline: whether it
+        did. A model may take minutes to load: a task stopped meanwhile leaves at once
+        (``Stopped``), its thread free, the load going on for the others.
+        """
+        left = max(0.0, self.deadline - self.clock.monotonic())
+        stop = self.stop
+        if stop is None:
+            return placement.done.wait(left)
+        woken = threading.Event()
+        with self.state.lock:
+            if placement.done.is_set():
+                return True
+            placement.wakers.append(woken)
+        try:
+            if stop.on_cancel(woken.set):
+                try:
+                    woken.wait(left)
+                finally:
+                    stop.forget(woken.set)
+        finally:
+            with self.state.lock:
+                placement.wakers.remove(woken)
+        if placement.done.is_set():
+            return True
+        if stop.cancelled:
+            raise Stopped(self.task.task_id)
+        return False
 
     def _served_locked(self, model: str) -> bool:
         """Whether a live worker may serve ``model``. Under the lock."""
@@ -1026,6 +1059,8 @@ class TaskRun:
                 record(state, lease, _UNUSED, 0.0, clock.monotonic(), retry=False)
         stopped = stop is not None and stop.cancelled and side == _FIRST
         if stopped and outcome.kind is not Kind.SUCCESS:
+            if state.hooks:  # counted as stats() counts it (the caller announces others)
+                self.announce_attempt(lease.worker, outcome, t0, t1)
             raise Stopped(self.task.task_id)
         return outcome, deferred, t0, t1
 
