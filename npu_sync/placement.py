@@ -48,6 +48,7 @@ from npu_sync.outage import down_reason
 from npu_sync.retry import Kind
 from npu_sync.state import PoolState
 from npu_sync.stats_types import ModelRowDict
+from npu_sync.stop import TaskStop
 from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
 
@@ -487,18 +488,25 @@ class Placer:
         """That attempt ended."""
         self.use.end(worker_id, model, now)
 
-    def place(self, model: str, timeout: float) -> str | None:
+    def place(self, model: str, timeout: float, stop: TaskStop | None = None) -> str | None:
         """Load ``model``, which no live worker holds, where it is cheapest for the
         tasks waiting for it (evicting the coldest model of a full worker); one load
-        per model at a time, the other tasks waiting for it within ``timeout``. None
-        once loaded, else why not."""
+        per model at a time, the other tasks waiting for it within ``timeout``, or
+        until their ``stop`` is stopped (the load goes on for the others). None once
+        loaded, else why not."""
         with self._pending_lock:
             pending = self._pending.get(model)
             mine = pending is None
             if pending is None:
                 pending = self._pending[model] = _Pending()
         if not mine:
-            if not pending.done.wait(max(0.0, timeout)):
+            if stop is None:
+                ended = pending.done.wait(max(0.0, timeout))
+            else:
+                ended = self._await_stoppable(pending, timeout, stop)
+            if not ended:
+                if stop is not None and stop.cancelled:
+                    return "the task was stopped while the model loaded"
                 return "loading it did not end before the deadline"
             return pending.error
         error: str | None = "loading it was interrupted"
@@ -511,8 +519,31 @@ class Placer:
             pending.error = error
             with self._pending_lock:
                 del self._pending[model]
-            pending.done.set()
+                pending.done.set()
+                wakers, pending.wakers = pending.wakers, []
+            for woken in wakers:
+                woken.set()
         return error
+
+    def _await_stoppable(self, pending: _Pending, timeout: float, stop: TaskStop) -> bool:
+        """Wait for another task's load within ``timeout``, woken early by ``stop``:
+        whether the load ended."""
+        woken = threading.Event()
+        with self._pending_lock:
+            if pending.done.is_set():
+                return True
+            pending.wakers.append(woken)
+        try:
+            if stop.on_cancel(woken.set):
+                try:
+                    woken.wait(max(0.0, timeout))
+                finally:
+                    stop.forget(woken.set)
+        finally:
+            with self._pending_lock:
+                if woken in pending.wakers:
+                    pending.wakers.remove(woken)
+        return pending.done.is_set()
 
     def _place(self, model: str, timeout: float) -> str | None:
         state = self._state
@@ -716,11 +747,13 @@ class Placer:
 class _Pending:
     """A model being loaded for the tasks that wait for it."""
 
-    __slots__ = ("done", "error")
+    __slots__ = ("done", "error", "wakers")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: str | None = None
+        # The events of stoppable tasks waiting for it (set once it is done).
+        self.wakers: list[threading.Event] = []
 
 
 def _quote(model: str) -> str:

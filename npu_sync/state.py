@@ -41,6 +41,7 @@ from npu_sync.redact import MIN_SECRET_LENGTH, Scrubber
 from npu_sync.retry import RetryPolicy
 from npu_sync.selector import Selector
 from npu_sync.slowstart import SlowStart
+from npu_sync.stop import TaskStop
 from npu_sync.transport import Transport
 from npu_sync.worker import Worker
 
@@ -62,7 +63,7 @@ class ModelPlacer(Protocol):
 
     def ended(self, worker_id: str, model: str, now: float) -> None: ...
 
-    def place(self, model: str, timeout: float) -> str | None: ...
+    def place(self, model: str, timeout: float, stop: TaskStop | None = None) -> str | None: ...
 
 
 class Placement:

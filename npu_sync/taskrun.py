@@ -819,7 +819,10 @@ class TaskRun:
         state = self.state
         placer = state.placer
         if placer is not None:  # models.balance: where loading is cheapest, evicting
-            return placer.place(model, self.deadline - self.clock.monotonic())
+            why = placer.place(model, self.deadline - self.clock.monotonic(), self.stop)
+            if self.stop is not None and self.stop.cancelled:
+                raise Stopped(self.task.task_id)
+            return why
         with state.lock:
             placement = state.placements.get(model)
             worker = None

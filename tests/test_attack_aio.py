@@ -295,24 +295,26 @@ def model_worker(loading: Requests, release: threading.Event) -> Callable[[Peer]
     return keep_answering(reply)
 
 
-def placing_pool(url: str) -> WorkerPool:
+def placing_pool(url: str, *, balance: bool = False) -> WorkerPool:
     return WorkerPool(
         PoolConfig(
             workers=(worker_config("w0", url, max_concurrent=4),),
             timeouts=TimeoutConfig(connect=30.0, read=30.0, task=60.0),
             health=HealthConfig(enabled=False),
-            models=ModelsConfig(placement=True),
+            models=ModelsConfig(placement=True, balance=balance),
         )
     )
 
 
-def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers):
+@pytest.mark.parametrize("balance", [False, True], ids=["on-demand", "balanced"])
+def test_a_task_cancelled_while_its_model_loads_frees_its_thread_at_once(servers, balance):
     """Tasks for a model no worker holds wait while one of them has it loaded (which
     may take minutes on an NPU). Cancelling one that only waits ends it at once: its
-    thread is free again, the load and the task that asked for it go on."""
+    thread is free again, the load and the task that asked for it go on. Placement
+    rounds (``models.balance``) load through a placer of their own: the same holds."""
     loading, release = Requests(), threading.Event()
     server = serve(servers, model_worker(loading, release))
-    pool = placing_pool(server.url())
+    pool = placing_pool(server.url(), balance=balance)
     task = {"model_id": "m", "input_text": "hi"}
 
     async def main() -> None:
