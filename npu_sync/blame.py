@@ -106,7 +106,7 @@ def _family(outcome: Outcome) -> _Family:
         return _REFUSED
     if outcome.stalled:
         return _STALLED
-    if outcome.error is not None and outcome.error.startswith("too_large"):
+    if outcome.error_kind == "too_large":
         return _TOO_LARGE
     status = outcome.status
     if status is not None and 200 <= status < 300:

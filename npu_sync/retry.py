@@ -86,6 +86,10 @@ class Outcome:
     suspect: bool = False
     # Cut for silence (npu_sync.stall): the worker's, or a heavy task's (npu_sync.blame).
     stalled: bool = False
+    # The transport's kind of error when the attempt got no usable answer ("timeout",
+    # "connect", "too_large", ...: TransportError.kind); None for an HTTP answer. Read
+    # it, never the text of ``error``, to tell failures apart.
+    error_kind: str | None = None
 
 
 def classify_response(response: Response, *, now: float | None = None) -> Outcome:
@@ -136,19 +140,32 @@ def classify_error(error: TransportError, *, cut_by_caller: bool = False) -> Out
             the worker's own timeouts: a timeout then says nothing about the worker.
     """
     # A garbled status line or header from the worker is quoted in the transport's error.
-    message = printable(f"{error.kind}: {error}")
-    if error.kind == "timeout" and cut_by_caller:
+    kind = error.kind
+    message = printable(f"{kind}: {error}")
+    if kind == "timeout" and cut_by_caller:
         return Outcome(
-            Kind.ABANDONED, error=message + " (the task's deadline ran out)", processed=error.sent
+            Kind.ABANDONED,
+            error=message + " (the task's deadline ran out)",
+            processed=error.sent,
+            error_kind=kind,
         )
-    if getattr(error, "stale", False):
-        return Outcome(Kind.ABANDONED, error=message, processed=error.sent)
-    if getattr(error, "stalled", False):
+    if error.stale:
+        return Outcome(Kind.ABANDONED, error=message, processed=error.sent, error_kind=kind)
+    if error.stalled:
         return Outcome(
-            Kind.FAILURE, error=message, processed=error.sent, suspect=True, stalled=True
+            Kind.FAILURE,
+            error=message,
+            processed=error.sent,
+            suspect=True,
+            stalled=True,
+            error_kind=kind,
         )
     return Outcome(
-        Kind.FAILURE, error=message, processed=error.sent, suspect=error.kind == "too_large"
+        Kind.FAILURE,
+        error=message,
+        processed=error.sent,
+        suspect=kind == "too_large",
+        error_kind=kind,
     )
 
 

@@ -1463,7 +1463,7 @@ class TaskRun:
         if outcome.kind is Kind.REJECTED:
             self.reject(worker, outcome, t1)
         first, second = self.blame.same or ("?", worker.id)
-        if outcome.error is not None and outcome.error.startswith("too_large"):
+        if outcome.error_kind == "too_large":
             self.reason = "two workers answered beyond transport.max_response_bytes"
         else:
             self.reason = (
@@ -1652,7 +1652,7 @@ def _sample_limit_locked(state: PoolState, lease: Lease, outcome: Outcome, durat
         dropped = False
     elif kind is Kind.FAILURE and (
         outcome.status in (429, 503)
-        or (outcome.status is None and (outcome.error or "").startswith("timeout"))
+        or outcome.error_kind == "timeout"
     ):
         dropped = True
     else:

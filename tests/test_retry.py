@@ -111,3 +111,17 @@ def test_jitter_spreads_the_waits():
     """Two callers failing together do not wait exactly the same time."""
     policy = RetryPolicy(RetryConfig(max_retries=3, backoff_initial=0.05, backoff_max=2))
     assert len({policy.next_wait(1, 0) for _ in range(20)}) > 1
+
+
+@pytest.mark.parametrize("kind", ["connect", "timeout", "too_large", "protocol"])
+def test_an_outcome_without_an_answer_carries_the_transport_errors_kind(kind: str) -> None:
+    """Callers tell failures apart by ``error_kind``, never by parsing ``error``'s text:
+    a message that happens to start like another kind changes nothing."""
+    outcome = classify_error(TransportError(kind, "timeout-like text: too_large", sent=True))
+    assert outcome.error_kind == kind
+    assert outcome.suspect is (kind == "too_large")
+    cut = classify_error(TransportError(kind, "x", sent=True), cut_by_caller=True)
+    assert cut.error_kind == kind
+    assert cut.kind is (Kind.ABANDONED if kind == "timeout" else Kind.FAILURE)
+    answered = classify_response(Response(503, {}, b"{}"))
+    assert answered.error_kind is None
