@@ -10,7 +10,8 @@ workers are saturated and tasks wait (see :mod:`npu_sync.admission`):
 * **reserved capacity**: a class's ``reserve`` is a share of the pool's capacity (the
   slots of the workers in service) that only it and the classes above it may fill. A
   ``batch`` task finds no room once the pool's tasks in flight reach its *ceiling*,
-  the capacity less what the classes above it reserve, even while a slot is free;
+  the capacity less what the classes above it reserve, even while a slot is free.
+  The reserve never takes the last slot: every class may use at least one;
 * **aging**: a waiting task moves up one class for every ``priority.aging`` seconds
   it has waited, for both rules. A batch task behind a stream of interactive ones is
   served, at the latest, once it has waited ``aging`` times the classes between them:
@@ -111,4 +112,8 @@ class PriorityClasses:
                 and worker.breaker.state != OPEN
             ):
                 capacity += worker.capacity
-        return used < capacity - math.ceil(share * capacity)
+        # Never the whole of it: with few slots (one worker of one slot, or a fleet
+        # reduced by failures) or reserves adding up to nearly 1, ceil() would keep
+        # every slot, and a lower class would wait beside an idle worker.
+        kept = min(math.ceil(share * capacity), capacity - 1)
+        return used < capacity - kept
