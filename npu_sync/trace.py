@@ -80,6 +80,17 @@ class Trace:
         self.steps: list[TraceStep] = []
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> tuple[str | None, list[TraceStep]]:
+        # The lock stays behind (a lock does not pickle): a TaskFailed carrying its
+        # trace crosses process boundaries.
+        with self._lock:
+            return self.task_id, list(self.steps)
+
+    def __setstate__(self, state: tuple[str | None, list[TraceStep]]) -> None:
+        self.task_id, steps = state
+        self.steps = list(steps)
+        self._lock = threading.Lock()
+
     def add(self, step: TraceStep) -> None:
         with self._lock:
             self.steps.append(step)

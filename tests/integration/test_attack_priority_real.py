@@ -57,3 +57,75 @@ def test_a_reserve_never_keeps_the_lowest_class_off_an_idle_worker(
         answered = pool.execute(Task(_payload("batch"), priority="batch", timeout=5.0))
     assert answered["model_id"] == "default"
     assert worker.stats()["task_ids_seen"] == 1
+
+
+def test_a_failed_tasks_error_and_trace_cross_a_process_boundary(start_worker) -> None:
+    """TaskFailed (with its trace), TaskRejected and AdmissionRefused survive pickling,
+    as concurrent.futures.ProcessPoolExecutor and multiprocessing do to an exception a
+    child raises; the trace still reads and serialises, and still takes steps."""
+    import json
+    import pickle
+
+    from npu_sync import AdmissionRefused, TaskFailed, TaskRejected
+    from npu_sync.trace import Trace, TraceStep
+
+    a, b = start_worker(worker_id="a"), start_worker(worker_id="b")
+    a.control(status_code=503)
+    b.control(status_code=503)
+    config = PoolConfig(
+        workers=(worker_config("a", a.url), worker_config("b", b.url)),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=1, backoff_initial=0.0, backoff_max=0.0),
+    )
+    with WorkerPool(config) as pool, pytest.raises(TaskFailed) as caught:
+        pool.execute(_payload("doomed"))
+    failed = caught.value
+    assert failed.trace is not None and sorted(failed.trace.workers) == ["a", "b"]
+    again = pickle.loads(pickle.dumps(failed))
+    assert type(again) is type(failed) and str(again) == str(failed)
+    assert (again.task_id, again.dead_letter_id) == (failed.task_id, failed.dead_letter_id)
+    assert again.attempts == failed.attempts
+    assert again.trace is not None and again.trace.to_dict() == failed.trace.to_dict()
+    assert json.loads(json.dumps(again.trace.to_dict())) == failed.trace.to_dict()
+    again.trace.add(TraceStep("note", 0.0, text="read in the parent"))  # its lock works
+    assert len(again.trace.steps) == len(failed.trace.steps) + 1
+
+    rejected = TaskRejected("bad", task_id="t", status=422, worker_id="a", body={"x": 1})
+    back = pickle.loads(pickle.dumps(rejected))
+    assert (back.task_id, back.status, back.worker_id, back.body) == ("t", 422, "a", {"x": 1})
+    refused = AdmissionRefused("late", task_id="t", expected=3.0, left=1.0)
+    back_refused = pickle.loads(pickle.dumps(refused))
+    assert isinstance(back_refused, AdmissionRefused)
+    assert (back_refused.expected, back_refused.left) == (3.0, 1.0)
+    assert pickle.loads(pickle.dumps(Trace("t"))).task_id == "t"
+
+
+def _fail_in_child(url: str) -> None:
+    """Run in a child process: a task on a worker that answers 503 only."""
+    config = PoolConfig(
+        workers=(worker_config("a", url),),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=0),
+    )
+    with WorkerPool(config) as pool:
+        pool.execute(_payload("from a child"))
+
+
+def test_a_child_process_task_failure_reaches_the_parent_as_task_failed(start_worker) -> None:
+    """ProcessPoolExecutor: the child's TaskFailed arrives whole in the parent (not a
+    broken executor), its trace naming the worker that failed."""
+    import concurrent.futures
+    import multiprocessing
+
+    from npu_sync import TaskFailed
+
+    a = start_worker(worker_id="a")
+    a.control(status_code=503)
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as executor:
+        future = executor.submit(_fail_in_child, a.url)
+        with pytest.raises(TaskFailed) as caught:
+            future.result(120)
+        assert executor.submit(len, "still works").result(120) == 11
+    assert caught.value.trace is not None and caught.value.trace.workers == ["a"]
+    assert caught.value.dead_letter_id
