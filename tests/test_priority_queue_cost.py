@@ -1,0 +1,69 @@
+"""The pass that hands freed capacity to tasks of several classes waiting does bounded
+work under the pool's lock, however long the queue (see benchmarks/serve_cost.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from npu_sync.admission import Lease
+from npu_sync.priority import PriorityClasses
+from npu_sync.testing import FakeClock
+from tests.test_priority import classes, clock, dispatcher_with, free, take, waiting
+
+__all__ = ["clock", "waiting"]  # fixtures used by name below
+
+WAITERS = 60
+
+
+def _count(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    calls: list[int] = []
+    original = getattr(PriorityClasses, name)
+
+    def counted(self: PriorityClasses, *args: Any) -> Any:
+        calls.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(PriorityClasses, name, counted)
+    return calls
+
+
+def test_a_saturated_fleet_ranks_nobody(
+    clock: FakeClock, waiting: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every slot taken, 60 tasks of three classes waiting: a release pass (as every
+    waiter woken at once runs) ranks no waiter, since nobody can be served."""
+    dispatcher = dispatcher_with(clock, classes(aging=10.0), capacity=2)
+    held = [take(dispatcher), take(dispatcher)]
+    names = ("interactive", "standard", "batch")
+    for i in range(WAITERS):
+        waiting(dispatcher, names[i % 3], clock)
+    ranked = _count(monkeypatch, "effective")
+    with dispatcher.lock:
+        dispatcher.release_locked(clock.monotonic())
+    assert ranked == [] and dispatcher.waiting == WAITERS
+    free(dispatcher, held[0])  # and a slot freed still goes to the highest class
+    assert dispatcher.waiting == WAITERS - 1
+    monkeypatch.undo()
+    free(dispatcher, held[1])
+
+
+def test_capacity_kept_for_a_class_above_is_judged_once_per_pass(
+    clock: FakeClock, waiting: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot free but reserved for interactive, 60 batch tasks waiting: the pass stops at
+    the first of them, since every task after it is of a class kept out too."""
+    dispatcher = dispatcher_with(clock, classes(0.25), capacity=4)
+    batch = [take(dispatcher, "batch") for _ in range(3)]  # the 4th slot is interactive's
+    for _ in range(WAITERS):
+        waiting(dispatcher, "batch", clock)
+    judged = _count(monkeypatch, "may_take")
+    with dispatcher.lock:
+        dispatcher.release_locked(clock.monotonic())
+    assert len(judged) == 1 and dispatcher.waiting == WAITERS
+    monkeypatch.undo()
+    top = take(dispatcher, "interactive")  # the reserve is still there for its class
+    assert isinstance(top, Lease)
+    for lease in (*batch, top):
+        free(dispatcher, lease)
