@@ -329,10 +329,12 @@ class Dispatcher:
             while True:
                 wake = self._wake_in(now, deadline)
                 classes = self.classes
-                if classes.reserving and classes.aging > 0:
-                    # Aging may let it into capacity kept for the classes above: no
-                    # release signals that moment.
-                    step = classes.aging - (now - waiter.since) % classes.aging
+                # Aging may let it into capacity kept for the classes above: no
+                # release signals that moment.
+                step = classes.next_step(
+                    classes.rank_or_default(waiter.priority), now - waiter.since
+                )
+                if step is not None:
                     wake = min(wake, max(step, 0.001))
                 waiter.cond.wait(wake)
                 if waiter.lease is not None:

@@ -94,6 +94,17 @@ class PriorityClasses:
             return rank
         return max(0, rank - int(waited / aging))
 
+    def next_step(self, rank: int, waited: float) -> float | None:
+        """Seconds until a task of ``rank`` that has waited ``waited`` counts one class
+        higher, when that may let it into capacity kept for the classes above; None
+        when it never will: aging is off, nothing is reserved, or it already counts as
+        the top class (a waiter woken on every aging period for ever would spin once
+        there is nothing left to gain)."""
+        aging = self.aging
+        if aging <= 0 or not self.reserving or self.effective(rank, waited) == 0:
+            return None
+        return aging - waited % aging
+
     def may_take(self, rank: int, workers: Iterable[Worker]) -> bool:
         """Whether a task counting as ``rank`` may take one more slot among ``workers``:
         the tasks in flight are below the capacity less what the classes above reserve.

@@ -10,7 +10,7 @@ import pytest
 from npu_sync.admission import Lease
 from npu_sync.priority import PriorityClasses
 from npu_sync.testing import FakeClock
-from tests.test_priority import classes, clock, dispatcher_with, free, take, waiting
+from tests.test_priority import classes, clock, dispatcher_with, free, take, until, waiting
 
 __all__ = ["clock", "waiting"]  # fixtures used by name below
 
@@ -66,4 +66,54 @@ def test_capacity_kept_for_a_class_above_is_judged_once_per_pass(
     top = take(dispatcher, "interactive")  # the reserve is still there for its class
     assert isinstance(top, Lease)
     for lease in (*batch, top):
+        free(dispatcher, lease)
+
+
+def test_a_waiter_stops_waking_for_aging_once_it_counts_as_the_top_class() -> None:
+    """aging 0.001 s, batch waiting: it wakes at each step until it counts as
+    interactive, then no more (it would spin a thousand times a second for nothing)."""
+    ranks = PriorityClasses(classes(0.25, aging=0.001))
+    batch = ranks.rank("batch")
+    assert ranks.next_step(batch, 0.0) == pytest.approx(0.001)
+    assert ranks.next_step(batch, 0.0015) == pytest.approx(0.0005)
+    assert ranks.next_step(batch, 0.002) is None  # two steps up: interactive
+    assert ranks.next_step(batch, 3600.0) is None
+    assert ranks.next_step(ranks.rank("interactive"), 0.0) is None
+    assert PriorityClasses(classes(0.0, aging=0.001)).next_step(batch, 0.0) is None  # no reserve
+    assert PriorityClasses(classes(0.25, aging=0.0)).next_step(batch, 0.0) is None  # no aging
+
+
+def test_an_aged_waiter_sleeps_until_its_deadline_not_an_aging_period(
+    clock: FakeClock, waiting: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every slot taken, a batch task aged to the top class: the next time it sleeps
+    it sleeps until a release or its deadline, not one more aging period."""
+    import threading
+
+    from npu_sync import admission
+
+    slept: list[float | None] = []
+    ours: list[object] = []
+
+    class Recording(threading.Condition):
+        def wait(self, timeout: float | None = None) -> bool:
+            if self._lock in ours:  # type: ignore[attr-defined]
+                slept.append(timeout)
+            return super().wait(timeout)
+
+    monkeypatch.setattr(admission.threading, "Condition", Recording)
+    dispatcher = dispatcher_with(clock, classes(0.5, aging=1.0), capacity=2)
+    ours.append(dispatcher.lock)
+    held = [take(dispatcher, "interactive"), take(dispatcher, "interactive")]
+    waiting(dispatcher, "batch", clock)
+    until(lambda: len(slept) >= 1)
+    assert slept[0] == pytest.approx(1.0)  # one aging period: it may gain a class
+    clock.advance(5.0)  # counts as interactive now
+    seen = len(slept)
+    with dispatcher.lock:
+        dispatcher.wake_all_locked()
+    until(lambda: len(slept) > seen)
+    last = slept[-1]
+    assert last is not None and last > 3000  # its deadline: nothing more to gain
+    for lease in held:
         free(dispatcher, lease)
