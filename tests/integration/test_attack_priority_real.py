@@ -129,3 +129,58 @@ def test_a_child_process_task_failure_reaches_the_parent_as_task_failed(start_wo
         assert executor.submit(len, "still works").result(120) == 11
     assert caught.value.trace is not None and caught.value.trace.workers == ["a"]
     assert caught.value.dead_letter_id
+
+
+def test_a_header_value_a_worker_echoes_reaches_no_trace(monkeypatch) -> None:
+    """a quotes the X-Api-Key it was sent in its 503s: the caller's trace of a task b
+    then answers, and the trace and dead letter of a task every worker fails, hold the
+    redaction and never the key."""
+    import json
+
+    from npu_sync import TaskFailed
+    from npu_sync.redact import REDACTED
+    from npu_sync.trace import Trace
+    from npu_sync.worker_server import WorkerBehaviour, WorkerServer
+
+    key = "k3y-5ecret-8d1f0c2b9e"
+    echo = WorkerBehaviour(fail_all=True, echo_header="X-Api-Key")
+    with (
+        WorkerServer(worker_id="a", behaviour=echo) as a,
+        WorkerServer(worker_id="b") as b,
+        WorkerServer(worker_id="c", behaviour=WorkerBehaviour(fail_all=True)) as c,
+    ):
+        headers = {"X-Api-Key": key}
+        config = PoolConfig(
+            workers=(
+                worker_config("a", a.url, priority=1, headers=headers),
+                worker_config("b", b.url, priority=2, headers=headers),
+            ),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=2, backoff_initial=0.0, backoff_max=0.0),
+        )
+        trace = Trace()
+        with WorkerPool(config) as pool:
+            pool.execute(_payload("traced"), trace=trace)
+        failing = PoolConfig(
+            workers=(
+                worker_config("a", a.url, priority=1, headers=headers),
+                worker_config("c", c.url, priority=2, headers=headers),
+            ),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=2, backoff_initial=0.0, backoff_max=0.0),
+        )
+        with WorkerPool(failing) as pool:
+            with pytest.raises(TaskFailed) as caught:
+                pool.execute(_payload("doomed"))
+            letters = [json.dumps(r.to_dict()) for r in pool.dead_letters.list()]
+    assert trace.workers == ["a", "b"]
+    failed = caught.value.trace
+    assert failed is not None and "a" in failed.workers
+    surfaces = {
+        "caller's trace": str(trace) + json.dumps(trace.to_dict()),
+        "TaskFailed.trace": str(failed) + json.dumps(failed.to_dict()),
+        "dead letter": "".join(letters),
+    }
+    assert REDACTED in surfaces["caller's trace"] and REDACTED in surfaces["dead letter"]
+    for where, text in surfaces.items():
+        assert key not in text, f"the key reached {where}"
