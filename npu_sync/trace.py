@@ -23,7 +23,8 @@ class TraceStep:
     """One step of a task's routing.
 
     ``kind`` is ``choice`` (a worker was chosen: ``worker_id``; ``considered`` says for
-    every other worker why it was not), ``attempt`` (an attempt ended: ``outcome``,
+    the other workers, at most 20 of them, why they were not; ``unlisted`` counts the
+    rest), ``attempt`` (an attempt ended: ``outcome``,
     ``status``, ``error``, ``duration``, ``charged``), ``hedge`` (a second attempt
     sent while the first went on) or ``note`` (admission's word: a refusal, the retry
     budget spent, why the task gave up).
@@ -39,6 +40,7 @@ class TraceStep:
     duration: float | None = None
     charged: str | None = None
     text: str | None = None
+    unlisted: int = 0  # workers of a choice not named in ``considered`` (a large fleet)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": self.kind, "at": self.at}
@@ -48,11 +50,15 @@ class TraceStep:
                 data[name] = value
         if self.considered:
             data["considered"] = [{"worker_id": w, "why": why} for w, why in self.considered]
+        if self.unlisted:
+            data["unlisted"] = self.unlisted
         return data
 
     def __str__(self) -> str:
         if self.kind == "choice":
             others = "; ".join(f"{w}: {why}" for w, why in self.considered)
+            if self.unlisted:
+                others += f"; and {self.unlisted} more"
             return f"chose {self.worker_id}" + (f" (not {others})" if others else "")
         if self.kind == "attempt":
             took = f" in {self.duration * 1000:.0f} ms" if self.duration is not None else ""
