@@ -134,6 +134,11 @@ def priority_scope(name: str) -> Iterator[None]:
         _SCOPED.reset(token)
 
 
+def current_scope() -> str | None:
+    """The class of the :func:`priority_scope` this context is in, if any."""
+    return _SCOPED.get() if _scopes_used else None
+
+
 def as_task(task: Task | Any) -> Task:
     """Accept a Task or a bare payload; one naming no class takes the scope's, if any."""
     if not _scopes_used:

@@ -1,5 +1,7 @@
-"""The pass that hands freed capacity to tasks of several classes waiting does bounded
-work under the pool's lock, however long the queue (see benchmarks/serve_cost.py)."""
+"""Attacks on priority classes: the pass that hands freed capacity to tasks of several
+classes waiting does bounded work under the pool's lock however long the queue (see
+benchmarks/serve_cost.py); aging wakes a waiter only while it can gain something; a
+map's tasks keep the class of the scope it was started in."""
 
 from __future__ import annotations
 
@@ -117,3 +119,33 @@ def test_an_aged_waiter_sleeps_until_its_deadline_not_an_aging_period(
     assert last is not None and last > 3000  # its deadline: nothing more to gain
     for lease in held:
         free(dispatcher, lease)
+
+
+def test_every_task_of_a_map_takes_the_class_of_the_scope_it_was_started_in(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch route streams map()'s results after the view returned (the scope left):
+    the tasks fed in after the first window are batch too, not the default class."""
+    from npu_sync import WorkerPool
+    from npu_sync import pool as pool_module
+    from npu_sync.config import HealthConfig, PoolConfig, worker_config
+    from npu_sync.task import as_task, priority_scope
+    from npu_sync.testing import FakeNetwork
+
+    seen: list[str | None] = []
+
+    def recording(task: Any) -> Any:
+        made = as_task(task)
+        seen.append(made.priority)
+        return made
+
+    monkeypatch.setattr(pool_module, "as_task", recording)
+    config = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9100"),),
+        health=HealthConfig(enabled=False),
+    )
+    with WorkerPool(config, transport_factory=FakeNetwork().factory) as pool:
+        with priority_scope("batch"):
+            results = pool.map(({"i": i} for i in range(10)), window=2)
+        assert len(list(results)) == 10  # consumed outside the scope, as a stream is
+    assert seen == ["batch"] * 10
