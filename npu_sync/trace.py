@@ -12,7 +12,7 @@ A module of the vocabulary layer: plain records, importing nothing from the pack
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["Trace", "TraceStep"]
@@ -71,6 +71,9 @@ class TraceStep:
         return self.text or ""
 
 
+_STEP_FIELDS: frozenset[str] = frozenset(f.name for f in fields(TraceStep))
+
+
 class Trace:
     """The routing of one task, in order. Thread-safe: a hedged task's two attempts
     add steps from two threads.
@@ -116,9 +119,10 @@ class Trace:
     def from_dict(cls, data: dict[str, Any]) -> Trace:
         trace = cls(data.get("task_id"))
         for raw in data.get("steps", ()):
-            fields = dict(raw)
-            considered = tuple((c["worker_id"], c["why"]) for c in fields.pop("considered", ()))
-            trace.steps.append(TraceStep(considered=considered, **fields))
+            # Keys this release does not know (a record a newer one wrote) are left out.
+            known = {k: v for k, v in raw.items() if k in _STEP_FIELDS}
+            considered = tuple((c["worker_id"], c["why"]) for c in known.pop("considered", ()))
+            trace.steps.append(TraceStep(considered=considered, **known))
         return trace
 
     def __str__(self) -> str:
