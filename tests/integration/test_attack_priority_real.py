@@ -184,3 +184,39 @@ def test_a_header_value_a_worker_echoes_reaches_no_trace(monkeypatch) -> None:
     assert REDACTED in surfaces["caller's trace"] and REDACTED in surfaces["dead letter"]
     for where, text in surfaces.items():
         assert key not in text, f"the key reached {where}"
+
+
+def test_the_trace_names_a_breaker_that_opened_during_the_task(start_worker) -> None:
+    """Three real workers, a and b failing with fail_max 1: the first task's trace
+    charges each failure and ends on c; the next task's first choice names a and b as
+    behind open breakers."""
+    from npu_sync.config import BreakerConfig
+    from npu_sync.trace import Trace
+
+    a, b, c = (start_worker(worker_id=w) for w in "abc")
+    a.control(status_code=503)
+    b.control(status_code=503)
+    config = PoolConfig(
+        workers=(
+            worker_config("a", a.url, priority=1),
+            worker_config("b", b.url, priority=2),
+            worker_config("c", c.url, priority=3),
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=2, backoff_initial=0.0, backoff_max=0.0),
+        circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
+    )
+    first, second = Trace(), Trace()
+    with WorkerPool(config) as pool:
+        pool.execute(_payload("first"), trace=first)
+        pool.execute(_payload("second"), trace=second)
+    assert first.workers == ["a", "b", "c"]
+    charges = [s.charged for s in first.steps if s.kind == "attempt"]
+    assert charges == ["a", "b", "nobody"]
+    last_choice = [s for s in first.steps if s.kind == "choice"][-1]
+    assert dict(last_choice.considered) == {
+        "a": "excluded: already tried by this task",
+        "b": "excluded: already tried by this task",
+    }
+    assert second.workers == ["c"]
+    assert dict(second.steps[0].considered) == {"a": "breaker open", "b": "breaker open"}
