@@ -79,7 +79,9 @@ class Trace:
     add steps from two threads.
 
     Args:
-        task_id: set when the task starts, if not given.
+        task_id: set when the task starts, if not given; if given, the id of the task
+            it is given to. A trace is one task's: given to a second task, it is
+            refused (``InvalidTask``).
     """
 
     __slots__ = ("_lock", "steps", "task_id")

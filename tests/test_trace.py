@@ -235,3 +235,24 @@ def test_a_trace_written_by_a_newer_release_still_reads() -> None:
     trace = Trace.from_dict(data)
     assert trace.workers == ["a"] and trace.steps[1].unlisted == 3
     assert "cost_ms" not in json.dumps(trace.to_dict())
+
+
+def test_one_trace_for_two_tasks_is_refused_naming_both() -> None:
+    """A Trace already filled by one task, given to another: InvalidTask naming the key
+    and both task ids, before anything is sent; the first task's steps stay its own."""
+    from npu_sync import InvalidTask, Task
+
+    net = FakeNetwork()
+    net.route("a", ok)
+    trace = Trace()
+    with make_pool(net, "a") as pool:
+        pool.execute(Task({"x": 1}, task_id="first"), trace=trace)
+        steps = list(trace.steps)
+        with pytest.raises(InvalidTask, match=r"trace: .*'first'.*'second'"):
+            pool.execute(Task({"x": 2}, task_id="second"), trace=trace)
+        with pytest.raises(InvalidTask, match=r"trace: .*'first'"):
+            pool.submit({"x": 3}, trace=trace)
+        again = Trace("third")
+        assert pool.execute(Task({"x": 4}, task_id="third"), trace=again) == {"ok": True}
+    assert trace.steps == steps and trace.task_id == "first"
+    assert len([r for r in net.requests() if r.path != "/health"]) == 2
