@@ -220,3 +220,65 @@ def test_the_trace_names_a_breaker_that_opened_during_the_task(start_worker) -> 
     }
     assert second.workers == ["c"]
     assert dict(second.steps[0].considered) == {"a": "breaker open", "b": "breaker open"}
+
+
+_OPEN_AND_ADD = """
+import os, sys, time
+go, path, n = sys.argv[1], sys.argv[2], sys.argv[3]
+from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
+from npu_sync.task import Task
+deadline = time.monotonic() + 60
+while not os.path.exists(go):
+    if time.monotonic() > deadline:
+        sys.exit("no go")
+    time.sleep(0.001)
+store = SQLiteDeadLetterStore(path)
+trace = {"task_id": n, "steps": [{"kind": "note", "at": 1.0, "text": "from " + n}]}
+store.add(DeadLetter.from_task(
+    Task({"x": n}, task_id=n), endpoint="/inference", error="boom", attempts=(), now=1.0,
+    trace=trace,
+))
+store.close()
+"""
+
+
+def test_processes_opening_an_old_dead_letter_file_at_once_each_add_the_trace_column_once(
+    tmp_path,
+) -> None:
+    """Six processes open a schema-1 file made before the trace column, released at the
+    same moment: every one opens it and stores its record, trace included."""
+    import os
+    import sqlite3
+    import subprocess
+    import sys
+
+    from npu_sync.deadletter import _SCHEMA, SCHEMA_VERSION, SQLiteDeadLetterStore
+
+    path = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(path)
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.commit()
+    conn.close()
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", _OPEN_AND_ADD, str(go), str(path), f"t{i}"],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(6)
+    ]
+    go.touch()
+    errors = [child.communicate(timeout=120)[1] for child in children]
+    assert [child.returncode for child in children] == [0] * 6, errors
+    store = SQLiteDeadLetterStore(str(path))
+    try:
+        traces = sorted(r.trace["task_id"] for r in store.list() if r.trace)
+    finally:
+        store.close()
+    assert traces == [f"t{i}" for i in range(6)]
