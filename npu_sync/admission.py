@@ -23,6 +23,7 @@ handed to it is given back and passed on to the next waiter.
 from __future__ import annotations
 
 import enum
+import heapq
 import threading
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
@@ -328,10 +329,12 @@ class Dispatcher:
             while True:
                 wake = self._wake_in(now, deadline)
                 classes = self.classes
-                if classes.reserving and classes.aging > 0:
-                    # Aging may let it into capacity kept for the classes above: no
-                    # release signals that moment.
-                    step = classes.aging - (now - waiter.since) % classes.aging
+                # Aging may let it into capacity kept for the classes above: no
+                # release signals that moment.
+                step = classes.next_step(
+                    classes.rank_or_default(waiter.priority), now - waiter.since
+                )
+                if step is not None:
                     wake = min(wake, max(step, 0.001))
                 waiter.cond.wait(wake)
                 if waiter.lease is not None:
@@ -433,22 +436,34 @@ class Dispatcher:
 
     def _serve_ranked(self, now: float) -> None:
         """:meth:`_serve` with tasks of several classes waiting: the highest class (after
-        aging) first, the longest waiting first within a class."""
+        aging) first, the longest waiting first within a class.
+
+        Bounded work under the lock whatever the queue's length: nothing is ranked
+        while no worker has room (every release of a saturated fleet, every waiter
+        woken at once), the ranking is a heap popped only as far as waiters are
+        served, and the pass ends at the first class the reserves keep out, since
+        every class after it is kept out too.
+        """
+        if not self.selector.has_room(now):
+            return  # no worker has room for anyone; a waiter past its deadline wakes itself
+        may_have_room = self.selector.may_have_room
         waiters = self._waiters
         classes = self.classes
-        may_have_room = self.selector.may_have_room
-        ranked = sorted(
-            (
-                (classes.effective(classes.rank_or_default(w.priority), now - w.since), i, w)
-                for i, w in enumerate(waiters)
-            ),
-        )
-        for rank, _, waiter in ranked:
+        workers = self.selector.workers
+        ranked = [
+            (classes.effective(classes.rank_or_default(w.priority), now - w.since), i, w)
+            for i, w in enumerate(waiters)
+        ]
+        heapq.heapify(ranked)
+        while ranked:
+            rank, _, waiter = heapq.heappop(ranked)
             if waiter.lease is not None or now >= waiter.deadline:
                 waiter.cond.notify()  # it leaves the queue itself
                 continue
             if not may_have_room(now):
                 break
+            if classes.reserving and rank and not classes.may_take(rank, workers):
+                break  # kept for the classes above: so is it for every class below
             waiter.lease = self._try(waiter.excluded, now, rank)
             if waiter.lease is not None:
                 waiters.remove(waiter)
@@ -456,7 +471,7 @@ class Dispatcher:
                 if waiter.priority is not None:
                     self._named -= 1
                 waiter.cond.notify()
-            elif not waiter.excluded and not classes.reserving:
+            elif not waiter.excluded:
                 break  # no worker has room for anyone
 
     def _refusal(self, excluded: Collection[str], deadline: float, now: float) -> Refusal | None:

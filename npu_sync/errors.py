@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 from npu_sync.attempt import Attempt
 from npu_sync.trace import Trace
@@ -86,8 +86,27 @@ def install_hint(extra: str) -> str:
     )
 
 
+def _restored(
+    cls: type[NpuSyncError], args: tuple[object, ...], state: dict[str, object]
+) -> NpuSyncError:
+    """An exception rebuilt from a pickle, without calling its ``__init__`` again."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
 class NpuSyncError(Exception):
-    """Root of every exception npu_sync raises on purpose."""
+    """Root of every exception npu_sync raises on purpose.
+
+    Every one pickles, whatever its constructor asks for: ``multiprocessing`` and
+    ``ProcessPoolExecutor`` carry a child's exception to its parent that way, and the
+    default (calling the class with ``args`` alone) fails for keyword-only fields,
+    which breaks the whole executor rather than raising the task's error.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_restored, (type(self), self.args, dict(self.__dict__)))
 
 
 class ConfigError(NpuSyncError, ValueError):

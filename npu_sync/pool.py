@@ -74,7 +74,7 @@ from npu_sync.stats_types import (
     WorkerRow,
 )
 from npu_sync.stop import TaskStop
-from npu_sync.task import Task, as_task, traced
+from npu_sync.task import Task, as_task, current_scope, priority_scope, traced
 from npu_sync.taskrun import Runner
 from npu_sync.trace import Trace
 from npu_sync.transport import IdleReaper, make_transport, reap_interval
@@ -327,15 +327,18 @@ class WorkerPool:
         At most ``window`` tasks (default twice the pool's thread count) are in flight
         or queued at once, so a long iterable does not build every future up front.
         The first exception is raised when its result is reached; tasks not yet
-        started then are cancelled (never sent), as ``Executor.map`` does.
+        started then are cancelled (never sent), as ``Executor.map`` does. Every task
+        takes the priority class of the scope ``map`` was called in (a Flask route's),
+        also those fed in later, while the results are read outside it.
         """
         limit = window or 2 * self._state.config.pool.threads
         if limit < 1:
             raise ValueError(f"window must be >= 1, got {window}")
         source = iter(tasks)
         pending: deque[concurrent.futures.Future[Any]] = deque()
-        self._refill(source, pending, timeout, limit)
-        return self._map_results(source, pending, timeout, limit)
+        scope = current_scope()
+        self._refill(source, pending, timeout, limit, scope)
+        return self._map_results(source, pending, timeout, limit, scope)
 
     def _refill(
         self,
@@ -343,7 +346,14 @@ class WorkerPool:
         pending: deque[concurrent.futures.Future[Any]],
         timeout: float | None,
         limit: int,
+        scope: str | None = None,
     ) -> None:
+        if scope is not None and current_scope() != scope:
+            # Read after the caller left the scope (a streamed response): the class
+            # is the one the map was started with.
+            with priority_scope(scope):
+                self._refill(source, pending, timeout, limit)
+            return
         for task in source:
             try:
                 future = self.submit(task, timeout)
@@ -361,12 +371,13 @@ class WorkerPool:
         pending: deque[concurrent.futures.Future[Any]],
         timeout: float | None,
         limit: int,
+        scope: str | None,
     ) -> Iterator[Any]:
         try:
             while pending:
                 result = pending.popleft().result()
                 yield result
-                self._refill(source, pending, timeout, limit)
+                self._refill(source, pending, timeout, limit, scope)
         finally:
             for future in pending:
                 future.cancel()

@@ -10,7 +10,8 @@ workers are saturated and tasks wait (see :mod:`npu_sync.admission`):
 * **reserved capacity**: a class's ``reserve`` is a share of the pool's capacity (the
   slots of the workers in service) that only it and the classes above it may fill. A
   ``batch`` task finds no room once the pool's tasks in flight reach its *ceiling*,
-  the capacity less what the classes above it reserve, even while a slot is free;
+  the capacity less what the classes above it reserve, even while a slot is free.
+  The reserve never takes the last slot: every class may use at least one;
 * **aging**: a waiting task moves up one class for every ``priority.aging`` seconds
   it has waited, for both rules. A batch task behind a stream of interactive ones is
   served, at the latest, once it has waited ``aging`` times the classes between them:
@@ -93,6 +94,17 @@ class PriorityClasses:
             return rank
         return max(0, rank - int(waited / aging))
 
+    def next_step(self, rank: int, waited: float) -> float | None:
+        """Seconds until a task of ``rank`` that has waited ``waited`` counts one class
+        higher, when that may let it into capacity kept for the classes above; None
+        when it never will: aging is off, nothing is reserved, or it already counts as
+        the top class (a waiter woken on every aging period for ever would spin once
+        there is nothing left to gain)."""
+        aging = self.aging
+        if aging <= 0 or not self.reserving or self.effective(rank, waited) == 0:
+            return None
+        return aging - waited % aging
+
     def may_take(self, rank: int, workers: Iterable[Worker]) -> bool:
         """Whether a task counting as ``rank`` may take one more slot among ``workers``:
         the tasks in flight are below the capacity less what the classes above reserve.
@@ -111,4 +123,8 @@ class PriorityClasses:
                 and worker.breaker.state != OPEN
             ):
                 capacity += worker.capacity
-        return used < capacity - math.ceil(share * capacity)
+        # Never the whole of it: with few slots (one worker of one slot, or a fleet
+        # reduced by failures) or reserves adding up to nearly 1, ceil() would keep
+        # every slot, and a lower class would wait beside an idle worker.
+        kept = min(math.ceil(share * capacity), capacity - 1)
+        return used < capacity - kept

@@ -7,12 +7,19 @@ not traced and does not fail.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from typing import Final
 
 from npu_sync.breaker import OPEN
 from npu_sync.retry import Kind, Outcome
 from npu_sync.worker import Worker
 
-__all__ = ["charged_to", "considered"]
+__all__ = ["MAX_CONSIDERED", "charged_to", "considered"]
+
+
+MAX_CONSIDERED: Final = 20
+"""The most workers a choice names with why they were not chosen; the rest are counted.
+A trace is kept with every dead letter: without a bound a task retried 100 times over
+a fleet of 500 workers would store 50,000 reasons (4 MB) in one record."""
 
 
 def considered(
@@ -21,23 +28,33 @@ def considered(
     excluded: Collection[str],
     lacking: Collection[str],
     now: float,
-) -> tuple[tuple[str, str], ...]:
+) -> tuple[tuple[tuple[str, str], ...], int]:
     """For every worker but ``chosen``, why it was not chosen, as the pool saw it just
-    after the choice. Read without the pool's lock: a snapshot for people, which a
+    after the choice: at most :data:`MAX_CONSIDERED` of them, those not yet tried by
+    the task first (the alternatives a reader wants to see), and how many more were
+    left unlisted. Read without the pool's lock: a snapshot for people, which a
     worker changing at that moment may make one step stale."""
-    why: list[tuple[str, str]] = []
+    untried: list[tuple[str, str]] = []
+    tried: list[tuple[str, str]] = []
     for worker in workers:
         if worker is chosen:
             continue
-        why.append((worker.id, _why_not(worker, chosen, excluded, lacking, now)))
-    return tuple(why)
+        if worker.id in excluded:
+            tried.append((worker.id, _TRIED))
+        else:
+            untried.append((worker.id, _why_not(worker, chosen, excluded, lacking, now)))
+    why = untried + tried
+    return tuple(why[:MAX_CONSIDERED]), max(0, len(why) - MAX_CONSIDERED)
+
+
+_TRIED: Final = "excluded: already tried by this task"
 
 
 def _why_not(
     worker: Worker, chosen: Worker, excluded: Collection[str], lacking: Collection[str], now: float
 ) -> str:
     if worker.id in excluded:
-        return "excluded: already tried by this task"
+        return _TRIED
     if worker.id in lacking:
         return "no model: does not hold the task's model"
     if not worker.enabled:

@@ -474,6 +474,14 @@ class Selector:
         """False when :meth:`select` would certainly return None, whatever the exclusions."""
         return bool(self._ready) or now >= self._due
 
+    def has_room(self, now: float) -> bool:
+        """Like :meth:`may_have_room`, but first looks again at the parked workers that
+        may have changed, so that it is False after an :meth:`invalidate` that found
+        every worker still full. Call under the pool's lock."""
+        if now >= self._due:
+            self._catch_up(now)
+        return bool(self._ready) or now >= self._due
+
     def select(self, excluded: Collection[str], now: float) -> Worker | None:
         """The best eligible worker not in ``excluded``, or None.
 

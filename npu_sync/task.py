@@ -189,6 +189,11 @@ def _needs(key: str, value: object) -> frozenset[str]:
     return frozenset(items)
 
 
+def current_scope() -> str | None:
+    """The class of the :func:`priority_scope` this context is in, if any."""
+    return _SCOPED.get() if _scopes_used else None
+
+
 def as_task(task: Task | Any) -> Task:
     """Accept a Task or a bare payload; one naming no class takes the scope's, if any."""
     if not _scopes_used:
@@ -202,7 +207,17 @@ def as_task(task: Task | Any) -> Task:
 
 
 def traced(task: Task, trace: Trace) -> Task:
-    """``task`` with ``trace`` to fill as it runs."""
+    """``task`` with ``trace`` to fill as it runs.
+
+    Raises:
+        InvalidTask: ``trace`` is another task's (a trace given to a second task
+            would mix the two tasks' steps).
+    """
     if trace.task_id is None:
         trace.task_id = task.task_id
+    elif trace.task_id != task.task_id:
+        raise InvalidTask(
+            f"trace: already the trace of task {trace.task_id!r}, not of task "
+            f"{task.task_id!r}: give each task a Trace() of its own"
+        )
     return dataclasses.replace(task, trace=trace)

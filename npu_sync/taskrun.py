@@ -592,8 +592,14 @@ class TaskRun:
         state = self.state
         now = self.clock.monotonic()
         lacking = excluded if excluded is not self.excluded else ()
-        why = considered(state.workers.values(), lease.worker, self.excluded, lacking, now)
-        self.trace.add(TraceStep("choice", now + self.wall, lease.worker.id, considered=why))
+        why, unlisted = considered(
+            state.workers.values(), lease.worker, self.excluded, lacking, now
+        )
+        self.trace.add(
+            TraceStep(
+                "choice", now + self.wall, lease.worker.id, considered=why, unlisted=unlisted
+            )
+        )
 
     def traced_attempt(
         self,

@@ -12,7 +12,7 @@ A module of the vocabulary layer: plain records, importing nothing from the pack
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 __all__ = ["Trace", "TraceStep"]
@@ -23,7 +23,8 @@ class TraceStep:
     """One step of a task's routing.
 
     ``kind`` is ``choice`` (a worker was chosen: ``worker_id``; ``considered`` says for
-    every other worker why it was not), ``attempt`` (an attempt ended: ``outcome``,
+    the other workers, at most 20 of them, why they were not; ``unlisted`` counts the
+    rest), ``attempt`` (an attempt ended: ``outcome``,
     ``status``, ``error``, ``duration``, ``charged``), ``hedge`` (a second attempt
     sent while the first went on) or ``note`` (admission's word: a refusal, the retry
     budget spent, why the task gave up).
@@ -39,6 +40,7 @@ class TraceStep:
     duration: float | None = None
     charged: str | None = None
     text: str | None = None
+    unlisted: int = 0  # workers of a choice not named in ``considered`` (a large fleet)
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {"kind": self.kind, "at": self.at}
@@ -48,11 +50,15 @@ class TraceStep:
                 data[name] = value
         if self.considered:
             data["considered"] = [{"worker_id": w, "why": why} for w, why in self.considered]
+        if self.unlisted:
+            data["unlisted"] = self.unlisted
         return data
 
     def __str__(self) -> str:
         if self.kind == "choice":
             others = "; ".join(f"{w}: {why}" for w, why in self.considered)
+            if self.unlisted:
+                others += f"; and {self.unlisted} more"
             return f"chose {self.worker_id}" + (f" (not {others})" if others else "")
         if self.kind == "attempt":
             took = f" in {self.duration * 1000:.0f} ms" if self.duration is not None else ""
@@ -65,12 +71,17 @@ class TraceStep:
         return self.text or ""
 
 
+_STEP_FIELDS: frozenset[str] = frozenset(f.name for f in fields(TraceStep))
+
+
 class Trace:
     """The routing of one task, in order. Thread-safe: a hedged task's two attempts
     add steps from two threads.
 
     Args:
-        task_id: set when the task starts, if not given.
+        task_id: set when the task starts, if not given; if given, the id of the task
+            it is given to. A trace is one task's: given to a second task, it is
+            refused (``InvalidTask``).
     """
 
     __slots__ = ("_lock", "steps", "task_id")
@@ -78,6 +89,17 @@ class Trace:
     def __init__(self, task_id: str | None = None) -> None:
         self.task_id = task_id
         self.steps: list[TraceStep] = []
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> tuple[str | None, list[TraceStep]]:
+        # The lock stays behind (a lock does not pickle): a TaskFailed carrying its
+        # trace crosses process boundaries.
+        with self._lock:
+            return self.task_id, list(self.steps)
+
+    def __setstate__(self, state: tuple[str | None, list[TraceStep]]) -> None:
+        self.task_id, steps = state
+        self.steps = list(steps)
         self._lock = threading.Lock()
 
     def add(self, step: TraceStep) -> None:
@@ -99,9 +121,10 @@ class Trace:
     def from_dict(cls, data: dict[str, Any]) -> Trace:
         trace = cls(data.get("task_id"))
         for raw in data.get("steps", ()):
-            fields = dict(raw)
-            considered = tuple((c["worker_id"], c["why"]) for c in fields.pop("considered", ()))
-            trace.steps.append(TraceStep(considered=considered, **fields))
+            # Keys this release does not know (a record a newer one wrote) are left out.
+            known = {k: v for k, v in raw.items() if k in _STEP_FIELDS}
+            considered = tuple((c["worker_id"], c["why"]) for c in known.pop("considered", ()))
+            trace.steps.append(TraceStep(considered=considered, **known))
         return trace
 
     def __str__(self) -> str:

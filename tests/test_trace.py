@@ -187,3 +187,72 @@ def test_a_sqlite_dead_letter_keeps_the_trace_even_in_a_file_made_before_it(tmp_
         store.close()
     assert got[letter.id].trace == trace.to_dict() and got[plain.id].trace is None
     assert Trace.from_dict(got[letter.id].trace).workers == ["a"]
+
+
+def test_a_trace_over_a_large_fleet_stays_bounded() -> None:
+    """300 workers all failing, 100 retries: each choice lists at most MAX_CONSIDERED
+    workers (the untried first) and counts the rest, so the dead letter stays small
+    instead of growing with workers x retries (4 MB at 500 workers)."""
+    from npu_sync.config import TimeoutConfig
+    from npu_sync.routing import MAX_CONSIDERED
+
+    net = FakeNetwork(default=lambda req: json_response(503, {"detail": "down"}))
+    ids = [f"w{i:03d}" for i in range(300)]
+    cfg = PoolConfig(
+        workers=tuple(worker_config(w, f"http://127.0.0.1:{9000 + n}") for n, w in enumerate(ids)),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=100, backoff_initial=0.0, backoff_max=0.0),
+        timeouts=TimeoutConfig(task=300.0),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock()) as pool:
+        with pytest.raises(TaskFailed) as caught:
+            pool.execute({"x": 1})
+        letter = pool.dead_letters.get(caught.value.dead_letter_id)  # type: ignore[arg-type]
+    trace = caught.value.trace
+    assert trace is not None and len(trace.workers) == 101
+    choices = [s for s in trace.steps if s.kind == "choice"]
+    later = choices[1:]  # the first began the trace at the first failure: names nobody
+    assert later and all(len(c.considered) == MAX_CONSIDERED for c in later)
+    assert all(c.unlisted == 300 - 1 - MAX_CONSIDERED for c in later)
+    # The untried come first: a reader sees the alternatives, not the workers tried.
+    last = later[-1]
+    assert all("excluded" not in why for _, why in last.considered)
+    assert f"and {last.unlisted} more" in str(last)
+    assert len(json.dumps(letter.to_dict())) < 400_000
+    assert Trace.from_dict(letter.trace).to_dict() == trace.to_dict()  # type: ignore[arg-type]
+
+
+def test_a_trace_written_by_a_newer_release_still_reads() -> None:
+    """Dead letters outlive a release (a shared Redis store during a rolling deploy): a
+    step with a key this release does not know is read without it, not a TypeError."""
+    data = {
+        "task_id": "t-1",
+        "steps": [
+            {"kind": "attempt", "at": 1.0, "worker_id": "a", "charged": "a", "cost_ms": 4},
+            {"kind": "choice", "at": 2.0, "worker_id": "b", "unlisted": 3, "considered": []},
+        ],
+    }
+    trace = Trace.from_dict(data)
+    assert trace.workers == ["a"] and trace.steps[1].unlisted == 3
+    assert "cost_ms" not in json.dumps(trace.to_dict())
+
+
+def test_one_trace_for_two_tasks_is_refused_naming_both() -> None:
+    """A Trace already filled by one task, given to another: InvalidTask naming the key
+    and both task ids, before anything is sent; the first task's steps stay its own."""
+    from npu_sync import InvalidTask, Task
+
+    net = FakeNetwork()
+    net.route("a", ok)
+    trace = Trace()
+    with make_pool(net, "a") as pool:
+        pool.execute(Task({"x": 1}, task_id="first"), trace=trace)
+        steps = list(trace.steps)
+        with pytest.raises(InvalidTask, match=r"trace: .*'first'.*'second'"):
+            pool.execute(Task({"x": 2}, task_id="second"), trace=trace)
+        with pytest.raises(InvalidTask, match=r"trace: .*'first'"):
+            pool.submit({"x": 3}, trace=trace)
+        again = Trace("third")
+        assert pool.execute(Task({"x": 4}, task_id="third"), trace=again) == {"ok": True}
+    assert trace.steps == steps and trace.task_id == "first"
+    assert len([r for r in net.requests() if r.path != "/health"]) == 2
