@@ -14,6 +14,12 @@ A sized task is ranked by the per-unit estimates, an unsized one by the per-task
 estimates. (The size multiplies every candidate's per-unit estimate alike, so it
 does not change which worker is fastest for a task; it keeps the learning fair.)
 
+Only where models mix. While every worker has answered tasks of one model only, its
+own estimate is the same information, and it carries what this store does not (a
+paused worker's peak relaxed after ``balancing.peak_hold``): unsized tasks are then
+left to the usual choice, and the store only learns. It steps in for a model once
+some worker has answered two models, or for sized tasks.
+
 Bounded: at most ``max_models`` models per worker (the least recently used is
 forgotten), and workers that leave the pool are dropped with :meth:`forget`.
 """
@@ -118,8 +124,11 @@ class ModelCosts:
                     task_costs.append(found.per_task.value(now))
                 if found.per_unit is not None:
                     unit_costs.append(found.per_unit.value(now))
+        # One model everywhere: the workers' own estimates say the same (see above).
+        mixed = any(len(models) > 1 for models in self._by_worker.values())
         uneven = (
-            len(task_costs) >= 2
+            mixed
+            and len(task_costs) >= 2
             and max(task_costs) >= UNEVEN * min(task_costs)
             and max(task_costs) - min(task_costs) >= UNEVEN_GAP
         ) or (len(unit_costs) >= 2 and max(unit_costs) >= UNEVEN * min(unit_costs))

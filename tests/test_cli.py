@@ -575,11 +575,11 @@ def _plant_other_host(namespace: str, server: Any, base_of: Any) -> None:
 
     redis = fakeredis.FakeRedis(server=server)
     mine = monitor_of(base_of).process["id"]
-    snap = json_.loads(redis.get(f"{namespace}:fleet:process:{mine}"))
+    snap = json_.loads(redis.get(f"{{{namespace}}}:fleet:process:{mine}"))
     snap["process"] = {**snap["process"], "id": "far:77:aa", "pid": 77, "host": "far"}
-    redis.set(f"{namespace}:fleet:process:far:77:aa", json_.dumps(snap), ex=600)
+    redis.set(f"{{{namespace}}}:fleet:process:far:77:aa", json_.dumps(snap), ex=600)
     now = time.time()
-    redis.zadd(f"{namespace}:fleet:index", {"far:77:aa": now, "gone:8:bb": now - 20})
+    redis.zadd(f"{{{namespace}}}:fleet:index", {"far:77:aa": now, "gone:8:bb": now - 20})
 
 
 def test_status_of_many_hosts_shows_a_row_per_host_and_processes_on_demand(

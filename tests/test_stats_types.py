@@ -306,7 +306,7 @@ def test_a_fleet_view_returns_exactly_the_typed_shape(monkeypatch):
         monitor_of(one).tick()
         monitor_of(two).tick()
         # A process listed in the index whose snapshot has expired: a silent one.
-        redis.Redis.from_url("").zadd("fleet-types:fleet:index", {"gone:123:ab": time.time()})
+        redis.Redis.from_url("").zadd("{fleet-types}:fleet:index", {"gone:123:ab": time.time()})
         fleet = one.stats(scope="fleet")
     json.dumps(fleet)  # JSON-serialisable
     assert [s["host"] for s in fleet["silent"]] == ["gone"]
