@@ -291,6 +291,13 @@ class ReplicatedWriter:
         or ``RECHECK`` seconds passed (a replica may have joined)."""
         return self._stale or time.monotonic() - self._checked_at >= RECHECK
 
+    @property
+    def known(self) -> bool:
+        """Whether a check has said what a write needs since the last doubt (never
+        run, or a write no replica confirmed). The ``RECHECK`` refresh leaves it known:
+        that one is the sync thread's, never a task's."""
+        return not self._stale
+
     def _node(self) -> Any:
         if isinstance(self._client, ClusterClient):
             return self._client.node_client(self._key)

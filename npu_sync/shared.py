@@ -597,6 +597,13 @@ class SharedState:
                         # Reads and pub/sub would go on with the old primary unnoticed.
                         self.lost(None, "the sentinels name another primary (a failover)")
                         continue
+                    if self.replication.stale:
+                        # Here, not on a task's write: a replica joined or left, or a
+                        # write no replica confirmed.
+                        problem = self._check_replication()
+                        if problem is not None:
+                            self.lost(None, problem)
+                            continue
                     self._sync()
                     self._flush_stores()
                     next_sync = time.monotonic() + self.config.sync_interval
@@ -986,8 +993,10 @@ class RedisDeadLetterStore:
             RedisError: Redis failed.
         """
         replication = self._shared.replication
-        if replication.stale and not replication.check():
-            raise RedisError("the server is no longer the primary (a failover)")
+        if not replication.known:
+            # Checking takes a round trip or two (INFO, the sentinels) a task out of time
+            # cannot spare: the record waits in the spool for the sync thread's check.
+            raise NotReplicated("whether a replica must confirm it is not known yet")
         body = json.dumps(record.to_dict())
         count = replication.write(self._records, self._order, record.id, body, record.created_at)
         excess = int(count) - self._max

@@ -207,6 +207,7 @@ def test_a_process_that_only_reads_notices_a_failover_at_its_next_sync():
     # fakeredis's connections have no address the sentinels could name: start as if the
     # check at start had passed.
     shared.available, shared.outages = True, 0
+    shared.replication._stale, shared.replication._checked_at = False, time.monotonic()
     shared.set_workers(["w1"])
     shared.start()
     try:
@@ -220,3 +221,29 @@ def test_a_process_that_only_reads_notices_a_failover_at_its_next_sync():
         assert "another primary" in (shared.last_error or "")
     finally:
         shared.stop()
+
+
+def test_a_tasks_write_never_waits_for_the_replication_check(monkeypatch):
+    """Reading whether a replica must confirm a record takes a round trip or two (INFO,
+    the sentinels): a task out of time cannot spare them. Its write never checks; the
+    refresh is the sync thread's, and a record written while nothing is known waits in
+    the spool for it."""
+    server = fakeredis.FakeServer()
+    shared = state(server)
+    store = shared.dead_letter_store(10)
+    replication = shared.replication
+
+    def no_check() -> bool:
+        raise AssertionError("a task's write ran the replication check")
+
+    monkeypatch.setattr(replication, "check", no_check)
+    replication._checked_at -= 3600  # the periodic refresh is due: still not the task's
+    first = record(1)
+    store.add(first)
+    assert store.held_count() == 0 and store.get(first.id) is not None
+    replication._stale = True  # a write no replica confirmed: nothing known now
+    second = record(2)
+    store.add(second)
+    assert store.held_count() == 1  # safe in the spool, for the sync thread to move
+    store.close()
+    shared.stop()
