@@ -50,7 +50,7 @@ def child(spec: dict[str, Any]) -> None:
     config = parse_config(
         {
             "npu_workers": {
-                "workers": [{"id": "w0", "url": spec["url"], "max_concurrent": 512}],
+                "workers": [{"id": "w0", "url": spec["url"], "max_concurrent": spec["slots"]}],
                 "health": {"enabled": False},
                 # A worker process on a shared machine with 128 connections may leave
                 # one silent for a second: not what is measured here.
@@ -66,13 +66,18 @@ def child(spec: dict[str, Any]) -> None:
 
     samples: collections.Counter[str] = collections.Counter()
     errors: collections.Counter[str] = collections.Counter()
+    locks: collections.Counter[str] = collections.Counter()
+    if spec["locks"]:
+        _count_locks(locks)
     with WorkerPool(config) as pool:
+        call = _bare_call(spec["url"]) if spec["bare"] else (lambda: pool.execute(payload))
         for _ in range(spec["warm"]):
-            pool.execute(payload)
+            call()
+        locks.clear()
         if threads == 1:
             s0, c0 = switches(), time.thread_time()
             for _ in range(tasks):
-                pool.execute(payload)
+                call()
             cpu, sw = time.thread_time() - c0, switches() - s0
         else:
             claim = itertools.count()
@@ -85,7 +90,7 @@ def child(spec: dict[str, Any]) -> None:
                 start.wait()
                 while next(claim) < tasks:
                     try:
-                        pool.execute(payload)
+                        call()
                     except Exception as exc:  # counted: a run with failures is void
                         errors[type(exc).__name__ + ": " + str(exc)[:200]] += 1
 
@@ -129,13 +134,85 @@ def child(spec: dict[str, Any]) -> None:
                 "switches": sw / tasks,
                 "profile": samples.most_common(25),
                 "errors": errors.most_common(5),
+                "locks": {k: v / tasks for k, v in locks.most_common(12)},
             }
         )
     )
 
 
-def run(tree: str, url: str, threads: int, profile: bool) -> dict[str, Any]:
-    spec = {"url": url, "threads": threads, "tasks": TASKS, "warm": WARM, "profile": profile}
+def _count_locks(counts: Any) -> None:
+    """Make every ``threading.Lock`` created from now on count its acquisitions
+    (``acquired``), those that found it taken (``blocked``), and where those were."""
+    import threading
+
+    allocate = threading.Lock
+
+    class CountingLock:
+        def __init__(self) -> None:
+            self._lock = allocate()
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            counts["acquired"] += 1
+            if self._lock.acquire(False):
+                return True
+            if not blocking:
+                return False
+            counts["blocked"] += 1
+            frame = sys._getframe(1)
+            if frame.f_code.co_name == "__enter__" and frame.f_back is not None:
+                frame = frame.f_back
+            where = os.path.basename(frame.f_code.co_filename)
+            counts[f"blocked at {where}:{frame.f_lineno} {frame.f_code.co_name}"] += 1
+            return self._lock.acquire(True, timeout)
+
+        def release(self) -> None:
+            self._lock.release()
+
+        def locked(self) -> bool:
+            return self._lock.locked()
+
+        def __enter__(self) -> bool:
+            return self.acquire()
+
+        def __exit__(self, *exc: object) -> None:
+            self._lock.release()
+
+    threading.Lock = CountingLock  # type: ignore[misc,assignment]
+
+
+def _bare_call(url: str) -> Any:
+    """The floor: the built-in transport alone, the same request, the answer decoded."""
+    from npu_sync.config import TLSConfig, worker_config
+    from npu_sync.transport import BuiltinTransport
+
+    transport = BuiltinTransport(
+        worker_config("w0", url), tls=TLSConfig(), max_response_bytes=1 << 24, maxsize=512
+    )
+    headers = {"Content-Type": "application/json", "X-NPU-Task-Id": "0" * 32}
+    body = json.dumps({"model_id": "default", "input_text": "hello"}).encode()
+
+    def call() -> Any:
+        response = transport.request(
+            "POST", "/inference", body=body, headers=headers, timeout=30.0, connect_timeout=2.0
+        )
+        return json.loads(response.body)
+
+    return call
+
+
+def run(
+    tree: str, url: str, threads: int, profile: bool, slots: int, bare: bool, locks: bool
+) -> dict[str, Any]:
+    spec = {
+        "url": url,
+        "threads": threads,
+        "tasks": TASKS,
+        "warm": WARM,
+        "profile": profile,
+        "slots": slots,
+        "bare": bare,
+        "locks": locks,
+    }
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
@@ -157,6 +234,13 @@ def main() -> None:
     parser.add_argument("--threads", default="1,8,128")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--bare", action="store_true", help="the built-in transport alone, no pool (the floor)"
+    )
+    parser.add_argument(
+        "--locks", action="store_true", help="count lock acquisitions per task, and blocked ones"
+    )
+    parser.add_argument("--slots", type=int, default=512, help="the worker's max_concurrent")
     parser.add_argument("--child")
     args = parser.parse_args()
     if args.child:
@@ -168,7 +252,9 @@ def main() -> None:
         for _ in range(args.rounds):
             for n in counts:
                 for tree in args.trees:
-                    figures.setdefault((tree, n), []).append(run(tree, worker.url, n, args.profile))
+                    figures.setdefault((tree, n), []).append(
+                        run(tree, worker.url, n, args.profile, args.slots, args.bare, args.locks)
+                    )
     base = args.trees[0]
     print("tree | callers | CPU µs/task median (range) | vs first | switches/task median (range)")
     for n in counts:
@@ -184,6 +270,15 @@ def main() -> None:
                 f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
                 f"{statistics.median(sw):.1f} ({min(sw):.1f}-{max(sw):.1f})"
             )
+    if args.locks:
+        for tree in args.trees:
+            for n in counts:
+                rounds = figures[(tree, n)]
+                keys = sorted({k for r in rounds for k in r["locks"]})
+                print(f"\n{tree}, {n} callers: lock acquisitions per task (per round)")
+                for key in keys:
+                    values = ", ".join(f"{r['locks'].get(key, 0):.3f}" for r in rounds)
+                    print(f"  {key}: {values}")
     if args.profile:
         for tree in args.trees:
             for n in counts:
