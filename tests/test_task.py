@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 import uuid
 
 import pytest
@@ -83,3 +85,44 @@ def test_every_exception_derives_from_the_root():
     errors = [e for e in exported if isinstance(e, type) and issubclass(e, BaseException)]
     assert len(errors) == 8
     assert all(issubclass(e, NpuSyncError) for e in errors)
+
+
+def test_task_ids_are_distinct_across_threads():
+    """Ids drawn from many threads at once, across batch refills, never repeat."""
+    drawn: list[list[str]] = [[] for _ in range(8)]
+    start = threading.Barrier(8)
+
+    def draw(out: list[str]) -> None:
+        start.wait()
+        for _ in range(1500):
+            out.append(new_task_id())
+
+    threads = [threading.Thread(target=draw, args=(out,)) for out in drawn]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ids = [value for out in drawn for value in out]
+    assert len(set(ids)) == len(ids) == 8 * 1500
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_a_forked_child_never_repeats_its_parents_task_ids():
+    """A child forked while its parent holds unused random bits draws ids of its own."""
+    new_task_id()  # the parent now holds a batch of bits not yet used
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read)
+            os.write(write, "".join(new_task_id() for _ in range(50)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        text = pipe.read().decode()
+    os.waitpid(pid, 0)
+    child = {text[i : i + 32] for i in range(0, len(text), 32)}
+    parent = {new_task_id() for _ in range(600)}
+    assert len(child) == 50
+    assert not child & parent
