@@ -4,7 +4,6 @@ attempt, the routing trace as events, and the ``traceparent`` each worker receiv
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,39 +11,19 @@ import pytest
 pytest.importorskip("opentelemetry.sdk")
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
 from npu_sync import ConfigError, Task, TaskFailed, WorkerPool
 from npu_sync.config import parse_config
 from npu_sync.otel import ATTEMPT_SPAN, TASK_SPAN
 from npu_sync.trace import Trace
+from tests.otelkit import by_name, spans
+
+__all__ = ["spans"]  # the fixture
 
 TOKEN = "tok-otel-never-shown-4f1c9a"
 PAYLOAD_TEXT = "payload-text-never-shown-77e2"
-
-_EXPORTER = InMemorySpanExporter()
-
-
-def _provider() -> TracerProvider:
-    """The process's SDK tracer provider (set once per process), exporting to memory."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    return provider
-
-
-_provider().add_span_processor(SimpleSpanProcessor(_EXPORTER))
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    _EXPORTER.clear()
-    yield _EXPORTER
-    _EXPORTER.clear()
 
 
 def pool_for(*workers: tuple[str, str, int], tracing: bool = True, **sections: Any) -> WorkerPool:
@@ -70,10 +49,6 @@ def pool_for(*workers: tuple[str, str, int], tracing: bool = True, **sections: A
     return WorkerPool(config)
 
 
-def by_name(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
-    return [s for s in exporter.get_finished_spans() if s.name == name]
-
-
 def ids(span: ReadableSpan) -> tuple[str, str]:
     """The span's trace id and span id as a traceparent writes them."""
     ctx = span.get_span_context()
@@ -88,7 +63,7 @@ def parent_seen(seen: dict[str, str]) -> tuple[str, str]:
     return trace_id, parent_id
 
 
-def no_secret_anywhere(exporter: InMemorySpanExporter) -> None:
+def no_secret_anywhere(exporter: Any) -> None:
     for span in exporter.get_finished_spans():
         texts = [repr(dict(span.attributes or {})), span.status.description or ""]
         texts += [repr(dict(e.attributes or {})) for e in span.events]
