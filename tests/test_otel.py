@@ -162,3 +162,24 @@ def test_the_tracing_key_is_read_and_checked() -> None:
     """tracing.opentelemetry defaults to off and accepts only true or false."""
     assert TracingConfig().opentelemetry is False
     assert dataclasses.replace(TracingConfig(), opentelemetry=True).opentelemetry
+
+
+def test_concurrent_tasks_never_mix_their_spans(spans) -> None:
+    """Tasks run from many threads at once (map on the pool's threads): each attempt span
+    is the child of its own task's span, and each request carries its own task's trace."""
+    net = FakeNetwork()
+    net.route("a", ok)
+    with make_pool(net, "a") as pool:
+        assert list(pool.map([{"n": n} for n in range(64)])) == [{"ok": True}] * 64
+    tasks = {s.attributes["npu_sync.task.id"]: s for s in by_name(spans, TASK_SPAN)}
+    attempts = by_name(spans, ATTEMPT_SPAN)
+    assert len(tasks) == len(attempts) == 64
+    for attempt in attempts:
+        task_span = tasks[attempt.attributes["npu_sync.task.id"]]
+        assert attempt.parent is not None
+        assert attempt.parent.span_id == task_span.context.span_id
+    for request in net.requests():
+        task_span = tasks[request.headers["X-NPU-Task-Id"]]
+        _, trace_id, _, _ = request.headers["traceparent"].split("-")
+        assert trace_id == f"{task_span.context.trace_id:032x}"
+    assert len({s.context.trace_id for s in tasks.values()}) == 64  # no caller span: roots
