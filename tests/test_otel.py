@@ -183,3 +183,27 @@ def test_concurrent_tasks_never_mix_their_spans(spans) -> None:
         _, trace_id, _, _ = request.headers["traceparent"].split("-")
         assert trace_id == f"{task_span.context.trace_id:032x}"
     assert len({s.context.trace_id for s in tasks.values()}) == 64  # no caller span: roots
+
+
+def test_an_awaited_task_on_the_async_pool_is_a_child_of_the_coroutines_span(spans) -> None:
+    """AsyncWorkerPool runs the task on a thread of its own: the task span is still the
+    child of the span current in the awaiting coroutine."""
+    import asyncio
+
+    from opentelemetry import trace
+
+    from npu_sync.aio import AsyncWorkerPool
+
+    net = FakeNetwork()
+    net.route("a", ok)
+
+    async def main() -> int:
+        async with AsyncWorkerPool(make_pool(net, "a"), close_pool=True) as apool:
+            with trace.get_tracer("test").start_as_current_span("handler") as handler:
+                assert await apool.execute({"x": 1}) == {"ok": True}
+            span_id: int = handler.get_span_context().span_id
+            return span_id
+
+    handler_span_id = asyncio.run(main())
+    (task_span,) = by_name(spans, TASK_SPAN)
+    assert task_span.parent is not None and task_span.parent.span_id == handler_span_id
