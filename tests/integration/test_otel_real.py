@@ -235,3 +235,25 @@ def test_tracing_on_without_the_package_is_a_config_error_naming_the_key(monkeyp
     config = parse_config({"npu_workers": {"workers": [], "tracing": {"opentelemetry": True}}})
     with pytest.raises(ConfigError, match=r"npu_workers\.tracing\.opentelemetry: true needs"):
         WorkerPool(config)
+
+
+def test_a_hanging_worker_cut_short_by_the_deadline_is_charged_to_nobody(start_worker, spans):
+    """A worker that reads the request and never answers: the task's deadline cuts the
+    attempt short; its span ends abandoned and charged to nobody, the worker having
+    received its traceparent, and the task span ends failed with its dead letter."""
+    stuck = start_worker(worker_id="stuck", bearer_token=TOKEN)
+    stuck.control(hang=True)
+    with (
+        pool_for(("stuck", stuck.url, 1)) as pool,
+        pytest.raises(TaskFailed) as failed,
+    ):
+        pool.execute({"model_id": "default", "input_text": PAYLOAD_TEXT}, timeout=0.5)
+    (task_span,) = by_name(spans, TASK_SPAN)
+    (attempt,) = by_name(spans, ATTEMPT_SPAN)
+    assert attempt.attributes["npu_sync.outcome"] == "abandoned"
+    assert attempt.attributes["npu_sync.charged"].startswith("nobody")
+    assert task_span.attributes["npu_sync.dead_letter.id"] == failed.value.dead_letter_id
+    assert task_span.status.status_code is StatusCode.ERROR
+    (seen,) = stuck.stats()["traceparents"]
+    assert parent_seen(seen) == ids(attempt)
+    no_secret_anywhere(spans)
