@@ -388,8 +388,21 @@ class Runner:
         deadline = self.deadline(task, None)
         with self.state.lock:
             self.state.stats.submitted += 1
+        observer = self.state.observer
+        if observer is None:
+            return self._replayed(task, body, deadline, None)
+        watch = observer(task)  # a replay is traced as any task
         try:
-            return TaskRun(self, task, body, deadline).run()
+            result = self._replayed(task, body, deadline, watch)
+        except BaseException as exc:
+            watch.end(exc)
+            raise
+        watch.end(None)
+        return result
+
+    def _replayed(self, task: Task, body: bytes, deadline: float, watch: TaskWatch | None) -> Any:
+        try:
+            return TaskRun(self, task, body, deadline, watch=watch).run()
         except _Exhausted as exhausted:
             raise TaskFailed(
                 f"task {task.task_id} failed again: {exhausted.reason}",

@@ -207,3 +207,25 @@ def test_an_awaited_task_on_the_async_pool_is_a_child_of_the_coroutines_span(spa
     handler_span_id = asyncio.run(main())
     (task_span,) = by_name(spans, TASK_SPAN)
     assert task_span.parent is not None and task_span.parent.span_id == handler_span_id
+
+
+def test_a_replayed_dead_letter_is_traced_as_a_task_of_its_own(spans) -> None:
+    """A failed task is dead-lettered; replayed once its worker answers, the replay is a
+    second task span, with the same task id, ending in success."""
+    from npu_sync import Task, TaskFailed
+
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(503, {"detail": "busy"}))
+    with make_pool(net, "a") as pool:
+        with pytest.raises(TaskFailed) as failed:
+            pool.execute(Task({"x": 1}, task_id="again"))
+        net.route("a", ok)
+        assert pool.dead_letters.replay().succeeded == (failed.value.dead_letter_id,)
+    first, replayed = sorted(by_name(spans, TASK_SPAN), key=lambda s: s.start_time or 0)
+    assert first.attributes["npu_sync.outcome"] == "failed"
+    assert replayed.attributes["npu_sync.task.id"] == "again"
+    assert replayed.attributes["npu_sync.outcome"] == "success"
+    replay_attempts = [
+        s for s in by_name(spans, ATTEMPT_SPAN) if s.parent.span_id == replayed.context.span_id
+    ]
+    assert [s.attributes["npu_sync.outcome"] for s in replay_attempts] == ["success"]
