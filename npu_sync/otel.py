@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -93,7 +94,8 @@ class TaskSpans:
     ) -> None:
         self._tracer = tracer
         self._lock = threading.Lock()
-        self._open: list[tuple[str, otel_trace.Span]] = []  # attempts not yet ended
+        # Attempts not yet ended: worker id, span, start (ns since the epoch).
+        self._open: list[tuple[str, otel_trace.Span, int]] = []
         self._trace = _SpanTrace(self, task.trace, task.task_id)
         self._attempts = 0
         self._answered_by: str | None = None
@@ -128,11 +130,16 @@ class TaskSpans:
             }
             if self._model is not None:
                 attributes["npu_sync.model"] = self._model
+            start = time.time_ns()
             span = self._tracer.start_span(
-                ATTEMPT_SPAN, context=self._context, kind=SpanKind.CLIENT, attributes=attributes
+                ATTEMPT_SPAN,
+                context=self._context,
+                kind=SpanKind.CLIENT,
+                attributes=attributes,
+                start_time=start,
             )
             with self._lock:
-                self._open.append((worker_id, span))
+                self._open.append((worker_id, span, start))
                 self._attempts += 1
             propagate.inject(carrier, context=otel_trace.set_span_in_context(span))
         except Exception:
@@ -152,9 +159,10 @@ class TaskSpans:
     def _end_attempt(self, step: TraceStep) -> None:
         with self._lock:
             span = None
-            for i, (worker_id, _) in enumerate(self._open):
+            start = 0
+            for i, (worker_id, _, _) in enumerate(self._open):
                 if worker_id == step.worker_id:
-                    span = self._open.pop(i)[1]
+                    _, span, start = self._open.pop(i)
                     break
             if step.outcome == "success":
                 self._answered_by = step.worker_id
@@ -168,7 +176,12 @@ class TaskSpans:
             span.set_attribute("http.response.status_code", step.status)
         if step.outcome != "success":
             span.set_status(Status(StatusCode.ERROR, _cut(step.error or step.outcome or "")))
-        span.end()
+        # Ended when the attempt did, not when its step was added (a hedge's failed
+        # side is noted once the other side ends).
+        end = time.time_ns()
+        if step.duration is not None and step.duration >= 0:
+            end = min(end, start + int(step.duration * 1e9))
+        span.end(end_time=end)
 
     def end(self, error: BaseException | None) -> None:
         """The task is over: attempts still open (a hedge cancelled by the other's
@@ -183,7 +196,7 @@ class TaskSpans:
             left, self._open = self._open, []
             attempts = self._attempts
             answered_by = self._answered_by
-        for _, span in left:
+        for _, span, _ in left:
             span.set_attribute("npu_sync.outcome", "abandoned")
             span.set_attribute("npu_sync.charged", "nobody")
             span.end()

@@ -128,6 +128,9 @@ def test_a_task_retried_after_a_503_is_one_span_with_two_attempt_spans(start_wor
         "npu_sync.attempt",
     ]
     assert task_span.events[1].attributes["charged"] == "busy"
+    # An attempt span lasts what the attempt did, as its step says.
+    took = task_span.events[1].attributes["duration"]
+    assert (first.end_time - first.start_time) / 1e9 == pytest.approx(took, abs=1e-3)
     considered = task_span.events[2].attributes["considered"]
     assert "busy: excluded: already tried by this task" in considered
     no_secret_anywhere(spans)
