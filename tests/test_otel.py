@@ -229,3 +229,21 @@ def test_a_replayed_dead_letter_is_traced_as_a_task_of_its_own(spans) -> None:
         s for s in by_name(spans, ATTEMPT_SPAN) if s.parent.span_id == replayed.context.span_id
     ]
     assert [s.attributes["npu_sync.outcome"] for s in replay_attempts] == ["success"]
+
+
+def test_a_traced_tasks_failure_pickles_with_a_plain_trace(spans) -> None:
+    """TaskFailed from a traced pool crosses processes: its trace unpickles as a plain
+    Trace with every step, needing nothing of OpenTelemetry."""
+    import pickle
+
+    from npu_sync import TaskFailed
+    from npu_sync.trace import Trace
+
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(503, {"detail": "busy"}))
+    with make_pool(net, "a") as pool, pytest.raises(TaskFailed) as failed:
+        pool.execute({"x": 1})
+    copy = pickle.loads(pickle.dumps(failed.value))
+    assert type(copy.trace) is Trace
+    assert copy.trace.to_dict() == failed.value.trace.to_dict()
+    assert copy.trace.workers == ["a"] * len(failed.value.attempts)
