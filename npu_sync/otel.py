@@ -112,7 +112,11 @@ class TaskSpans:
         if task.priority is not None:
             attributes["npu_sync.priority"] = task.priority
         # The caller's current span, if any, is the parent (the current context).
-        self.span = tracer.start_span(TASK_SPAN, kind=SpanKind.INTERNAL, attributes=attributes)
+        try:
+            self.span = tracer.start_span(TASK_SPAN, kind=SpanKind.INTERNAL, attributes=attributes)
+        except Exception:  # the tracing's failure is not the task's
+            log.warning("could not start the span of task %s", task.task_id, exc_info=True)
+            self.span = otel_trace.INVALID_SPAN
         self._context = otel_trace.set_span_in_context(self.span)
 
     @property

@@ -247,3 +247,22 @@ def test_a_traced_tasks_failure_pickles_with_a_plain_trace(spans) -> None:
     assert type(copy.trace) is Trace
     assert copy.trace.to_dict() == failed.value.trace.to_dict()
     assert copy.trace.workers == ["a"] * len(failed.value.attempts)
+
+
+def test_a_tracer_that_fails_to_start_a_span_never_breaks_the_task(spans) -> None:
+    """The tracer raises on every span: the task is still answered, with no trace
+    context sent."""
+    net = FakeNetwork()
+    net.route("a", ok)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("tracer broke")
+
+    with make_pool(net, "a") as pool:
+        observer = pool._state.observer
+        assert observer is not None
+        observer._tracer = type("Broken", (), {"start_span": staticmethod(broken)})()  # type: ignore[attr-defined]
+        assert pool.execute({"x": 1}) == {"ok": True}
+    (request,) = net.requests()
+    assert "traceparent" not in request.headers
+    assert spans.get_finished_spans() == ()
