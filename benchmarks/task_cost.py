@@ -6,7 +6,10 @@ Each round runs, in a fresh interpreter per tree (alternating which goes first),
 one-worker pool on a transport that answers at once (what is left is the pool's own
 work) and reports the best of 5 runs of 20,000 tasks. Printed: each tree's median over
 the rounds and the ratio new/old. Then, in the new tree only, calls interleaved in one
-process: ``execute`` plain, with ``trace=Trace()``, and a task naming a class.
+process: ``execute`` plain, with ``trace=Trace()``, a task naming a class, and a pool
+with ``tracing.opentelemetry`` on, first with no tracer provider set (the API's no-op
+spans), then, in another process, with the SDK's provider (spans recorded, exported
+nowhere).
 """
 
 from __future__ import annotations
@@ -42,10 +45,21 @@ _CHILD = textwrap.dedent(
     extra = sys.argv[2] if len(sys.argv) > 2 else ""
     with WorkerPool(config, transport_factory=lambda *a, **k: Instant()) as pool:
         calls = {"plain": lambda: pool.execute(payload)}
-        if extra:
+        if extra == "extra":
             from npu_sync.trace import Trace
             calls["trace=Trace()"] = lambda: pool.execute(payload, trace=Trace())
             calls["priority='batch'"] = lambda: pool.execute(Task(payload, priority="batch"))
+        if extra in ("extra", "sdk"):
+            import dataclasses
+            from npu_sync.config import TracingConfig
+            if extra == "sdk":
+                from opentelemetry import trace as otel_trace
+                from opentelemetry.sdk.trace import TracerProvider
+                otel_trace.set_tracer_provider(TracerProvider())
+            traced = dataclasses.replace(config, tracing=TracingConfig(opentelemetry=True))
+            otel_pool = WorkerPool(traced, transport_factory=lambda *a, **k: Instant())
+            name = "tracing.opentelemetry, " + ("SDK" if extra == "sdk" else "no SDK")
+            calls[name] = lambda: otel_pool.execute(payload)
         best = {}
         for name, call in calls.items():
             for _ in range(2000):
@@ -59,6 +73,8 @@ _CHILD = textwrap.dedent(
                 for _ in range(20000):
                     call()
                 best[name].append((time.perf_counter() - t0) / 20000 * 1e6)
+    if extra in ("extra", "sdk"):
+        otel_pool.close()
     print(json.dumps({name: min(v) for name, v in best.items()}))
     """
 )
@@ -86,13 +102,20 @@ def main(argv: list[str]) -> int:
     print(f"pool.execute, instant transport: old {o:.1f} µs, new {n:.1f} µs, new/old {n / o:.3f}")
     print("  old rounds: " + " ".join(f"{v:.1f}" for v in olds))
     print("  new rounds: " + " ".join(f"{v:.1f}" for v in news))
-    inside = [_run(new, "extra") for _ in range(3)]
+    for mode in ("extra", "sdk"):
+        _inside(new, mode)
+    return 0
+
+
+def _inside(new: str, mode: str) -> None:
+    inside = [_run(new, mode) for _ in range(3)]
     for name in inside[0]:
+        if mode == "sdk" and name == "plain":
+            continue
         values = [r[name] for r in inside]
         base = [r["plain"] for r in inside]
         ratio = statistics.median(v / b for v, b in zip(values, base, strict=True))
         print(f"new tree, {name}: {statistics.median(values):.1f} µs ({ratio:.3f}x plain)")
-    return 0
 
 
 if __name__ == "__main__":

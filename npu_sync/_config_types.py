@@ -1199,6 +1199,23 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """Whether tasks are traced with OpenTelemetry (see docs/tracing.md). Immutable, so
+    thread-safe."""
+
+    opentelemetry: bool = boolean(
+        False,
+        "a span per task and per attempt, the routing trace as span events, and the W3C "
+        "`traceparent` header sent to the worker on each attempt; needs `opentelemetry-api` "
+        "(the `otel` extra)",
+        hot=False,
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "tracing")
+
+
+@dataclass(frozen=True, slots=True)
 class ClassConfig:
     """One priority class: its name, and the share of the pool's capacity kept for it
     (and the classes above it). Immutable, so thread-safe."""
@@ -1303,6 +1320,7 @@ class PoolConfig:
     fleet: FleetConfig = section(FleetConfig, "history and the fleet view")
     admission: AdmissionConfig = section(AdmissionConfig, "who may wait for a worker")
     priority: PriorityConfig = section(PriorityConfig, "priority classes")
+    tracing: TracingConfig = section(TracingConfig, "OpenTelemetry tracing")
     source: str | None = None
     # The top-level key the file used (npu_workers or npu; "" for the admin-UI layout,
     # which has none), for key paths in messages: see key_path().

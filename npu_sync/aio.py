@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -55,6 +56,7 @@ class _Call:
     """
 
     __slots__ = (
+        "context",
         "deadline",
         "fallback",
         "future",
@@ -87,6 +89,9 @@ class _Call:
         self.waiter: asyncio.Future[Any] = loop.create_future()
         self.future: concurrent.futures.Future[Any] | None = None
         self.timer: asyncio.TimerHandle | None = None
+        # The awaiting coroutine's context variables (its current span), when the pool
+        # traces: the task runs in them on its thread.
+        self.context: contextvars.Context | None = None
 
     def deliver(self, source: concurrent.futures.Future[Any]) -> None:
         """Hand ``source``'s end to the awaiting coroutine, from any thread."""
@@ -377,6 +382,8 @@ class AsyncWorkerPool:
         """
         loop = asyncio.get_running_loop()
         call = _Call(task, timeout, fallback, loop, self._clock.monotonic())
+        if self._pool._state.observer is not None:
+            call.context = contextvars.copy_context()
         with self._lock:
             if self._closed:
                 raise PoolClosed("the pool is closed")
@@ -535,7 +542,11 @@ class AsyncWorkerPool:
                 return
             executor = self._executor_locked()
         try:
-            future = executor.submit(self._work, call)
+            if call.context is None:
+                future = executor.submit(self._work, call)
+            else:
+                run = functools.partial(call.context.run, self._work)  # type: ignore[call-arg]
+                future = executor.submit(run, call)
         except RuntimeError:  # closed between the check and here
             self._never_ran(call)
             call.fail(PoolClosed("the pool is closed"))

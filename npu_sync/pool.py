@@ -21,6 +21,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import contextlib
+import contextvars
+import functools
 import logging
 import os
 import random
@@ -43,7 +45,7 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.deadletter import DeadLetterStore, open_store
-from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed
+from npu_sync.errors import ConfigError, InvalidTask, NpuSyncError, PoolClosed, install_hint
 from npu_sync.events import (
     Hook,
     WorkerCredentialsRefused,
@@ -76,7 +78,7 @@ from npu_sync.stats_types import (
 from npu_sync.stop import TaskStop
 from npu_sync.task import Task, as_task, current_scope, priority_scope, traced
 from npu_sync.taskrun import Runner
-from npu_sync.trace import Trace
+from npu_sync.trace import TaskWatch, Trace
 from npu_sync.transport import IdleReaper, make_transport, reap_interval
 from npu_sync.worker import Worker, render
 
@@ -125,6 +127,7 @@ class WorkerPool:
         # Read first: a bad NPU_SYNC_RELOAD_* value fails before anything is started.
         guard = reload_guard if reload_guard is not None else ReloadGuard.from_env(os.environ)
         check_descriptors(config)  # before any socket: EMFILE named now, not mid-task
+        tracing = _tracing(config) if config.tracing.opentelemetry else None
         # Idle connections of every worker: one cap over them all, swept for expiry.
         self._reaper = IdleReaper(
             config.transport.max_idle_connections,
@@ -142,6 +145,8 @@ class WorkerPool:
             # which close() must not wait on from there (the task waits for its hedge).
             hedge_thread_init=_weakly(self, WorkerPool._mark_own_thread, None),
         )
+        if tracing is not None:
+            state.observer = tracing(state.task_model)
         self._idle = threading.Condition(state.lock)
         self._active = 0
         self._released = False
@@ -305,7 +310,11 @@ class WorkerPool:
         deadline = self._runner.deadline(task, timeout)
         self._enter()
         try:
-            future = self._get_executor().submit(self._execute, task, body, deadline, fallback)
+            run: Callable[..., Any] = self._execute
+            if self._state.observer is not None:
+                # The caller's current span goes with the task: it is the task's parent.
+                run = functools.partial(contextvars.copy_context().run, self._execute)  # type: ignore[call-arg]
+            future = self._get_executor().submit(run, task, body, deadline, fallback)
         except RuntimeError:  # the executor shut down between _enter() and here
             self._leave()
             raise PoolClosed("the pool is closed") from None
@@ -1110,3 +1119,22 @@ def fallback_config(env: Mapping[str, str]) -> tuple[PoolConfig, str]:
         f"a single worker at {url} ({source})"
     )
     return config_for_url(url), reason
+
+
+def _tracing(
+    config: PoolConfig,
+) -> Callable[[Callable[[Any], str | None]], Callable[[Task], TaskWatch]]:
+    """What builds the pool's OpenTelemetry observer (``tracing.opentelemetry``): the
+    package is imported here, by a pool that asks for it, never by ``import npu_sync``.
+
+    Raises:
+        ConfigError: ``opentelemetry-api`` is not installed.
+    """
+    try:
+        from npu_sync.otel import TracingObserver
+    except ImportError as exc:
+        key = config.key_path("tracing.opentelemetry")
+        raise ConfigError(
+            f"{key}: true needs the opentelemetry-api package ({exc}); {install_hint('otel')}"
+        ) from None
+    return TracingObserver

@@ -42,6 +42,8 @@ from npu_sync.retry import RetryPolicy
 from npu_sync.selector import Selector
 from npu_sync.slowstart import SlowStart
 from npu_sync.stop import TaskStop
+from npu_sync.task import Task
+from npu_sync.trace import TaskWatch
 from npu_sync.transport import Transport
 from npu_sync.worker import Worker
 
@@ -153,6 +155,8 @@ class PoolState:
         self.workers: dict[str, Worker] = {}
         self.draining: dict[str, Worker] = {}  # removed, with tasks still in flight
         self.hooks: tuple[Hook, ...] = tuple(hooks)
+        # Follows every task from start to end when tracing is on (npu_sync.otel).
+        self.observer: Callable[[Task], TaskWatch] | None = None
         self.shared = shared
         self.closed = False
         # Breaker transitions happen under the lock; they are announced after it.

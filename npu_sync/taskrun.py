@@ -30,7 +30,7 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, NoReturn
 
@@ -74,7 +74,7 @@ from npu_sync.stall import Pace
 from npu_sync.state import Placement, PoolState
 from npu_sync.stop import Stopped, TaskStop
 from npu_sync.task import Task
-from npu_sync.trace import Trace, TraceStep
+from npu_sync.trace import TaskWatch, Trace, TraceStep
 from npu_sync.transport import Cancel, TransportError
 from npu_sync.worker import Worker
 
@@ -225,17 +225,21 @@ class Runner:
         deadline: float,
         fallback: Callable[[], Any] | None,
         stop: TaskStop | None = None,
+        watch: TaskWatch | None = None,
     ) -> Any:
         """The whole life of one task: its result, or ``TaskRejected``, or the fallback's
         result, or ``TaskFailed`` once its dead letter is stored; or ``Stopped`` when
         ``stop`` is stopped first (see :mod:`npu_sync.stop`): no fallback, no dead
-        letter, nobody charged."""
-        state = self.state
-        if state.hooks:
-            endpoint = task.endpoint or state.config.pool.default_endpoint
-            emit(state.hooks, TaskStarted(state.clock.time(), task.task_id, endpoint))
+        letter, nobody charged. With an observer (tracing), :meth:`watched` runs it."""
+        if watch is None:
+            state = self.state
+            if state.hooks:
+                endpoint = task.endpoint or state.config.pool.default_endpoint
+                emit(state.hooks, TaskStarted(state.clock.time(), task.task_id, endpoint))
+            if state.observer is not None:
+                return self.watched(state.observer(task), task, body, deadline, fallback, stop)
         try:
-            return TaskRun(self, task, body, deadline, stop).run()
+            return TaskRun(self, task, body, deadline, stop, watch).run()
         except _Exhausted as exhausted:
             if stop is not None and stop.cancelled:
                 raise Stopped(task.task_id) from None  # nobody is left to hear of it
@@ -248,6 +252,24 @@ class Runner:
             ):
                 raise
             return self.fall_back_model(task, rejected, fallback)
+
+    def watched(
+        self,
+        watch: TaskWatch,
+        task: Task,
+        body: bytes,
+        deadline: float,
+        fallback: Callable[[], Any] | None,
+        stop: TaskStop | None,
+    ) -> Any:
+        """:meth:`run`, the pool's observer told how the task ends (no lock held)."""
+        try:
+            result = self.run(task, body, deadline, fallback, stop, watch)
+        except BaseException as exc:
+            watch.end(exc)
+            raise
+        watch.end(None)
+        return result
 
     def fall_back_model(
         self, task: Task, rejected: TaskRejected, fallback: Callable[[], Any]
@@ -366,8 +388,21 @@ class Runner:
         deadline = self.deadline(task, None)
         with self.state.lock:
             self.state.stats.submitted += 1
+        observer = self.state.observer
+        if observer is None:
+            return self._replayed(task, body, deadline, None)
+        watch = observer(task)  # a replay is traced as any task
         try:
-            return TaskRun(self, task, body, deadline).run()
+            result = self._replayed(task, body, deadline, watch)
+        except BaseException as exc:
+            watch.end(exc)
+            raise
+        watch.end(None)
+        return result
+
+    def _replayed(self, task: Task, body: bytes, deadline: float, watch: TaskWatch | None) -> Any:
+        try:
+            return TaskRun(self, task, body, deadline, watch=watch).run()
         except _Exhausted as exhausted:
             raise TaskFailed(
                 f"task {task.task_id} failed again: {exhausted.reason}",
@@ -399,6 +434,7 @@ class TaskRun:
         "deadline",
         "deposit",
         "excluded",
+        "extra_headers",
         "failures",
         "headers",
         "hedge",
@@ -425,6 +461,7 @@ class TaskRun:
         body: bytes,
         deadline: float,
         stop: TaskStop | None = None,
+        watch: TaskWatch | None = None,
     ) -> None:
         state = runner.state
         self.stop = stop
@@ -467,6 +504,11 @@ class TaskRun:
             state.dispatcher.classes.rank(task.priority)  # an unknown class: InvalidTask
         # The routing trace: the caller's, else begun at the first failed attempt.
         self.trace: Trace | None = task.trace
+        # Headers an observer adds to each attempt (a tracing context), if any.
+        self.extra_headers: Callable[[str, int], Mapping[str, str]] | None = None
+        if watch is not None:
+            self.trace = watch.trace
+            self.extra_headers = watch.attempt_headers
 
     def run(self) -> Any:
         """Try the task on one worker after another until an attempt ends it.
@@ -1120,6 +1162,8 @@ class TaskRun:
         auth = worker.auth
         if auth is not None:
             headers = {**headers, **auth.headers("POST", worker.base_path + self.path)}
+        if self.extra_headers is not None:  # never over the pool's own or the auth's
+            headers = {**self.extra_headers(worker.id, int(headers["X-NPU-Attempt"])), **headers}
         transport = worker.transport
         timeout = read_timeout if read_timeout < remaining else remaining
         extra: dict[str, Any] = {}

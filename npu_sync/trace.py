@@ -12,10 +12,11 @@ A module of the vocabulary layer: plain records, importing nothing from the pack
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["Trace", "TraceStep"]
+__all__ = ["TaskWatch", "Trace", "TraceStep"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +135,28 @@ class Trace:
 
     def __repr__(self) -> str:
         return f"<Trace {self.task_id}: {len(self.steps)} steps>"
+
+
+class TaskWatch(Protocol):
+    """Someone following one task from its start to its end, e.g. a tracing system.
+
+    The pool asks its observer for one when a task starts (on the caller's thread) and
+    then: fills ``trace`` as the task runs, calls ``attempt_headers`` just before each
+    attempt is sent (on the caller's thread, or a hedge thread: must be thread-safe),
+    and ``end`` once the task is over, whatever its end.
+    """
+
+    @property
+    def trace(self) -> Trace:
+        """The routing trace the task fills (the caller's, or one of the watch's own)."""
+        ...
+
+    def attempt_headers(self, worker_id: str, attempt: int) -> Mapping[str, str]:
+        """Extra headers for one attempt on ``worker_id`` (1, 2, ...: ``X-NPU-Attempt``).
+        The pool's own and the worker's auth headers win over these."""
+        ...
+
+    def end(self, error: BaseException | None) -> None:
+        """The task is over: ``error`` is what the caller is raised, None for a result
+        (a worker's answer, or the fallback's)."""
+        ...

@@ -28,6 +28,7 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import hashlib
@@ -109,6 +110,8 @@ _EMBEDDING_DIM = 8
 _OPEN_PATHS = frozenset({"/_control", "/stats"})
 
 _SEEN_TASK_IDS_LIMIT = 1_000_000
+_TRACEPARENTS_LIMIT = 1_000
+"""Trace contexts of task requests remembered for ``/stats``, the latest first kept."""
 """Task ids remembered for duplicate detection; the oldest are forgotten first."""
 
 _FORCEABLE_STATUS = range(400, 600)
@@ -314,6 +317,10 @@ class _WorkerState:
         self._responses: dict[int, int] = {}
         self._seen: dict[str, None] = {}
         self._task_ids_seen = 0
+        # The trace contexts task requests came with, the latest _TRACEPARENTS_LIMIT.
+        self._traceparents: collections.deque[dict[str, str | None]] = collections.deque(
+            maxlen=_TRACEPARENTS_LIMIT
+        )
         self._duplicates = 0
         self._in_flight = 0
         self._max_in_flight = 0
@@ -512,9 +519,17 @@ class _WorkerState:
             self._cond.notify_all()
 
     @contextlib.contextmanager
-    def task(self, task_id: str | None) -> Iterator[None]:
-        """Count one task request as in flight, and its task id as seen."""
+    def task(
+        self, task_id: str | None, traceparent: str | None = None, attempt: str | None = None
+    ) -> Iterator[None]:
+        """Count one task request as in flight, and its task id as seen; remember the
+        trace context it came with (W3C ``traceparent``), if any, as a traced worker
+        would log it."""
         with self._cond:
+            if traceparent is not None:
+                self._traceparents.append(
+                    {"task_id": task_id, "attempt": attempt, "traceparent": traceparent}
+                )
             if task_id is not None:
                 if task_id in self._seen:
                     self._duplicates += 1
@@ -540,6 +555,7 @@ class _WorkerState:
             "responses": {str(code): n for code, n in sorted(self._responses.items())},
             "connections": self._connections,
             "task_ids_seen": self._task_ids_seen,
+            "traceparents": list(self._traceparents),
             "duplicates": self._duplicates,
             "in_flight": self._in_flight,
             "max_in_flight": self._max_in_flight,
@@ -821,9 +837,15 @@ class _Handler(BaseHTTPRequestHandler):
         self._send_json(forced.status_code, {"detail": "forced"}, headers=headers)
         return True
 
+    def _task(self, state: _WorkerState) -> contextlib.AbstractContextManager[None]:
+        headers = self.headers
+        return state.task(
+            headers.get("X-NPU-Task-Id"), headers.get("traceparent"), headers.get("X-NPU-Attempt")
+        )
+
     def _inference(self, body: bytes) -> None:
         state = self.server.state
-        with state.task(self.headers.get("X-NPU-Task-Id")):
+        with self._task(state):
             if not state.wait_while_hung():
                 self._drop()
                 return
@@ -870,7 +892,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _windows_inference(self, body: bytes) -> None:
         state = self.server.state
         header_task_id = self.headers.get("X-NPU-Task-Id")
-        with state.task(header_task_id):
+        with self._task(state):
             if not state.wait_while_hung():
                 self._drop()
                 return
@@ -1011,7 +1033,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _echo(self, body: bytes) -> None:
         state = self.server.state
-        with state.task(self.headers.get("X-NPU-Task-Id")):
+        with self._task(state):
             if not state.wait_while_hung():
                 self._drop()
                 return

@@ -25,6 +25,8 @@ ROOT = pathlib.Path(npu_sync.__file__).parent.parent
 # Imported by npu_sync only when something that needs them is built or asked for.
 DEFERRED = (
     "importlib.metadata",  # npu_sync.__version__, the transports' User-Agent
+    "npu_sync.otel",  # a pool with tracing.opentelemetry on
+    "opentelemetry",  # the same (and redis >= 7, which pybreaker imports, when installed)
     "pybreaker",  # the first breaker (a pool being built)
     "redis",  # pybreaker imports it when installed; shared state
     "requests",  # transport.client: requests
@@ -102,7 +104,7 @@ def test_a_pool_on_the_default_client_never_loads_requests_or_urllib3(worker):
     report = fresh(POOL_FROM_YAML, worker.url, "default")
     assert isinstance(report["result"], dict) and report["result"]["model_id"] == "default"
     loaded = set(report["loaded"])  # type: ignore[arg-type]
-    assert loaded & {"requests", "urllib3"} == set()
+    assert loaded & {"requests", "urllib3", "npu_sync.otel"} == set()
     assert {"yaml", "pybreaker", "tenacity", "watchdog"} <= loaded
 
 
