@@ -547,27 +547,40 @@ class Placer:
 
     def _place(self, model: str, timeout: float) -> str | None:
         state = self._state
-        with self._acting:
-            now = state.clock.monotonic()
-            views = self._views(now)
-            if any(v.live and v.models is not None and model in v.models for v in views):
-                return None  # loaded meanwhile (by a round, or as the lists were re-read)
-            planner = Planner(state.config.models, self.use, self._loaded_at, self._load_cost)
-            load = planner.target(model, views, now)
-            if load is None:
-                return (
-                    "no live worker can load it (each is full and none of its models may "
-                    "leave yet: in flight, or held; or it lists no models)"
-                )
-            error = self._do_load(load, timeout)
-            if error is None or not self._learnt_full(load, views):
-                return error
-            # The worker said it is full (507): its cap is now known; try again, once,
-            # evicting where that is allowed.
-            load = planner.target(model, self._views(state.clock.monotonic()), now)
-            if load is None:
-                return f"{error}; none of its models may leave yet (in flight, or held)"
-            return self._do_load(load, timeout)
+        # A round, or another model's load, may hold it for as long as a load takes
+        # (minutes on an NPU): the task waits for it only within its deadline.
+        clock = state.clock
+        start = clock.monotonic()
+        if not self._acting.acquire(timeout=max(0.0, timeout)):
+            return "another model was being loaded or placed until the task's deadline"
+        try:
+            return self._place_acting(model, timeout - (clock.monotonic() - start))
+        finally:
+            self._acting.release()
+
+    def _place_acting(self, model: str, timeout: float) -> str | None:
+        """:meth:`_place`'s work, under ``_acting``."""
+        state = self._state
+        now = state.clock.monotonic()
+        views = self._views(now)
+        if any(v.live and v.models is not None and model in v.models for v in views):
+            return None  # loaded meanwhile (by a round, or as the lists were re-read)
+        planner = Planner(state.config.models, self.use, self._loaded_at, self._load_cost)
+        load = planner.target(model, views, now)
+        if load is None:
+            return (
+                "no live worker can load it (each is full and none of its models may "
+                "leave yet: in flight, or held; or it lists no models)"
+            )
+        error = self._do_load(load, timeout)
+        if error is None or not self._learnt_full(load, views):
+            return error
+        # The worker said it is full (507): its cap is now known; try again, once,
+        # evicting where that is allowed.
+        load = planner.target(model, self._views(state.clock.monotonic()), now)
+        if load is None:
+            return f"{error}; none of its models may leave yet (in flight, or held)"
+        return self._do_load(load, timeout)
 
     def _learnt_full(self, load: Load, views: list[WorkerView]) -> bool:
         """Whether ``load`` failed as a full worker's 507 with no eviction tried: the

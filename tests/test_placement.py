@@ -492,6 +492,35 @@ def test_close_cuts_a_rounds_slow_load_short() -> None:
         assert not any(t.name == "npu-sync-placement" for t in threading.enumerate())
 
 
+def test_a_task_waiting_behind_another_models_slow_load_ends_by_its_deadline() -> None:
+    """A round is loading one model on a worker whose loads take a minute; a task for
+    another model nobody holds needs the same placer. It waits for it only within its
+    own deadline, then ends (rejected: the model could not be placed), not a minute
+    later."""
+    with LocalWorker(worker_id="slow", models=("x",), load_delay_ms=60_000).start() as slow:
+        cfg = PoolConfig(
+            workers=(worker_config("slow", slow.url),),
+            health=HealthConfig(interval=3600),
+            timeouts=TimeoutConfig(read=120.0, task=120.0),
+            models=ModelsConfig(
+                placement=True, balance=True, interval=0.05, catalog={"m": ModelPolicy(1, None)}
+            ),
+        )
+        pool = WorkerPool(cfg)
+        try:
+            pool.check_health()
+            deadline = time.monotonic() + 30
+            while not slow.stats()["requests"].get("/models/load"):  # the round's load
+                assert time.monotonic() < deadline, "no load was asked for"
+                time.sleep(0.01)
+            start = time.monotonic()
+            with pytest.raises(TaskRejected, match="another model was being loaded"):
+                pool.execute(Task({"model_id": "z", "input_text": "hi"}, timeout=1.0))
+            assert time.monotonic() - start < 20  # its deadline, not the minute-long load
+        finally:
+            pool.close()
+
+
 def test_a_round_learns_a_workers_cap_from_its_507_and_evicts() -> None:
     """No cap configured: the round's load is answered 507, the cap is learnt from it,
     and the same round evicts the idle model and loads the one below its min."""
