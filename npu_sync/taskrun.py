@@ -1221,7 +1221,10 @@ class TaskRun:
         """How long this attempt may wait without a byte of the answer (see
         :mod:`npu_sync.stall`), or None when only ``budget`` bounds it."""
         stall = self.policy.stall
-        if not stall.enabled:
+        if not stall.enabled or not self.task.idempotent:
+            # A non-idempotent task cannot be retried elsewhere: cutting it would lose
+            # the answer of a worker that is only slow, for nothing but an earlier
+            # failure. Its read timeout and deadline bound it, as before.
             return None
         pace = worker.pace
         peers = () if pace.enough else _peers(self.state, worker)

@@ -256,19 +256,25 @@ def test_a_held_cut_is_charged_when_the_task_then_runs_faster_elsewhere():
         assert charged == {"a": 1, "b": 1, "c": 0}
 
 
-def test_a_non_idempotent_task_cut_for_silence_fails_with_its_dead_letter():
-    """A non-idempotent task may have run on the frozen worker: it is not retried, it
-    ends at the cut with TaskFailed, its dead letter stored first."""
+def test_a_non_idempotent_task_is_not_cut_for_silence():
+    """A non-idempotent task cannot be retried elsewhere: cutting it would lose a slow
+    worker's answer for nothing but an earlier failure. It keeps the read timeout; on a
+    frozen worker it fails there, once, its dead letter stored first."""
     clock = FakeClock()
     fleet = Fleet(clock)
     with pool_of(("a", "b"), clock, fleet) as pool:
         warm(pool, 2 * MIN_SAMPLES)
+        read = pool.config.timeouts.read
+        fleet.latency["a"] = fleet.latency["b"] = 3.0  # far beyond the 1 s limit, alive
+        fleet.budgets.clear()
+        assert pool.execute(Task({"input_text": "x"}, idempotent=False))["by"] in ("a", "b")
+        assert [budget for _, budget in fleet.budgets] == [read]
         fleet.frozen.update({"a", "b"})
         start = clock.monotonic()
         with pytest.raises(TaskFailed) as failed:
             pool.execute(Task({"input_text": "x"}, idempotent=False))
-        assert clock.monotonic() - start == pytest.approx(1.0)
-        assert "non-idempotent" in str(failed.value) and "stalled" in str(failed.value)
+        assert clock.monotonic() - start == pytest.approx(read)
+        assert "non-idempotent" in str(failed.value) and "stalled" not in str(failed.value)
         assert failed.value.dead_letter_id is not None
         assert pool.dead_letters.get(failed.value.dead_letter_id) is not None
         assert len(failed.value.attempts) == 1
