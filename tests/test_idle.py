@@ -98,7 +98,9 @@ def test_the_cap_holds_over_many_transports_and_the_sweep_frees_it(server):
         assert reaper.budget.held == 0 and sum(x.idle_connections for x in built) == 0
         assert not reaper.budget.holders
         concurrently(built[0], 3)  # usable again, and counted again
-        assert reaper.budget.held == built[0].idle_connections == 3
+        # Up to 3 connections: on a loaded machine one request may end before another
+        # starts, and reuse its connection. Whatever the count, the budget agrees.
+        assert 1 <= reaper.budget.held == built[0].idle_connections <= 3
     finally:
         for t in built:
             t.close()
