@@ -15,16 +15,9 @@ from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
+from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)
-
-
-class _NoTransport:
-    def request(self, *args, **kwargs):  # pragma: no cover - admission never sends
-        raise AssertionError("admission must not do I/O")
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -39,7 +32,7 @@ def make_worker(
         worker_id, "http://127.0.0.1:9000", priority=priority, max_concurrent=capacity, **kw
     )
     breaker = WorkerBreaker(worker_id, BREAKER, clock=clock)
-    return Worker(cfg, _NoTransport(), breaker, _NoTransport())
+    return Worker(cfg, NoTransport(), breaker, NoTransport())
 
 
 def far(clock: FakeClock) -> float:
@@ -202,9 +195,9 @@ def test_queueing_and_hand_off_in_a_full_pool_look_at_few_workers(clock, started
     workers = [
         _Watched(
             worker_config(f"w{i}", "http://127.0.0.1:9000", max_concurrent=1),
-            _NoTransport(),
+            NoTransport(),
             WorkerBreaker(f"w{i}", BREAKER, clock=clock),
-            _NoTransport(),
+            NoTransport(),
         )
         for i in range(1000)
     ]

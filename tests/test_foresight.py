@@ -22,16 +22,9 @@ from npu_sync.foresight import DeadlineForesight, Late, foresight_for
 from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.worker import Worker
+from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)
-
-
-class _NoTransport:
-    def request(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
-        raise AssertionError("admission must not do I/O")
-
-    def close(self) -> None:
-        pass
 
 
 def make_worker(
@@ -39,7 +32,7 @@ def make_worker(
 ) -> Worker:
     cfg = worker_config(worker_id, "http://127.0.0.1:9000", max_concurrent=capacity)
     worker = Worker(
-        cfg, _NoTransport(), WorkerBreaker(worker_id, BREAKER, clock=clock), _NoTransport()
+        cfg, NoTransport(), WorkerBreaker(worker_id, BREAKER, clock=clock), NoTransport()
     )  # type: ignore[arg-type]
     if mean is not None:
         for _ in range(n):

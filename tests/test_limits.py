@@ -15,6 +15,7 @@ from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.limits import HillClimbingLimit, square_root_headroom
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
+from tests.stubs import NoTransport
 
 
 class Fixed:
@@ -287,18 +288,10 @@ def test_bad_settings_are_refused(kwargs):
 # -- a worker under a limit ------------------------------------------------------------
 
 
-class _NoTransport:
-    def request(self, *args, **kwargs):  # pragma: no cover - never sends
-        raise AssertionError("no I/O here")
-
-    def close(self) -> None:
-        pass
-
-
 def make_worker(max_concurrent: int = 16) -> Worker:
     cfg = worker_config("a", "http://127.0.0.1:9000", max_concurrent=max_concurrent)
     breaker = WorkerBreaker("a", BreakerConfig(), clock=FakeClock())
-    return Worker(cfg, _NoTransport(), breaker, _NoTransport())
+    return Worker(cfg, NoTransport(), breaker, NoTransport())
 
 
 def test_a_workers_capacity_follows_its_limit_under_max_concurrent():

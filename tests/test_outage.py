@@ -35,16 +35,9 @@ from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.transport import TransportError
 from npu_sync.worker import Worker
+from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)
-
-
-class _NoTransport:
-    def request(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
-        raise AssertionError("no I/O here")
-
-    def close(self) -> None:
-        pass
 
 
 @pytest.fixture
@@ -55,7 +48,7 @@ def clock() -> FakeClock:
 def make_worker(clock: FakeClock, worker_id: str, capacity: int = 1, **kw: Any) -> Worker:
     cfg = worker_config(worker_id, "http://127.0.0.1:9000", max_concurrent=capacity, **kw)
     return Worker(
-        cfg, _NoTransport(), WorkerBreaker(worker_id, BREAKER, clock=clock), _NoTransport()
+        cfg, NoTransport(), WorkerBreaker(worker_id, BREAKER, clock=clock), NoTransport()
     )
 
 

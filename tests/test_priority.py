@@ -23,22 +23,15 @@ from npu_sync.priority import PriorityClasses
 from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.worker import Worker
+from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)
-
-
-class _NoTransport:
-    def request(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover
-        raise AssertionError("admission must not do I/O")
-
-    def close(self) -> None:
-        pass
 
 
 def make_worker(clock: FakeClock, worker_id: str, capacity: int = 1) -> Worker:
     cfg = worker_config(worker_id, "http://127.0.0.1:9000", max_concurrent=capacity)
     breaker = WorkerBreaker(worker_id, BREAKER, clock=clock)
-    return Worker(cfg, _NoTransport(), breaker, _NoTransport())  # type: ignore[arg-type]
+    return Worker(cfg, NoTransport(), breaker, NoTransport())  # type: ignore[arg-type]
 
 
 def classes(*reserves: float, aging: float = 0.0, default: str = "standard") -> PriorityConfig:

@@ -18,17 +18,10 @@ from npu_sync.selector import P2C_THRESHOLD, Selector
 from npu_sync.slowstart import SlowStart
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
+from tests.stubs import NoTransport
 
 CLOCK = FakeClock()
 NOW = CLOCK.monotonic()
-
-
-class _NoTransport:
-    def request(self, *args, **kwargs):  # pragma: no cover - selection never sends
-        raise AssertionError("selection must not do I/O")
-
-    def close(self) -> None:
-        pass
 
 
 def make_worker(worker_id: str, priority: int = 1, capacity: int = 8, port: int = 0) -> Worker:
@@ -37,7 +30,7 @@ def make_worker(worker_id: str, priority: int = 1, capacity: int = 8, port: int 
         worker_id, f"http://127.0.0.1:{port}", priority=priority, max_concurrent=capacity
     )
     breaker = WorkerBreaker(worker_id, BreakerConfig(fail_max=1), clock=CLOCK)
-    return Worker(cfg, _NoTransport(), breaker, _NoTransport())
+    return Worker(cfg, NoTransport(), breaker, NoTransport())
 
 
 def test_lower_priority_number_wins_even_when_busier():
@@ -69,9 +62,9 @@ def test_disabled_and_cooling_down_workers_are_skipped():
     a = make_worker("a")
     b = Worker(
         worker_config("b", "http://127.0.0.1:9999", enabled=False),
-        _NoTransport(),
+        NoTransport(),
         WorkerBreaker("b", BreakerConfig(), clock=CLOCK),
-        _NoTransport(),
+        NoTransport(),
     )
     selector = Selector([a, b])
     assert selector.select((), NOW) is a
@@ -229,7 +222,7 @@ def watched(worker_id: str, priority: int = 1, capacity: int = 1) -> Worker:
         worker_id, "http://127.0.0.1:9000", priority=priority, max_concurrent=capacity
     )
     breaker = WorkerBreaker(worker_id, BreakerConfig(fail_max=1), clock=CLOCK)
-    return _Watched(cfg, _NoTransport(), breaker, _NoTransport())
+    return _Watched(cfg, NoTransport(), breaker, NoTransport())
 
 
 def _fill(selector: Selector, count: int) -> list[Worker]:
