@@ -82,9 +82,33 @@ def concurrently(transport: BuiltinTransport, count: int) -> None:
         t.join(20)
 
 
-def test_the_cap_holds_over_many_transports_and_the_sweep_frees_it(server):
+def meeting(size: int, connections: int):
+    """A worker whose first answer on each of its first ``connections`` connections
+    waits until ``size`` requests have arrived: requests sent together overlap, and
+    hold ``size`` connections, however loaded the machine is."""
+    gate = threading.Barrier(size)
+    count = [0]
+    lock = threading.Lock()
+
+    def behaviour(peer):
+        with lock:
+            count[0] += 1
+            first = count[0] <= connections
+        while (seen := peer.request()) is not None:
+            if first:
+                gate.wait(10)
+                first = False
+            peer.send(ok(seen))
+        peer.hold()
+
+    return behaviour
+
+
+def test_the_cap_holds_over_many_transports_and_the_sweep_frees_it(servers):
     """Ten transports, four connections each, a cap of 12: never more than 12 idle;
     a sweep past idle_timeout closes them all and frees the budget."""
+    server = Hostile(meeting(4, 40))
+    servers.append(server)
     reaper = IdleReaper(12, 1.0)
     built = transports(reaper, server.url(), 10)
     try:
@@ -115,10 +139,17 @@ def test_a_connection_the_worker_closed_is_swept_but_one_with_bytes_waiting_is_l
     own check to drop."""
     peers = []
     got = threading.Semaphore(0)
+    # Neither first answer leaves before both requests have arrived: the two requests
+    # overlap, so they hold two connections however loaded the machine is.
+    both_asked = threading.Barrier(2)
 
     def remember(peer):
         peers.append(peer)
+        first = len(peers) <= 2  # the third connection, at the end, waits for no one
         while (seen := peer.request()) is not None:
+            if first:
+                both_asked.wait(10)
+                first = False
             peer.send(ok(seen))
             got.release()
         peer.hold()
