@@ -19,7 +19,7 @@ from npu_sync.config import (
 from npu_sync.errors import ConfigError
 from npu_sync.fdlimit import RESERVE, check, need
 from npu_sync.transport import BuiltinTransport, IdleBudget, IdleReaper, reap_interval
-from tests.hostile import Hostile, answer, keep_answering
+from tests.hostile import Hostile, answer
 
 
 def test_the_budget_counts_takes_and_gives_and_refuses_beyond_its_limit():
@@ -44,13 +44,6 @@ def test_the_sweep_interval_follows_a_short_idle_timeout_within_bounds():
 
 def ok(_seen: object) -> bytes:
     return answer(200, b'{"ok": true}')
-
-
-@pytest.fixture
-def server(servers: list[Hostile]) -> Hostile:
-    s = Hostile(keep_answering(ok))
-    servers.append(s)
-    return s
 
 
 def transports(reaper: IdleReaper, url: str, count: int) -> list[BuiltinTransport]:
