@@ -68,8 +68,8 @@ def test_the_reference_worker_imports_only_the_stdlib_and_two_library_modules():
 
 
 def test_the_library_imports_the_reference_worker_only_lazily_from_the_cli():
-    """No module of the library imports npu_sync.worker_server, but cli.py inside the
-    functions behind ``npu-sync worker`` and ``npu-sync demo``."""
+    """No module of the library imports npu_sync.worker_server, but cli.py inside its
+    functions (the ``worker`` command's flags, the demo's local workers)."""
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if WORKER_SERVER in path.parents:

@@ -23,8 +23,9 @@ lying or hanging worker, forced status codes, loaded models, NPU or CPU). Reques
 required to carry an AutoBot HMAC signature or a bearer token; ``/stats`` and
 ``/_control`` never are, being test hooks that a real deployment does not have.
 Standard library only, and apart from the library: it imports nothing of npu_sync but
-the HMAC verifier and the clock, and npu_sync imports it only when ``npu-sync worker``
-or ``npu-sync demo`` runs.
+the HMAC verifier and the clock, and npu_sync imports it only from its command line
+(``npu-sync``, whose ``worker`` command takes its flags from here and whose ``demo``
+starts local workers), never from a pool.
 
 Its modules, by concern: ``_models`` (the simulated NPU: devices, model ids, answers),
 ``_behaviour`` (:class:`WorkerBehaviour`), ``_state`` (one worker's models and
