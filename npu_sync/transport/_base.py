@@ -168,9 +168,10 @@ def features_of(transport: object) -> TransportFeatures:
             f"{type(transport).__name__}.features: must be a TransportFeatures, "
             f"got {declared!r:.100}"
         )
-    cancellable = getattr(transport, "cancellable", False) is True
-    silences = getattr(transport, "silences", False) is True
-    shares_idle = callable(getattr(transport, "share_idle", None))
+    # Read as the probes they replace read them: truthy attributes, a share_idle at all.
+    cancellable = bool(getattr(transport, "cancellable", False))
+    silences = bool(getattr(transport, "silences", False))
+    shares_idle = getattr(transport, "share_idle", None) is not None
     if not (cancellable or silences or shares_idle):
         return NO_FEATURES
     return TransportFeatures(cancellable=cancellable, silences=silences, shares_idle=shares_idle)
