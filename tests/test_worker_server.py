@@ -850,3 +850,22 @@ def test_bearer_token_is_required_when_set(make_server: MakeServer) -> None:
     with pytest.raises(ValueError, match="bearer_token") as info:
         WorkerServer(bearer_token="a\nb")
     assert "a\nb" not in str(info.value)
+
+
+# --- the subpackage's public face -------------------------------------------------------------
+
+
+def test_the_subpackage_exports_the_worker_and_keeps_its_modules_private() -> None:
+    """npu_sync.worker_server exports what it always did, each name defined, and every
+    module behind it is private."""
+    import npu_sync.worker_server as package
+
+    assert set(package.__all__) == {
+        "ANY_MODEL", "CPU_DEVICE", "DEVICE", "MAX_BODY_BYTES", "PROTOCOLS", "LocalWorker",
+        "WorkerBehaviour", "WorkerServer", "build_arg_parser", "main", "serve",
+    }  # fmt: skip
+    assert all(getattr(package, name) is not None for name in package.__all__)
+    assert (package.DEVICE, package.CPU_DEVICE) == (DEVICE, CPU_DEVICE)
+    modules = {p.name for p in Path(package.__file__).parent.glob("*.py")}
+    assert {"__init__.py", "__main__.py"} < modules
+    assert all(name.startswith("_") for name in modules)
