@@ -99,3 +99,18 @@ def test_local_worker_speaks_windows_with_hmac_and_keeps_the_secret_off_argv() -
         assert gone.json == {**gone.json, "status": "failed", "error": "Model a not loaded"}
         health = signed_call(worker, "GET", "/health").json
         assert health["loaded_models"] == ["b"] and health["platform"] == "windows"
+
+
+@pytest.mark.integration
+def test_local_worker_child_imports_this_same_npu_sync() -> None:
+    """The child's path starts with the directory this process's npu_sync is in, so a
+    LocalWorker runs the tree under test, installed or not, from wherever it lives."""
+    import npu_sync
+
+    with LocalWorker(worker_id="lw-tree") as worker:
+        assert worker.pid is not None
+        environ = Path(f"/proc/{worker.pid}/environ").read_bytes().split(b"\0")
+        path = next(v for v in environ if v.startswith(b"PYTHONPATH=")).split(b"=", 1)[1]
+        first = Path(os.fsdecode(path).split(os.pathsep)[0])
+        assert first == Path(npu_sync.__file__).resolve().parent.parent
+        assert infer(worker).status == 200
