@@ -43,7 +43,14 @@ from npu_sync.probing import ProbeRunner, Slots
 from npu_sync.protocols import LINUX, WorkerProtocol
 from npu_sync.redact import NO_SCRUBBER, Scrubber
 from npu_sync.retry import NOT_A_WORKER, REFUSED_CREDENTIALS
-from npu_sync.transport import DEFAULT_IDLE_TIMEOUT, Cancel, Response, Transport, TransportError
+from npu_sync.transport import (
+    DEFAULT_IDLE_TIMEOUT,
+    Cancel,
+    Response,
+    Transport,
+    TransportError,
+    features_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +132,7 @@ def probe(
     Never raises: whatever goes wrong is a failed check of this worker.
     """
     extra: dict[str, Any] = {}
-    if cancel is not None and getattr(transport, "cancellable", False):
+    if cancel is not None and features_of(transport).cancellable:
         extra["cancel"] = cancel
     result = _probe(
         worker_id, transport, config, clock, protocol, auth, base_path, models, scrubber, extra

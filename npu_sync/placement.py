@@ -49,7 +49,7 @@ from npu_sync.retry import Kind
 from npu_sync.state import PoolState
 from npu_sync.stats_types import ModelRowDict
 from npu_sync.stop import TaskStop
-from npu_sync.transport import Cancel, TransportError
+from npu_sync.transport import Cancel, TransportError, features_of
 from npu_sync.worker import Worker
 
 __all__ = [
@@ -683,7 +683,7 @@ class Placer:
             "connect_timeout": timeouts.connect,
         }
         cancel = None
-        if getattr(transport, "cancellable", False):
+        if features_of(transport).cancellable:
             # stop() cuts a round's request short instead of waiting out a slow load.
             cancel = kwargs["cancel"] = Cancel()
             with self._pending_lock:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from npu_sync.transport import Cancel, Response, TransportError
+from npu_sync.transport import Cancel, Response, TransportError, TransportFeatures
 
 if TYPE_CHECKING:
     from npu_sync.config import TransportConfig, WorkerConfig
@@ -124,7 +124,9 @@ class FakeTransport:
         self.requests: list[FakeRequest] = []
         self.closed = False
 
-    cancellable = True
+    features = TransportFeatures(cancellable=True)
+    # The older spelling, for code that probes the attribute.
+    cancellable = features.cancellable
 
     def request(
         self,

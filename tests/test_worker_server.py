@@ -1,10 +1,11 @@
-"""Tests of the reference worker: the in-process WorkerServer and the LocalWorker process."""
+"""Tests of the reference worker served in-process (WorkerServer): each protocol's
+routes, models, behaviours, stopping, TLS and authentication. The command line is in
+test_worker_server_cli.py, the child-process LocalWorker in test_worker_server_local.py."""
 
 from __future__ import annotations
 
 import http.client
 import json
-import os
 import socket
 import ssl
 import threading
@@ -25,11 +26,10 @@ from npu_sync.worker_server import (
     CPU_DEVICE,
     DEVICE,
     MAX_BODY_BYTES,
-    LocalWorker,
     WorkerBehaviour,
     WorkerServer,
-    build_arg_parser,
 )
+from tests.workerkit import SERVICE, call, in_background, infer, signed_call, win_task
 
 MakeServer = Callable[..., WorkerServer]
 
@@ -47,54 +47,6 @@ def make_server() -> Iterator[MakeServer]:
     yield make
     for server in servers:
         server.stop()
-
-
-class Reply:
-    def __init__(self, response: http.client.HTTPResponse) -> None:
-        self.status = response.status
-        self.headers = response.headers
-        raw = response.read()
-        self.json: Any = json.loads(raw) if raw else None
-
-
-def call(
-    server: WorkerServer | LocalWorker,
-    method: str,
-    path: str,
-    body: object = None,
-    *,
-    raw: bytes | None = None,
-    headers: dict[str, str] | None = None,
-    timeout: float = 10.0,
-    connection: http.client.HTTPConnection | None = None,
-) -> Reply:
-    conn = connection or http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-    try:
-        data = raw if raw is not None else None if body is None else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers=headers or {})
-        return Reply(conn.getresponse())
-    finally:
-        if connection is None:
-            conn.close()
-
-
-def infer(server: WorkerServer | LocalWorker, text: str = "hello npu", **kwargs: Any) -> Reply:
-    return call(server, "POST", "/inference", {"model_id": "default", "input_text": text}, **kwargs)
-
-
-def in_background(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run fn in a thread; the dict gets its result or exception."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = fn()
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="test-client")
-    thread.start()
-    return thread, outcome
 
 
 # --- /inference -----------------------------------------------------------------------------
@@ -551,133 +503,6 @@ def test_tls_client_ca_requires_a_client_certificate(
     assert https_health(identified) == 200
 
 
-# --- command line -----------------------------------------------------------------------------
-
-
-def test_arg_parser_reads_every_flag() -> None:
-    """build_arg_parser accepts every documented flag with the right types and defaults."""
-    parser = build_arg_parser()
-    defaults = parser.parse_args([])
-    assert (defaults.host, defaults.port, defaults.models) == ("127.0.0.1", 8081, "default")
-    argv = [
-        "--host", "127.0.0.1", "--port", "0", "--worker-id", "w",
-        "--latency-ms", "5", "--jitter-ms", "1.5", "--failure-rate", "0.25",
-        "--health-status", "sick", "--models", "a,*", "--max-concurrent", "4", "--seed", "3",
-        "--tls-cert", "c.pem", "--tls-key", "k.pem", "--tls-client-ca", "ca.pem",
-        "--verbose",
-    ]  # fmt: skip
-    args = parser.parse_args(argv)
-    assert args.port == 0 and args.worker_id == "w"
-    assert (args.latency_ms, args.jitter_ms, args.failure_rate) == (5.0, 1.5, 0.25)
-    assert (args.health_status, args.models, args.max_concurrent, args.seed) == (
-        "sick",
-        "a,*",
-        4,
-        3,
-    )
-    assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.verbose) == (
-        "c.pem",
-        "k.pem",
-        "ca.pem",
-        True,
-    )
-
-
-@pytest.mark.parametrize(
-    "argv", [["--failure-rate", "1.5"], ["--latency-ms", "-1"], ["--port", "70000"]]
-)
-def test_arg_parser_rejects_bad_values(argv: list[str]) -> None:
-    """Out-of-range flag values are usage errors."""
-    with pytest.raises(SystemExit):
-        build_arg_parser().parse_args(argv)
-
-
-# --- LocalWorker (real child processes) -------------------------------------------------------
-
-
-@pytest.mark.integration
-def test_local_worker_kill_and_restart_on_the_same_port() -> None:
-    """A LocalWorker serves, dies on kill() (reaped), and restarts on the same port."""
-    worker = LocalWorker(worker_id="lw1", latency_ms=1.0)
-    with worker:
-        assert worker.running and worker.pid is not None
-        first = infer(worker)
-        assert first.status == 200 and first.json["worker_id"] == "lw1"
-        port = worker.port
-        assert worker.url == f"http://127.0.0.1:{port}"
-        pid = worker.pid
-        worker.kill()
-        assert not worker.running and worker.pid is None
-        assert worker.returncode == -9
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)  # reaped, not a zombie
-        with pytest.raises(ConnectionRefusedError):
-            infer(worker)
-        worker.restart()
-        assert worker.port == port
-        assert infer(worker).json["inference_count"] == 1  # a fresh process
-    assert not worker.running
-    assert worker.returncode == 0  # SIGTERM is a graceful stop
-
-
-@pytest.mark.integration
-def test_local_worker_pause_freezes_until_resume() -> None:
-    """A paused worker answers nothing; a request sent meanwhile completes after resume."""
-    with LocalWorker(worker_id="lw2") as worker:
-        assert infer(worker).status == 200
-        worker.pause()
-        pending, outcome = in_background(lambda: infer(worker, timeout=30))
-        with pytest.raises(TimeoutError):
-            call(worker, "GET", "/health", timeout=0.3)
-        assert pending.is_alive()
-        worker.resume()
-        pending.join(30)
-        assert outcome["result"].status == 200
-
-
-@pytest.mark.integration
-def test_local_worker_control_and_stats() -> None:
-    """control() changes the child's behaviour and stats() reads its counters."""
-    with LocalWorker(worker_id="lw3", models=("*",)) as worker:
-        settings = worker.control(fail_all=True)
-        assert settings["fail_all"] is True
-        assert infer(worker).status == 500
-        assert call(worker, "GET", "/health").status == 200
-        with pytest.raises(ValueError, match="failure_rate"):
-            worker.control(failure_rate=3)
-        stats = worker.stats()
-        assert stats["worker_id"] == "lw3"
-        assert stats["responses"] == {"200": 2, "422": 1, "500": 1}
-
-
-@pytest.mark.integration
-def test_local_worker_reports_startup_failure_with_stderr() -> None:
-    """A worker that cannot start raises RuntimeError carrying the child's stderr."""
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        worker = LocalWorker(taken.getsockname()[1], worker_id="lw4")
-        with pytest.raises(RuntimeError, match="cannot serve") as info:
-            worker.start()
-    assert "lw4" in str(info.value)
-    assert not worker.running
-
-
-def test_help_gives_every_option_a_default() -> None:
-    """'worker --help' states a default for every option, and units for the timings."""
-    from npu_sync.worker_server import build_arg_parser
-
-    parser = build_arg_parser()
-    for action in parser._actions:
-        if action.dest == "help":
-            continue
-        assert "default" in (action.help or ""), action.option_strings
-    text = " ".join(parser.format_help().split())
-    assert "--latency-ms MS simulated latency per task, in milliseconds (default 0)" in text
-    assert "in milliseconds (default 0)" in text.split("--jitter-ms MS", 1)[1]
-    assert "port to bind; 0 picks a free one (default 8081)" in text
-
-
 # --- models (the Linux protocol) --------------------------------------------------------------
 
 
@@ -820,15 +645,6 @@ def test_npu_fallback_is_reported_everywhere(make_server: MakeServer) -> None:
 
 
 # --- the Windows protocol ---------------------------------------------------------------------
-
-
-def win_task(model: str = "default", text: str = "hello", **extra: Any) -> dict[str, Any]:
-    return {
-        "task_type": "embedding_generation",
-        "model_name": model,
-        "input_data": {"text": text},
-        **extra,
-    }
 
 
 def test_windows_inference_answers_completed_with_a_result(make_server: MakeServer) -> None:
@@ -974,22 +790,6 @@ def test_worker_and_protocol_objects_agree(make_server: MakeServer) -> None:
 
 
 # --- authentication ---------------------------------------------------------------------------
-
-SERVICE = ("npu-pool", "hmac-Secret-42")
-
-
-def signed_call(
-    server: WorkerServer | LocalWorker,
-    method: str,
-    path: str,
-    body: object = None,
-    *,
-    auth: HmacAuth | None = None,
-) -> Reply:
-    auth = auth or HmacAuth(*SERVICE)
-    return call(server, method, path, body, headers=dict(auth.headers(method, path)))
-
-
 def test_hmac_signed_requests_verify_on_every_endpoint(make_server: MakeServer) -> None:
     """Requests signed by HmacAuth with the shared secret are served, query strings too."""
     linux = make_server(hmac_auth=SERVICE)
@@ -1052,59 +852,20 @@ def test_bearer_token_is_required_when_set(make_server: MakeServer) -> None:
     assert "a\nb" not in str(info.value)
 
 
-# --- command line: protocols, models, auth ----------------------------------------------------
+# --- the subpackage's public face -------------------------------------------------------------
 
 
-def test_arg_parser_reads_the_protocol_model_and_auth_flags() -> None:
-    """--protocol, --load-delay-ms, --no-npu and the auth flags parse, with defaults."""
-    parser = build_arg_parser()
-    defaults = parser.parse_args([])
-    assert (defaults.protocol, defaults.load_delay_ms, defaults.npu_available) == (
-        "linux",
-        0.0,
-        True,
-    )
-    assert (defaults.hmac_service_id, defaults.bearer_token_env) == (None, None)
-    assert defaults.hmac_secret_env == "NPU_SYNC_WORKER_HMAC_SECRET"
-    args = parser.parse_args(
-        ["--protocol", "windows", "--load-delay-ms", "250", "--no-npu",
-         "--hmac-service-id", "svc", "--hmac-secret-env", "S", "--bearer-token-env", "T"]
-    )  # fmt: skip
-    assert (args.protocol, args.load_delay_ms, args.npu_available) == ("windows", 250.0, False)
-    assert (args.hmac_service_id, args.hmac_secret_env, args.bearer_token_env) == ("svc", "S", "T")
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--protocol", "grpc"])
+def test_the_subpackage_exports_the_worker_and_keeps_its_modules_private() -> None:
+    """npu_sync.worker_server exports what it always did, each name defined, and every
+    module behind it is private."""
+    import npu_sync.worker_server as package
 
-
-def test_serve_refuses_hmac_without_its_secret(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """--hmac-service-id with the secret variable unset exits 2 naming the variable."""
-    from npu_sync.worker_server import serve
-
-    monkeypatch.delenv("NO_SUCH_SECRET", raising=False)
-    args = build_arg_parser().parse_args(
-        ["--port", "0", "--hmac-service-id", "svc", "--hmac-secret-env", "NO_SUCH_SECRET"]
-    )
-    assert serve(args) == 2
-    assert "$NO_SUCH_SECRET" in capsys.readouterr().err
-
-
-@pytest.mark.integration
-def test_local_worker_speaks_windows_with_hmac_and_keeps_the_secret_off_argv() -> None:
-    """A LocalWorker child speaks the Windows protocol, verifies HMAC with the secret from
-    its environment (never its command line), and unloads models on control()."""
-    with LocalWorker(
-        worker_id="lw-win", protocol="windows", models=("a", "b"), hmac_auth=SERVICE
-    ) as worker:
-        assert worker.pid is not None
-        cmdline = Path(f"/proc/{worker.pid}/cmdline").read_bytes()
-        assert SERVICE[1].encode() not in cmdline
-        assert call(worker, "POST", "/inference", win_task(model="a")).status == 401
-        done = signed_call(worker, "POST", "/inference", win_task(model="a"))
-        assert done.json["status"] == "completed"
-        assert worker.control(models=["b"])["models"] == ["b"]
-        gone = signed_call(worker, "POST", "/inference", win_task(model="a"))
-        assert gone.json == {**gone.json, "status": "failed", "error": "Model a not loaded"}
-        health = signed_call(worker, "GET", "/health").json
-        assert health["loaded_models"] == ["b"] and health["platform"] == "windows"
+    assert set(package.__all__) == {
+        "ANY_MODEL", "CPU_DEVICE", "DEVICE", "MAX_BODY_BYTES", "PROTOCOLS", "LocalWorker",
+        "WorkerBehaviour", "WorkerServer", "build_arg_parser", "main", "serve",
+    }  # fmt: skip
+    assert all(getattr(package, name) is not None for name in package.__all__)
+    assert (package.DEVICE, package.CPU_DEVICE) == (DEVICE, CPU_DEVICE)
+    modules = {p.name for p in Path(package.__file__).parent.glob("*.py")}
+    assert {"__init__.py", "__main__.py"} < modules
+    assert all(name.startswith("_") for name in modules)

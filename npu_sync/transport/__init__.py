@@ -19,11 +19,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from npu_sync.transport._base import (
+    NO_FEATURES,
     TRANSPORT_ERROR_KINDS,
     Cancel,
     Response,
     Transport,
     TransportError,
+    TransportFeatures,
+    features_of,
 )
 from npu_sync.transport._builtin import DEFAULT_IDLE_TIMEOUT, BuiltinTransport
 from npu_sync.transport._idle import IdleBudget, IdleReaper, reap_interval
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_IDLE_TIMEOUT",
+    "NO_FEATURES",
     "TRANSPORT_ERROR_KINDS",
     "BuiltinTransport",
     "Cancel",
@@ -44,7 +48,9 @@ __all__ = [
     "Response",
     "Transport",
     "TransportError",
+    "TransportFeatures",
     "Urllib3Transport",
+    "features_of",
     "make_transport",
     "reap_interval",
 ]
@@ -70,8 +76,7 @@ def make_transport(
     """
     tls = worker.tls if worker.tls is not None else transport.tls
     size = worker.max_concurrent if maxsize is None else maxsize
-    # Read with a default so this module works with configurations that predate the key.
-    idle_timeout: float = getattr(transport, "idle_timeout", DEFAULT_IDLE_TIMEOUT)
+    idle_timeout = transport.idle_timeout
     if transport.client == "builtin":
         return BuiltinTransport(
             worker,

@@ -81,10 +81,10 @@ class Cancel:
 
     Thread-safe. The transport attaches the socket a request uses; :meth:`cancel`
     shuts it down, so that the request fails at once (its connection is closed, never
-    reused) instead of waiting for the worker. A transport that supports it says so
-    with a true ``cancellable`` attribute and takes ``cancel=`` in :meth:`~Transport.request`;
-    with any other, a cancelled request simply runs to its end and its answer is
-    dropped.
+    reused) instead of waiting for the worker. A transport that supports it declares
+    :attr:`TransportFeatures.cancellable` and takes ``cancel=`` in
+    :meth:`~Transport.request`; with any other, a cancelled request simply runs to its
+    end and its answer is dropped.
     """
 
     __slots__ = ("_lock", "_sock", "event")
@@ -118,8 +118,72 @@ class Cancel:
                 sock.shutdown(socket.SHUT_RDWR)
 
 
+@dataclass(frozen=True, slots=True)
+class TransportFeatures:
+    """What a transport can do beyond :meth:`~Transport.request` and
+    :meth:`~Transport.close`, declared once as its ``features`` attribute. Immutable.
+
+    The pool reads the declaration with :func:`features_of` and uses each feature
+    only when it is declared; a transport that declares nothing gets the defaults
+    (every feature off), and works as before.
+
+    Attributes:
+        cancellable: :meth:`~Transport.request` takes ``cancel=`` (a :class:`Cancel`)
+            and fails at once when another thread cancels it: the losing attempt of a
+            hedge, a health check or a model load cut short by ``close()``.
+        silences: :meth:`~Transport.request` takes ``silence=`` (seconds) and fails
+            with ``kind="timeout"``, ``stalled=True`` once the worker sends no byte of
+            its answer for that long (see :mod:`npu_sync.stall`). Without it, the pool
+            cuts the call's whole ``timeout`` to the stall limit instead.
+        shares_idle: the transport has ``share_idle(budget)`` (an
+            :class:`~npu_sync.transport.IdleBudget`): its idle keep-alive connections
+            count against the pool's cap, and what holds them is swept (see
+            :mod:`npu_sync.transport._idle`).
+    """
+
+    cancellable: bool = False
+    silences: bool = False
+    shares_idle: bool = False
+
+
+NO_FEATURES = TransportFeatures()
+"""What a transport that declares nothing can do: nothing optional."""
+
+
+def features_of(transport: object) -> TransportFeatures:
+    """What ``transport`` declares it can do (its ``features`` attribute).
+
+    A transport written before :class:`TransportFeatures` existed, which said so with
+    a true ``cancellable`` or ``silences`` attribute or a ``share_idle`` method, gets
+    those features; one that declares nothing gets :data:`NO_FEATURES`.
+
+    Raises:
+        TypeError: ``features`` is set to something other than a TransportFeatures.
+    """
+    declared = getattr(transport, "features", None)
+    if isinstance(declared, TransportFeatures):
+        return declared
+    if declared is not None:
+        raise TypeError(
+            f"{type(transport).__name__}.features: must be a TransportFeatures, "
+            f"got {declared!r:.100}"
+        )
+    # Read as the probes they replace read them: truthy attributes, a share_idle at all.
+    cancellable = bool(getattr(transport, "cancellable", False))
+    silences = bool(getattr(transport, "silences", False))
+    shares_idle = getattr(transport, "share_idle", None) is not None
+    if not (cancellable or silences or shares_idle):
+        return NO_FEATURES
+    return TransportFeatures(cancellable=cancellable, silences=silences, shares_idle=shares_idle)
+
+
 class Transport(Protocol):
-    """What the pool needs to talk to one worker. Implementations must be thread-safe."""
+    """What the pool needs to talk to one worker. Implementations must be thread-safe.
+
+    Only :meth:`request` and :meth:`close` are required. A transport that can do more
+    says so once, with a class (or instance) attribute ``features`` holding a
+    :class:`TransportFeatures`; the pool reads it with :func:`features_of`.
+    """
 
     def request(
         self,

@@ -51,6 +51,7 @@ from npu_sync.transport._base import (
     Cancel,
     Response,
     TransportError,
+    TransportFeatures,
     Where,
     base_headers,
     check_scheme,
@@ -320,7 +321,7 @@ class BuiltinTransport:
 
     Thread-safe: any number of threads may call :meth:`request` at once; each uses a
     connection of its own, and no lock is held across I/O. A request can be cancelled
-    from another thread (``cancellable``; see :class:`~npu_sync.transport.Cancel`).
+    from another thread (see :class:`~npu_sync.transport.Cancel`); its ``features`` say so.
 
     Args:
         worker: the worker to talk to; its ``headers`` go on every request.
@@ -334,8 +335,12 @@ class BuiltinTransport:
             connect budget allows. IP addresses are never looked up.
     """
 
-    cancellable = True
-    silences = True  # request() takes silence=: see npu_sync.stall
+    # cancel= shuts the socket down whatever the request is doing; silence= is timed
+    # per read (npu_sync.stall); idle connections join the pool's cap and sweep.
+    features = TransportFeatures(cancellable=True, silences=True, shares_idle=True)
+    # The older spelling of two of them, for code that probes the attributes.
+    cancellable = features.cancellable
+    silences = features.silences
 
     def __init__(
         self,

@@ -20,10 +20,11 @@ Two rules, as Go's ``net/http`` (``MaxIdleConns``, ``IdleConnTimeout``) and Envo
   so it needs no thread of its own; it visits only transports holding idle
   connections, not all of a large fleet's.
 
-A transport joins by having ``share_idle(budget)``: it then counts its idle
-connections against the budget, calls ``budget.holding(self, now)`` when it keeps
-one, and has ``reap(now) -> int`` and ``idle_connections`` for the sweep.
-Transports without it (fakes, a custom factory's) are left alone.
+A transport joins by declaring ``TransportFeatures(shares_idle=True)`` and having
+``share_idle(budget)``: it then counts its idle connections against the budget, calls
+``budget.holding(self, now)`` when it keeps one, and has ``reap(now) -> int`` and
+``idle_connections`` for the sweep. Transports without it (fakes, a custom factory's)
+are left alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+from npu_sync.transport._base import features_of
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +138,16 @@ class IdleReaper:
 
     def adopt(self, transport: Any) -> Any:
         """Put ``transport``'s idle connections under the budget and the sweeps; a
-        transport without ``share_idle`` is returned untouched."""
-        share = getattr(transport, "share_idle", None)
-        if share is not None:
-            share(self.budget)
+        transport that does not declare ``shares_idle`` is returned untouched.
+
+        Every transport a pool builds passes here, so a transport's declaration of its
+        features is read (and a malformed one refused) as its worker is built.
+
+        Raises:
+            TypeError: the transport's ``features`` is not a TransportFeatures.
+        """
+        if features_of(transport).shares_idle:
+            transport.share_idle(self.budget)
         return transport
 
     def factory(self, build: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,6 +25,7 @@ import requests.structures
 from npu_sync.transport._base import (
     Response,
     TransportError,
+    TransportFeatures,
     Where,
     base_headers,
     check_scheme,
@@ -127,6 +128,10 @@ class RequestsTransport:
         resolver: the blocking name lookup (``socket.getaddrinfo`` by default), run
             on a daemon thread and waited for only within the connect budget.
     """
+
+    # Neither cancel= nor silence=: a hedge's loser runs to its end, and the pool cuts
+    # the call's budget to the stall limit.
+    features = TransportFeatures(shares_idle=True)
 
     def __init__(
         self,

@@ -88,6 +88,7 @@ from npu_sync.transport._base import (
     Cancel,
     Response,
     TransportError,
+    TransportFeatures,
     Where,
     base_headers,
     check_scheme,
@@ -777,7 +778,12 @@ class Urllib3Transport:
             on a daemon thread and waited for only within the connect budget.
     """
 
-    cancellable = True  # best effort: while the answer's head is awaited
+    # cancel= works best effort: while the answer's head is awaited. No silence=: one
+    # budget per call, which the pool cuts to the stall limit instead.
+    features = TransportFeatures(cancellable=True, shares_idle=True)
+    # The older spelling of two of them, for code that probes the attributes.
+    cancellable = features.cancellable
+    silences = features.silences
 
     def __init__(
         self,
