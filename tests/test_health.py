@@ -517,7 +517,7 @@ def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_on
         assert first["a"]["ok"] is True and second["a"]["ok"] is True
         assert len(probes) == 1
         worker = pool._state.workers["a"]
-        assert worker.health_passes == 1 and worker.healthy
+        assert worker.health.passes == 1 and worker.healthy
 
 
 @pytest.mark.parametrize(
