@@ -625,3 +625,40 @@ def test_a_move_forgets_what_the_checks_learnt_and_swaps_the_connection():
     assert health.transport is new and health.last is None
     assert (health.failures, health.passes) == (0, 0)
     assert (health.hinted_capacity, health.hinted_draining) == (None, False)
+
+
+def test_a_check_of_the_old_address_that_ends_after_a_move_teaches_the_new_one_nothing():
+    """A check still running when a reload moves the worker answers with hints, no NPU
+    and a model list: none of it reaches the worker at its new address."""
+    net = FakeNetwork()
+    entered, release = threading.Event(), threading.Event()
+
+    def old_address(req):
+        if req.path == "/health":
+            entered.set()
+            release.wait(10)
+        body = {"status": "healthy", "max_concurrent": 1, "draining": True}
+        return json_response(200, {**body, "npu_available": False, "loaded_models": ["m"]})
+
+    net.route("a", old_address)
+    checks = HealthConfig(enabled=False, timeout=10)
+    first = worker_config("a", "http://127.0.0.1:9511", max_concurrent=4, priority=2)
+    with WorkerPool(
+        PoolConfig(workers=(first,), health=checks), transport_factory=net.factory
+    ) as pool:
+        results: dict = {}
+        round_ = threading.Thread(target=lambda: results.update(pool.check_health()))
+        round_.start()
+        try:
+            assert entered.wait(10)
+            moved = worker_config("a", "http://127.0.0.1:9512", max_concurrent=4, priority=2)
+            assert pool.reload(PoolConfig(workers=(moved,), health=checks)).updated == ("a",)
+        finally:
+            release.set()
+            round_.join(10)
+        assert results["a"]["ok"] is True and results["a"]["draining"] is True
+        worker = pool._state.workers["a"]
+        assert worker.health.last is None and not worker.health.hinted_draining
+        assert worker.capacity == 4 and worker.eligible(pool._state.clock.monotonic())
+        assert worker.held.npu_available is None and worker.held.models is None
+        assert worker.priority == 2
