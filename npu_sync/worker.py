@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 from npu_sync.auth import RequestAuth, from_config
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
-from npu_sync.health import HealthResult, WorkerHealth
+from npu_sync.health import WorkerHealth
 from npu_sync.holdings import Holdings
 from npu_sync.latency import PeakEwma
 from npu_sync.metrics import WorkerStats
@@ -23,6 +23,7 @@ from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
 
 if TYPE_CHECKING:
+    from npu_sync.health import HealthResult
     from npu_sync.limits import ConcurrencyLimit
 
 _NEVER = float("inf")
