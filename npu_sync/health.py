@@ -107,6 +107,80 @@ class Target(Protocol):
     def health_transport(self) -> Transport: ...
 
 
+class WorkerHealth:
+    """What the health checks have learnt of one worker (``worker.health``): the
+    rise/fall counts behind its ``healthy`` flag, the hints its last passed check
+    carried, the last result, and the connection the checks use.
+
+    ``failures`` and ``passes`` count consecutive failed and passed checks;
+    ``hinted_capacity`` and ``hinted_draining`` are the worker's own word on how many
+    tasks it takes and whether it is draining (None and False until it said);
+    ``awaiting_check``: a worker a reload added takes no task until a check passes, and
+    until that check is applied a task may wait for it (see :mod:`npu_sync.outage`).
+    ``transport`` is the health checks' own connection, never the tasks'.
+
+    Not thread-safe: read and written under the pool's lock (``transport`` itself is
+    thread-safe and used outside it).
+    """
+
+    __slots__ = (
+        "awaiting_check",
+        "failures",
+        "hinted_capacity",
+        "hinted_draining",
+        "last",
+        "passes",
+        "transport",
+    )
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.last: HealthResult | None = None
+        self.awaiting_check = False
+        self.failures = 0
+        self.passes = 0
+        self.hinted_capacity: int | None = None
+        self.hinted_draining = False
+
+    def apply(
+        self, result: HealthResult, healthy: bool, unhealthy_after: int, healthy_after: int
+    ) -> bool:
+        """Count one check of a worker that was ``healthy`` before it, and take its
+        hints if it passed; returns whether the worker is healthy after it."""
+        self.last = result
+        self.awaiting_check = False
+        if result.ok:
+            self.failures = 0
+            self.passes += 1
+            self.hinted_draining = bool(result.draining)
+            self.hinted_capacity = result.max_concurrent
+            return healthy or self.passes >= healthy_after
+        self.passes = 0
+        self.failures += 1
+        # An answer that is not a worker's (a 404, another service's page) is the
+        # operator's to fix: no point waiting for more checks to agree.
+        return healthy and not (self.failures >= unhealthy_after or result.not_a_worker)
+
+    def await_first_check(self) -> None:
+        """A check is on its way that the worker must pass before it takes a task."""
+        self.awaiting_check = True
+
+    def restart(self) -> None:
+        """The worker was taken out of service: it comes back only after
+        ``health.healthy_threshold`` checks pass from now."""
+        self.passes = 0
+
+    def forget(self, transport: Transport) -> None:
+        """The worker moved to a new address (checked on ``transport``): nothing learnt
+        of the old one carries over."""
+        self.transport = transport
+        self.last = None
+        self.failures = 0
+        self.passes = 0
+        self.hinted_capacity = None
+        self.hinted_draining = False
+
+
 MAX_BODY_BYTES = 1024 * 1024
 """A health answer larger than this fails its check without being decoded."""
 

@@ -62,7 +62,7 @@ def held_until(worker: Worker, now: float, *, shared_breakers: bool = False) -> 
     """Until when ``worker`` cannot take a task, whatever happens meanwhile inside this
     process: ``(until, breaker_until, cooldown_until)``, each :data:`NOW` when nothing
     holds it, :data:`NEVER` when only news can bring it back."""
-    if not worker.enabled or worker.draining or worker.hinted_draining:
+    if not worker.enabled or worker.draining or worker.health.hinted_draining:
         return _NEVER_HOLD
     if not worker.healthy and not awaiting_first_check(worker):
         return _NEVER_HOLD
@@ -86,7 +86,7 @@ def awaiting_first_check(worker: Worker) -> bool:
     may come at any moment, and a task waits for it rather than fail while the new
     worker is seconds from answering. Its first check, passed or failed, ends this
     (the waiters are woken then)."""
-    return worker.awaiting_check and not worker.healthy
+    return worker.health.awaiting_check and not worker.healthy
 
 
 def down_reason(worker: Worker, now: float) -> str | None:
@@ -95,7 +95,7 @@ def down_reason(worker: Worker, now: float) -> str | None:
     not down."""
     if not worker.enabled:
         return "disabled"
-    if worker.draining or worker.hinted_draining:
+    if worker.draining or worker.health.hinted_draining:
         return "draining"
     if worker.refused_until > now:
         return "refusing the credentials"
@@ -103,7 +103,7 @@ def down_reason(worker: Worker, now: float) -> str | None:
         return "awaiting its first health check"
     if not worker.healthy:
         # The latest word on why: a failed health check, else what a task was answered.
-        checked = worker.health
+        checked = worker.health.last
         if checked is not None and not checked.ok:
             return "not an NPU worker" if checked.not_a_worker else "unhealthy"
         error = worker.stats.last_error
@@ -225,7 +225,7 @@ def accept_credentials(worker: Worker) -> bool:
 
 def credentials_news(worker: Worker, result: HealthResult) -> str | None:
     """What a health check says of ``worker``'s credentials, applied to it. Call under
-    the pool's lock, before the result itself is applied (``worker.health`` is still
+    the pool's lock, before the result itself is applied (``worker.health.last`` is still
     the previous check).
 
     A check answered 401/403 takes the worker out until a check passes. A check that
@@ -241,7 +241,7 @@ def credentials_news(worker: Worker, result: HealthResult) -> str | None:
         worker.stats.last_error = error
         worker.stats.last_error_at = result.checked_at
         return error if refuse_credentials(worker, error, NEVER) else None
-    previous = worker.health
+    previous = worker.health.last
     if result.ok and previous is not None and previous.status in REFUSED_CREDENTIALS:
         accept_credentials(worker)
     return None

@@ -453,11 +453,12 @@ class Placer:
         views = []
         with state.lock:
             for worker in state.workers.values():
-                models = worker.models
+                held = worker.held
+                models = held.models
                 if worker.protocol.loads_on_demand or worker.protocol.name != "autobot-linux":
                     models = None  # nothing to place: it loads what it is asked for
                 elif models is not None:
-                    models = frozenset(m for m in models if m not in worker.not_loaded)
+                    models = frozenset(m for m in models if m not in held.not_loaded)
                 cap = worker.config.max_models or self._learnt_cap.get(worker.id)
                 views.append(
                     WorkerView(
@@ -618,9 +619,9 @@ class Placer:
                 self._loaded_at[key] = state.clock.monotonic()
                 self.counts["loads"] += 1
                 if state.workers.get(worker.id) is worker:
-                    worker.model_placed(load.model)
+                    worker.held.model_placed(load.model)
                     state.models_changed_locked()
-                models = worker.models
+                models = worker.held.models
             self._notify(worker.id, load.model, "load", load.reason, seconds)
             state.notify(
                 WorkerModelsChanged(
@@ -650,7 +651,7 @@ class Placer:
             now = state.clock.monotonic()
             if self.use.in_flight(worker_id, model):
                 return f"{model} has tasks in flight on {worker_id}"
-            worker.model_not_loaded(model, now)
+            worker.held.model_not_loaded(model, now)
             state.models_changed_locked()
         t0 = state.clock.monotonic()
         error = self._request(worker, "DELETE", "/models/" + _quote(model), None, None)
@@ -736,8 +737,9 @@ class Placer:
         # swapped whole, so each is read as one list.
         held: dict[str, list[str]] = {}
         for worker in list(state.workers.values()):
-            for model in worker.models or ():
-                if model not in worker.not_loaded:
+            held_by = worker.held
+            for model in held_by.models or ():
+                if model not in held_by.not_loaded:
                     held.setdefault(model, []).append(worker.id)
         rows: list[ModelRowDict] = []
         for model in sorted(set(held) | set(config.catalog)):

@@ -485,8 +485,10 @@ class WorkerPool:
                     ModelStats,
                     {
                         "placement": self._state.config.models.placement,
-                        "held": sorted({m for w in workers if w.models for m in w.models}),
-                        "unknown": sum(1 for w in workers if w.models is None),
+                        "held": sorted(
+                            {m for w in workers if w.held.models for m in w.held.models}
+                        ),
+                        "unknown": sum(1 for w in workers if w.held.models is None),
                         "corrections": self._state.model_counts["corrections"],
                         "placements": self._state.model_counts["placements"],
                         "placement_failures": self._state.model_counts["placement_failures"],
@@ -646,7 +648,7 @@ class WorkerPool:
                 self._state.shared.stop()
             for worker in workers:
                 worker.transport.close()
-                worker.health_transport.close()
+                worker.health.transport.close()
             self.dead_letters.close()
         finally:
             self._release_done.set()
@@ -811,9 +813,11 @@ class WorkerPool:
                         now = self._state.clock.monotonic()
                         self._state.recovered_locked(worker, now, "healthy")
                 if result.ok:
-                    changed = worker.apply_models(result)
+                    held = worker.held
+                    changed = held.apply_models(result)
+                    worker.rank()  # npu_available may have changed
                     if changed is not None:
-                        listed = None if worker.models is None else tuple(sorted(worker.models))
+                        listed = None if held.models is None else tuple(sorted(held.models))
                         added, removed = (tuple(sorted(m)) for m in changed)
                         models.append(
                             WorkerModelsChanged(at, worker_id, "health", added, removed, listed)

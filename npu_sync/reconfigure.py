@@ -108,7 +108,7 @@ class _Built:
         """Close everything built: the change will not be installed."""
         for worker in self.workers.values():
             worker.transport.close()
-            worker.health_transport.close()
+            worker.health.transport.close()
         for pair in self.rewired.values():
             for transport in pair:
                 transport.close()
@@ -497,7 +497,7 @@ class Reconfigurer:
                 worker = state.workers[wid]
                 worker.configure(wanted[wid])
                 if wid in built.rewired:
-                    to_close += [worker.transport, worker.health_transport]
+                    to_close += [worker.transport, worker.health.transport]
                     worker.moved(*built.rewired[wid])
                     state.recovered_locked(worker, state.clock.monotonic(), "moved")
                 elif wid in built.resized:
@@ -532,9 +532,9 @@ def _remove_locked(state: PoolState, wid: str, *, drain: bool, to_close: list[Tr
     worker.draining = True
     worker.removed = True
     if not drain or not worker.in_flight:
-        to_close += [worker.transport, worker.health_transport]
+        to_close += [worker.transport, worker.health.transport]
     else:
-        to_close.append(worker.health_transport)
+        to_close.append(worker.health.transport)
         # Still shown by workers() and stats() until its tasks finish.
         state.draining[wid] = worker
 

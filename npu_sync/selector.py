@@ -981,7 +981,7 @@ class Selector:
                 if (w := slot.worker).in_flight < w.capacity
                 or slot.doom != _NOW
                 or not w.healthy
-                or w.hinted_draining
+                or w.health.hinted_draining
                 or w.refused_until > now
             ]
             recheck += self._others

@@ -336,7 +336,7 @@ class PoolState:
             if self._lacking_for is not self.config or len(self._lacking) >= _LACKING_LIMIT:
                 self._lacking = {}
                 self._lacking_for = self.config
-            found = frozenset(w.id for w in self.workers.values() if w.lacks(model))
+            found = frozenset(w.id for w in self.workers.values() if w.held.lacks(model))
             self._lacking[model] = found
             return found
 
@@ -349,18 +349,20 @@ class PoolState:
         """The workers changed (a reload): whether any of them has a model list or a
         "not loaded" answer now. Call under the lock."""
         self._lacking = {}
-        self.models_known = any(w.models is not None or w.not_loaded for w in self.workers.values())
+        self.models_known = any(
+            w.held.models is not None or w.held.not_loaded for w in self.workers.values()
+        )
 
     def model_not_loaded(self, worker: Worker, model: str) -> None:
         """``worker`` answered "not loaded" for ``model``: correct its list at once."""
         with self.lock:
-            before = worker.models
-            news = worker.model_not_loaded(model, self.clock.monotonic())
+            before = worker.held.models
+            news = worker.held.model_not_loaded(model, self.clock.monotonic())
             self.model_counts["corrections"] += 1
             self.models_known = True
             if news:
                 self.models_changed_locked()
-            now_models = worker.models
+            now_models = worker.held.models
         if news:
             removed = (model,) if before is not None and model in before else ()
             self.notify(
@@ -439,7 +441,7 @@ class PoolState:
             worker.in_flight = 0
             worker.breaker.release(True)  # a trial in flight is the parent's
             worker.stats = WorkerStats()
-            worker.transport, worker.health_transport = self.build_transports(worker.config)
+            worker.transport, worker.health.transport = self.build_transports(worker.config)
         self.dispatcher.set_workers(self.workers.values())
 
 

@@ -822,7 +822,7 @@ class TaskRun:
             down: list[str] = []
             lacking = 0
             for worker in state.workers.values():
-                if worker.lacks(model):
+                if worker.held.lacks(model):
                     lacking += 1
                     continue
                 why = down_reason(worker, now)
@@ -852,7 +852,7 @@ class TaskRun:
             back = {
                 wid
                 for wid in self.not_here
-                if (w := state.workers.get(wid)) is not None and not w.lacks(model)
+                if (w := state.workers.get(wid)) is not None and not w.held.lacks(model)
             }
         self.not_here -= back
         self.excluded -= back
@@ -894,12 +894,12 @@ class TaskRun:
                 if error is None and state.workers.get(worker.id) is not worker:
                     error = f"{worker.id} left the pool while loading it"
                 if error is None:
-                    worker.model_placed(model)
+                    worker.held.model_placed(model)
                     state.models_changed_locked()
                     state.model_counts["placements"] += 1
                 else:
                     state.model_counts["placement_failures"] += 1
-                models = worker.models
+                models = worker.held.models
                 placement.error = error
                 # Under the lock: a waiter that can be stopped checks done under it.
                 placement.done.set()
@@ -952,7 +952,8 @@ class TaskRun:
         """Whether a live worker may serve ``model``. Under the lock."""
         now = self.clock.monotonic()
         return any(
-            not w.lacks(model) and down_reason(w, now) is None for w in self.state.workers.values()
+            not w.held.lacks(model) and down_reason(w, now) is None
+            for w in self.state.workers.values()
         )
 
     def _placement_worker(self) -> Worker | None:

@@ -1,23 +1,29 @@
-"""One worker as the pool sees it: its config, its connection pool, its breaker, its load."""
+"""One worker as the pool sees it: its config, its connection pool, its breaker, its load.
+
+What the health checks learnt of it is :mod:`npu_sync.health`'s (``worker.health``), what
+it holds is :mod:`npu_sync.holdings`'s (``worker.held``); the worker keeps the counts they
+decide (``healthy``, ``capacity``, ``priority``).
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 from npu_sync.auth import RequestAuth, from_config
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
-from npu_sync.health import HealthResult
+from npu_sync.health import WorkerHealth
+from npu_sync.holdings import Holdings
 from npu_sync.latency import PeakEwma
 from npu_sync.metrics import WorkerStats
-from npu_sync.protocols import MAX_MODELS, WorkerProtocol, get_protocol
+from npu_sync.protocols import WorkerProtocol, get_protocol
 from npu_sync.stall import Pace
 from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
 
 if TYPE_CHECKING:
+    from npu_sync.health import HealthResult
     from npu_sync.limits import ConcurrencyLimit
 
 _NEVER = float("inf")
@@ -25,8 +31,6 @@ _NEVER = float("inf")
 CPU_PENALTY = 0.5
 """Added to the priority of a worker that reports ``npu_available: false``: it forms a
 tier of its own, after the NPU workers of its configured tier and before the next."""
-
-_NO_DEVICES: Mapping[str, str] = {}
 
 
 class Worker:
@@ -44,40 +48,39 @@ class Worker:
     ``busy_since`` and ``stall_after`` tell it when a busy worker has gone quiet for
     longer than its estimate. ``limit`` is the adaptive concurrency limit, if any.
 
-    What the worker holds: ``models``, the model ids its last list named (None while
-    unknown), less those it has since answered "not loaded" for (``not_loaded``, with
-    when, on the pool's monotonic clock); ``device`` and ``npu_available`` as it
-    reported them. ``protocol`` and ``auth`` say how to talk to it.
+    Identity: ``id``, ``config``, ``generation`` (bumped when the worker moves to a
+    new address), ``priority`` (its configured tier, after the NPU workers of that
+    tier when it reported no NPU), ``base_path``, ``enabled`` and ``removed``.
+    ``protocol`` and ``auth`` say how to talk to it, ``breaker`` whether it is sick.
+    Counts: ``in_flight`` and ``capacity``; ``healthy``; ``draining`` (being removed);
+    ``cooldown_until`` (a ``Retry-After``); ``refused`` and ``refused_until`` (the
+    operator's credentials refused, see :mod:`npu_sync.outage`); ``stats``; ``routed``,
+    the generation whose inference path answered a task (see :mod:`npu_sync.blame`).
+
+    Owned elsewhere: ``health`` (:class:`~npu_sync.health.WorkerHealth`: rise/fall
+    counts, hints, the last check, the checks' connection) and ``held``
+    (:class:`~npu_sync.holdings.Holdings`: models, device, NPU). The worker applies
+    what they decide to its counts (:meth:`apply_health`, :meth:`rank`).
     """
 
     __slots__ = (
         "auth",
-        "awaiting_check",
         "base_path",
         "breaker",
         "busy_since",
         "capacity",
         "config",
         "cooldown_until",
-        "device",
         "draining",
         "enabled",
         "generation",
         "health",
-        "health_failures",
-        "health_passes",
-        "health_transport",
         "healthy",
-        "hinted_capacity",
-        "hinted_draining",
+        "held",
         "id",
         "in_flight",
         "latency",
         "limit",
-        "model_devices",
-        "models",
-        "not_loaded",
-        "npu_available",
         "pace",
         "priority",
         "protocol",
@@ -105,18 +108,10 @@ class Worker:
     ) -> None:
         self.id = config.id
         self.transport = transport
-        self.health_transport = health_transport
         self.breaker = breaker
         self.in_flight = 0
         self.healthy = True
-        self.health: HealthResult | None = None
-        # Added by a reload, no task until its first health check passes (that check
-        # is on its way): see await_first_check().
-        self.awaiting_check = False
-        self.health_failures = 0
-        self.health_passes = 0
-        self.hinted_capacity: int | None = None
-        self.hinted_draining = False
+        self.health = WorkerHealth(health_transport)
         self.draining = False  # being removed: finishes its tasks, takes no new ones
         self.removed = False
         self.generation = 0  # bumped when the worker moves: older outcomes are stale
@@ -139,12 +134,8 @@ class Worker:
         self.weight = 1
         self.share = 1.0
         self.score = 1.0
-        self.models: frozenset[str] | None = None
-        self.not_loaded: dict[str, float] = {}
-        self.model_devices: Mapping[str, str] = _NO_DEVICES
-        self.device: str | None = None
-        self.npu_available: bool | None = None
         self.protocol: WorkerProtocol = get_protocol(config.protocol)
+        self.held = Holdings(self.protocol.loads_on_demand)
         self.auth: RequestAuth | None = None
         self.wrr = 0.0  # the weighted strategy's running credit
         self.configure(config)
@@ -160,36 +151,30 @@ class Worker:
         self.config = config
         protocol = get_protocol(config.protocol)
         if protocol is not self.protocol:
-            self.forget_models()  # a list read in another protocol's terms
+            # A list read in another protocol's terms.
+            self.held.forget_models(protocol.loads_on_demand)
         self.protocol = protocol
         self.auth = from_config(config.auth)
         self.base_path = config.base_path
-        self._rank()
+        self.rank()
         self.enabled = config.enabled
         # Until the configuration declares it, every worker weighs 1.
         self.weight = int(getattr(config, "weight", 1))
         self._update_capacity()
 
+    @property
+    def health_transport(self) -> Transport:
+        """The health checks' own connection (what :class:`~npu_sync.health.Target`
+        asks of a worker)."""
+        return self.health.transport
+
     def apply_health(self, result: HealthResult, unhealthy_after: int, healthy_after: int) -> bool:
-        """Count a health check; returns whether ``healthy`` changed."""
-        self.health = result
-        self.awaiting_check = False
+        """Count a health check (see :meth:`WorkerHealth.apply
+        <npu_sync.health.WorkerHealth.apply>`); returns whether ``healthy`` changed."""
         was = self.healthy
+        self.healthy = self.health.apply(result, was, unhealthy_after, healthy_after)
         if result.ok:
-            self.health_failures = 0
-            self.health_passes += 1
-            if not was and self.health_passes >= healthy_after:
-                self.healthy = True
-            self.hinted_draining = bool(result.draining)
-            self.hinted_capacity = result.max_concurrent
-            self._update_capacity()
-        else:
-            self.health_passes = 0
-            self.health_failures += 1
-            # An answer that is not a worker's (a 404, another service's page) is the
-            # operator's to fix: no point waiting for more checks to agree.
-            if was and (self.health_failures >= unhealthy_after or result.not_a_worker):
-                self.healthy = False
+            self._update_capacity()  # the hint may have changed
         return self.healthy != was
 
     def await_first_check(self) -> None:
@@ -197,7 +182,7 @@ class Worker:
         reload added (make before break). Until that check is applied, the worker may
         come at any moment, so a task waits for it (see :mod:`npu_sync.outage`)."""
         self.healthy = False
-        self.awaiting_check = True
+        self.health.await_first_check()
 
     def take_out(self, reason: str) -> bool:
         """Take the worker out of service: it is misconfigured (``reason`` says how),
@@ -205,7 +190,7 @@ class Worker:
         does, after ``health.healthy_threshold`` passed checks, or when a reload moves
         it to a new address. Returns whether it was in service."""
         self.stats.last_error = reason
-        self.health_passes = 0
+        self.health.restart()
         was = self.healthy
         self.healthy = False
         return was
@@ -215,107 +200,22 @@ class Worker:
         old address (health, hints, breaker, cool-down) carries over."""
         self.generation += 1
         self.transport = transport
-        self.health_transport = health_transport
+        self.health.forget(health_transport)
         self.healthy = True
-        self.health = None
-        self.health_failures = 0
-        self.health_passes = 0
-        self.hinted_capacity = None
-        self.hinted_draining = False
         self.cooldown_until = 0.0
         self.refused = None
         self.refused_until = 0.0
         self.breaker.reset()
-        self.forget_models()
-        self.npu_available = None
-        self.device = None
-        self._rank()
+        self.held.forget()
+        self.rank()
         self._update_capacity()
 
-    # -- models ------------------------------------------------------------------------
-
-    def lacks(self, model: str) -> bool:
-        """Whether the worker is known not to serve ``model``. A worker whose list is
-        unknown, or that loads models on demand, serves any model it has not answered
-        "not loaded" for."""
-        if model in self.not_loaded:
-            return True
-        models = self.models
-        return models is not None and model not in models and not self.protocol.loads_on_demand
-
-    def apply_models(self, result: HealthResult) -> tuple[frozenset[str], frozenset[str]] | None:
-        """Take the device and model list a passed health check read.
-
-        A "not loaded" answer that came after the list was asked for still holds; older
-        ones give way to the list (for a worker that loads on demand, only once the
-        list names the model).
-
-        Returns:
-            The models added and removed, when the list changed.
-        """
-        if result.npu_available is not None:
-            self.npu_available = result.npu_available
-            self._rank()
-        if result.device is not None:
-            self.device = result.device
-        listed = result.models
-        asked = result.models_at
-        if listed is None:
-            # Not read this round: the last list stands, but a "not loaded" answer from
-            # before the round gives way, as a list would make it do. Without it, a
-            # worker with no list would stay without the model for ever, whatever it
-            # loads later: the cost is one bounce per round while it still lacks it.
-            expired = frozenset(m for m, when in self.not_loaded.items() if when < asked)
-            for model in expired:
-                del self.not_loaded[model]
-            return (expired, frozenset()) if expired and self.models is None else None
-        on_demand = self.protocol.loads_on_demand
-        for model, when in list(self.not_loaded.items()):
-            if when < asked and (model in listed or not on_demand):
-                del self.not_loaded[model]
-        models = listed.difference(self.not_loaded) if self.not_loaded else listed
-        self.model_devices = result.model_devices or _NO_DEVICES
-        old = self.models
-        self.models = models
-        if old == models:
-            return None
-        before = old or frozenset()
-        return models - before, before - models
-
-    def model_not_loaded(self, model: str, now: float) -> bool:
-        """The worker answered that it does not hold ``model``; returns whether that is
-        news (it was thought to hold it, or might have)."""
-        news = model not in self.not_loaded and not (
-            self.models is not None
-            and model not in self.models
-            and not self.protocol.loads_on_demand
-        )
-        not_loaded = self.not_loaded
-        not_loaded.pop(model, None)
-        if len(not_loaded) >= MAX_MODELS:
-            # Tasks naming ever new models must not grow this without end.
-            del not_loaded[next(iter(not_loaded))]
-        not_loaded[model] = now
-        if self.models is not None and model in self.models:
-            self.models = self.models - {model}
-        return news
-
-    def model_placed(self, model: str) -> None:
-        """``model`` was loaded here on the pool's request."""
-        self.not_loaded.pop(model, None)
-        if self.models is not None:
-            self.models = self.models | {model}
-
-    def forget_models(self) -> None:
-        """Know nothing of the worker's models (a new address, another protocol)."""
-        self.models = None
-        self.not_loaded = {}
-        self.model_devices = _NO_DEVICES
-
-    def _rank(self) -> None:
-        # A worker fallen back to CPU comes after the NPU workers of its tier.
+    def rank(self) -> None:
+        """Set ``priority`` from the configured tier and what the worker reported: one
+        fallen back to CPU comes after the NPU workers of its tier. Call after
+        ``held.apply_models()``."""
         base = self.config.priority
-        self.priority = base + CPU_PENALTY if self.npu_available is False else base
+        self.priority = base + CPU_PENALTY if self.held.npu_available is False else base
 
     def set_limit(self, limit: ConcurrencyLimit | None) -> None:
         """Let ``limit`` find this worker's concurrency (None: ``max_concurrent`` alone).
@@ -343,7 +243,7 @@ class Worker:
         return self.capacity != before
 
     def _update_capacity(self) -> None:
-        hinted = self.hinted_capacity
+        hinted = self.health.hinted_capacity
         limit = self.config.max_concurrent
         capacity = limit if hinted is None else min(limit, hinted)
         if self.limit is not None:
@@ -374,7 +274,7 @@ class Worker:
             and self.healthy
             and self.enabled
             and not self.draining
-            and not self.hinted_draining
+            and not self.health.hinted_draining
             and now >= self.cooldown_until
             and now >= self.refused_until
             and self.breaker.can_admit(now)
@@ -382,20 +282,21 @@ class Worker:
 
     def capture(self) -> dict[str, Any]:
         """Copy what :func:`render` needs. Call under the pool's lock; cheap."""
+        held = self.held
         return {
             "id": self.id,
             "name": self.config.name,
             "url": self.config.url,
             "priority": self.config.priority,
             "protocol": self.config.protocol,
-            "models": None if self.models is None else sorted(self.models),
-            "device": self.device,
-            "npu_available": self.npu_available,
+            "models": None if held.models is None else sorted(held.models),
+            "device": held.device,
+            "npu_available": held.npu_available,
             "enabled": self.enabled,
-            "draining": self.draining or self.hinted_draining,
+            "draining": self.draining or self.health.hinted_draining,
             "removed": self.removed,
             "healthy": self.healthy,
-            "health": self.health,
+            "health": self.health.last,
             "breaker": {
                 "state": self.breaker.state,
                 "trips": self.breaker.trips,

@@ -276,7 +276,7 @@ def test_placement_never_loads_a_model_a_live_worker_already_serves():
         # its own placement.
         held.append(model)
         with run.state.lock:
-            run.state.workers["a"].model_placed(model)
+            run.state.workers["a"].held.model_placed(model)
             run.state.models_changed_locked()
         return real(run, model)
 

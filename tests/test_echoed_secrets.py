@@ -188,7 +188,7 @@ def test_model_names_a_worker_sends_are_bounded(tmp_path):
         with WorkerPool.from_yaml(path, watch=False) as pool:
             with pytest.raises((TaskFailed, TaskRejected)) as ended:
                 pool.execute(Task({"input_text": "x"}))
-            kept = [m for w in pool._state.workers.values() for m in w.not_loaded]
+            kept = [m for w in pool._state.workers.values() for m in w.held.not_loaded]
     finally:
         server.close()
     assert all(len(model) <= 256 for model in kept)

@@ -16,9 +16,10 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.health import MAX_BODY_BYTES, HealthChecker, probe
+from npu_sync.health import MAX_BODY_BYTES, HealthChecker, HealthResult, WorkerHealth, probe
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.transport import Response, Transport, TransportError
+from tests.stubs import NoTransport
 
 
 def health_route(state: dict):
@@ -517,7 +518,7 @@ def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_on
         assert first["a"]["ok"] is True and second["a"]["ok"] is True
         assert len(probes) == 1
         worker = pool._state.workers["a"]
-        assert worker.health_passes == 1 and worker.healthy
+        assert worker.health.passes == 1 and worker.healthy
 
 
 @pytest.mark.parametrize(
@@ -538,3 +539,126 @@ def test_a_health_answer_that_is_not_a_workers_takes_the_worker_out_at_once(code
         row = {w["id"]: w for w in pool.workers()}["a"]
     assert result["error"].startswith("not an NPU worker at this URL: GET /health → ")
     assert shown in result["error"] and row["healthy"] is False
+
+
+# -- WorkerHealth: what the checks learnt of one worker -----------------------------------
+
+
+def passed(**kw) -> HealthResult:
+    return HealthResult("a", True, 0.0, status=200, **kw)
+
+
+def failed(**kw) -> HealthResult:
+    return HealthResult("a", False, 0.0, error="connect: refused", **kw)
+
+
+def test_a_healthy_worker_falls_only_after_enough_failures_in_a_row():
+    """unhealthy_after 3: two failures, a pass, two failures keep it up; a third in a
+    row takes it down, and the failures are counted."""
+    health = WorkerHealth(NoTransport())
+    healthy = True
+    for result in (failed(), failed(), passed(), failed(), failed()):
+        healthy = health.apply(result, healthy, 3, 1)
+        assert healthy
+    assert not health.apply(failed(), healthy, 3, 1)
+    assert (health.failures, health.passes) == (3, 0)
+
+
+def test_an_unhealthy_worker_rises_only_after_enough_passes_in_a_row():
+    """healthy_after 2: a pass, a failure, a pass keep it down; a second pass in a row
+    brings it back."""
+    health = WorkerHealth(NoTransport())
+    healthy = False
+    for result in (passed(), failed(), passed()):
+        healthy = health.apply(result, healthy, 1, 2)
+        assert not healthy
+    assert health.apply(passed(), healthy, 1, 2)
+    assert (health.failures, health.passes) == (0, 2)
+
+
+def test_an_answer_that_is_not_a_workers_takes_it_down_at_once():
+    """Not a worker's answer (404, another service): down after one check, whatever
+    the threshold."""
+    health = WorkerHealth(NoTransport())
+    assert not health.apply(failed(not_a_worker=True), True, 5, 1)
+
+
+def test_a_passed_check_sets_the_hints_a_failed_one_leaves_them():
+    """The worker's own word on capacity and draining comes from passed checks only; a
+    pass without hints clears them."""
+    health = WorkerHealth(NoTransport())
+    health.apply(passed(max_concurrent=3, draining=True), True, 2, 1)
+    assert (health.hinted_capacity, health.hinted_draining) == (3, True)
+    health.apply(failed(), True, 2, 1)
+    assert (health.hinted_capacity, health.hinted_draining) == (3, True)
+    health.apply(passed(), True, 2, 1)
+    assert (health.hinted_capacity, health.hinted_draining) == (None, False)
+
+
+def test_the_last_check_is_kept_and_a_first_check_ends_the_wait_for_one():
+    """A worker awaiting its first check stops awaiting it once any check is applied."""
+    health = WorkerHealth(NoTransport())
+    health.await_first_check()
+    assert health.awaiting_check and health.last is None
+    result = failed()
+    health.apply(result, False, 2, 1)
+    assert not health.awaiting_check and health.last is result
+
+
+def test_a_worker_taken_out_counts_its_passes_anew():
+    """Taken out of service: the passes before do not count towards its return."""
+    health = WorkerHealth(NoTransport())
+    health.apply(passed(), True, 2, 2)
+    health.restart()
+    assert not health.apply(passed(), False, 2, 2)
+    assert health.apply(passed(), False, 2, 2)
+
+
+def test_a_move_forgets_what_the_checks_learnt_and_swaps_the_connection():
+    """A new address: counts, hints and the last check are gone; checks use the new
+    connection."""
+    old, new = NoTransport(), NoTransport()
+    health = WorkerHealth(old)
+    health.apply(passed(max_concurrent=2, draining=True), True, 2, 1)
+    health.apply(failed(), True, 2, 1)
+    health.forget(new)
+    assert health.transport is new and health.last is None
+    assert (health.failures, health.passes) == (0, 0)
+    assert (health.hinted_capacity, health.hinted_draining) == (None, False)
+
+
+def test_a_check_of_the_old_address_that_ends_after_a_move_teaches_the_new_one_nothing():
+    """A check still running when a reload moves the worker answers with hints, no NPU
+    and a model list: none of it reaches the worker at its new address."""
+    net = FakeNetwork()
+    entered, release = threading.Event(), threading.Event()
+
+    def old_address(req):
+        if req.path == "/health":
+            entered.set()
+            release.wait(10)
+        body = {"status": "healthy", "max_concurrent": 1, "draining": True}
+        return json_response(200, {**body, "npu_available": False, "loaded_models": ["m"]})
+
+    net.route("a", old_address)
+    checks = HealthConfig(enabled=False, timeout=10)
+    first = worker_config("a", "http://127.0.0.1:9511", max_concurrent=4, priority=2)
+    with WorkerPool(
+        PoolConfig(workers=(first,), health=checks), transport_factory=net.factory
+    ) as pool:
+        results: dict = {}
+        round_ = threading.Thread(target=lambda: results.update(pool.check_health()))
+        round_.start()
+        try:
+            assert entered.wait(10)
+            moved = worker_config("a", "http://127.0.0.1:9512", max_concurrent=4, priority=2)
+            assert pool.reload(PoolConfig(workers=(moved,), health=checks)).updated == ("a",)
+        finally:
+            release.set()
+            round_.join(10)
+        assert results["a"]["ok"] is True and results["a"]["draining"] is True
+        worker = pool._state.workers["a"]
+        assert worker.health.last is None and not worker.health.hinted_draining
+        assert worker.capacity == 4 and worker.eligible(pool._state.clock.monotonic())
+        assert worker.held.npu_available is None and worker.held.models is None
+        assert worker.priority == 2

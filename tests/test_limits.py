@@ -303,10 +303,10 @@ def test_a_workers_capacity_follows_its_limit_under_max_concurrent():
     assert worker.capacity == 4
     changed = [worker.sample_limit(0.02, 4, False) for _ in range(4 + 16)]
     assert changed[-1] and not any(changed[:-1]) and worker.capacity == 5  # a step up
-    worker.hinted_capacity = 2
+    worker.health.hinted_capacity = 2
     worker.sample_limit(0.02, 5, False)
     assert worker.capacity == 2
-    worker.hinted_capacity = None
+    worker.health.hinted_capacity = None
     worker.set_limit(None)
     assert worker.capacity == 16
 

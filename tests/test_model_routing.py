@@ -127,13 +127,13 @@ def test_a_correction_newer_than_the_list_outlives_that_list():
     net = FakeNetwork()
     with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
         worker = pool._state.workers["a"]
-        worker.model_not_loaded("m", now=10.0)
+        worker.held.model_not_loaded("m", now=10.0)
         old = HealthResult("a", True, 0.0, models=frozenset({"m", "n"}), models_at=9.0)
-        assert worker.apply_models(old) == (frozenset({"n"}), frozenset())
-        assert worker.lacks("m") and not worker.lacks("n")
+        assert worker.held.apply_models(old) == (frozenset({"n"}), frozenset())
+        assert worker.held.lacks("m") and not worker.held.lacks("n")
         newer = HealthResult("a", True, 0.0, models=frozenset({"m", "n"}), models_at=11.0)
-        worker.apply_models(newer)
-        assert not worker.lacks("m")
+        worker.held.apply_models(newer)
+        assert not worker.held.lacks("m")
 
 
 def test_a_model_whose_holders_are_down_is_rejected_at_once_with_no_attempt():

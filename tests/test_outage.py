@@ -89,7 +89,7 @@ def test_a_worker_that_is_down_is_held_until_news_comes(clock, state):
     a = make_worker(clock, "a", enabled=state != "disabled")
     a.healthy = state != "unhealthy"
     a.draining = state == "draining"
-    a.hinted_draining = state == "hinted"
+    a.health.hinted_draining = state == "hinted"
     if state == "refused":
         a.refused_until = NEVER
     assert held_until(a, clock.monotonic())[0] == NEVER
@@ -338,7 +338,7 @@ def test_a_refused_health_check_takes_the_worker_out_until_a_check_passes(clock)
     a = make_worker(clock, "a")
     refused_check = HealthResult("a", False, 0.0, status=401, error="credentials refused: HTTP 401")
     assert credentials_news(a, refused_check) == "credentials refused: HTTP 401"
-    a.health = refused_check
+    a.health.last = refused_check
     assert credentials_news(a, refused_check) is None  # not news the second time
     assert held_until(a, clock.monotonic())[0] == NEVER and not a.eligible(clock.monotonic())
     assert a.stats.last_error == "credentials refused: HTTP 401"
@@ -350,7 +350,7 @@ def test_a_passing_unauthenticated_health_check_does_not_undo_a_tasks_refusal(cl
     """AutoBot answers /health without asking for credentials: a passing check after
     a task was refused says nothing of them, so the worker waits out its time."""
     a = make_worker(clock, "a")
-    a.health = HealthResult("a", True, 0.0, status=200)
+    a.health.last = HealthResult("a", True, 0.0, status=200)
     refuse_credentials(a, "credentials refused: HTTP 401", clock.monotonic() + 60)
     credentials_news(a, HealthResult("a", True, 0.0, status=200))
     assert not a.eligible(clock.monotonic())
