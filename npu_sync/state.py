@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from npu_sync.admission import Dispatcher
+from npu_sync.balancing.limits import HillClimbingLimit
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.budget import BudgetTotals, RetryBudget
 from npu_sync.capability import CapabilityFilter
@@ -33,7 +34,6 @@ from npu_sync.events import (
     log_event,
 )
 from npu_sync.hedge import HedgePolicy, HedgeTimer, HedgeTotals
-from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.modelcost import ModelCosts
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
