@@ -139,15 +139,17 @@ class RoundWindow:
 
 
 class TimedWindow:
-    """A window of time: closes on the first answer once it has lasted
-    ``clamp(2 * its smallest RTT, min_time, max_time)`` seconds and holds at least
-    ``min_samples`` answers (as ``WindowedLimit`` sizes its windows). Drops count in
-    the window under way. Not thread-safe: its limit's caller serialises.
+    """A window of time, from its first answer: closes on the first answer once it has
+    lasted ``clamp(2 * its smallest RTT, min_time, max_time)`` seconds and holds at least
+    ``min_samples`` answers, drops included (as ``WindowedLimit`` sizes its windows):
+    a worker that refuses every task still closes windows, ``max_time`` long. Not
+    thread-safe: its limit's caller serialises.
 
     Args:
         clock: monotonic seconds.
         min_time, max_time: the shortest and longest a window lasts, answers allowing.
-        min_samples: the fewest answers a window holds; it lasts longer until it has them.
+        min_samples: the fewest answers (drops included) a window holds; it lasts longer
+            until it has them.
 
     Raises:
         ValueError: a bound below zero, ``max_time < min_time``, or ``min_samples < 1``.
@@ -175,7 +177,7 @@ class TimedWindow:
         self.max_time = max_time
         self.min_samples = min_samples
         self._window = SampleWindow()
-        self._started = clock()
+        self._started = 0.0
 
     @property
     def drops(self) -> int:
@@ -183,18 +185,21 @@ class TimedWindow:
         return self._window.drops
 
     def restart(self) -> None:
-        """Drop what the window holds and start a new one now."""
+        """Drop what the window holds: the next answer starts a new one."""
         self._window.clear()
-        self._started = self._clock()
 
     def offer(self, rtt: float, in_flight: int, dropped: bool) -> WindowSummary | None:
         """Count one answer; the window's summary when this answer closes it."""
         window = self._window
+        if not window.samples and not window.drops:
+            # A window starts with its first answer: a worker idle (or stalled) since the
+            # last one closed says nothing, and would make the next a window of a moment.
+            self._started = self._clock()
         if dropped:
             window.drop()
         else:
             window.add(rtt, in_flight)
-        if window.samples < self.min_samples:
+        if window.samples + window.drops < self.min_samples:
             return None
         now = self._clock()
         length = min(max(2 * window.min_rtt, self.min_time), self.max_time)
@@ -202,5 +207,4 @@ class TimedWindow:
             return None
         summary = window.summary()
         window.clear()
-        self._started = now
         return summary
