@@ -37,26 +37,25 @@ def test_a_sample_window_adds_up_answers_and_drops():
 
 def test_a_round_closes_at_the_size_asked_after_the_skipped_turnover():
     """Skipped answers are not counted; the round closes on the answer that makes it
-    ``needed()`` long, and starts afresh."""
+    ``needed`` long, and starts afresh."""
     window = RoundWindow()
     window.skip(3)
-    closed = [window.offer(1.0, 9, lambda: 4) for _ in range(3)]  # the old level's answers
+    closed = [window.offer(1.0, 9, 4) for _ in range(3)]  # the old level's answers
     assert closed == [None, None, None] and window.samples == 0
-    summaries = [window.offer(0.5, 2, lambda: 4) for _ in range(4)]
+    summaries = [window.offer(0.5, 2, 4) for _ in range(4)]
     assert summaries[:3] == [None, None, None]
     assert summaries[3] is not None and summaries[3].samples == 4
     assert summaries[3].throughput == pytest.approx(8 / 2.0)
     assert window.samples == 0
 
 
-def test_a_round_asks_its_size_on_each_counted_answer():
+def test_a_round_is_judged_against_the_size_given_with_each_answer():
     """The size may change between answers (the limit moved): each answer is judged
-    against the size asked then."""
+    against the size given with it."""
     window = RoundWindow()
-    sizes = iter([10, 10, 2])
-    assert window.offer(0.1, 1, lambda: next(sizes)) is None
-    assert window.offer(0.1, 1, lambda: next(sizes)) is None
-    assert window.offer(0.1, 1, lambda: next(sizes)) is not None
+    assert window.offer(0.1, 1, 10) is None
+    assert window.offer(0.1, 1, 10) is None
+    assert window.offer(0.1, 1, 2) is not None
 
 
 def test_a_timed_window_closes_after_its_time_with_enough_answers():

@@ -172,6 +172,8 @@ class Phase:
 
     mode: ClassVar[str]
     padded: bool = False  # whether the headroom is on top of the knee
+    # A round's answers: this many times max(min_round, twice the limit in force).
+    round_factor: ClassVar[int] = 1
 
     def __init__(self, knee: int) -> None:
         self.knee = knee
@@ -184,10 +186,6 @@ class Phase:
     def next(self, summary: WindowSummary, limit: HillClimbingLimit) -> Phase:
         """The phase to go on with after a round measured ``summary``: ``self`` to stay."""
         raise NotImplementedError
-
-    def round_size(self, limit: HillClimbingLimit) -> int:
-        """Answers a round takes in this phase."""
-        return max(limit.min_round, 2 * limit.current)
 
     def clamp(self, ceiling: int) -> None:
         """A new ceiling, under which this phase goes on."""
@@ -281,9 +279,7 @@ class ProbingUp(_Probe):
     __slots__ = ()
     mode = "up"
     padded = True
-
-    def round_size(self, limit: HillClimbingLimit) -> int:
-        return 2 * super().round_size(limit)
+    round_factor = 2
 
     def next(self, summary: WindowSummary, limit: HillClimbingLimit) -> Phase:
         memory = limit.memory
@@ -437,6 +433,7 @@ class HillClimbingLimit:
     """
 
     __slots__ = (
+        "_current_value",
         "_cut",
         "_headroom",
         "_phase",
@@ -498,7 +495,7 @@ class HillClimbingLimit:
     @property
     def current(self) -> int:
         """The worker's capacity: the knee, plus the headroom once settled."""
-        return self._current(self._phase)
+        return self._current_value
 
     def on_sample(self, rtt: float, in_flight: int, dropped: bool) -> int:
         """Count one attempt.
@@ -524,19 +521,22 @@ class HillClimbingLimit:
         # that says nothing about more load. The headroom need not be full. Above the
         # limit in force the task was sent before a move down (or a reset): it describes
         # a level left behind. An infinite duration is a clock gone wrong.
-        phase = self._phase
-        if not phase.knee <= in_flight <= self.current or not 0 < rtt < math.inf:
-            return self.current
+        phase, current = self._phase, self._current_value
+        if not phase.knee <= in_flight <= current or not 0 < rtt < math.inf:
+            return current
         self.samples += 1
-        summary = self._window.offer(rtt, in_flight, lambda: phase.round_size(self))
-        if summary is not None:
-            self._go(phase.next(summary, self))
-        return self.current
+        needed = max(self.min_round, 2 * current) * phase.round_factor
+        summary = self._window.offer(rtt, in_flight, needed)
+        if summary is None:
+            return current
+        self._go(phase.next(summary, self))
+        return self._current_value
 
     def reset(self) -> None:
         """Start again from the initial limit (a worker back in service, a new address)."""
         self._phase: Phase = Starting(self.initial)
         self._cut: Cut | None = None
+        self._current_value = self.initial
         self.memory = Memory()
         # The worker's queue is not yet what the limit makes it.
         self._window.skip(self.initial)
@@ -554,6 +554,7 @@ class HillClimbingLimit:
         before = self.current
         self.ceiling = ceiling
         self.initial = max(1, min(self._start, ceiling))
+        self._current_value = self._current(phase)
         phase.clamp(ceiling)
         if phase.knee > ceiling:
             # The knee no longer fits: hold at the ceiling (or keep starting from it) and
@@ -635,6 +636,7 @@ class HillClimbingLimit:
         # The new level as the old phase's cut rule saw it.
         skip = max(self._current(old), self._current(phase, holding=isinstance(old, Holding)))
         self._phase = phase
+        self._current_value = self._current(phase)
         self._window.skip(skip)
 
     def _drop(self) -> None:
@@ -658,3 +660,4 @@ class HillClimbingLimit:
             knee -= 1
         self._go(self.hold(knee, None))
         self._cut = Cut(self._phase.knee, cut_level)
+        self._current_value = self._current(self._phase)

@@ -120,18 +120,15 @@ class RoundWindow:
         """Start afresh (the skip under way, if any, goes on)."""
         self._window.clear()
 
-    def offer(self, rtt: float, in_flight: int, needed: Callable[[], int]) -> WindowSummary | None:
-        """Count one answer; the round's summary once it holds ``needed()`` answers.
-
-        ``needed`` is asked only for a counted answer: a round's size may depend on the
-        limit, which the caller may move between answers.
-        """
+    def offer(self, rtt: float, in_flight: int, needed: int) -> WindowSummary | None:
+        """Count one answer; the round's summary once it holds ``needed`` answers (a
+        round's size may depend on the limit, which may move between answers)."""
         if self._skip:
             self._skip -= 1
             return None
         window = self._window
         window.add(rtt, in_flight)
-        if window.samples < needed():
+        if window.samples < needed:
             return None
         summary = window.summary()
         window.clear()
