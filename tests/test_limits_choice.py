@@ -174,3 +174,32 @@ def test_a_learned_limit_cuts_on_an_overload_answer(name):
         assert {row["id"]: row["capacity"] for row in pool.workers()} == {"a": 4, "b": 4}
         assert pool.execute(OK)["worker_id"] == "b"
         assert {row["id"]: row["capacity"] for row in pool.workers()} == {"a": 3, "b": 4}
+
+
+def write(path: Any, limit_lines: str) -> None:
+    path.write_text(
+        "npu_workers:\n"
+        "  workers:\n"
+        "    - {id: a, url: 'http://127.0.0.1:9200'}\n"
+        "  health: {enabled: false}\n"
+        f"  balancing:\n{limit_lines}"
+    )
+
+
+def test_the_file_s_choice_is_hot_and_a_contradiction_keeps_the_running_limit(tmp_path):
+    """Re-reading the file applies a new concurrency_limit to the running pool (a hot
+    setting, reported as changed); a file contradicting itself is refused and the
+    running limit is kept."""
+    path = tmp_path / "pool.yaml"
+    write(path, "    adaptive_concurrency: true\n")
+    net = FakeNetwork()
+    with WorkerPool.from_yaml(path, watch=False, transport_factory=net.factory) as pool:
+        assert algorithm(pool) == "hill-climbing"
+        write(path, "    concurrency_limit: aimd\n")
+        result = pool.reload()
+        assert result.settings_changed and result.restart_required == ()
+        assert algorithm(pool) == "aimd" and pool.config.balancing.concurrency_limit == "aimd"
+        write(path, "    adaptive_concurrency: true\n    concurrency_limit: gradient2\n")
+        with pytest.raises(ConfigError, match="concurrency_limit: gradient2"):
+            pool.reload()
+        assert algorithm(pool) == "aimd"

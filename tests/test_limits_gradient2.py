@@ -125,6 +125,35 @@ def test_a_burst_of_drops_cuts_once_and_drops_of_tasks_above_the_limit_not_at_al
     assert fresh.stats()["estimate"] == pytest.approx(18.0)
 
 
+def test_a_window_with_a_drop_does_not_grow_the_estimate():
+    """The cut holds for the rest of its window: growing by the queue size at the window's
+    end would undo it (10 x 0.9 + 0.2 x 3 = 9.6) every window."""
+    clock = Clock()
+    limit = Gradient2Limit(64, initial=10, clock=clock, max_time=0.1)
+    limit.on_sample(0.001, 10, True)
+    window(limit, clock, 0.02)
+    stats = limit.stats()
+    assert stats["estimate"] == pytest.approx(9.0) and stats["mode"] == "down"
+    window(limit, clock, 0.02)  # a window without drops grows again
+    assert limit.stats()["estimate"] == pytest.approx(9.0 + 0.2 * square_root_headroom(9))
+
+
+def test_a_worker_that_refuses_past_its_room_is_held_near_it():
+    """A worker of 8 slots that answers 429 once 12 tasks are in it: the limit stays
+    near 12 for good, refusing a small share of the tasks."""
+    sim = Sim(seed=3)
+    limit = Gradient2Limit(64, clock=sim.clock)
+    seen: list[int] = []
+    sim.run(
+        limit,
+        40000,
+        refuse_above=lambda i: 12,
+        watch=lambda lim: (within_bounds(lim), seen.append(lim.current)),
+    )
+    assert max(seen[len(seen) // 2 :]) <= 13
+    assert sim.drops < 0.05 * sim.answers
+
+
 def test_oscillating_capacity_keeps_the_contract_and_is_followed_down():
     """Slots swinging 8 <-> 16 every 3000 answers, with a worker refusing past slots +
     4: every answer leaves an int in [1, ceiling], and each fall in room brings the

@@ -21,7 +21,9 @@ What differs from Netflix's: the limit starts at 4 and may go down to 1 (theirs 
 and not under 20), the queue size is ``ceil(sqrt(estimate))`` as the hill climbing's
 headroom (theirs a constant 4), and a drop (429, 503, a timeout) cuts the estimate by
 ``backoff`` at once, once a window and only for a task sent within the limit in force,
-as AIMD does (theirs ignores drops).
+and a window with a drop does not grow it, as AIMD does (theirs ignores drops: against
+a worker that answers 429 past its room, growing by the queue size every window would
+undo each cut and keep it refusing).
 
 Against a worker that queues the tasks it cannot run yet (an NPU worker), the long
 average follows the RTT as the queue grows, so the gradient stays near 1 and the limit
@@ -205,6 +207,11 @@ class Gradient2Limit:
             # Latency back to normal after a long overload: do not wait for the
             # average to forget it.
             self._long *= 0.95
+        if summary.drops:
+            # Cut at its first drop already; growing by the queue size now would undo
+            # the cut every window, and keep a worker that refuses above its room.
+            self._mode = "down"
+            return
         before = self.current
         estimate = self._estimate
         if 2 * summary.max_in_flight < estimate:
