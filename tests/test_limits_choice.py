@@ -27,6 +27,7 @@ from npu_sync.config import (
     parse_config,
     worker_config,
 )
+from npu_sync.events import WorkerLimitChanged
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
 OK = {"model_id": "default", "input_text": "hi"}
@@ -203,3 +204,37 @@ def test_the_file_s_choice_is_hot_and_a_contradiction_keeps_the_running_limit(tm
         with pytest.raises(ConfigError, match="concurrency_limit: gradient2"):
             pool.reload()
         assert algorithm(pool) == "aimd"
+
+
+def test_a_hook_that_turns_the_limit_off_from_its_event_does_not_deadlock():
+    """A hook that answers the first worker.limit_changed (an AIMD cut) by reloading the
+    pool to fixed runs outside the pool's lock: the reload applies, the task that caused
+    the cut still ends with the backup's result, and the worker is back at its
+    max_concurrent."""
+    clock, net = FakeClock(), FakeNetwork()
+    net.route("a", lambda req: json_response(503, {"detail": "overloaded"}))
+    net.route("b", lambda req: json_response(200, {"worker_id": "b"}))
+    workers = (
+        worker_config("a", "http://127.0.0.1:9200", priority=1),
+        worker_config("b", "http://127.0.0.1:9201", priority=2),
+    )
+
+    def build(name: str) -> PoolConfig:
+        return PoolConfig(
+            workers=workers,
+            balancing=BalancingConfig(concurrency_limit=name),
+            health=HealthConfig(enabled=False),
+        )
+
+    reloaded: list[bool] = []
+
+    def hook(event: Any) -> None:
+        if isinstance(event, WorkerLimitChanged) and not reloaded:
+            reloaded.append(pool.reload(build("fixed")).settings_changed)
+
+    pool = WorkerPool(build("aimd"), transport_factory=net.factory, clock=clock, hooks=[hook])
+    with pool:
+        assert pool.execute(OK)["worker_id"] == "b"
+        assert reloaded == [True]
+        assert algorithm(pool) is None
+        assert {row["id"]: row["capacity"] for row in pool.workers()} == {"a": 32, "b": 32}
