@@ -99,6 +99,10 @@ def test_configs_built_in_code_agree_with_the_file_and_survive_replace():
         BalancingConfig(adaptive_concurrency=True, concurrency_limit="aimd")
     with pytest.raises(ConfigError, match="concurrency_limit: must be one of"):
         BalancingConfig(concurrency_limit="vegas")
+    # Built, the hill climbing says adaptive_concurrency: true: replacing only the limit
+    # contradicts it loudly rather than keeping the hill climbing silently.
+    with pytest.raises(ConfigError, match=r"contradicts balancing\.concurrency_limit: aimd"):
+        dataclasses.replace(BalancingConfig(adaptive_concurrency=True), concurrency_limit="aimd")
 
 
 def test_new_limit_builds_the_class_each_name_names():
