@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 from npu_sync._schema import (
@@ -28,6 +28,7 @@ from npu_sync._schema import (
     optional_boolean,
     optional_number,
     section,
+    show,
 )
 from npu_sync.errors import ConfigError, scrub
 
@@ -862,6 +863,9 @@ STRATEGIES: Final = (
 )
 """The ways to pick a worker within a tier (``balancing.strategy``), declared once."""
 
+CONCURRENCY_LIMITS: Final = ("fixed", "hill-climbing", "aimd", "gradient2")
+"""The limits a worker's concurrency may follow (``balancing.concurrency_limit``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RetryBudgetConfig:
@@ -951,14 +955,55 @@ class BalancingConfig:
         unit="s",
     )
     retry_budget: RetryBudgetConfig = section(RetryBudgetConfig, "the pool-wide retry budget")
-    adaptive_concurrency: bool = boolean(
-        False,
-        "find each worker's concurrency from its latency; `max_concurrent` becomes a ceiling",
+    # Read as None when the file does not give it, so that a file giving both keys is
+    # judged on what it says; always a bool once built.
+    adaptive_concurrency: bool = cast(
+        bool,
+        optional_boolean(
+            "find each worker's concurrency from its throughput; `max_concurrent` becomes "
+            "a ceiling. The older spelling of `concurrency_limit: hill-climbing`: `true` "
+            "with another `concurrency_limit`, or `false` with `hill-climbing`, is refused",
+            default_text="`false`",
+        ),
     )
     hedge: HedgeConfig = section(HedgeConfig, "hedged requests")
+    # None when not given, as adaptive_concurrency; always one of the names once built.
+    concurrency_limit: str = choice(
+        cast(str, None),
+        CONCURRENCY_LIMITS,
+        "how many tasks each worker may have in flight: `fixed`, its `max_concurrent`; "
+        "`hill-climbing`, `aimd` or `gradient2`, a limit learned from its answers under "
+        "`max_concurrent` (see [balancing.md](balancing.md#choosing-a-limit))",
+        nullable=True,
+        default_text="`fixed`",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self, "balancing")
+        # adaptive_concurrency is the older spelling of hill-climbing: true means it,
+        # false means another limit (fixed unless concurrency_limit names one). Built,
+        # the two always agree, so that dataclasses.replace() builds them again.
+        limit = cast("str | None", self.concurrency_limit)
+        adaptive = cast("bool | None", self.adaptive_concurrency)
+        if limit is not None and limit not in CONCURRENCY_LIMITS:
+            raise ConfigError(
+                f"balancing.concurrency_limit: must be one of {', '.join(CONCURRENCY_LIMITS)}, "
+                f"got {show(limit)}"
+            )
+        if adaptive is not None and not isinstance(adaptive, bool):
+            raise ConfigError(
+                f"balancing.adaptive_concurrency: must be true or false, got {show(adaptive)}"
+            )
+        if limit is None:
+            limit = "hill-climbing" if adaptive else "fixed"
+        elif adaptive is not None and adaptive != (limit == "hill-climbing"):
+            raise ConfigError(
+                f"balancing.adaptive_concurrency: {show(adaptive)} contradicts "
+                f"balancing.concurrency_limit: {limit} (adaptive_concurrency: true means "
+                "hill-climbing): give concurrency_limit alone"
+            )
+        object.__setattr__(self, "adaptive_concurrency", limit == "hill-climbing")
+        object.__setattr__(self, "concurrency_limit", limit)
 
 
 @dataclass(frozen=True, slots=True)

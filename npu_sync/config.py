@@ -25,6 +25,7 @@ from npu_sync._config_reader import (
     worker_config,
 )
 from npu_sync._config_types import (
+    CONCURRENCY_LIMITS,
     DEFAULT_MAX_CONCURRENT,
     DEFAULT_PORT,
     DEFAULT_TLS_PORT,
@@ -61,6 +62,7 @@ from npu_sync._config_types import (
 from npu_sync.guard import ReloadGuard
 
 __all__ = [
+    "CONCURRENCY_LIMITS",
     "DEFAULT_MAX_CONCURRENT",
     "DEFAULT_PORT",
     "DEFAULT_TLS_PORT",

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from npu_sync.admission import Dispatcher
+from npu_sync.balancing.limits import limit_of, new_limit
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.budget import BudgetTotals, RetryBudget
 from npu_sync.capability import CapabilityFilter
@@ -33,7 +34,6 @@ from npu_sync.events import (
     log_event,
 )
 from npu_sync.hedge import HedgePolicy, HedgeTimer, HedgeTotals
-from npu_sync.limits import HillClimbingLimit
 from npu_sync.metrics import PoolStats, WorkerStats
 from npu_sync.modelcost import ModelCosts
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
@@ -214,8 +214,11 @@ class PoolState:
             leased_trials=self.shared is not None,
         )
         worker = Worker(cfg, transport, breaker, health_transport)
-        if self.config.balancing.adaptive_concurrency:
-            worker.set_limit(HillClimbingLimit(ceiling=cfg.max_concurrent))
+        limit = new_limit(
+            self.config.balancing.concurrency_limit, cfg.max_concurrent, self.clock.monotonic
+        )
+        if limit is not None:
+            worker.set_limit(limit)
         return worker
 
     # -- balancing ---------------------------------------------------------------------
@@ -258,15 +261,16 @@ class PoolState:
             self.budget = self._new_budget(new)  # a new window: tasks start it afresh
         if new.hedge != old.hedge:
             self.hedge = _hedge_policy(new, self.hedge_totals)
+        name = new.concurrency_limit
         for worker in self.workers.values():
-            limit = worker.limit
-            if not new.adaptive_concurrency:
-                if limit is not None:
-                    worker.set_limit(None)
-            elif not isinstance(limit, HillClimbingLimit):
-                worker.set_limit(HillClimbingLimit(ceiling=worker.config.max_concurrent))
-            elif limit.ceiling != worker.config.max_concurrent:
-                limit.set_ceiling(worker.config.max_concurrent)
+            ceiling = worker.config.max_concurrent
+            limit = limit_of(worker.limit, name)
+            if limit is None:
+                # Another limit chosen (or none): the new one starts afresh.
+                if worker.limit is not None or name != "fixed":
+                    worker.set_limit(new_limit(name, ceiling, self.clock.monotonic))
+            elif limit.ceiling != ceiling:
+                limit.set_ceiling(ceiling)
                 worker.set_limit(limit)
         self.dispatcher.release_locked(now)
 

@@ -23,8 +23,8 @@ from npu_sync.stats_types import WorkerRow
 from npu_sync.transport import Transport
 
 if TYPE_CHECKING:
+    from npu_sync.balancing.limits import ConcurrencyLimit
     from npu_sync.health import HealthResult
-    from npu_sync.limits import ConcurrencyLimit
 
 _NEVER = float("inf")
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync.balancing.limits import HillClimbingLimit, square_root_headroom
 from npu_sync.config import BalancingConfig, HealthConfig, PoolConfig, worker_config
-from npu_sync.limits import HillClimbingLimit, square_root_headroom
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
 OK = {"model_id": "default", "input_text": "hi"}

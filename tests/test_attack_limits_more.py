@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from npu_sync.limits import HillClimbingLimit, square_root_headroom
+from npu_sync.balancing.limits import HillClimbingLimit, square_root_headroom
 from tests.test_attack_limits import settled, simulate, within_bounds
 
 
@@ -143,7 +143,8 @@ def test_a_worker_going_from_32_to_16_slots_is_followed_down_promptly(seed):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="a design limit (limits.py): swings faster than a probe are read as its gain",
+    reason="a design limit (balancing/limits/_hill.py): swings faster than a probe are read "
+    "as its gain",
 )
 @pytest.mark.parametrize("seed", [1, 2])
 def test_slots_oscillating_fast_do_not_ratchet_the_knee_to_the_ceiling(seed):

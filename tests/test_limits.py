@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from npu_sync.balancing.limits import HillClimbingLimit, square_root_headroom
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
-from npu_sync.limits import HillClimbingLimit, square_root_headroom
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
 from tests.stubs import NoTransport

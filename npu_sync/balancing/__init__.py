@@ -1,0 +1,1 @@
+"""Balancing: how a worker is chosen and how many tasks it gets."""
