@@ -501,6 +501,7 @@ class WorkerPool:
                         **selection,
                         "ramping": sorted(cast(dict[str, float], selection["ramping"])),
                         "adaptive_concurrency": self._state.config.balancing.adaptive_concurrency,
+                        "concurrency_limit": self._state.config.balancing.concurrency_limit,
                         "retry_budget": budget,
                         "hedge": hedge,
                     },

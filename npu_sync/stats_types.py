@@ -248,6 +248,7 @@ class BalancingStats(TypedDict):
     slow_start: float
     ramping: list[str]
     adaptive_concurrency: bool
+    concurrency_limit: str
     retry_budget: RetryBudgetStats
     hedge: HedgeStats
 

@@ -293,6 +293,7 @@ def test_adaptive_concurrency_sets_capacity_and_backs_off_on_overload():
         after = rows(pool)["a"]
         assert after["capacity"] == 3 and after["balancing"]["limit"] == 3
         assert pool.stats()["balancing"]["adaptive_concurrency"] is True
+        assert pool.stats()["balancing"]["concurrency_limit"] == "hill-climbing"
     changes = [(e.worker_id, e.old, e.new) for e in events if isinstance(e, WorkerLimitChanged)]
     assert changes == [("a", 4, 3)]
 

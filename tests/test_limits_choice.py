@@ -204,6 +204,8 @@ def test_the_file_s_choice_is_hot_and_a_contradiction_keeps_the_running_limit(tm
         result = pool.reload()
         assert result.settings_changed and result.restart_required == ()
         assert algorithm(pool) == "aimd" and pool.config.balancing.concurrency_limit == "aimd"
+        shown = pool.stats()["balancing"]
+        assert shown["concurrency_limit"] == "aimd" and shown["adaptive_concurrency"] is False
         write(path, "    adaptive_concurrency: true\n    concurrency_limit: gradient2\n")
         with pytest.raises(ConfigError, match="concurrency_limit: gradient2"):
             pool.reload()
