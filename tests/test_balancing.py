@@ -192,6 +192,45 @@ def test_slow_start_zero_gives_a_returning_worker_its_share_at_once():
     assert not [e for e in events if isinstance(e, WorkerSlowStart)]
 
 
+def test_a_worker_added_at_run_time_ramps_in_and_says_so():
+    """add_worker(): the new worker's slow start is a ``worker.slow_start`` event with
+    reason ``added``, and its row shows the ramp."""
+    clock, net = FakeClock(), FakeNetwork()
+    events: list[Event] = []
+    cfg = config(("a",), balancing=BalancingConfig(slow_start=10.0))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock, hooks=[events.append]) as pool:
+        pool.execute(OK)
+        pool.add_worker(worker_config("b", "http://127.0.0.1:9300"))
+        ramp = [e for e in events if isinstance(e, WorkerSlowStart)]
+        assert [(e.worker_id, e.reason, e.window) for e in ramp] == [("b", "added", 10.0)]
+        row = rows(pool)["b"]["balancing"]
+        assert row["slow_start_until"] is not None and row["share"] < 0.2
+        assert pool.stats()["balancing"]["ramping"] == ["b"]
+
+
+def test_a_worker_back_twice_at_the_same_moment_ramps_once():
+    """Two reasons to ramp at one moment (a move resets the breaker too): one slow
+    start, one event."""
+    clock, net = FakeClock(), FakeNetwork()
+    events: list[Event] = []
+    cfg = config(("a", "b"), balancing=BalancingConfig(slow_start=10.0))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock, hooks=[events.append]) as pool:
+        state = pool._state
+        worker = state.workers["b"]
+        with state.lock:
+            now = clock.monotonic()
+            state.recovered_locked(worker, now, "moved")
+            state.recovered_locked(worker, now, "recovered")
+        state.flush_events()
+        ramp = [e for e in events if isinstance(e, WorkerSlowStart)]
+        assert [(e.worker_id, e.reason) for e in ramp] == [("b", "moved")]
+        clock.advance(1.0)
+        with state.lock:
+            state.recovered_locked(worker, clock.monotonic(), "healthy")  # a later moment
+        state.flush_events()
+        assert len([e for e in events if isinstance(e, WorkerSlowStart)]) == 2
+
+
 # -- the retry budget ---------------------------------------------------------------------
 
 

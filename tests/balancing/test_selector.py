@@ -627,3 +627,74 @@ def test_a_workers_balancing_view_is_json_ready():
     assert view["weight"] == 1 and view["slow_start_until"] is None
     assert view["limit"]["limit"] == 4
     assert set(view["latency"]) == {"estimate_ms", "observed", "observations"}
+
+
+def test_the_strategy_is_built_once_per_configuration_not_per_selection():
+    """select() is the configured strategy's own: the same object across selections,
+    a new one (of the new kind) after configure()."""
+    ws = [make_worker(n) for n in "ab"]
+    selector = Selector(ws, strategy="round-robin", now=NOW)
+    strategy = selector.select.__self__  # type: ignore[attr-defined]
+    for _ in range(3):
+        selector.select((), NOW)
+    assert selector.select.__self__ is strategy  # type: ignore[attr-defined]
+    assert type(strategy).__name__ == "RoundRobin" and selector.strategy == "round-robin"
+    selector.configure(
+        latency_aware=False, decay=10.0, slow_start=None, now=NOW, strategy="weighted"
+    )
+    assert type(selector.select.__self__).__name__ == "Weighted"  # type: ignore[attr-defined]
+    assert selector.stats(NOW)["strategy"] == "weighted"
+
+
+def test_a_bad_strategy_is_refused_naming_the_value_and_the_choices():
+    """An unknown strategy raises at once, naming what was given and what is allowed."""
+    with pytest.raises(ValueError, match=r"strategy must be one of least-loaded.*'fastest'"):
+        Selector([make_worker("a")], strategy="fastest")
+    selector = Selector([make_worker("a")])
+    with pytest.raises(ValueError, match="'fastest'"):
+        selector.configure(
+            latency_aware=False, decay=10.0, slow_start=None, now=NOW, strategy="fastest"
+        )
+    assert selector.strategy == "least-loaded"
+
+
+def test_the_balancing_state_is_the_selectors_not_the_workers():
+    """A Worker carries no balancing slot of the selector's any more: share, estimate,
+    ramp and score are read through the selector."""
+    worker = make_worker("a")
+    for name in ("latency", "share", "score", "ramp_until", "busy_since", "stall_after", "wrr"):
+        assert not hasattr(worker, name), name
+    selector = Selector([worker], latency_aware=True, now=NOW)
+    selector.observe(worker, 0.05, NOW)
+    assert selector.state_of(worker).latency.value(NOW) == pytest.approx(0.05)
+    assert selector.share_of(worker) == 1.0
+    share, cost, _stamp, _decay, observed, _ramp = selector.captured(worker)
+    assert (share, cost, observed) == (1.0, pytest.approx(0.05), True)
+
+
+def test_a_worker_keeps_what_was_learnt_when_the_candidate_set_is_replaced():
+    """set_workers() with the same worker keeps its slot: its estimate is not lost."""
+    a, b = make_worker("a"), make_worker("b")
+    selector = Selector([a, b], latency_aware=True, now=NOW)
+    selector.observe(a, 0.3, NOW)
+    slot = selector.state_of(a)
+    selector.set_workers([a], NOW)
+    assert selector.state_of(a) is slot and slot.latency.value(NOW) == pytest.approx(0.3)
+
+
+def test_a_draining_worker_still_learns_from_its_last_answers_then_is_forgotten():
+    """A worker removed with a task in flight keeps its state for its row while it
+    drains; once it has nothing in flight, the next change of candidates drops it."""
+    a, b = make_worker("a"), make_worker("b")
+    selector = Selector([a, b], latency_aware=True, now=NOW)
+    selector.observe(b, 0.02, NOW)
+    b.in_flight = 1
+    selector.set_workers([a], NOW)
+    selector.observe(b, 0.4, NOW + 1)
+    assert selector.captured(b)[1] == pytest.approx(0.4)
+    assert b not in selector.workers and selector.select((), NOW + 1) is a
+    b.in_flight = 0
+    selector.set_workers([a], NOW + 2)
+    assert not selector.state_of(b).latency.observed  # a fresh view: nothing kept
+    selector.observe(b, 0.5, NOW + 3)  # a late answer of a forgotten worker is ignored
+    assert not selector.state_of(b).latency.observed
