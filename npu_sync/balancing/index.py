@@ -310,6 +310,7 @@ class Index:
             at = bisect_left(tier.keys, slot.seq)
             tier.keys.insert(at, slot.seq)
             tier.ready.insert(at, slot)
+            tier.workers.insert(at, slot.worker)
             if tier.last is not None and slot.seq <= tier.last.seq:
                 tier.turn += 1
             self._ready += 1
@@ -326,6 +327,7 @@ class Index:
         at = bisect_left(tier.keys, slot.seq)
         del tier.keys[at]
         del tier.ready[at]
+        del tier.workers[at]
         if tier.last is not None and slot.seq <= tier.last.seq:
             tier.turn -= 1
         self._ready -= 1

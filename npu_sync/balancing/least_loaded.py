@@ -33,6 +33,8 @@ P2C_THRESHOLD = 64
 P2C_MISSES = 8
 """Samples that hit a worker the task already tried before the tier is scanned instead."""
 
+_INF = float("inf")
+
 _Scan = Callable[[Tier, Collection[str], float], Slot | None]
 
 
@@ -98,35 +100,38 @@ class LeastLoaded:
 
     def scan(self, tier: Tier, excluded: Collection[str], now: float) -> Slot | None:
         """The worker of ``tier`` with the fewest tasks in flight; ties round robin."""
-        ready = tier.ready
+        ready = tier.workers
         n = len(ready)
         start = tier.turn
-        best: Slot | None = None
+        best: Worker | None = None
         best_load = 0
         best_at = 0
-        unavailable: list[Slot] | None = None
+        unavailable: list[Worker] | None = None
         for i in range(start, start + n):
-            slot = ready[i % n]
-            load = slot.worker.in_flight
-            if (best is None or load < best_load) and slot.id not in excluded:
-                if slot.worker.eligible(now):
-                    best = slot
+            worker = ready[i % n]
+            load = worker.in_flight
+            if (best is None or load < best_load) and worker.id not in excluded:
+                if worker.eligible(now):
+                    best = worker
                     best_load = load
                     best_at = i
                     if load == 0:
                         break
                 elif unavailable is None:
-                    unavailable = [slot]
+                    unavailable = [worker]
                 else:
-                    unavailable.append(slot)
+                    unavailable.append(worker)
+        chosen: Slot | None = None
         if best is not None:
+            chosen = tier.ready[best_at % n]
             tier.turn = best_at % n + 1
-            tier.last = best
+            tier.last = chosen
         if unavailable is not None:
             classify = self._index.classify
-            for slot in unavailable:
-                classify(slot, now)
-        return best
+            slots = self._index.slots
+            for worker in unavailable:
+                classify(slots[worker], now)
+        return chosen
 
     def scan_scores(self, tier: Tier, excluded: Collection[str], now: float) -> Slot | None:
         """:meth:`scan` comparing costs, with the stall rule.
@@ -146,7 +151,9 @@ class LeastLoaded:
                 return None
             start = tier.turn % n
             best: Slot | None = None
-            best_load = 0.0
+            # Costs are finite (scores are rebased, shares and capacities positive),
+            # so the first worker not excluded always beats this.
+            best_load = _INF
             order = ready[start:] + ready[:start] if start else ready
             if latency_aware:
                 # The cost of Scores.cost, inlined: this loop is the hot path.
@@ -155,13 +162,13 @@ class LeastLoaded:
                     load = slot.score * (
                         1.0 + (worker.in_flight + 1) / (worker.capacity * slot.share)
                     )
-                    if (best is None or load < best_load) and slot.id not in excluded:
+                    if load < best_load and slot.id not in excluded:
                         best = slot
                         best_load = load
             else:
                 for slot in order:
                     load = (slot.worker.in_flight + 1) * slot.score
-                    if (best is None or load < best_load) and slot.id not in excluded:
+                    if load < best_load and slot.id not in excluded:
                         best = slot
                         best_load = load
             if best is None:

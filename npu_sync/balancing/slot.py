@@ -25,13 +25,16 @@ BLOCKED = 3  # unavailable until told otherwise
 class Tier:
     """The workers of one priority, and those of them with room. Not thread-safe."""
 
-    __slots__ = ("alone", "keys", "last", "observed", "ready", "turn")
+    __slots__ = ("alone", "keys", "last", "observed", "ready", "turn", "workers")
 
     def __init__(self) -> None:
         # The slots with room, in configuration order, and their seq: the order stays
         # the same however workers leave and come back.
         self.ready: list[Slot] = []
         self.keys: list[int] = []
+        # Their workers, in the same order: a scan of in-flight counts reads only
+        # these, without going through each slot.
+        self.workers: list[Worker] = []
         # Round robin by identity: the next scan starts at the first worker after the
         # last one picked, which stays the same as others enter and leave the list.
         self.last: Slot | None = None

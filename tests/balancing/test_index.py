@@ -97,3 +97,21 @@ def test_rebuild_keeps_the_parked_dict_callers_hold():
     p.index.catch_up(0.0)
     p.index.rebuild([[p.slot(a)]])
     assert p.index.parked is parked and set(parked) == {a}
+
+
+def test_each_tiers_worker_list_mirrors_its_ready_slots():
+    """The workers a count scan reads are the ready slots' workers, in order, through
+    every move in and out of the ready list."""
+    ws = [make_worker(n, capacity=1) for n in "abcd"]
+    p = parts(ws)
+    p.index.catch_up(0.0)
+    tier = p.index.tiers[0]
+    for worker in (ws[1], ws[3], ws[0]):
+        worker.in_flight = 1
+        p.index.taken(worker, 0.0)
+        assert tier.workers == [s.worker for s in tier.ready]
+    for worker in (ws[3], ws[1]):
+        worker.in_flight = 0
+        p.index.update(worker, 0.0)
+        assert tier.workers == [s.worker for s in tier.ready]
+    assert [w.id for w in tier.workers] == ["b", "c", "d"]
