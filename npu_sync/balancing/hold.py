@@ -32,7 +32,7 @@ class PeakHold:
         scores: rekeys a worker whose estimate moved.
     """
 
-    __slots__ = ("_held", "_holds", "_index", "_scores", "due", "seconds")
+    __slots__ = ("_holds", "_index", "_scores", "due", "held", "seconds")
 
     def __init__(self, index: Index, scores: Scores, seconds: float = DEFAULT_HOLD) -> None:
         self.seconds = seconds
@@ -40,17 +40,18 @@ class PeakHold:
         self._scores = scores
         # Workers whose estimate may relax, by when.
         self._holds: list[tuple[float, int, Slot]] = []
-        self._held: set[Slot] = set()
+        self.held: set[Slot] = set()
+        """The slots waiting for their hold to end."""
         self.due = NEVER
         """When :meth:`relax` has something to do: one comparison per selection."""
 
     def note(self, slot: Slot, now: float) -> None:
         """``slot``'s estimate just moved up (an answer, a stall): hold it from ``now``."""
-        if self.seconds and slot not in self._held:
-            self._hold_until(slot, now + self.seconds)
+        if self.seconds and slot not in self.held:
+            self.hold_until(slot, now + self.seconds)
 
-    def _hold_until(self, slot: Slot, when: float) -> None:
-        self._held.add(slot)
+    def hold_until(self, slot: Slot, when: float) -> None:
+        self.held.add(slot)
         heapq.heappush(self._holds, (when, id(slot), slot))
         if when < self.due:
             self.due = when
@@ -64,12 +65,12 @@ class PeakHold:
         members = self._index.slots
         while holds and holds[0][0] <= now:
             _, _, slot = heapq.heappop(holds)
-            self._held.discard(slot)
+            self.held.discard(slot)
             if members.get(slot.worker) is not slot or not hold:
                 continue
             due = slot.latency.stamp + hold
             if due > now:
-                self._hold_until(slot, due)
+                self.hold_until(slot, due)
             elif not slot.worker.in_flight:
                 target = self.relaxed(slot, now)
                 if target is not None and slot.latency.relax(now, target):

@@ -246,7 +246,8 @@ class TwoChoices:
                 first = slot
             elif scores.scored:
                 for one in (first, slot):
-                    if StallRule.quiet(one, now):
+                    # StallRule.quiet(), inlined: two of these on every sampled selection.
+                    if now > one.stall_after and one.worker.in_flight:
                         self._stall.stalled(one, now)
                 return first if scores.cost(first) <= scores.cost(slot) else slot
             else:

@@ -290,7 +290,9 @@ class Selector:
         slot.busy_since = now
         scores = self._scores
         if scores.latency_aware:
-            self._holds.note(slot, now)
+            holds = self._holds
+            if holds.seconds and slot not in holds.held:  # PeakHold.note(), inlined
+                holds.hold_until(slot, now + holds.seconds)
             # The estimate as of its stamp, now but for clock reads a hair apart.
             slot.stall_after = now + latency.cost
             if not member:
