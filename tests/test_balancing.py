@@ -110,6 +110,39 @@ def test_each_strategy_spreads_tasks_as_documented(strategy, expected):
         assert pool.stats()["balancing"]["strategy"] == strategy
 
 
+def test_a_reload_puts_the_new_strategy_in_force_with_a_task_in_flight():
+    """Reloading ``balancing.strategy`` while a task is on a worker: the task ends
+    normally, the next tasks follow the new strategy, and the weighted credit starts
+    from what the old rounds left (no burst)."""
+    net = FakeNetwork()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(req: FakeRequest):
+        if req.json().get("hold"):
+            entered.set()
+            assert release.wait(10.0)
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net.route("a", held)
+    net.route("b", held)
+    specs = (("a", {"weight": 3}), ("b", {"weight": 1}))
+    before = config(specs, balancing=BalancingConfig(strategy="priority", slow_start=0))
+    after = config(specs, balancing=BalancingConfig(strategy="weighted", slow_start=0))
+    with WorkerPool(before, transport_factory=net.factory, clock=FakeClock()) as pool:
+        results: list[Any] = []
+        runner = threading.Thread(target=lambda: results.append(pool.execute({"hold": 1})))
+        runner.start()
+        assert entered.wait(10.0)
+        assert dict(served(pool, 4)) == {"a": 4}  # priority: the first with room
+        pool.reload(after)
+        assert pool.stats()["balancing"]["strategy"] == "weighted"
+        release.set()
+        runner.join(10.0)
+        assert results == [{"worker_id": "a"}]
+        assert dict(served(pool, 40)) == {"a": 30, "b": 10}
+        assert all(row["in_flight"] == 0 for row in pool.workers())
+
+
 def test_weighted_strategy_interleaves_rather_than_bursts():
     """Smooth weighted round robin: a weight-1 worker's tasks are spread out, never two
     in a row next to a weight-3 one."""
