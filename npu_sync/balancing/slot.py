@@ -113,7 +113,3 @@ class Slot:
         self.doom = NOW
         self.breaker_until = NOW
         self.cooldown_until = NOW
-
-    def ramping(self, now: float) -> bool:
-        """Whether a slow start is under way at ``now``."""
-        return self.ramp_until > now
