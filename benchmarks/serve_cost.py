@@ -33,7 +33,7 @@ _CHILD = textwrap.dedent(
     from npu_sync.admission import Dispatcher, _Waiter
     from npu_sync.breaker import WorkerBreaker
     from npu_sync.config import BreakerConfig, ClassConfig, PriorityConfig, worker_config
-    from npu_sync.selector import Selector
+    from npu_sync.balancing.selector import Selector
     from npu_sync.testing import FakeClock
     from npu_sync.worker import Worker
 

@@ -30,11 +30,11 @@ from collections.abc import Callable, Collection, Iterable
 from time import perf_counter as _perf_counter  # bound once: read twice per attempt
 
 from npu_sync._config_types import AdmissionConfig, PriorityConfig
+from npu_sync.balancing.selector import Selector
 from npu_sync.clock import Clock
 from npu_sync.foresight import Late, foresight_for
 from npu_sync.metrics import Window
 from npu_sync.priority import PriorityClasses
-from npu_sync.selector import Selector
 from npu_sync.stop import TaskStop
 from npu_sync.worker import Worker
 

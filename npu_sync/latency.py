@@ -28,7 +28,7 @@ move but a worker that stays slower does (its median follows within a few answer
 A worker with too few answers for its median to say much (its first answer was slow:
 a cold connection, a process starting with every other) relaxes to its tier's typical
 latency instead, else it would stay avoided on one answer; and none relaxes below the
-lower median of its tier's estimates (see :mod:`npu_sync.selector`). Only an estimate
+lower median of its tier's estimates (see :mod:`npu_sync.balancing.hold`). Only an estimate
 more than :data:`SPIKE` (2) times the target relaxes, so a worker slower in steady
 state keeps its cost (its peaks are its own jitter, within twice its median). The
 selector decides when (``balancing.peak_hold``).
@@ -173,7 +173,7 @@ class PeakEwma:
 
         The caller decides when (``hold`` seconds after the last observation, the
         worker idle) and, for a worker with few answers, what is typical (its tier's):
-        see :mod:`npu_sync.selector`."""
+        see :mod:`npu_sync.balancing.hold`."""
         if typical is None:
             typical = self.typical()
         if typical is None or not self.observed or self.value(now) <= SPIKE * typical:

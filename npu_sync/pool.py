@@ -517,7 +517,8 @@ class WorkerPool:
             ordered = sorted(
                 [*self._state.workers.values(), *draining], key=lambda w: (w.priority, w.id)
             )
-            captured = [w.capture() for w in ordered]
+            selector = self._state.dispatcher.selector
+            captured = [w.capture(selector.captured(w)) for w in ordered]
         # Percentiles and rates are computed from copies, outside the lock.
         return [render(c, now) for c in captured]
 

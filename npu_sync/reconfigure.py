@@ -519,8 +519,9 @@ class Reconfigurer:
             state.dispatcher.set_classes_locked(new.priority)
             now = state.clock.monotonic()
             for worker in built.workers.values():
-                if worker.ramp_until > now:  # a new worker ramps in (slow start)
-                    state.events.append(_ramp_event(worker.id, worker.ramp_until - now))
+                until = state.dispatcher.selector.slow_start_until(worker, now)
+                if until is not None:  # a new worker ramps in (slow start)
+                    state.events.append(_ramp_event(worker.id, until - now))
             return to_close, list(state.workers)
 
 

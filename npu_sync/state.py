@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 from npu_sync.admission import Dispatcher
 from npu_sync.balancing.limits import limit_of, new_limit
+from npu_sync.balancing.selector import Selector
+from npu_sync.balancing.slowstart import SlowStart
 from npu_sync.breaker import CLOSED, OPEN, WorkerBreaker
 from npu_sync.budget import BudgetTotals, RetryBudget
 from npu_sync.capability import CapabilityFilter
@@ -39,8 +41,6 @@ from npu_sync.modelcost import ModelCosts
 from npu_sync.protocols import LINUX, WorkerProtocol, get_protocol
 from npu_sync.redact import MIN_SECRET_LENGTH, Scrubber
 from npu_sync.retry import RetryPolicy
-from npu_sync.selector import Selector
-from npu_sync.slowstart import SlowStart
 from npu_sync.stop import TaskStop
 from npu_sync.task import Task
 from npu_sync.trace import TaskWatch
@@ -279,9 +279,10 @@ class PoolState:
         after a trip; ``healthy``; ``moved``): its latency estimate starts again from
         its tier's, its share ramps up, its adaptive limit starts again. Call with
         ``lock`` held; the event waits in ``events``."""
-        if worker.ramp_from == now and worker.ramp_until > now:
-            return  # already, this very moment (a move resets the breaker too)
         selector = self.dispatcher.selector
+        ramp = selector.state_of(worker)
+        if ramp.ramp_from == now and ramp.ramp_until > now:
+            return  # already, this very moment (a move resets the breaker too)
         selector.recovered(worker, now)
         if worker.limit is not None:
             worker.limit.reset()

@@ -15,7 +15,7 @@ from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import WorkerConfig
 from npu_sync.health import WorkerHealth
 from npu_sync.holdings import Holdings
-from npu_sync.latency import PeakEwma
+from npu_sync.latency import DEFAULT_DECAY, MIN_COST
 from npu_sync.metrics import WorkerStats
 from npu_sync.protocols import WorkerProtocol, get_protocol
 from npu_sync.stall import Pace
@@ -26,7 +26,13 @@ if TYPE_CHECKING:
     from npu_sync.balancing.limits import ConcurrencyLimit
     from npu_sync.health import HealthResult
 
-_NEVER = float("inf")
+
+Balancing = tuple[float, float, float, float, bool, float]
+"""What a ``workers()`` row shows of the selector's state of a worker: share, latency
+estimate, its stamp and decay, whether observed, when its slow start ends."""
+
+UNSEEN: Balancing = (1.0, MIN_COST, 0.0, DEFAULT_DECAY, False, -math.inf)
+"""That state for a worker no selector has seen."""
 
 CPU_PENALTY = 0.5
 """Added to the priority of a worker that reports ``npu_available: false``: it forms a
@@ -37,16 +43,16 @@ class Worker:
     """Runtime state of one worker.
 
     Not thread-safe on its own: every mutable field (``in_flight``, ``capacity``,
-    ``healthy``, ``draining``, ``cooldown_until``, ``stats``, the breaker, the
-    balancing state) is read and written under the pool's selection lock.
-    ``transport`` is thread-safe and used outside that lock.
+    ``healthy``, ``draining``, ``cooldown_until``, ``stats``, the breaker) is read and
+    written under the pool's selection lock. ``transport`` is thread-safe and used
+    outside that lock.
 
-    The balancing state is the selector's (see :mod:`npu_sync.selector`): ``weight``,
-    the latency estimate ``latency``, the slow start ramp (``ramp_from`` to
-    ``ramp_until``), ``share`` (weight times the ramp's factor) and ``score``, the
-    cost of one more task here that the selector multiplies by ``in_flight + 1``;
-    ``busy_since`` and ``stall_after`` tell it when a busy worker has gone quiet for
-    longer than its estimate. ``limit`` is the adaptive concurrency limit, if any.
+    ``weight`` is the configured weight; what the selector learns of the worker (its
+    latency estimate, slow start, share, score) is the selector's own, in its slot
+    (see :mod:`npu_sync.balancing.slot`), read through it
+    (:meth:`Selector.state_of <npu_sync.balancing.selector.Selector.state_of>`).
+    ``pace``, the recent successful durations the stall limit reads, stays here: the
+    task's life reads it. ``limit`` is the adaptive concurrency limit, if any.
 
     Identity: ``id``, ``config``, ``generation`` (bumped when the worker moves to a
     new address), ``priority`` (its configured tier, after the NPU workers of that
@@ -67,7 +73,6 @@ class Worker:
         "auth",
         "base_path",
         "breaker",
-        "busy_since",
         "capacity",
         "config",
         "cooldown_until",
@@ -79,24 +84,17 @@ class Worker:
         "held",
         "id",
         "in_flight",
-        "latency",
         "limit",
         "pace",
         "priority",
         "protocol",
-        "ramp_from",
-        "ramp_until",
         "refused",
         "refused_until",
         "removed",
         "routed",
-        "score",
-        "share",
-        "stall_after",
         "stats",
         "transport",
         "weight",
-        "wrr",
     )
 
     def __init__(
@@ -124,20 +122,12 @@ class Worker:
         self.refused: str | None = None
         self.refused_until = 0.0
         self.stats = WorkerStats()
-        self.latency = PeakEwma()
         self.pace = Pace()  # recent successful durations, for the stall limit
         self.limit: ConcurrencyLimit | None = None
-        self.busy_since = 0.0  # the last answer, or when it last became busy
-        self.stall_after = _NEVER  # set by the selector when it compares latency
-        self.ramp_from = 0.0
-        self.ramp_until = -_NEVER  # no slow start under way
         self.weight = 1
-        self.share = 1.0
-        self.score = 1.0
         self.protocol: WorkerProtocol = get_protocol(config.protocol)
         self.held = Holdings(self.protocol.loads_on_demand)
         self.auth: RequestAuth | None = None
-        self.wrr = 0.0  # the weighted strategy's running credit
         self.configure(config)
 
     def configure(self, config: WorkerConfig) -> None:
@@ -250,23 +240,6 @@ class Worker:
             capacity = min(capacity, self.limit.current)
         self.capacity = capacity
 
-    def balancing(self, now: float) -> dict[str, Any]:
-        """What the balancing mechanisms know of this worker: JSON-serialisable.
-
-        ``weight``; ``latency``, the estimate (see :class:`~npu_sync.latency.PeakEwma`);
-        ``slow_start_until``, monotonic seconds when the ramp ends (None when none is
-        under way) and ``share``, the ramp's factor times the weight; ``limit``, the
-        adaptive limit's stats or None.
-        """
-        ramping = self.ramp_until > now
-        return {
-            "weight": self.weight,
-            "share": self.share,
-            "latency": self.latency.stats(now),
-            "slow_start_until": self.ramp_until if ramping else None,
-            "limit": None if self.limit is None else self.limit.stats(),
-        }
-
     def eligible(self, now: float) -> bool:
         """Whether a new attempt may start here now (ignoring per-task exclusions)."""
         return (
@@ -280,8 +253,14 @@ class Worker:
             and self.breaker.can_admit(now)
         )
 
-    def capture(self) -> dict[str, Any]:
-        """Copy what :func:`render` needs. Call under the pool's lock; cheap."""
+    def capture(self, balancing: Balancing = UNSEEN) -> dict[str, Any]:
+        """Copy what :func:`render` needs. Call under the pool's lock; cheap.
+
+        Args:
+            balancing: the selector's state of this worker
+                (:meth:`Selector.captured <npu_sync.balancing.selector.Selector.captured>`).
+        """
+        share, cost, stamp, decay, observed, ramp_until = balancing
         held = self.held
         return {
             "id": self.id,
@@ -309,19 +288,19 @@ class Worker:
             "stats": self.stats.copy(),
             "balancing_state": (
                 self.weight,
-                self.share,
-                self.latency.cost,
-                self.latency.stamp,
-                self.latency.decay,
-                self.latency.observed,
-                self.ramp_until,
+                share,
+                cost,
+                stamp,
+                decay,
+                observed,
+                ramp_until,
                 None if self.limit is None else self.limit.stats(),
             ),
         }
 
-    def snapshot(self, now: float) -> WorkerRow:
+    def snapshot(self, now: float, balancing: Balancing = UNSEEN) -> WorkerRow:
         """A JSON-serialisable view. Call under the pool's lock."""
-        return render(self.capture(), now)
+        return render(self.capture(balancing), now)
 
 
 def render(captured: dict[str, Any], now: float) -> WorkerRow:

@@ -10,9 +10,9 @@ import pytest
 
 from npu_sync import admission
 from npu_sync.admission import Dispatcher, Lease, Refusal
+from npu_sync.balancing.selector import Selector
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
-from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
 from tests.stubs import NoTransport
@@ -503,8 +503,9 @@ def test_a_worker_becoming_busy_starts_its_stall_clock(clock):
     clock.advance(1.0)
     now = clock.monotonic()
     dispatcher.acquire((), far(clock))
-    assert a.busy_since == now
-    assert a.stall_after == pytest.approx(now + 0.05)  # the estimate as last observed
+    balance = selector.state_of(a)
+    assert balance.busy_since == now
+    assert balance.stall_after == pytest.approx(now + 0.05)  # the estimate as last observed
     clock.advance(0.5)
     dispatcher.acquire((), far(clock))
-    assert a.busy_since == now  # still busy since then: the second task changes nothing
+    assert balance.busy_since == now  # still busy since then: the second task changes nothing

@@ -110,6 +110,39 @@ def test_each_strategy_spreads_tasks_as_documented(strategy, expected):
         assert pool.stats()["balancing"]["strategy"] == strategy
 
 
+def test_a_reload_puts_the_new_strategy_in_force_with_a_task_in_flight():
+    """Reloading ``balancing.strategy`` while a task is on a worker: the task ends
+    normally, the next tasks follow the new strategy, and the weighted credit starts
+    from what the old rounds left (no burst)."""
+    net = FakeNetwork()
+    entered, release = threading.Event(), threading.Event()
+
+    def held(req: FakeRequest):
+        if req.json().get("hold"):
+            entered.set()
+            assert release.wait(10.0)
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net.route("a", held)
+    net.route("b", held)
+    specs = (("a", {"weight": 3}), ("b", {"weight": 1}))
+    before = config(specs, balancing=BalancingConfig(strategy="priority", slow_start=0))
+    after = config(specs, balancing=BalancingConfig(strategy="weighted", slow_start=0))
+    with WorkerPool(before, transport_factory=net.factory, clock=FakeClock()) as pool:
+        results: list[Any] = []
+        runner = threading.Thread(target=lambda: results.append(pool.execute({"hold": 1})))
+        runner.start()
+        assert entered.wait(10.0)
+        assert dict(served(pool, 4)) == {"a": 4}  # priority: the first with room
+        pool.reload(after)
+        assert pool.stats()["balancing"]["strategy"] == "weighted"
+        release.set()
+        runner.join(10.0)
+        assert results == [{"worker_id": "a"}]
+        assert dict(served(pool, 40)) == {"a": 30, "b": 10}
+        assert all(row["in_flight"] == 0 for row in pool.workers())
+
+
 def test_weighted_strategy_interleaves_rather_than_bursts():
     """Smooth weighted round robin: a weight-1 worker's tasks are spread out, never two
     in a row next to a weight-3 one."""
@@ -190,6 +223,45 @@ def test_slow_start_zero_gives_a_returning_worker_its_share_at_once():
         assert pool.execute(OK)["worker_id"] == "b"
         assert rows(pool)["b"]["balancing"]["share"] == 1.0
     assert not [e for e in events if isinstance(e, WorkerSlowStart)]
+
+
+def test_a_worker_added_at_run_time_ramps_in_and_says_so():
+    """add_worker(): the new worker's slow start is a ``worker.slow_start`` event with
+    reason ``added``, and its row shows the ramp."""
+    clock, net = FakeClock(), FakeNetwork()
+    events: list[Event] = []
+    cfg = config(("a",), balancing=BalancingConfig(slow_start=10.0))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock, hooks=[events.append]) as pool:
+        pool.execute(OK)
+        pool.add_worker(worker_config("b", "http://127.0.0.1:9300"))
+        ramp = [e for e in events if isinstance(e, WorkerSlowStart)]
+        assert [(e.worker_id, e.reason, e.window) for e in ramp] == [("b", "added", 10.0)]
+        row = rows(pool)["b"]["balancing"]
+        assert row["slow_start_until"] is not None and row["share"] < 0.2
+        assert pool.stats()["balancing"]["ramping"] == ["b"]
+
+
+def test_a_worker_back_twice_at_the_same_moment_ramps_once():
+    """Two reasons to ramp at one moment (a move resets the breaker too): one slow
+    start, one event."""
+    clock, net = FakeClock(), FakeNetwork()
+    events: list[Event] = []
+    cfg = config(("a", "b"), balancing=BalancingConfig(slow_start=10.0))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock, hooks=[events.append]) as pool:
+        state = pool._state
+        worker = state.workers["b"]
+        with state.lock:
+            now = clock.monotonic()
+            state.recovered_locked(worker, now, "moved")
+            state.recovered_locked(worker, now, "recovered")
+        state.flush_events()
+        ramp = [e for e in events if isinstance(e, WorkerSlowStart)]
+        assert [(e.worker_id, e.reason) for e in ramp] == [("b", "moved")]
+        clock.advance(1.0)
+        with state.lock:
+            state.recovered_locked(worker, clock.monotonic(), "healthy")  # a later moment
+        state.flush_events()
+        assert len([e for e in events if isinstance(e, WorkerSlowStart)]) == 2
 
 
 # -- the retry budget ---------------------------------------------------------------------

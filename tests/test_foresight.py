@@ -9,6 +9,7 @@ import pytest
 
 from npu_sync import AdmissionRefused, TaskFailed, WorkerPool
 from npu_sync.admission import Dispatcher, Lease, Refusal
+from npu_sync.balancing.selector import Selector
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import (
     AdmissionConfig,
@@ -19,7 +20,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.foresight import DeadlineForesight, Late, foresight_for
-from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.worker import Worker
 from tests.stubs import NoTransport

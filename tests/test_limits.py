@@ -309,13 +309,3 @@ def test_a_workers_capacity_follows_its_limit_under_max_concurrent():
     worker.health.hinted_capacity = None
     worker.set_limit(None)
     assert worker.capacity == 16
-
-
-def test_a_workers_balancing_view_is_json_ready():
-    """balancing() names weight, share, latency, slow start and limit."""
-    worker = make_worker()
-    worker.set_limit(HillClimbingLimit(16, initial=4))
-    view = worker.balancing(0.0)
-    assert view["weight"] == 1 and view["slow_start_until"] is None
-    assert view["limit"]["limit"] == 4
-    assert set(view["latency"]) == {"estimate_ms", "observed", "observations"}

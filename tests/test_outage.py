@@ -11,6 +11,7 @@ import pytest
 
 from npu_sync import WorkerPool
 from npu_sync.admission import Dispatcher, Lease, Refusal
+from npu_sync.balancing.selector import Selector
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import (
     BreakerConfig,
@@ -31,7 +32,6 @@ from npu_sync.outage import (
     held_until,
     refuse_credentials,
 )
-from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.transport import TransportError
 from npu_sync.worker import Worker

@@ -10,6 +10,7 @@ import pytest
 
 from npu_sync import ConfigError, InvalidTask, Task, WorkerPool
 from npu_sync.admission import Dispatcher, Lease
+from npu_sync.balancing.selector import Selector
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import (
     BreakerConfig,
@@ -20,7 +21,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.priority import PriorityClasses
-from npu_sync.selector import Selector
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.worker import Worker
 from tests.stubs import NoTransport

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from npu_sync.slowstart import SlowStart
+from npu_sync.balancing.slowstart import SlowStart
 
 
 def test_the_factor_ramps_linearly_from_the_floor_to_one_over_the_window():

@@ -11,11 +11,13 @@ from typing import Any, ClassVar
 import pytest
 
 from npu_sync.admission import Dispatcher
+from npu_sync.balancing.least_loaded import P2C_THRESHOLD
+from npu_sync.balancing.limits import HillClimbingLimit
+from npu_sync.balancing.selector import Selector
+from npu_sync.balancing.slowstart import SlowStart
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.latency import TYPICAL
-from npu_sync.selector import P2C_THRESHOLD, Selector
-from npu_sync.slowstart import SlowStart
 from npu_sync.testing import FakeClock
 from npu_sync.worker import Worker
 from tests.stubs import NoTransport
@@ -420,7 +422,8 @@ def test_the_first_answer_of_a_tier_seeds_the_workers_without_one():
     selector = latency_selector([a, b])
     now = CLOCK.monotonic()
     selector.observe(a, 0.02, now)
-    assert b.latency.value(now) == pytest.approx(0.02) and not b.latency.observed
+    b_latency = selector.state_of(b).latency
+    assert b_latency.value(now) == pytest.approx(0.02) and not b_latency.observed
     for _ in range(32):
         chosen = selector.select((), now)
         assert chosen is not None
@@ -429,9 +432,9 @@ def test_the_first_answer_of_a_tier_seeds_the_workers_without_one():
         chosen.in_flight += 1
     assert a.in_flight == b.in_flight == 16
     selector.observe(b, 0.2, now)
-    assert b.latency.value(now) == pytest.approx(0.2)  # its own answer replaces the seed
+    assert b_latency.value(now) == pytest.approx(0.2)  # its own answer replaces the seed
     selector.observe(a, 0.01, now)
-    assert b.latency.value(now) == pytest.approx(0.2)  # once per tier
+    assert b_latency.value(now) == pytest.approx(0.2)  # once per tier
 
 
 def test_costs_follow_capacity_and_weight_with_latency_on():
@@ -533,7 +536,8 @@ def test_a_worker_added_to_a_running_pool_is_seeded_and_ramped_in():
         selector.observe(w, rtt, now)
     d = make_worker("d")
     selector.set_workers([*ws, d], now)
-    assert d.latency.value(now) == pytest.approx(0.03) and not d.latency.observed
+    d_latency = selector.state_of(d).latency
+    assert d_latency.value(now) == pytest.approx(0.03) and not d_latency.observed
     assert selector.slow_start_until(d, now) == now + 10.0
     assert selector.stats(now)["ramping"] == {"d": 10.0}
     assert selector.slow_start_until(d, now + 10.0) is None
@@ -547,10 +551,10 @@ def test_a_recovered_worker_forgets_its_timeouts_and_ramps_up():
     fleet = Fleet(selector, {"a": 0.02, "b": 0.02, "c": 0.02}, callers=32)
     start = fleet.clock.monotonic()
     fleet.run(start + 2)
-    ws[2].latency.observe(20.0, start + 2, ok=False)
+    selector.state_of(ws[2]).latency.observe(20.0, start + 2, ok=False)
     back = fleet.clock.monotonic()
     selector.recovered(ws[2], back)
-    assert ws[2].latency.value(back) == pytest.approx(0.02)
+    assert selector.state_of(ws[2]).latency.value(back) == pytest.approx(0.02)
     fleet.run(back + 12)
     shares = [fleet.share("c", back + t, back + t + 2) for t in (0, 4, 8, 10)]
     assert shares[0] < 0.1
@@ -584,7 +588,9 @@ def test_scores_stay_finite_however_long_the_pool_runs():
         assert selector.select((), later) is b
         selector.observe(b, 0.05, later + 30)
         assert selector.select((), later + 30) is a  # idle, 0.5 s decayed past 0.05 s
-        assert math.isfinite(a.score) and math.isfinite(b.score)
+        assert math.isfinite(selector.state_of(a).score) and math.isfinite(
+            selector.state_of(b).score
+        )
 
 
 def test_configure_turns_latency_awareness_off_and_on():
@@ -611,3 +617,84 @@ def test_large_tier_sampling_compares_scores():
     slow = sum(int(selector.select((), now).id[1:]) % 2 for _ in range(2000))
     # Uniform choice would pick a slow one half the time; the better of two, a quarter.
     assert slow / 2000 < 0.3
+
+
+def test_a_workers_balancing_view_is_json_ready():
+    """balancing_of() names weight, share, latency, slow start and limit."""
+    worker = make_worker("a", capacity=16)
+    worker.set_limit(HillClimbingLimit(16, initial=4))
+    view = Selector([worker]).balancing_of(worker, 0.0)
+    assert view["weight"] == 1 and view["slow_start_until"] is None
+    assert view["limit"]["limit"] == 4
+    assert set(view["latency"]) == {"estimate_ms", "observed", "observations"}
+
+
+def test_the_strategy_is_built_once_per_configuration_not_per_selection():
+    """select() is the configured strategy's own: the same object across selections,
+    a new one (of the new kind) after configure()."""
+    ws = [make_worker(n) for n in "ab"]
+    selector = Selector(ws, strategy="round-robin", now=NOW)
+    strategy = selector.select.__self__  # type: ignore[attr-defined]
+    for _ in range(3):
+        selector.select((), NOW)
+    assert selector.select.__self__ is strategy  # type: ignore[attr-defined]
+    assert type(strategy).__name__ == "RoundRobin" and selector.strategy == "round-robin"
+    selector.configure(
+        latency_aware=False, decay=10.0, slow_start=None, now=NOW, strategy="weighted"
+    )
+    assert type(selector.select.__self__).__name__ == "Weighted"  # type: ignore[attr-defined]
+    assert selector.stats(NOW)["strategy"] == "weighted"
+
+
+def test_a_bad_strategy_is_refused_naming_the_value_and_the_choices():
+    """An unknown strategy raises at once, naming what was given and what is allowed."""
+    with pytest.raises(ValueError, match=r"strategy must be one of least-loaded.*'fastest'"):
+        Selector([make_worker("a")], strategy="fastest")
+    selector = Selector([make_worker("a")])
+    with pytest.raises(ValueError, match="'fastest'"):
+        selector.configure(
+            latency_aware=False, decay=10.0, slow_start=None, now=NOW, strategy="fastest"
+        )
+    assert selector.strategy == "least-loaded"
+
+
+def test_the_balancing_state_is_the_selectors_not_the_workers():
+    """A Worker carries no balancing slot of the selector's any more: share, estimate,
+    ramp and score are read through the selector."""
+    worker = make_worker("a")
+    for name in ("latency", "share", "score", "ramp_until", "busy_since", "stall_after", "wrr"):
+        assert not hasattr(worker, name), name
+    selector = Selector([worker], latency_aware=True, now=NOW)
+    selector.observe(worker, 0.05, NOW)
+    assert selector.state_of(worker).latency.value(NOW) == pytest.approx(0.05)
+    assert selector.share_of(worker) == 1.0
+    share, cost, _stamp, _decay, observed, _ramp = selector.captured(worker)
+    assert (share, cost, observed) == (1.0, pytest.approx(0.05), True)
+
+
+def test_a_worker_keeps_what_was_learnt_when_the_candidate_set_is_replaced():
+    """set_workers() with the same worker keeps its slot: its estimate is not lost."""
+    a, b = make_worker("a"), make_worker("b")
+    selector = Selector([a, b], latency_aware=True, now=NOW)
+    selector.observe(a, 0.3, NOW)
+    slot = selector.state_of(a)
+    selector.set_workers([a], NOW)
+    assert selector.state_of(a) is slot and slot.latency.value(NOW) == pytest.approx(0.3)
+
+
+def test_a_draining_worker_still_learns_from_its_last_answers_then_is_forgotten():
+    """A worker removed with a task in flight keeps its state for its row while it
+    drains; once it has nothing in flight, the next change of candidates drops it."""
+    a, b = make_worker("a"), make_worker("b")
+    selector = Selector([a, b], latency_aware=True, now=NOW)
+    selector.observe(b, 0.02, NOW)
+    b.in_flight = 1
+    selector.set_workers([a], NOW)
+    selector.observe(b, 0.4, NOW + 1)
+    assert selector.captured(b)[1] == pytest.approx(0.4)
+    assert b not in selector.workers and selector.select((), NOW + 1) is a
+    b.in_flight = 0
+    selector.set_workers([a], NOW + 2)
+    assert not selector.state_of(b).latency.observed  # a fresh view: nothing kept
+    selector.observe(b, 0.5, NOW + 3)  # a late answer of a forgotten worker is ignored
+    assert not selector.state_of(b).latency.observed
