@@ -1,0 +1,204 @@
+"""The steps of a task's life, stacked once per configuration.
+
+:class:`Stack` builds, from the pool's configuration, the chain of small steps each
+attempt goes down, top to bottom (a step the configuration does not need is not in
+it)::
+
+    Retry                      the loop: one attempt after another (retry.py)
+      Fit                      requires / prefers (admission.py)
+      Costed                   with models.cost: the fastest worker for the model
+      ModelRoute               once model lists are known: workers lacking it left out
+      Admit                    the lease, waiting FIFO for capacity (admission.py)
+        ModelHeld              once model lists are known: learnt to lack it meanwhile
+        FleetTrial             with shared breakers: the fleet's lease on a trial
+        ModelCount             with models.balance: tasks in flight per model
+        Hedge                  with balancing.hedge: a second worker for a slow answer
+        Record                 the attempt, recorded under the lock (admission.py)
+        Compose                body, headers, auth (protocol.py)
+        Send                   the request and its outcome (transport.py)
+
+Above :class:`~npu_sync.life.admission.Admit` a step is called as
+``step(ctx, next)``; from the lease down, as ``step(ctx, attempt, next)``. Each link
+is a closure made here once, so a task pays one call per step and no lookup. Which
+model-aware chain an attempt takes is read per attempt (``PoolState.models_known``),
+as a pool learns its workers' models while it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from npu_sync.life.admission import Admit, Fit, FleetTrial, Record
+from npu_sync.life.context import TaskContext, Try
+from npu_sync.life.hedge import Hedge
+from npu_sync.life.models import Costed, ModelCount, ModelHeld, ModelRoute
+from npu_sync.life.outcomes import Outcomes
+from npu_sync.life.protocol import Compose
+from npu_sync.life.retry import Retry
+from npu_sync.life.transport import Send
+from npu_sync.state import PoolState
+from npu_sync.stop import TaskStop
+from npu_sync.task import Task
+from npu_sync.trace import TaskWatch
+
+UpperStep = Callable[[TaskContext, Callable[[TaskContext], Any]], Any]
+LowerStep = Callable[[TaskContext, Try, Callable[[TaskContext, Try], Any]], Any]
+
+
+def upper(
+    steps: Sequence[UpperStep], last: Callable[[TaskContext], Any]
+) -> Callable[[TaskContext], Any]:
+    """``steps`` chained in front of ``last``: each called as ``step(ctx, next)``."""
+    call = last
+    for step in reversed(steps):
+        call = _upper_link(step, call)
+    return call
+
+
+def lower(
+    steps: Sequence[LowerStep], last: Callable[[TaskContext, Try], Any]
+) -> Callable[[TaskContext, Try], Any]:
+    """``steps`` chained in front of ``last``: each called as ``step(ctx, at, next)``."""
+    call = last
+    for step in reversed(steps):
+        call = _lower_link(step, call)
+    return call
+
+
+def _upper_link(step: UpperStep, nxt: Callable[[TaskContext], Any]) -> Callable[[TaskContext], Any]:
+    def link(ctx: TaskContext) -> Any:
+        return step(ctx, nxt)
+
+    return link
+
+
+def _lower_link(
+    step: LowerStep, nxt: Callable[[TaskContext, Try], Any]
+) -> Callable[[TaskContext, Try], Any]:
+    def link(ctx: TaskContext, at: Try) -> Any:
+        return step(ctx, at, nxt)
+
+    return link
+
+
+class Stack:
+    """The steps for one configuration (and its retry policy, hedge policy, budget,
+    placer, model costs and shared state: :meth:`current` says whether the pool still
+    runs with them). Immutable once built; thread-safe."""
+
+    __slots__ = (
+        "budget",
+        "config",
+        "costs",
+        "hedge",
+        "models",
+        "outcomes",
+        "placer",
+        "plain",
+        "policy",
+        "retry",
+        "shared",
+        "state",
+        "steps",
+    )
+
+    def __init__(
+        self, state: PoolState, outcomes: Outcomes, check: Callable[[Any], object] | None
+    ) -> None:
+        self.state = state
+        self.outcomes = outcomes
+        self.config = config = state.config
+        self.policy = policy = state.retry
+        self.hedge = hedge = state.hedge
+        self.budget = state.budget
+        self.placer = placer = state.placer
+        self.costs = costs = state.model_costs
+        self.shared = shared = state.shared
+        self.retry = Retry(state, config, policy, outcomes)
+        below: list[Any] = []
+        if shared is not None:
+            below.append(FleetTrial(state, config))
+        if placer is not None:
+            below.append(ModelCount(state))
+        if hedge.enabled:
+            below.append(Hedge(state, hedge, outcomes))
+        below += [Record(state, config, outcomes), Compose()]
+        above: list[Any] = [Fit(state, config, outcomes)]
+        if costs is not None:
+            balancing = config.balancing
+            choose = balancing.latency_aware and balancing.strategy == "least-loaded"
+            above.append(Costed(state, costs, choose))
+        admit = Admit(state, config, outcomes)
+        send = Send(state, config, policy, check)
+        route = ModelRoute(state, outcomes, config.models.placement, config.timeouts.connect)
+        held = ModelHeld(state)
+        self.plain = upper(above, _admit(admit, lower(below, send)))
+        self.models = upper([*above, route], _admit(admit, lower([held, *below], send)))
+        # The stack as a list, top to bottom, for docs, tests and repr().
+        self.steps: tuple[Any, ...] = (self.retry, *above, route, admit, held, *below, send)
+
+    def current(self) -> bool:
+        """Whether the pool still runs with what this stack was built from."""
+        state = self.state
+        return (
+            state.config is self.config
+            and state.retry is self.policy
+            and state.hedge is self.hedge
+            and state.budget is self.budget
+            and state.placer is self.placer
+            and state.model_costs is self.costs
+            and state.shared is self.shared
+        )
+
+    def attempt(self, ctx: TaskContext) -> Any:
+        """One attempt down the chain (the model-aware one once models are known)."""
+        if self.state.models_known:
+            return self.models(ctx)
+        return self.plain(ctx)
+
+    def begin(
+        self,
+        task: Task,
+        body: bytes,
+        deadline: float,
+        stop: TaskStop | None,
+        watch: TaskWatch | None,
+    ) -> TaskContext:
+        """The context of a task about to run.
+
+        Raises:
+            InvalidTask: the task names a priority class the pool does not have.
+        """
+        state = self.state
+        clock = state.clock
+        start = clock.monotonic()
+        ctx = TaskContext(
+            task,
+            body,
+            deadline,
+            task.endpoint or self.config.pool.default_endpoint,
+            start,
+            clock.time() - start,
+            stop,
+            self.budget.deposit_locked,
+        )
+        if task.priority is not None:
+            state.dispatcher.classes.rank(task.priority)  # an unknown class: InvalidTask
+        if watch is not None:
+            ctx.trace = watch.trace
+            ctx.extra_headers = watch.attempt_headers
+        return ctx
+
+    def run(self, ctx: TaskContext) -> Any:
+        """The task's result (see :class:`~npu_sync.life.retry.Retry`)."""
+        return self.retry(ctx, self.attempt)
+
+
+def _admit(admit: Admit, below: Callable[[TaskContext, Try], Any]) -> Callable[[TaskContext], Any]:
+    """The junction: the admission step, its next step the chain below the lease."""
+
+    def link(ctx: TaskContext) -> Any:
+        return admit(ctx, below)
+
+    return link
