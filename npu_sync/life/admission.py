@@ -295,7 +295,8 @@ class Record:
         finally:
             if not recorded:
                 record(state, lease, UNUSED, 0.0, clock.monotonic(), retry=False)
-        self.outcomes.attempt_ended(ctx, worker, outcome, t0, t1, 2 if side == HEDGE else None)
+        if state.hooks:
+            self.outcomes.attempt_ended(ctx, worker, outcome, t0, t1, 2 if side == HEDGE else None)
         if (
             stop is not None
             and stop.cancelled

@@ -62,6 +62,7 @@ class TaskContext:
         "blame",
         "bodies",
         "body",
+        "chains",
         "cut_at",
         "deadline",
         "deposit",
@@ -131,6 +132,8 @@ class TaskContext:
         # The workers the next choice leaves out when more than ``excluded`` (the
         # ones lacking the task's model), set for one choice only.
         self.avoid: Collection[str] | None = None
+        # The task's two chains of steps: without and with the model steps.
+        self.chains: tuple[Callable[[TaskContext], object], ...] = ()
 
 
 class Try:

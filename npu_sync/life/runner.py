@@ -95,7 +95,8 @@ class Runner:
         letter, nobody charged. With an observer (tracing), :meth:`watched` runs it."""
         if watch is None:
             state = self.state
-            self.outcomes.started(task)
+            if state.hooks:
+                self.outcomes.started(task)
             if state.observer is not None:
                 return self.watched(state.observer(task), task, body, deadline, fallback, stop)
         stack = self._stack

@@ -5,7 +5,7 @@ attempt goes down, top to bottom (a step the configuration does not need is not 
 it)::
 
     Retry                      the loop: one attempt after another (retry.py)
-      Fit                      requires / prefers (admission.py)
+      Fit                      for a task with requires / prefers (admission.py)
       Costed                   with models.cost: the fastest worker for the model
       ModelRoute               once model lists are known: workers lacking it left out
       Admit                    the lease, waiting FIFO for capacity (admission.py)
@@ -20,8 +20,9 @@ it)::
 Above :class:`~npu_sync.life.admission.Admit` a step is called as
 ``step(ctx, next)``; from the lease down, as ``step(ctx, attempt, next)``. Each link
 is a closure made here once, so a task pays one call per step and no lookup. Which
-model-aware chain an attempt takes is read per attempt (``PoolState.models_known``),
-as a pool learns its workers' models while it runs.
+chain an attempt takes is read per task (``Fit`` for a task with ``requires`` or
+``prefers``) and per attempt (the model steps once ``PoolState.models_known``: a pool
+learns its workers' models while it runs).
 """
 
 from __future__ import annotations
@@ -67,8 +68,12 @@ def lower(
 
 
 def _upper_link(step: UpperStep, nxt: Callable[[TaskContext], Any]) -> Callable[[TaskContext], Any]:
+    # The class's function, not the instance: calling an instance looks up __call__
+    # each time, which costs about as much as the step's own work (benchmarks.md).
+    call = type(step).__call__
+
     def link(ctx: TaskContext) -> Any:
-        return step(ctx, nxt)
+        return call(step, ctx, nxt)
 
     return link
 
@@ -76,8 +81,10 @@ def _upper_link(step: UpperStep, nxt: Callable[[TaskContext], Any]) -> Callable[
 def _lower_link(
     step: LowerStep, nxt: Callable[[TaskContext, Try], Any]
 ) -> Callable[[TaskContext, Try], Any]:
+    call = type(step).__call__
+
     def link(ctx: TaskContext, at: Try) -> Any:
-        return step(ctx, at, nxt)
+        return call(step, ctx, at, nxt)
 
     return link
 
@@ -89,15 +96,15 @@ class Stack:
 
     __slots__ = (
         "budget",
+        "chains",
         "config",
         "costs",
         "hedge",
-        "models",
         "outcomes",
         "placer",
-        "plain",
         "policy",
         "retry",
+        "run",
         "shared",
         "state",
         "steps",
@@ -124,19 +131,29 @@ class Stack:
         if hedge.enabled:
             below.append(Hedge(state, hedge, outcomes))
         below += [Record(state, config, outcomes), Compose()]
-        above: list[Any] = [Fit(state, config, outcomes)]
+        fit = Fit(state, config, outcomes)
+        costed: list[Any] = []
         if costs is not None:
             balancing = config.balancing
             choose = balancing.latency_aware and balancing.strategy == "least-loaded"
-            above.append(Costed(state, costs, choose))
+            costed.append(Costed(state, costs, choose))
         admit = Admit(state, config, outcomes)
         send = Send(state, config, policy, check)
         route = ModelRoute(state, outcomes, config.models.placement, config.timeouts.connect)
         held = ModelHeld(state)
-        self.plain = upper(above, _admit(admit, lower(below, send)))
-        self.models = upper([*above, route], _admit(admit, lower([held, *below], send)))
+        plain = _admit(admit, lower(below, send.__call__))
+        models = _admit(admit, lower([held, *below], send.__call__))
+        # A task that names no requires/prefers goes without the Fit step; one chain
+        # or the other by whether any worker's models are known (read per attempt).
+        self.chains = (
+            (upper(costed, plain), upper([*costed, route], models)),
+            (upper([fit, *costed], plain), upper([fit, *costed, route], models)),
+        )
+        # The task's result, given its context (Retry.__call__ with Stack.attempt as
+        # its next step): bound once, not per task.
+        self.run = _run(self.retry, state)
         # The stack as a list, top to bottom, for docs, tests and repr().
-        self.steps: tuple[Any, ...] = (self.retry, *above, route, admit, held, *below, send)
+        self.steps: tuple[Any, ...] = (self.retry, fit, *costed, route, admit, held, *below, send)
 
     def current(self) -> bool:
         """Whether the pool still runs with what this stack was built from."""
@@ -152,10 +169,9 @@ class Stack:
         )
 
     def attempt(self, ctx: TaskContext) -> Any:
-        """One attempt down the chain (the model-aware one once models are known)."""
-        if self.state.models_known:
-            return self.models(ctx)
-        return self.plain(ctx)
+        """One attempt down the task's chain (the model-aware one once models are
+        known)."""
+        return ctx.chains[self.state.models_known](ctx)
 
     def begin(
         self,
@@ -185,20 +201,34 @@ class Stack:
         )
         if task.priority is not None:
             state.dispatcher.classes.rank(task.priority)  # an unknown class: InvalidTask
+        ctx.chains = self.chains[bool(task.requires or task.prefers)]
         if watch is not None:
             ctx.trace = watch.trace
             ctx.extra_headers = watch.attempt_headers
         return ctx
 
-    def run(self, ctx: TaskContext) -> Any:
-        """The task's result (see :class:`~npu_sync.life.retry.Retry`)."""
-        return self.retry(ctx, self.attempt)
+
+
+def _run(retry: Retry, state: PoolState) -> Callable[[TaskContext], Any]:
+    """The task's life from the retry step down: each attempt takes the task's chain,
+    the model-aware one once any worker's models are known."""
+    call = Retry.__call__
+
+    def attempt(ctx: TaskContext) -> Any:
+        return ctx.chains[state.models_known](ctx)
+
+    def run(ctx: TaskContext) -> Any:
+        return call(retry, ctx, attempt)
+
+    return run
 
 
 def _admit(admit: Admit, below: Callable[[TaskContext, Try], Any]) -> Callable[[TaskContext], Any]:
     """The junction: the admission step, its next step the chain below the lease."""
 
+    call = Admit.__call__
+
     def link(ctx: TaskContext) -> Any:
-        return admit(ctx, below)
+        return call(admit, ctx, below)
 
     return link
