@@ -62,7 +62,9 @@ def leased(state: PoolState, ctx: TaskContext, outcome: Outcome) -> Try:
     assert lease is not None
     at = Try(lease)
     at.outcome = outcome
-    record(state, lease, outcome, 0.0, state.clock.monotonic(), retry=False)
+    at.deferred = False
+    at.t0 = at.t1 = state.clock.monotonic()
+    record(state, lease, outcome, 0.0, at.t1, retry=False)
     return at
 
 
@@ -500,7 +502,9 @@ def test_send_hands_its_cancel_handle_to_a_cancellable_transport() -> None:
         lease = state.dispatcher.try_acquire(())
         assert lease is not None
         at = Try(lease, FIRST, cancel)
+        at.t0 = state.clock.monotonic()
         at.remaining = 10.0
+        at.body = ctx.body
         at.headers = ctx.headers
         send(ctx, at)
         record(state, lease, OK, 0.0, 0.0, retry=False)

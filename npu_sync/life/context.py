@@ -159,15 +159,18 @@ class Try:
         self.lease = lease
         self.side = side
         self.cancel = cancel  # a Cancel handle: a TaskStop, or a hedge race's
-        self.outcome: Outcome | None = None
-        self.deferred = False  # the charge for a suspect answer is held (npu_sync.blame)
-        self.t0 = 0.0
-        self.t1 = 0.0
-        self.remaining = 0.0  # seconds from t0 to the task's deadline
         # A hedged attempt's race: settle(side, success) is True when the other won.
         self.settle: Callable[[int, bool], bool] | None = None
-        self.body = b""
-        self.headers: Mapping[str, str] = {}
+        # Set on the way down (Record: t0, remaining; Compose: body, headers) and up
+        # (Record: t1, outcome, deferred), never read before: a Try is made per
+        # attempt, so nothing is set twice.
+        self.outcome: Outcome
+        self.deferred: bool  # the charge for a suspect answer is held (npu_sync.blame)
+        self.t0: float
+        self.t1: float
+        self.remaining: float  # seconds from t0 to the task's deadline
+        self.body: bytes
+        self.headers: Mapping[str, str]
 
 
 class Exhausted(Exception):

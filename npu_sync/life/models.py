@@ -40,6 +40,8 @@ from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
 
+_SUCCESS = Kind.SUCCESS
+
 Upper = Callable[[TaskContext], object]
 Lower = Callable[[TaskContext, Try], object]
 
@@ -87,8 +89,8 @@ class Costed:
         ):
             ctx.lease = self.fastest_for(ctx, model)
         at = next(ctx)
-        if type(at) is Try and at.outcome is not None and at.outcome.kind is Kind.SUCCESS:
-            model = named_model(state, ctx)
+        if type(at) is Try and at.outcome.kind is _SUCCESS:
+            model = ctx.model if ctx.model_read else named_model(state, ctx)
             if model is not None:
                 costs.observe(at.lease.worker.id, model, at.t1 - at.t0, at.t1, ctx.task.size)
         return at

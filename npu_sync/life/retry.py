@@ -59,11 +59,10 @@ class Retry:
         state = self.state
         while True:
             at = next(ctx)
-            if at is AGAIN:
-                continue
-            if at is None:
-                break
-            assert type(at) is Try and at.outcome is not None
+            if type(at) is not Try:
+                if at is AGAIN:
+                    continue
+                break  # None: no attempt could start (ctx.reason says why)
             outcome = at.outcome
             worker = at.lease.worker
             if outcome.kind is Kind.SUCCESS:
@@ -106,7 +105,6 @@ class Retry:
         if stop is not None and stop.cancelled:
             raise Stopped(task.task_id)  # a hedged attempt's end after the caller left
         outcome = at.outcome
-        assert outcome is not None
         worker = at.lease.worker
         t0, t1, deferred = at.t0, at.t1, at.deferred
         ctx.attempts.append(

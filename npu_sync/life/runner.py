@@ -24,6 +24,7 @@ from npu_sync.deadletter import DeadLetter, DeadLetterQueue, DeadLetterStore
 from npu_sync.errors import AdmissionRefused, NoWorkerAvailable, TaskFailed, TaskRejected
 from npu_sync.life.context import Exhausted, check_timeout
 from npu_sync.life.outcomes import Outcomes
+from npu_sync.life.retry import Retry
 from npu_sync.life.stack import Stack
 from npu_sync.state import PoolState
 from npu_sync.stop import Stopped, TaskStop
@@ -31,6 +32,8 @@ from npu_sync.task import Task
 from npu_sync.trace import TaskWatch
 
 log = logging.getLogger(__name__)
+
+_retry = Retry.__call__
 
 
 class Runner:
@@ -103,7 +106,8 @@ class Runner:
         if not stack.current():
             stack = self.stack()
         try:
-            return stack.run(stack.begin(task, body, deadline, stop, watch))
+            # Retry.__call__ called directly: one call less per task than stack.run.
+            return _retry(stack.retry, stack.begin(task, body, deadline, stop, watch), stack.first)
         except Exhausted as exhausted:
             if stop is not None and stop.cancelled:
                 raise Stopped(task.task_id) from None  # nobody is left to hear of it

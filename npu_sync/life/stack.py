@@ -99,12 +99,12 @@ class Stack:
         "chains",
         "config",
         "costs",
+        "first",
         "hedge",
         "outcomes",
         "placer",
         "policy",
         "retry",
-        "run",
         "shared",
         "state",
         "steps",
@@ -149,29 +149,35 @@ class Stack:
             (upper(costed, plain), upper([*costed, route], models)),
             (upper([fit, *costed], plain), upper([fit, *costed, route], models)),
         )
-        # The task's result, given its context (Retry.__call__ with Stack.attempt as
-        # its next step): bound once, not per task.
-        self.run = _run(self.retry, state)
+        # The retry step's next step (Stack.attempt's work), made once, not per task.
+        self.first = _attempt(state)
         # The stack as a list, top to bottom, for docs, tests and repr().
         self.steps: tuple[Any, ...] = (self.retry, fit, *costed, route, admit, held, *below, send)
 
     def current(self) -> bool:
-        """Whether the pool still runs with what this stack was built from."""
+        """Whether the pool still runs with what this stack was built from.
+
+        Asked once per task, so it compares only what can change while the pool
+        runs: the configuration (a reload; the retry policy, retry budget and hedge
+        policy are replaced only with it), the hedge policy (replaced, with the retry
+        budget, in a child process after ``fork()``) and the placer (set once when the
+        pool starts). Shared state and model costs are fixed when the pool is built.
+        """
         state = self.state
         return (
             state.config is self.config
-            and state.retry is self.policy
             and state.hedge is self.hedge
-            and state.budget is self.budget
             and state.placer is self.placer
-            and state.model_costs is self.costs
-            and state.shared is self.shared
         )
 
     def attempt(self, ctx: TaskContext) -> Any:
         """One attempt down the task's chain (the model-aware one once models are
         known)."""
-        return ctx.chains[self.state.models_known](ctx)
+        return self.first(ctx)
+
+    def run(self, ctx: TaskContext) -> Any:
+        """The task's result (see :class:`~npu_sync.life.retry.Retry`)."""
+        return _retry(self.retry, ctx, self.first)
 
     def begin(
         self,
@@ -208,19 +214,17 @@ class Stack:
         return ctx
 
 
+_retry = Retry.__call__
 
-def _run(retry: Retry, state: PoolState) -> Callable[[TaskContext], Any]:
-    """The task's life from the retry step down: each attempt takes the task's chain,
-    the model-aware one once any worker's models are known."""
-    call = Retry.__call__
+
+def _attempt(state: PoolState) -> Callable[[TaskContext], Any]:
+    """One attempt down the task's chain: the model-aware one once any worker's models
+    are known."""
 
     def attempt(ctx: TaskContext) -> Any:
         return ctx.chains[state.models_known](ctx)
 
-    def run(ctx: TaskContext) -> Any:
-        return call(retry, ctx, attempt)
-
-    return run
+    return attempt
 
 
 def _admit(admit: Admit, below: Callable[[TaskContext, Try], Any]) -> Callable[[TaskContext], Any]:

@@ -56,9 +56,6 @@ class Send:
                 encoded): the task's fault, so no worker is charged and nothing is
                 retried.
         """
-        return _scrubbed(self.exchange(ctx, at), self.state.scrubber)
-
-    def exchange(self, ctx: TaskContext, at: Try) -> Outcome:
         worker = at.lease.worker
         remaining = at.remaining
         connect_timeout = self.connect_timeout
@@ -69,7 +66,13 @@ class Send:
         cancel = at.cancel
         if cancel is not None and getattr(transport, "cancellable", False):
             extra["cancel"] = cancel
-        silence = self.silence(ctx, worker, timeout)
+        # The stall limit, for an idempotent task (asked here first: most attempts
+        # of a pool without it skip the call).
+        silence = (
+            None
+            if self.stall is None or not ctx.task.idempotent
+            else self.silence(ctx, worker, timeout)
+        )
         if silence is not None:
             if getattr(transport, "silences", False):
                 extra["silence"] = silence
@@ -105,18 +108,22 @@ class Send:
                 if not exc.stalled:  # the budget cut to the limit ran out
                     happened = f"{worker.id}: stalled: no answer within {silence:g}s"
                     exc = TransportError("timeout", happened, sent=True, stalled=True)
-                return classify_error(exc)
+                return _scrubbed(classify_error(exc), self.state.scrubber)
             # A timeout is the worker's only when its own timeout ran out: one cut
             # short by the task's deadline says nothing about the worker. Connecting
             # gets at most the smaller of the two timeouts.
             own = read_timeout if exc.sent else min(connect_timeout, read_timeout)
-            return classify_error(exc, cut_by_caller=remaining < own)
+            return _scrubbed(
+                classify_error(exc, cut_by_caller=remaining < own), self.state.scrubber
+            )
         except InvalidTask:
             raise
         except Exception as exc:  # a bug of ours, or of a custom transport
             log.exception("unexpected error sending task to worker %s", worker.id)
-            return Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}")
-        return outcome
+            return _scrubbed(
+                Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}"), self.state.scrubber
+            )
+        return _scrubbed(outcome, self.state.scrubber)
 
     def silence(self, ctx: TaskContext, worker: Worker, budget: float) -> float | None:
         """How long this attempt may wait without a byte of the answer (see
