@@ -56,7 +56,7 @@ else:
     stack = runner.stack()
     fit, admit = stack.steps[1], next(s for s in stack.steps if type(s).__name__ == "Admit")
     def leased(ctx):
-        return ctx.lease if ctx.lease is not None else admit.acquire(ctx)
+        return admit(ctx, lambda ctx, at: at.lease)
     def wait_for_worker(task):
         return fit(stack.begin(task, body, time.monotonic() + 60, None, None), leased)
 def case(kw):

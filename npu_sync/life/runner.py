@@ -96,14 +96,18 @@ class Runner:
         result, or ``TaskFailed`` once its dead letter is stored; or ``Stopped`` when
         ``stop`` is stopped first (see :mod:`npu_sync.stop`): no fallback, no dead
         letter, nobody charged. With an observer (tracing), :meth:`watched` runs it."""
+        state = self.state
         if watch is None:
-            state = self.state
             if state.hooks:
                 self.outcomes.started(task)
             if state.observer is not None:
                 return self.watched(state.observer(task), task, body, deadline, fallback, stop)
         stack = self._stack
-        if not stack.current():
+        if not (  # Stack.current(), inline: asked once per task
+            state.config is stack.config
+            and state.hedge is stack.hedge
+            and state.placer is stack.placer
+        ):
             stack = self.stack()
         try:
             # Retry.__call__ called directly: one call less per task than stack.run.
