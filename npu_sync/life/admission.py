@@ -278,7 +278,7 @@ class Record:
             # hedge's suspect answer is held until the caller settles it.
             deferred = outcome.suspect and (
                 side == HEDGE
-                or ctx.blame.hold(
+                or ctx.blamed().hold(
                     wid,
                     outcome,
                     lambda: untried_left(state, ctx.excluded | {wid}, ctx.deadline),

@@ -112,8 +112,10 @@ class TaskContext:
         self.failures = 0  # the attempts counted against retry.max_retries
         self.cut_at = 0.0  # the longest silence an attempt of this task was cut at
         self.missing_model: str | None = None
-        # Who is charged when the task itself may be at fault (npu_sync.blame).
-        self.blame = Blame()
+        # Who is charged when the task itself may be at fault (npu_sync.blame): made
+        # at the first answer that may be (blamed()), so a task that never gets one
+        # pays nothing for it.
+        self.blame: Blame | None = None
         self.reason = ""  # why the task gives up, once it does
         # The model the task names, read when first needed (ModelRoute.named).
         self.model: str | None = None
@@ -134,6 +136,13 @@ class TaskContext:
         self.avoid: Collection[str] | None = None
         # The task's two chains of steps: without and with the model steps.
         self.chains: tuple[Callable[[TaskContext], object], ...] = ()
+
+    def blamed(self) -> Blame:
+        """The task's :class:`Blame`, made when first needed."""
+        blame = self.blame
+        if blame is None:
+            blame = self.blame = Blame()
+        return blame
 
 
 class Try:

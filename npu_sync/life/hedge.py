@@ -200,7 +200,7 @@ class Hedge:
         state = self.state
         if not won_elsewhere and (
             outcome.kind is Kind.REJECTED
-            or ctx.blame.hold(
+            or ctx.blamed().hold(
                 wid,
                 outcome,
                 lambda: untried_left(state, ctx.excluded | {wid}, ctx.deadline),
@@ -223,7 +223,7 @@ class Hedge:
         )
         ctx.excluded.add(worker.id)
         verdict = (
-            ctx.blame.judge(worker, outcome, t1 - t0, at.deferred) if outcome.suspect else None
+            ctx.blamed().judge(worker, outcome, t1 - t0, at.deferred) if outcome.suspect else None
         )
         self.outcomes.traced_attempt(ctx, worker, outcome, t0, t1, at.deferred, verdict)
         if outcome.kind is Kind.NOT_HERE:

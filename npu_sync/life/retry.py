@@ -68,7 +68,7 @@ class Retry:
             if outcome.kind is Kind.SUCCESS:
                 if ctx.trace is not None:
                     self.outcomes.traced_attempt(ctx, worker, outcome, at.t0, at.t1, False)
-                if ctx.blame.held or state.hooks:
+                if (ctx.blame is not None and ctx.blame.held) or state.hooks:
                     return self.succeeded(ctx, worker, outcome, at.t1, at.t1 - at.t0)
                 return outcome.value
             if not self.failed(ctx, at):
@@ -80,8 +80,9 @@ class Retry:
     ) -> Any:
         """The task's result. The answers held as maybe the task's own fault were the
         workers' after all: they are charged now (``took``: this attempt's time)."""
-        if ctx.blame.held:
-            proven = ctx.blame.proven(took)
+        blame = ctx.blame
+        if blame is not None and blame.held:
+            proven = blame.proven(took)
             charge(self.state, proven, took, t1)
             if proven:
                 charged = ", ".join(held.worker.id for held in proven)
@@ -111,7 +112,9 @@ class Retry:
             Attempt(worker.id, outcome.error, t1 - t0, outcome.status, t0 + ctx.wall)
         )
         kind = outcome.kind
-        verdict = ctx.blame.judge(worker, outcome, t1 - t0, deferred) if outcome.suspect else None
+        verdict = (
+            ctx.blamed().judge(worker, outcome, t1 - t0, deferred) if outcome.suspect else None
+        )
         self.outcomes.traced_attempt(ctx, worker, outcome, t0, t1, deferred, verdict)
         if verdict is Verdict.TASK:
             return self.tasks_fault(ctx, worker, outcome, t1)
@@ -154,7 +157,7 @@ class Retry:
         failure ends the task (False, the reason in ``ctx.reason``)."""
         if outcome.kind is Kind.REJECTED:
             self.reject(ctx, worker, outcome, t1)
-        first, second = ctx.blame.same or ("?", worker.id)
+        first, second = ctx.blamed().same or ("?", worker.id)
         if outcome.error_kind == "too_large":
             ctx.reason = "two workers answered beyond transport.max_response_bytes"
         else:
@@ -218,8 +221,9 @@ class Retry:
             return TaskRejected(
                 f"{message} (task {task_id})", task_id=task_id, status=500, model=model
             )
-        held = ctx.blame.held
-        if not ctx.failures and ctx.blame.refused_only():
+        blame = ctx.blamed()
+        held = blame.held
+        if not ctx.failures and blame.refused_only():
             # Refused, and no other worker could be asked: the refusal stands.
             last = ctx.attempts[-1]
             message = f"worker {last.worker_id} rejected task {task_id}: {last.error}"
