@@ -27,6 +27,8 @@ from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
 
+_REJECTED = Kind.REJECTED
+
 
 class Send:
     """POST an attempt's body (``Try.body``, ``Try.headers``) to its worker, no lock
@@ -123,6 +125,8 @@ class Send:
             return _scrubbed(
                 Outcome(Kind.ABANDONED, error=f"{type(exc).__name__}: {exc}"), self.state.scrubber
             )
+        if outcome.error is None and outcome.model is None and outcome.kind is not _REJECTED:
+            return outcome  # nothing the worker said is kept: nothing to scrub
         return _scrubbed(outcome, self.state.scrubber)
 
     def silence(self, ctx: TaskContext, worker: Worker, budget: float) -> float | None:
