@@ -3,7 +3,7 @@ loading it on one when none does.
 
 In the stack only when the configuration needs them (:mod:`npu_sync.life.stack`):
 
-:class:`Costed` (with per-model latency estimates, ``models.cost``)
+:class:`Costed` (with per-model latency estimates, ``models.model_latency``)
     a lease on the worker fastest for an uneven model, if it has room now; and every
     success fed to the estimate.
 :class:`ModelRoute` (once some worker's model list is known)

@@ -6,7 +6,7 @@ it)::
 
     Retry                      the loop: one attempt after another (retry.py)
       Fit                      for a task with requires / prefers (admission.py)
-      Costed                   with models.cost: the fastest worker for the model
+      Costed                   with models.model_latency: the fastest for the model
       ModelRoute               once model lists are known: workers lacking it left out
       Admit                    the lease, waiting FIFO for capacity (admission.py)
         ModelHeld              once model lists are known: learnt to lack it meanwhile
