@@ -22,7 +22,7 @@ from npu_sync.redact import Scrubber
 from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error
 from npu_sync.stall import Pace
 from npu_sync.state import PoolState
-from npu_sync.transport import TransportError
+from npu_sync.transport import TransportError, features_of
 from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class Send:
         timeout = read_timeout if read_timeout < remaining else remaining
         extra: dict[str, Any] = {}
         cancel = at.cancel
-        if cancel is not None and getattr(transport, "cancellable", False):
+        # What the transport declares it can do, read only when an option may use it.
+        if cancel is not None and features_of(transport).cancellable:
             extra["cancel"] = cancel
         # The stall limit, for an idempotent task (asked here first: most attempts
         # of a pool without it skip the call).
@@ -76,7 +77,7 @@ class Send:
             else self.silence(ctx, worker, timeout)
         )
         if silence is not None:
-            if getattr(transport, "silences", False):
+            if features_of(transport).silences:
                 extra["silence"] = silence
             else:
                 timeout = silence  # a transport that cannot tell silence: total time
