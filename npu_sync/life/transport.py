@@ -22,7 +22,7 @@ from npu_sync.redact import Scrubber
 from npu_sync.retry import Kind, Outcome, RetryPolicy, classify_error
 from npu_sync.stall import Pace
 from npu_sync.state import PoolState
-from npu_sync.transport import TransportError, features_of
+from npu_sync.transport import TransportError, TransportFeatures, features_of
 from npu_sync.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,15 @@ class Send:
     """POST an attempt's body (``Try.body``, ``Try.headers``) to its worker, no lock
     held, and classify what came back. Built once per configuration; thread-safe."""
 
-    __slots__ = ("check", "connect_timeout", "default_endpoint", "read_timeout", "stall", "state")
+    __slots__ = (
+        "check",
+        "connect_timeout",
+        "default_endpoint",
+        "features",
+        "read_timeout",
+        "stall",
+        "state",
+    )
 
     def __init__(
         self,
@@ -49,6 +57,9 @@ class Send:
         self.default_endpoint = config.pool.default_endpoint
         self.stall = policy.stall if policy.stall.enabled else None
         self.check = check
+        # What each worker's transport declares (features_of), read once per transport:
+        # a transport is replaced only with the configuration, and so is this step.
+        self.features: dict[object, TransportFeatures] = {}
 
     def __call__(self, ctx: TaskContext, at: Try) -> Outcome:
         """The attempt's outcome, within ``at.remaining`` seconds of the deadline.
@@ -66,9 +77,6 @@ class Send:
         timeout = read_timeout if read_timeout < remaining else remaining
         extra: dict[str, Any] = {}
         cancel = at.cancel
-        # What the transport declares it can do, read only when an option may use it.
-        if cancel is not None and features_of(transport).cancellable:
-            extra["cancel"] = cancel
         # The stall limit, for an idempotent task (asked here first: most attempts
         # of a pool without it skip the call).
         silence = (
@@ -76,11 +84,16 @@ class Send:
             if self.stall is None or not ctx.task.idempotent
             else self.silence(ctx, worker, timeout)
         )
-        if silence is not None:
-            if features_of(transport).silences:
-                extra["silence"] = silence
-            else:
-                timeout = silence  # a transport that cannot tell silence: total time
+        if cancel is not None or silence is not None:
+            # What the transport declares it can do, read once per transport.
+            features = self.features.get(transport) or self.features_of(transport)
+            if cancel is not None and features.cancellable:
+                extra["cancel"] = cancel
+            if silence is not None:
+                if features.silences:
+                    extra["silence"] = silence
+                else:
+                    timeout = silence  # a transport that cannot tell silence: total time
         path = ctx.path
         try:
             response = transport.request(
@@ -129,6 +142,13 @@ class Send:
         if outcome.error is None and outcome.model is None and outcome.kind is not _REJECTED:
             return outcome  # nothing the worker said is kept: nothing to scrub
         return _scrubbed(outcome, self.state.scrubber)
+
+    def features_of(self, transport: object) -> TransportFeatures:
+        """What ``transport`` declares it can do (:func:`features_of`), kept."""
+        features = self.features.get(transport)
+        if features is None:
+            features = self.features[transport] = features_of(transport)
+        return features
 
     def silence(self, ctx: TaskContext, worker: Worker, budget: float) -> float | None:
         """How long this attempt may wait without a byte of the answer (see
