@@ -1,10 +1,10 @@
 """What capabilities and tags cost the choice of a worker.
 
 One task's selection, end to end but without I/O: build the ``Task``, make its
-``TaskRun``, ``wait_for_worker()`` for a lease, and give the lease back
-(``taskrun.record``). Runs each source tree given on the command line in its own
-interpreter, interleaved, so that two versions (a checkout of main and this tree) are
-measured in the same conditions::
+``TaskRun`` (``Stack.begin``: its context), ``wait_for_worker()`` (``Fit`` then
+``Admit``) for a lease, and give the lease back (``record``). Runs each source tree
+given on the command line in its own interpreter, interleaved, so that two versions (a
+checkout of main and this tree) are measured in the same conditions::
 
     python benchmarks/capability_cost.py /path/to/baseline .
 
@@ -28,7 +28,11 @@ import sys, time, json
 from npu_sync import Task, WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
 from npu_sync.retry import Kind, Outcome
-from npu_sync.taskrun import TaskRun, record
+try:
+    from npu_sync.taskrun import TaskRun, record
+except ImportError:  # a tree where the task's life is a stack of steps (npu_sync.life)
+    from npu_sync.life import record
+    TaskRun = None
 from npu_sync.testing import FakeNetwork
 
 N, CALLS = 10, 20000
@@ -45,6 +49,16 @@ pool = WorkerPool(config, transport_factory=FakeNetwork().factory)
 runner, state = pool._runner, pool._state
 ok = Outcome(Kind.SUCCESS, {})
 body = b"{}"
+if TaskRun is not None:
+    def wait_for_worker(task):
+        return TaskRun(runner, task, body, time.monotonic() + 60).wait_for_worker()
+else:
+    stack = runner.stack()
+    fit, admit = stack.steps[1], next(s for s in stack.steps if type(s).__name__ == "Admit")
+    def leased(ctx):
+        return admit(ctx, lambda ctx, at: at.lease)
+    def wait_for_worker(task):
+        return fit(stack.begin(task, body, time.monotonic() + 60, None, None), leased)
 def case(kw):
     clock = time.perf_counter
     best = []
@@ -52,8 +66,7 @@ def case(kw):
         t0 = clock()
         for _ in range(CALLS):
             task = Task({"x": 1}, **kw)
-            run = TaskRun(runner, task, body, time.monotonic() + 60)
-            lease = run.wait_for_worker()
+            lease = wait_for_worker(task)
             record(state, lease, ok, 0.0, 0.0, retry=False)
         best.append((clock() - t0) / CALLS)
     return min(best)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.stall_hot_path
 
-Times, in one interpreter and interleaved, ``TaskRun.silence()`` (the limit worked out
+Times, in one interpreter and interleaved, ``Send.silence()`` (the limit worked out
 at each attempt's start), ``Pace.observe()`` (a success fed to it) and one whole
 ``pool.execute`` over a transport that answers at once (the pool's own work per task,
 no network). Prints the medians of ``ROUNDS`` rounds and the share of a task the
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from npu_sync import Task, WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
-from npu_sync.taskrun import TaskRun
+from npu_sync.life.transport import Send
 from npu_sync.testing import FakeNetwork, json_response
 from npu_sync.transport import Response
 
@@ -45,11 +45,13 @@ def main() -> None:
     with WorkerPool(config, transport_factory=net.factory) as pool:
         for _ in range(200):
             pool.execute({"input_text": "x"})
-        run = TaskRun(pool._runner, Task({"input_text": "x"}), b"{}", 1e12)
+        stack = pool._runner.stack()
+        ctx = stack.begin(Task({"input_text": "x"}), b"{}", 1e12, None, None)
+        send = next(step for step in stack.steps if isinstance(step, Send))
         worker = pool._state.workers["a"]
         rows: dict[str, list[float]] = {"silence()": [], "pace.observe()": [], "execute": []}
         for _ in range(ROUNDS):
-            rows["silence()"].append(per_call(lambda: run.silence(worker, 20.0), CALLS))
+            rows["silence()"].append(per_call(lambda: send.silence(ctx, worker, 20.0), CALLS))
             rows["pace.observe()"].append(per_call(lambda: worker.pace.observe(0.02), CALLS))
             rows["execute"].append(per_call(lambda: pool.execute({"input_text": "x"}), CALLS // 10))
     medians = {name: statistics.median(values) for name, values in rows.items()}

@@ -24,8 +24,8 @@ from benchmarks.conftest import report
 from npu_sync import WorkerPool
 from npu_sync.admission import Lease
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
+from npu_sync.life import record
 from npu_sync.retry import Kind, Outcome
-from npu_sync.taskrun import record
 from npu_sync.testing import FakeNetwork
 from npu_sync.worker import Worker
 

@@ -3,7 +3,7 @@
 An :class:`AsyncWorkerPool` wraps a :class:`~npu_sync.pool.WorkerPool` that synchronous
 callers may be using at the same time: one set of workers, breakers, health checks,
 reloads, dead letters and metrics. Each task runs its whole life (see
-:mod:`npu_sync.taskrun`) on one of a bounded set of threads of its own, and its end is
+:mod:`npu_sync.life`) on one of a bounded set of threads of its own, and its end is
 handed to the awaiting coroutine with ``loop.call_soon_threadsafe``; the event loop
 only builds the task and waits. docs/async.md says why threads under the hood and not
 an asyncio transport of its own, with the figures.
@@ -32,10 +32,10 @@ from typing import Any, ParamSpec
 
 from npu_sync.decorator import NpuTask
 from npu_sync.errors import PoolClosed
+from npu_sync.life import Exhausted
 from npu_sync.pool import WorkerPool
 from npu_sync.stop import Stopped, TaskStop
 from npu_sync.task import Task, as_task
-from npu_sync.taskrun import _Exhausted
 
 log = logging.getLogger(__name__)
 
@@ -638,7 +638,7 @@ class AsyncWorkerPool:
                 f"no thread free for the task within its wait (threads={self._threads}, "
                 f"pool.max_queue_wait={waited:g}s)"
             )
-            exhausted = _Exhausted(reason, [], pool._state.clock.time())
+            exhausted = Exhausted(reason, [], pool._state.clock.time())
             pool._runner.dead_letter(task, exhausted, call.deadline)
         finally:
             pool._leave()

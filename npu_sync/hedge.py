@@ -13,7 +13,7 @@ recent successful attempts' durations, so that about 5 % of tasks are hedged whe
 all is well and every task stuck behind a frozen worker is. Until enough durations
 are known (``min_samples``) a percentile policy does not hedge.
 
-The attempt loop's side (``taskrun.TaskRun.hedged``) works as follows, which fixes
+The attempt loop's side (``life.hedge.Hedge.hedged``) works as follows, which fixes
 what this policy must answer:
 
 * ``delay = hedge.delay_for(task.idempotent)``, once per task, after its first lease;

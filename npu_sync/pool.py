@@ -5,7 +5,7 @@ The public methods are here: ``execute``/``submit``/``map``, ``stats``/``workers
 ``get_pool()``. The pool composes the rest and wires it together:
 
 * the life of one task (deadline, waiting for a worker, attempts, who is charged,
-  backoff, recording, dead letter, replay) is :mod:`npu_sync.taskrun`;
+  backoff, recording, dead letter, replay) is :mod:`npu_sync.life`;
 * applying a new configuration is :mod:`npu_sync.reconfigure`; watching the file,
   :mod:`npu_sync.reload`;
 * what all of them share (workers, lock, counters, settings, hooks) is a
@@ -56,6 +56,7 @@ from npu_sync.fdlimit import check as check_descriptors
 from npu_sync.fleet import FleetSettings, Monitor
 from npu_sync.guard import ReloadGuard
 from npu_sync.health import HealthChecker, HealthResult
+from npu_sync.life import Runner
 from npu_sync.outage import awaiting_first_check, credentials_news
 from npu_sync.placement import Load, Placer, Unload
 from npu_sync.reconfigure import Reconfigurer
@@ -77,7 +78,6 @@ from npu_sync.stats_types import (
 )
 from npu_sync.stop import TaskStop
 from npu_sync.task import Task, as_task, current_scope, priority_scope, traced
-from npu_sync.taskrun import Runner
 from npu_sync.trace import TaskWatch, Trace
 from npu_sync.transport import IdleReaper, make_transport, reap_interval
 from npu_sync.worker import Worker, render

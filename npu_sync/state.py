@@ -1,7 +1,7 @@
 """What a running pool knows, shared by its tasks, its own life and reload.
 
 :class:`WorkerPool` (``pool.py``) builds one :class:`PoolState`. The life of each task
-(``taskrun.py``) and applying a new configuration (``reconfigure.py``) work on it, so
+(``life/``) and applying a new configuration (``reconfigure.py``) work on it, so
 neither reaches back into the pool, and the pool's façade reads it for ``stats()`` and
 ``workers()``.
 """

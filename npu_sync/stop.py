@@ -1,6 +1,6 @@
 """Stopping one task from another thread: what cancelling an awaiting asyncio task does.
 
-A :class:`TaskStop` is handed to the task's life (:mod:`npu_sync.taskrun`) when the
+A :class:`TaskStop` is handed to the task's life (:mod:`npu_sync.life`) when the
 task starts. Stopping it ends the task wherever it is, and charges nobody:
 
 * waiting for a worker (:mod:`npu_sync.admission`): the waiter is woken and leaves

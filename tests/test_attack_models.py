@@ -24,7 +24,7 @@ from npu_sync.config import (
     WorkerConfig,
     worker_config,
 )
-from npu_sync.taskrun import TaskRun
+from npu_sync.life.models import ModelLoad
 from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 
@@ -269,9 +269,9 @@ def test_placement_never_loads_a_model_a_live_worker_already_serves():
     net = FakeNetwork()
     net.route("a", linux(held, load=load))
     cfg = config(w("a", 0), models=ModelsConfig(placement=True))
-    real = TaskRun.place
+    real = ModelLoad.place
 
-    def place_after_another(run: TaskRun, model: str) -> str | None:
+    def place_after_another(run: ModelLoad, model: str) -> str | None:
         # Another task's placement of the model ends between this task's check and
         # its own placement.
         held.append(model)
@@ -282,11 +282,11 @@ def test_placement_never_loads_a_model_a_live_worker_already_serves():
 
     with WorkerPool(cfg, transport_factory=net.factory) as pool:
         pool.check_health()
-        TaskRun.place = place_after_another  # type: ignore[method-assign]
+        ModelLoad.place = place_after_another  # type: ignore[method-assign]
         try:
             assert pool.execute({"model_id": "m"})["worker"] == "a"
         finally:
-            TaskRun.place = real  # type: ignore[method-assign]
+            ModelLoad.place = real  # type: ignore[method-assign]
     assert loads == []
 
 

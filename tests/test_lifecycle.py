@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 import npu_sync.admission
+import npu_sync.life
 import npu_sync.protocols
-import npu_sync.taskrun
 from npu_sync import TaskFailed, TaskRejected, WorkerPool
 from npu_sync.config import (
     BreakerConfig,

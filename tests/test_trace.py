@@ -128,8 +128,8 @@ def test_a_full_worker_is_named_as_full() -> None:
         finally:
             with pool._state.lock:
                 a.in_flight = 1
+        from npu_sync.life import record
         from npu_sync.retry import Kind, Outcome
-        from npu_sync.taskrun import record
 
         record(pool._state, held, Outcome(Kind.ABANDONED), 0.0, 0.0, retry=False)
     assert dict(trace.steps[0].considered) == {"a": f"full ({a.capacity}/{a.capacity})"}

@@ -299,11 +299,6 @@ def test_a_transport_declaring_shares_idle_joins_the_pools_idle_budget():
         assert built[0].budget is not None and built[0].budget is built[1].budget
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="taskrun.py still reads the older ``silences`` attribute; its probe lines move "
-    "to features_of() with the task-life restructuring",
-)
 def test_a_tasks_attempt_hands_silence_to_a_transport_declaring_silences():
     """With the stall limit on and nothing known of the worker, an attempt on a
     transport declaring ``silences`` is handed ``silence=`` (the limit)."""
