@@ -347,3 +347,93 @@ def test_reloads_of_strategy_limit_and_workers_from_many_threads_keep_the_books(
             assert worker.capacity == min(worker.config.max_concurrent, worker.limit.current)
             assert rows[worker.id]["capacity"] == worker.capacity
         assert pool.stats()["balancing"]["strategy"] == "weighted"
+
+
+@pytest.mark.parametrize("name", ["aimd", "gradient2", "hill-climbing"])
+def test_a_hook_reloading_from_limit_changed_under_load_never_overfills_a_worker(name):
+    """16 callers against workers that answer 429 and 503 in bursts; a hook answers
+    every worker.limit_changed by reloading to another limit or strategy. No worker ever
+    has more requests at once than its max_concurrent, no call hangs, and once all end
+    nothing is in flight and each worker's capacity is its limit's."""
+    import random
+    import threading
+
+    from npu_sync import NoWorkerAvailable, TaskFailed
+
+    lock = threading.Condition()
+    at_once: dict[str, int] = {}
+    most: dict[str, int] = {}
+    served = [0]
+
+    def handler(req: Any) -> Any:
+        wid = req.worker_id
+        with lock:
+            at_once[wid] = at_once.get(wid, 0) + 1
+            most[wid] = max(most.get(wid, 0), at_once[wid])
+            served[0] += 1
+            burst = (served[0] // 25) % 3 == 1  # every third run of 25 answers refuses
+            # Answer once a second request overlaps here (or after a moment): the
+            # worker's room is then really in use.
+            lock.notify_all()
+            lock.wait_for(lambda: at_once[wid] > 1, timeout=0.02)
+        try:
+            if burst:
+                status = 429 if served[0] % 2 else 503
+                return json_response(status, {"detail": "full"})
+            return json_response(200, {"worker_id": wid})
+        finally:
+            with lock:
+                at_once[wid] -= 1
+
+    def build(limit: str, strategy: str) -> PoolConfig:
+        return PoolConfig(
+            workers=tuple(
+                worker_config(w, f"http://127.0.0.1:{9400 + i}", max_concurrent=3)
+                for i, w in enumerate(("a", "b", "c"))
+            ),
+            balancing=BalancingConfig(concurrency_limit=limit, strategy=strategy),
+            health=HealthConfig(enabled=False),
+        )
+
+    rng = random.Random(3)
+    reloads: list[str] = []
+    errors: list[BaseException] = []
+
+    def hook(event: Any) -> None:
+        if isinstance(event, WorkerLimitChanged) and len(reloads) < 200:
+            limit = rng.choice(("aimd", "gradient2", "hill-climbing"))
+            reloads.append(limit)
+            try:
+                pool.reload(build(limit, rng.choice(("least-loaded", "round-robin", "weighted"))))
+            except BaseException as exc:  # the test reports it
+                errors.append(exc)
+
+    net = FakeNetwork(handler)
+    pool = WorkerPool(build(name, "least-loaded"), transport_factory=net.factory, hooks=[hook])
+    with pool:
+
+        def caller() -> None:
+            for _ in range(30):
+                try:
+                    pool.execute(OK, timeout=10.0)
+                except (TaskFailed, NoWorkerAvailable):
+                    pass
+                except BaseException as exc:  # the test reports it
+                    errors.append(exc)
+
+        callers = [threading.Thread(target=caller) for _ in range(16)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(120.0)
+        assert not any(t.is_alive() for t in callers)
+        assert errors == []
+        assert reloads  # the bursts moved some limit, and the hook reloaded
+        assert max(most.values()) <= 3
+        state = pool._state
+        for worker in state.workers.values():
+            assert worker.in_flight == 0
+            bound = worker.config.max_concurrent
+            if worker.limit is not None:
+                bound = min(bound, worker.limit.current)
+            assert worker.capacity == bound
