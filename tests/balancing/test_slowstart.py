@@ -41,7 +41,6 @@ def test_bad_settings_are_refused(kwargs):
         SlowStart(**kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="ramps under way outlive slow start turned off")
 def test_a_reload_turning_slow_start_off_ends_the_ramps_under_way():
     """A worker ramping when a reload sets the window to 0: it has its whole share at
     once, and nothing shows it as ramping any more (stats()'s ``ramping``, its
