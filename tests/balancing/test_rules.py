@@ -73,7 +73,6 @@ def test_an_idle_ramping_worker_is_drawn_with_its_factor():
     assert RampTurn(p.ramps, lambda: 0.0).turn(tier, (), p.slot(a), 0.0) is p.slot(a)
 
 
-@pytest.mark.xfail(strict=True, reason="a due trial's slot outlives its worker's removal")
 @pytest.mark.parametrize("strategy", ["round-robin", "weighted", "priority", "least-loaded"])
 def test_a_removed_workers_due_trial_is_not_kept_by_the_selector(strategy):
     """A worker whose breaker trial is due, then removed from the candidates (by the
