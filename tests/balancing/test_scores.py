@@ -86,7 +86,6 @@ def test_a_ramp_grows_the_share_and_ends_at_the_weight():
     assert p.slot(a).share == 2.0 and p.ramps.ramping == [] and p.ramps.due == math.inf
 
 
-@pytest.mark.xfail(strict=True, reason="a held peak's slot outlives its worker's removal")
 @pytest.mark.parametrize("strategy", ["round-robin", "weighted", "priority", "least-loaded"])
 def test_a_removed_workers_held_peak_is_not_kept_by_the_selector(strategy):
     """Latency-aware, a worker answers (its peak is held for a while) and is removed
