@@ -177,8 +177,8 @@ def test_a_move_forgets_everything_the_worker_held():
     strict=True,
     reason="a task's 'not loaded' answer is recorded on the worker without checking the "
     "lease's address: one from the old address after a move marks the new one as lacking "
-    "the model (the call is in taskrun.py, which checks the generation for the breaker "
-    "and the latency but not for the models)",
+    "the model (the task's life checks the generation for the breaker and the latency, "
+    "not for the models)",
 )
 def test_a_not_loaded_answer_from_a_workers_old_address_teaches_its_new_one_nothing():
     """Worker a moves to a new address by a reload while a task for model m is on its
