@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from npu_sync.health import HealthResult
 from npu_sync.holdings import Holdings
 from npu_sync.protocols import MAX_MODELS
@@ -169,3 +171,56 @@ def test_a_move_forgets_everything_the_worker_held():
         None,
     )
     assert held.on_demand is True and not held.lacks("z")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a task's 'not loaded' answer is recorded on the worker without checking the "
+    "lease's address: one from the old address after a move marks the new one as lacking "
+    "the model (the task's life checks the generation for the breaker and the latency, "
+    "not for the models)",
+)
+def test_a_not_loaded_answer_from_a_workers_old_address_teaches_its_new_one_nothing():
+    """Worker a moves to a new address by a reload while a task for model m is on its
+    old one; the old address then answers "m not loaded". The new address's models are
+    unknown (a move forgets them), so a later task for m is sent there and served,
+    rather than refused with "no live worker serves model 'm'"."""
+    import contextlib
+    import threading
+
+    from npu_sync import TaskFailed, TaskRejected, WorkerPool
+    from npu_sync.config import HealthConfig, PoolConfig, RetryConfig, worker_config
+    from npu_sync.testing import FakeNetwork, FakeRequest, json_response
+
+    entered, release = threading.Event(), threading.Event()
+    old_asked: list[bool] = []
+
+    def handler(req: FakeRequest) -> Any:
+        if req.path.endswith("/models"):
+            return json_response(404, {"detail": "Not Found"})
+        if req.json().get("input_text") == "on the old address" and not old_asked:
+            old_asked.append(True)
+            entered.set()
+            assert release.wait(10.0)
+            return json_response(500, {"detail": "Model m not loaded"})
+        return json_response(200, {"worker": req.worker_id})
+
+    def config(port: int) -> PoolConfig:
+        return PoolConfig(
+            workers=(worker_config("a", f"http://127.0.0.1:{port}"),),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=3, backoff_initial=0.0, backoff_max=0.0),
+        )
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(9700), transport_factory=net.factory) as pool:
+        old = pool.submit({"model_id": "m", "input_text": "on the old address"})
+        try:
+            assert entered.wait(10.0)
+            pool.reload(config(9701))
+        finally:
+            release.set()
+        with contextlib.suppress(TaskFailed, TaskRejected):  # the old task ends either way
+            old.result(10.0)
+        assert not pool._state.workers["a"].held.lacks("m")
+        assert pool.execute({"model_id": "m", "input_text": "x"}) == {"worker": "a"}

@@ -309,3 +309,42 @@ def test_a_workers_capacity_follows_its_limit_under_max_concurrent():
     worker.health.hinted_capacity = None
     worker.set_limit(None)
     assert worker.capacity == 16
+
+
+@pytest.mark.parametrize("name", ["hill-climbing", "aimd", "gradient2"])
+@pytest.mark.parametrize("seed", range(8))
+def test_every_limit_keeps_its_contract_whatever_a_hostile_worker_answers(name, seed):
+    """Answers whose latency swings tenfold, bursts of 429/503, meaningless durations
+    (0, negative, NaN, infinite, a day), in-flight counts above the limit, and reloads
+    that move the ceiling or reset the limit in between: after every call the limit is
+    an int in [1, ceiling], on_sample returns it, and stats() is JSON without NaN or
+    infinity and names the limit in force."""
+    from npu_sync.balancing.limits import new_limit
+
+    rng = random.Random(seed)
+    clock = FakeClock()
+    ceiling = rng.choice((1, 2, 4, 16, 64))
+    limit = new_limit(name, ceiling, clock.monotonic)
+    assert limit is not None
+    base = rng.choice((0.001, 0.05, 2.0))
+    for step in range(2000):
+        roll = rng.random()
+        if roll < 0.01:
+            ceiling = rng.choice((1, 2, 4, 16, 64))
+            limit.set_ceiling(ceiling)
+        elif roll < 0.015:
+            limit.reset()
+        else:
+            phase = (step // 200) % 3  # steady, ten times slower, refusing in bursts
+            rtt = base * (1 + rng.random()) * (10 if phase == 1 else 1)
+            if rng.random() < 0.02:
+                rtt = rng.choice((0.0, -1.0, float("nan"), float("inf"), 1e-12, 86400.0))
+            in_flight = rng.randint(0, 2 * ceiling + 2)
+            dropped = rng.random() < (0.4 if phase == 2 else 0.02)
+            assert limit.on_sample(rtt, in_flight, dropped) == limit.current
+            clock.advance(rtt if 0 < rtt < 10 else 0.01)
+        current = limit.current
+        assert isinstance(current, int) and 1 <= current <= limit.ceiling == ceiling, step
+        stats = limit.stats()
+        json.dumps(stats, allow_nan=False)
+        assert stats["limit"] == current and stats["ceiling"] == ceiling

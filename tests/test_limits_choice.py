@@ -244,3 +244,196 @@ def test_a_hook_that_turns_the_limit_off_from_its_event_does_not_deadlock():
         assert reloaded == [True]
         assert algorithm(pool) is None
         assert {row["id"]: row["capacity"] for row in pool.workers()} == {"a": 32, "b": 32}
+
+
+def _reloaded_config(strategy: str, limit: str, with_c: bool) -> PoolConfig:
+    ids = ("a", "b", "c") if with_c else ("a", "b")
+    workers = tuple(
+        worker_config(wid, f"http://127.0.0.1:{9300 + i}", max_concurrent=4, weight=1 + i)
+        for i, wid in enumerate(ids)
+    )
+    return PoolConfig(
+        workers=workers,
+        balancing=BalancingConfig(strategy=strategy, concurrency_limit=limit, slow_start=1.0),
+        health=HealthConfig(enabled=False),
+    )
+
+
+def test_reloads_of_strategy_limit_and_workers_from_many_threads_keep_the_books():
+    """16 callers run tasks while 3 threads reload the strategy, the limit and whether
+    worker c exists, back and forth; some answers are 429/503 in bursts. Every call
+    ends exactly once, and once all have ended: nothing is in flight, each worker's
+    capacity is its limit's (kind as configured), and the selector keeps a slot for
+    exactly the configured workers and none for c after it left."""
+    import random
+    import threading
+
+    from npu_sync import NoWorkerAvailable, TaskFailed
+
+    rng_lock = threading.Lock()
+    rng = random.Random(7)
+
+    def handler(req: Any) -> Any:
+        with rng_lock:
+            roll = rng.random()
+        if roll < 0.1:
+            return json_response(429, {"detail": "busy"})
+        if roll < 0.15:
+            return json_response(503, {"detail": "overloaded"})
+        return json_response(200, {"worker_id": req.worker_id})
+
+    net = FakeNetwork(handler)
+    strategies = ("least-loaded", "round-robin", "weighted", "weighted-random", "priority")
+    strategies += ("priority-failover",)
+    first = _reloaded_config("least-loaded", "aimd", True)
+    stop = threading.Event()
+    ended: list[str] = []
+    errors: list[BaseException] = []
+    ended_lock = threading.Lock()
+    with WorkerPool(first, transport_factory=net.factory) as pool:
+
+        def caller() -> None:
+            for _ in range(40):
+                try:
+                    pool.execute(OK, timeout=10.0)
+                    outcome = "ok"
+                except (TaskFailed, NoWorkerAvailable) as exc:
+                    outcome = type(exc).__name__
+                except BaseException as exc:
+                    errors.append(exc)
+                    outcome = "error"
+                with ended_lock:
+                    ended.append(outcome)
+
+        def reloader(seed: int) -> None:
+            local = random.Random(seed)
+            while not stop.is_set():
+                cfg = _reloaded_config(
+                    local.choice(strategies),
+                    local.choice(CONCURRENCY_LIMITS),
+                    local.random() < 0.5,
+                )
+                try:
+                    pool.reload(cfg)
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+
+        callers = [threading.Thread(target=caller) for _ in range(16)]
+        reloaders = [threading.Thread(target=reloader, args=(s,)) for s in range(3)]
+        for t in [*callers, *reloaders]:
+            t.start()
+        for t in callers:
+            t.join(120.0)
+        stop.set()
+        for t in reloaders:
+            t.join(30.0)
+        assert not any(t.is_alive() for t in [*callers, *reloaders])
+        assert errors == []
+        assert len(ended) == 16 * 40
+        final = _reloaded_config("weighted", "gradient2", False)
+        pool.reload(final)
+        pool.execute(OK, timeout=10.0)
+        state = pool._state
+        selector = state.dispatcher.selector
+        rows = {row["id"]: row for row in pool.workers()}
+        assert set(rows) == {"a", "b"}
+        assert all(row["in_flight"] == 0 for row in rows.values())
+        assert {w.id for w in selector.workers} == {"a", "b"}
+        assert set(selector._index.slots) == set(state.workers.values())
+        assert selector._retired == {}
+        for worker in state.workers.values():
+            assert isinstance(worker.limit, Gradient2Limit)
+            assert worker.capacity == min(worker.config.max_concurrent, worker.limit.current)
+            assert rows[worker.id]["capacity"] == worker.capacity
+        assert pool.stats()["balancing"]["strategy"] == "weighted"
+
+
+@pytest.mark.parametrize("name", ["aimd", "gradient2", "hill-climbing"])
+def test_a_hook_reloading_from_limit_changed_under_load_never_overfills_a_worker(name):
+    """16 callers against workers that answer 429 and 503 in bursts; a hook answers
+    every worker.limit_changed by reloading to another limit or strategy. No worker ever
+    has more requests at once than its max_concurrent, no call hangs, and once all end
+    nothing is in flight and each worker's capacity is its limit's."""
+    import random
+    import threading
+
+    from npu_sync import NoWorkerAvailable, TaskFailed
+
+    lock = threading.Condition()
+    at_once: dict[str, int] = {}
+    most: dict[str, int] = {}
+    served = [0]
+
+    def handler(req: Any) -> Any:
+        wid = req.worker_id
+        with lock:
+            at_once[wid] = at_once.get(wid, 0) + 1
+            most[wid] = max(most.get(wid, 0), at_once[wid])
+            served[0] += 1
+            burst = (served[0] // 25) % 3 == 1  # every third run of 25 answers refuses
+            # Answer once a second request overlaps here (or after a moment): the
+            # worker's room is then really in use.
+            lock.notify_all()
+            lock.wait_for(lambda: at_once[wid] > 1, timeout=0.02)
+        try:
+            if burst:
+                status = 429 if served[0] % 2 else 503
+                return json_response(status, {"detail": "full"})
+            return json_response(200, {"worker_id": wid})
+        finally:
+            with lock:
+                at_once[wid] -= 1
+
+    def build(limit: str, strategy: str) -> PoolConfig:
+        return PoolConfig(
+            workers=tuple(
+                worker_config(w, f"http://127.0.0.1:{9400 + i}", max_concurrent=3)
+                for i, w in enumerate(("a", "b", "c"))
+            ),
+            balancing=BalancingConfig(concurrency_limit=limit, strategy=strategy),
+            health=HealthConfig(enabled=False),
+        )
+
+    rng = random.Random(3)
+    reloads: list[str] = []
+    errors: list[BaseException] = []
+
+    def hook(event: Any) -> None:
+        if isinstance(event, WorkerLimitChanged) and len(reloads) < 200:
+            limit = rng.choice(("aimd", "gradient2", "hill-climbing"))
+            reloads.append(limit)
+            try:
+                pool.reload(build(limit, rng.choice(("least-loaded", "round-robin", "weighted"))))
+            except BaseException as exc:  # the test reports it
+                errors.append(exc)
+
+    net = FakeNetwork(handler)
+    pool = WorkerPool(build(name, "least-loaded"), transport_factory=net.factory, hooks=[hook])
+    with pool:
+
+        def caller() -> None:
+            for _ in range(30):
+                try:
+                    pool.execute(OK, timeout=10.0)
+                except (TaskFailed, NoWorkerAvailable):
+                    pass
+                except BaseException as exc:  # the test reports it
+                    errors.append(exc)
+
+        callers = [threading.Thread(target=caller) for _ in range(16)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(120.0)
+        assert not any(t.is_alive() for t in callers)
+        assert errors == []
+        assert reloads  # the bursts moved some limit, and the hook reloaded
+        assert max(most.values()) <= 3
+        state = pool._state
+        for worker in state.workers.values():
+            assert worker.in_flight == 0
+            bound = worker.config.max_concurrent
+            if worker.limit is not None:
+                bound = min(bound, worker.limit.current)
+            assert worker.capacity == bound

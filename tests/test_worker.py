@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from npu_sync.breaker import WorkerBreaker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.health import HealthResult
@@ -135,3 +137,65 @@ def test_the_workers_row_shows_what_its_owners_know():
     assert (row["models"], row["device"], row["npu_available"]) == (["a", "b"], "NPU", True)
     assert row["health"] is not None and row["health"]["max_concurrent"] == 4
     assert row["capacity"] == 4
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a reload re-adding a draining worker's id builds a new Worker with no tasks "
+    "in flight: the old one's task is not counted against the address's max_concurrent",
+)
+def test_a_worker_re_added_while_its_old_self_drains_counts_the_task_still_there():
+    """Worker a (max_concurrent 1) is removed by a reload while a task is on it, then
+    re-added at the same address before the task ends: the address still has that task,
+    so a's row shows it in flight and no second request reaches a until it ends."""
+    import threading
+
+    from npu_sync import WorkerPool
+    from npu_sync.config import BalancingConfig, HealthConfig, PoolConfig
+    from npu_sync.testing import FakeNetwork, FakeRequest, json_response
+
+    lock = threading.Lock()
+    at_once: dict[str, int] = {}
+    most: dict[str, int] = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def handler(req: FakeRequest) -> Any:
+        with lock:
+            at_once[req.worker_id] = at_once.get(req.worker_id, 0) + 1
+            most[req.worker_id] = max(most.get(req.worker_id, 0), at_once[req.worker_id])
+        try:
+            if req.json().get("hold"):
+                entered.set()
+                assert release.wait(10.0)
+            return json_response(200, {"worker_id": req.worker_id})
+        finally:
+            with lock:
+                at_once[req.worker_id] -= 1
+
+    a = worker_config("a", "http://127.0.0.1:9600", max_concurrent=1)
+    b = worker_config("b", "http://127.0.0.1:9601", max_concurrent=1)
+
+    def config(*workers: Any) -> PoolConfig:
+        return PoolConfig(
+            workers=workers,
+            health=HealthConfig(enabled=False),
+            balancing=BalancingConfig(slow_start=0),
+        )
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(a, b), transport_factory=net.factory) as pool:
+        held = pool.submit({"hold": 1})
+        try:
+            assert entered.wait(10.0)
+            pool.reload(config(b))
+            pool.reload(config(a, b))
+            row = {r["id"]: r for r in pool.workers()}["a"]
+            in_flight = row["in_flight"]
+            served = [pool.execute({"x": i}, timeout=10.0)["worker_id"] for i in range(4)]
+        finally:
+            release.set()
+        assert held.result(10.0) == {"worker_id": "a"}
+        assert pool.stats()["tasks"]["in_flight"] == 0
+    assert served  # every task was served, by b while a's address was full
+    assert in_flight == 1
+    assert most["a"] == 1

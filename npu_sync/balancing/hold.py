@@ -56,6 +56,16 @@ class PeakHold:
         if when < self.due:
             self.due = when
 
+    def forget_gone(self) -> None:
+        """Drop the slots no longer in the index (a new candidate set): a removed worker
+        is not kept here until its hold would have ended."""
+        if self.held:
+            members = self._index.slots
+            self._holds = [e for e in self._holds if members.get(e[2].worker) is e[2]]
+            heapq.heapify(self._holds)
+            self.held = {s for s in self.held if members.get(s.worker) is s}
+            self.due = self._holds[0][0] if self._holds else NEVER
+
     def relax(self, now: float) -> None:
         """Relax the estimates whose hold ended: of idle workers not heard from for
         ``seconds``. A worker heard from since waits again; a busy one is looked at

@@ -72,6 +72,14 @@ class TrialTurn:
         """``slot`` was found ready with its breaker not closed: its trial is due."""
         self.pending[slot] = None
 
+    def forget_gone(self) -> None:
+        """Drop the slots no longer in the index (a new candidate set): a removed worker
+        is not kept here until a trial turn happens to meet it."""
+        pending = self.pending
+        if pending:
+            members = self._index.slots
+            self.pending = {s: None for s in pending if members.get(s.worker) is s}
+
     def turn(self, tier: Tier, excluded: Collection[str], best: Slot, now: float) -> Slot:
         """A worker of ``tier`` whose trial is due, else ``best``."""
         members = self._index.slots

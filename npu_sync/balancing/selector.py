@@ -255,6 +255,8 @@ class Selector:
             else:
                 retired.pop(worker, None)
         tiers = self._index.rebuild(slot_tiers)
+        self._trials.forget_gone()
+        self._holds.forget_gone()
         for tier, members in zip(tiers, slot_tiers, strict=True):
             tier.observed = any(s.latency.observed for s in members)
             tier.alone = len(members) == 1

@@ -116,10 +116,12 @@ class Ramps:
         slow_start = self.slow_start
         scores = self._scores
         members = self._index.slots
+        # Slow start turned off (a reload): the ramps under way end now.
+        enabled = slow_start.enabled
         still: list[Slot] = []
         for slot in self.ramping:
             weight = slot.worker.weight
-            if slot.ramp_until > now and members.get(slot.worker) is slot:
+            if enabled and slot.ramp_until > now and members.get(slot.worker) is slot:
                 slot.share = weight * slow_start.factor(slot.ramp_from, now)
                 still.append(slot)
             else:

@@ -71,3 +71,27 @@ def test_an_idle_ramping_worker_is_drawn_with_its_factor():
     assert turn.turn(tier, (), p.slot(a), 0.0) is p.slot(a)  # 0.5 >= 0.1
     b.in_flight = 1
     assert RampTurn(p.ramps, lambda: 0.0).turn(tier, (), p.slot(a), 0.0) is p.slot(a)
+
+
+@pytest.mark.parametrize("strategy", ["round-robin", "weighted", "priority", "least-loaded"])
+def test_a_removed_workers_due_trial_is_not_kept_by_the_selector(strategy):
+    """A worker whose breaker trial is due, then removed from the candidates (by the
+    strategy that never takes trial turns too): the selector keeps nothing of it, so
+    repeated reloads of workers in that state hold no memory of the workers gone."""
+    from npu_sync.balancing.selector import Selector
+
+    clock = FakeClock()
+    a, b = make_worker("a", clock=clock), make_worker("b", clock=clock)
+    selector = Selector([a, b], strategy=strategy, now=clock.monotonic())
+    b.breaker.record_failure(False)
+    clock.advance(b.breaker.reset_timeout + 1)
+    now = clock.monotonic()
+    selector.invalidate()
+    a.in_flight = a.capacity  # b's trial is the only room left
+    selector.update(a, now)
+    assert selector.select((), now) is b
+    assert [s.worker for s in selector._trials.pending] == [b]
+    a.in_flight = 0
+    selector.set_workers([a], now)
+    assert selector.select((), now) is a
+    assert selector._trials.pending == {}

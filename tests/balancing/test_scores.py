@@ -84,3 +84,20 @@ def test_a_ramp_grows_the_share_and_ends_at_the_weight():
     assert p.slot(a).share == pytest.approx(1.0)
     p.ramps.refresh(10.0)
     assert p.slot(a).share == 2.0 and p.ramps.ramping == [] and p.ramps.due == math.inf
+
+
+@pytest.mark.parametrize("strategy", ["round-robin", "weighted", "priority", "least-loaded"])
+def test_a_removed_workers_held_peak_is_not_kept_by_the_selector(strategy):
+    """Latency-aware, a worker answers (its peak is held for a while) and is removed
+    before the hold ends, under a strategy that never relaxes peaks too: once it has
+    nothing in flight and the candidates change, the selector keeps nothing of it."""
+    from npu_sync.balancing.selector import Selector
+
+    a, b = make_worker("a"), make_worker("b")
+    selector = Selector([a, b], latency_aware=True, strategy=strategy, now=0.0)
+    selector.observe(b, 0.5, 1.0)
+    assert [s.worker for s in selector._holds.held] == [b]
+    selector.set_workers([a], 1.1)
+    assert selector.select((), 1.2) is a
+    assert selector._holds.held == set()
+    assert all(s.worker is not b for _, _, s in selector._holds._holds)

@@ -698,3 +698,124 @@ def test_a_draining_worker_still_learns_from_its_last_answers_then_is_forgotten(
     assert not selector.state_of(b).latency.observed  # a fresh view: nothing kept
     selector.observe(b, 0.5, NOW + 3)  # a late answer of a forgotten worker is ignored
     assert not selector.state_of(b).latency.observed
+
+
+_STRATEGIES = (
+    "least-loaded",
+    "round-robin",
+    "weighted",
+    "weighted-random",
+    "priority",
+    "priority-failover",
+)
+
+
+@pytest.mark.parametrize(("seed", "size"), [*((s, 6) for s in range(12)), (12, 90), (13, 90)])
+def test_selection_is_sound_and_complete_after_any_sequence_of_changes(seed, size):
+    """Random sequences through the dispatcher, as the pool drives it: leases and their
+    answers (failures trip breakers), time passing (trials due, cool-downs over),
+    workers disabled, unhealthy, cooling down or given a learned limit and back,
+    strategy and latency settings reloaded, the candidate set replaced, recoveries.
+    After each step: a lease goes to a candidate not excluded, eligible, within its
+    capacity; no lease means no such worker exists (priority-failover: the first live
+    worker, when it has room); the selector holds a slot for exactly the candidates and
+    keeps a removed worker's only while it has tasks in flight."""
+    from npu_sync.balancing.limits import AimdLimit
+    from npu_sync.outage import down_reason
+    from tests.balancing.kit import make_worker as kit_worker
+
+    rng = random.Random(seed)
+    clock = FakeClock()
+    workers = [
+        kit_worker(
+            f"w{i}",
+            priority=rng.choice((1, 1, 2)),
+            capacity=rng.choice((1, 2, 3)),
+            weight=rng.choice((1, 2)),
+            clock=clock,
+        )
+        for i in range(size)
+    ]
+
+    def learned(worker: Worker) -> AimdLimit:
+        return AimdLimit(
+            worker.config.max_concurrent,
+            initial=rng.randint(1, 3),
+            clock=clock.monotonic,
+            min_samples=1,
+            min_time=0.0,
+        )
+
+    selector = Selector(
+        workers,
+        rng=random.Random(seed),
+        latency_aware=rng.random() < 0.5,
+        slow_start=SlowStart(window=rng.choice((0.0, 5.0))),
+        now=clock.monotonic(),
+        strategy=rng.choice(_STRATEGIES),
+    )
+    dispatcher = Dispatcher(clock, selector)
+    leases: list[Any] = []
+    for step in range(400):
+        now = clock.monotonic()
+        roll = rng.random()
+        if roll < 0.35:
+            excluded = {w.id for w in workers if rng.random() < 0.2}
+            live = [
+                w for w in selector.workers if w.id not in excluded and down_reason(w, now) is None
+            ]
+            first_live = live[0] if live and live[0].eligible(now) else None
+            open_to = [w for w in selector.workers if w.id not in excluded and w.eligible(now)]
+            lease = dispatcher.try_acquire(excluded)
+            chosen = None if lease is None else lease.worker
+            if selector.strategy == "priority-failover":
+                assert chosen is first_live, step
+            elif chosen is None:
+                assert open_to == [], step
+            if chosen is not None:
+                assert chosen in open_to, step
+                assert chosen.in_flight <= chosen.capacity, step
+                leases.append(lease)
+        elif roll < 0.6 and leases:
+            lease = leases.pop(rng.randrange(len(leases)))
+            worker = lease.worker
+            ok = rng.random() < 0.8
+            rtt = rng.choice((0.01, 0.05, 0.5))
+            with dispatcher.lock:
+                worker.in_flight -= 1
+                selector.observe(worker, rtt, now, ok)
+                if ok:
+                    worker.breaker.record_success(lease.trial)
+                else:
+                    worker.breaker.record_failure(lease.trial)
+                worker.sample_limit(rtt, lease.in_flight, not ok)
+                dispatcher.release_worker_locked(worker, now)
+        elif roll < 0.7:
+            clock.advance(rng.choice((0.01, 0.5, 5.0, 61.0)))
+        elif roll < 0.88:
+            with dispatcher.lock:
+                worker = rng.choice(workers)
+                if roll < 0.73:
+                    worker.enabled = not worker.enabled
+                elif roll < 0.76:
+                    worker.healthy = not worker.healthy
+                elif roll < 0.79:
+                    worker.cooldown_until = now + rng.choice((0.0, 1.0, 10.0))
+                elif roll < 0.82:
+                    worker.set_limit(learned(worker) if rng.random() < 0.7 else None)
+                elif roll < 0.85:
+                    selector.recovered(worker, now)
+                else:
+                    selector.configure(
+                        latency_aware=rng.random() < 0.5,
+                        decay=10.0,
+                        slow_start=SlowStart(window=rng.choice((0.0, 5.0))),
+                        now=now,
+                        strategy=rng.choice(_STRATEGIES),
+                    )
+                dispatcher.release_locked(now)
+        else:
+            members = [w for w in workers if rng.random() < 0.7] or [workers[0]]
+            dispatcher.set_workers(members)
+            assert set(selector._index.slots) == set(members)
+            assert all(w not in members and w.in_flight for w in selector._retired)

@@ -39,3 +39,33 @@ def test_bad_settings_are_refused(kwargs):
     """Negative windows, zero aggression and floors outside (0, 1] raise ValueError."""
     with pytest.raises(ValueError):
         SlowStart(**kwargs)
+
+
+def test_a_reload_turning_slow_start_off_ends_the_ramps_under_way():
+    """A worker ramping when a reload sets the window to 0: it has its whole share at
+    once, and nothing shows it as ramping any more (stats()'s ``ramping``, its
+    ``slow_start_until``), nor refreshes shares on every selection until the old end."""
+    from npu_sync.balancing.selector import Selector
+    from tests.balancing.kit import make_worker
+
+    a, b = make_worker("a"), make_worker("b")
+    selector = Selector([a, b], slow_start=SlowStart(window=10.0), now=0.0)
+    selector.recovered(a, 1.0)
+    assert selector.stats(2.0)["ramping"] == {"a": 9.0}
+    assert selector.slow_start_until(a, 2.0) == 11.0
+    selector.configure(latency_aware=False, decay=10.0, slow_start=None, now=2.0)
+    assert selector.share_of(a) == 1.0
+    assert selector.stats(2.5) == {
+        "strategy": "least-loaded",
+        "latency_aware": False,
+        "latency_decay": 10.0,
+        "slow_start": 0.0,
+        "ramping": {},
+    }
+    assert selector.slow_start_until(a, 2.5) is None
+    assert selector.captured(a)[5] < 2.5  # the row's slow_start_until: None
+    assert selector._ramps.due == float("inf")
+    # Turned on again, a recovery ramps as before.
+    selector.configure(latency_aware=False, decay=10.0, slow_start=SlowStart(10.0), now=3.0)
+    selector.recovered(b, 3.0)
+    assert selector.stats(4.0)["ramping"] == {"b": 9.0}
