@@ -27,11 +27,11 @@ SNIPPET = r"""
 import sys, time, json
 from npu_sync import Task, WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
-from npu_sync.retry import Kind, Outcome
+from npu_sync._retry import Kind, Outcome
 try:
     from npu_sync.taskrun import TaskRun, record
-except ImportError:  # a tree where the task's life is a stack of steps (npu_sync.life)
-    from npu_sync.life import record
+except ImportError:  # a tree where the task's life is a stack of steps (npu_sync._life)
+    from npu_sync._life import record
     TaskRun = None
 from npu_sync.testing import FakeNetwork
 

@@ -49,7 +49,7 @@ READER = r"""
 import json, os, sys, time, tracemalloc
 from npu_sync import WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, SharedStateConfig, worker_config
-from npu_sync.fleet import monitor_of
+from npu_sync._fleet import monitor_of
 from npu_sync.testing import FakeNetwork, json_response
 
 url, workers = sys.argv[1], int(sys.argv[2])
@@ -124,7 +124,7 @@ config = PoolConfig(
     shared_state=SharedStateConfig(backend="redis", url=url, namespace=os.environ["NS"]),
 )
 # Which path marked Redis unavailable, each time it did: a snapshot, the sync thread…
-import npu_sync.shared as shared_module
+import npu_sync._shared as shared_module
 causes = {}
 PATHS = ("publish_snapshot", "withdraw_snapshot", "read_snapshots", "report_failure",
          "report_success", "announce", "counts", "_run", "start")

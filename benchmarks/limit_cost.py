@@ -9,7 +9,7 @@ simulated worker of 8 slots at 20 ms kept full by more callers than the limit (r
 once in a closed loop, then replayed into a fresh limit, which takes the same path since
 the limit is deterministic), and reports the best of 5 replays in nanoseconds per call.
 Printed: each tree's median over the rounds and the ratio new/old. A tree before the
-limits moved to ``npu_sync.balancing.limits`` is read from ``npu_sync.limits``.
+limits moved to ``npu_sync._balancing.limits`` is read from ``npu_sync.limits``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _CHILD = textwrap.dedent(
     import gc, heapq, json, random, sys, time
     sys.path.insert(0, sys.argv[1])
     try:
-        from npu_sync.balancing.limits import HillClimbingLimit
+        from npu_sync._balancing.limits import HillClimbingLimit
     except ImportError:
         from npu_sync.limits import HillClimbingLimit
 

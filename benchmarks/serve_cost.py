@@ -30,12 +30,12 @@ _CHILD = textwrap.dedent(
     """
     import json, sys, time
     sys.path.insert(0, sys.argv[1])
-    from npu_sync.admission import Dispatcher, _Waiter
-    from npu_sync.breaker import WorkerBreaker
+    from npu_sync._admission import Dispatcher, _Waiter
+    from npu_sync._breaker import WorkerBreaker
     from npu_sync.config import BreakerConfig, ClassConfig, PriorityConfig, worker_config
-    from npu_sync.balancing.selector import Selector
+    from npu_sync._balancing.selector import Selector
     from npu_sync.testing import FakeClock
-    from npu_sync.worker import Worker
+    from npu_sync._worker import Worker
 
     class NoTransport:
         def request(self, *a, **k):

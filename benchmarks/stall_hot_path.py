@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 
 from npu_sync import Task, WorkerPool
+from npu_sync._life.transport import Send
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
-from npu_sync.life.transport import Send
 from npu_sync.testing import FakeNetwork, json_response
 from npu_sync.transport import Response
 

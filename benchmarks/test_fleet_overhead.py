@@ -22,8 +22,8 @@ import pytest
 
 from benchmarks.conftest import interleave, report, summarise
 from npu_sync import WorkerPool
+from npu_sync._fleet import monitor_of
 from npu_sync.config import HealthConfig, PoolConfig, SharedStateConfig, worker_config
-from npu_sync.fleet import monitor_of
 from npu_sync.worker_server import LocalWorker
 
 PAYLOAD = {"model_id": "default", "input_text": "benchmark"}

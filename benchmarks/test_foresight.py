@@ -8,7 +8,7 @@ run), so that the queue ahead decides which tasks can make it.
 Two runs side by side:
 
 * ``shadow``: ``admission.deadline_aware`` off. Every task that is about to wait is
-  judged by :class:`~npu_sync.foresight.DeadlineForesight` without acting on it; its
+  judged by :class:`~npu_sync._foresight.DeadlineForesight` without acting on it; its
   expectation is compared, per margin, with what then happened: *refused that would
   have finished* (judged late, succeeded) and *admitted that timed out* (judged in
   time or not judged — it found a slot at once — and failed on its deadline);
@@ -30,7 +30,8 @@ import pytest
 
 from benchmarks.conftest import report
 from npu_sync import AdmissionRefused, Task, TaskFailed, WorkerPool
-from npu_sync.admission import Dispatcher
+from npu_sync._admission import Dispatcher
+from npu_sync._foresight import DeadlineForesight
 from npu_sync.config import (
     AdmissionConfig,
     HealthConfig,
@@ -40,7 +41,6 @@ from npu_sync.config import (
     TimeoutConfig,
     worker_config,
 )
-from npu_sync.foresight import DeadlineForesight
 from npu_sync.worker_server import LocalWorker
 
 CALLERS = 24

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from benchmarks.conftest import interleave, report, summarise
+from npu_sync._retry import classify_response
 from npu_sync.auth import BearerAuth, HmacAuth
 from npu_sync.protocols import LINUX, WINDOWS
-from npu_sync.retry import classify_response
 from npu_sync.task import Task
 from npu_sync.testing import json_response
 

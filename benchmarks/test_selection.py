@@ -22,12 +22,12 @@ import pytest
 
 from benchmarks.conftest import report
 from npu_sync import WorkerPool
-from npu_sync.admission import Lease
+from npu_sync._admission import Lease
+from npu_sync._life import record
+from npu_sync._retry import Kind, Outcome
+from npu_sync._worker import Worker
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
-from npu_sync.life import record
-from npu_sync.retry import Kind, Outcome
 from npu_sync.testing import FakeNetwork
-from npu_sync.worker import Worker
 
 SUCCESS = Outcome(Kind.SUCCESS, {})
 HEADER = ("workers", "threads", "choice", "p50 µs", "p99 µs")

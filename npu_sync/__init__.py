@@ -2,10 +2,12 @@
 
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
+from npu_sync._deadletter import DeadLetter, DeadLetterQueue, ReplayReport
+from npu_sync._decorator import NpuTask, npu_task
+from npu_sync._pool import ReloadResult, WorkerPool, get_pool
+from npu_sync._stats_types import FleetStatsDict, PoolStatsDict, WorkerRow
 from npu_sync._version import installed_version as _installed_version
 from npu_sync.config import PoolConfig, WorkerConfig, load_config, parse_config
-from npu_sync.deadletter import DeadLetter, DeadLetterQueue, ReplayReport
-from npu_sync.decorator import NpuTask, npu_task
 from npu_sync.errors import (
     AdmissionRefused,
     ConfigError,
@@ -16,18 +18,16 @@ from npu_sync.errors import (
     TaskFailed,
     TaskRejected,
 )
-from npu_sync.pool import ReloadResult, WorkerPool, get_pool
-from npu_sync.stats_types import PoolStatsDict, WorkerRow
 from npu_sync.task import Attempt, Task
 
 if _TYPE_CHECKING:
-    from npu_sync.aio import AsyncWorkerPool
+    from npu_sync._aio import AsyncWorkerPool
 
 __version__: str  # declared only: __getattr__ below reads it when first asked for
 
 # Public names imported when first asked for: asyncio costs more to import than most of
 # the package, and synchronous callers never need it.
-_LAZY = {"AsyncWorkerPool": "npu_sync.aio"}
+_LAZY = {"AsyncWorkerPool": "npu_sync._aio"}
 
 
 def __getattr__(name: str) -> object:
@@ -58,6 +58,7 @@ __all__ = [
     "ConfigError",
     "DeadLetter",
     "DeadLetterQueue",
+    "FleetStatsDict",
     "InvalidTask",
     "NoWorkerAvailable",
     "NpuSyncError",

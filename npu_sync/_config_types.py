@@ -514,7 +514,7 @@ class BreakerConfig:
 @dataclass(frozen=True, slots=True)
 class StallConfig:
     """When an attempt that has gone silent is ended and retried elsewhere (see
-    :mod:`npu_sync.stall`). Immutable, so thread-safe."""
+    :mod:`npu_sync._stall`). Immutable, so thread-safe."""
 
     enabled: bool = boolean(
         True,
@@ -742,7 +742,7 @@ class ReloadConfig:
     """What a reload of the file may do to a running pool. Immutable, so thread-safe.
 
     A file read mid-edit, or with a duplicated or mistyped key, can be valid YAML that
-    names far fewer workers. The rules (:class:`npu_sync.guard.ReloadGuard`) judge the
+    names far fewer workers. The rules (:class:`npu_sync._guard.ReloadGuard`) judge the
     pool a reload would leave: no enabled worker, or fewer than the running pool's
     enabled workers by more than ``max_removed_share``, is refused. A key left out
     (None) takes the pool's own setting: the ``reload_guard`` argument of the pool,

@@ -31,10 +31,10 @@ from npu_sync.errors import (
 )
 
 if TYPE_CHECKING:
+    from npu_sync._deadletter import DeadLetterStore
+    from npu_sync._fleet import FleetView
+    from npu_sync._pool import WorkerPool
     from npu_sync.config import ModelPolicy, PoolConfig
-    from npu_sync.deadletter import DeadLetterStore
-    from npu_sync.fleet import FleetView
-    from npu_sync.pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
@@ -348,8 +348,8 @@ def _count(text: str) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from npu_sync._deadletter import check_store
     from npu_sync.config import load_config
-    from npu_sync.deadletter import check_store
 
     config = load_config(args.config)
     # What start-up would fail on, or run without: checked without creating anything.
@@ -371,7 +371,7 @@ def _check(args: argparse.Namespace) -> int:
 def _pool_problems(config: PoolConfig) -> list[str]:
     if any(w.enabled for w in config.workers):
         return []
-    from npu_sync.guard import ReloadGuard
+    from npu_sync._guard import ReloadGuard
 
     try:
         allowed = ReloadGuard.from_env(os.environ).under(config.reload).allow_empty
@@ -389,9 +389,9 @@ def _pool_problems(config: PoolConfig) -> list[str]:
 def _probe_problems(config: PoolConfig) -> list[str]:
     """What the enabled workers answer that no NPU worker would, by key path: a health
     check that fails, or an inference path that is not a worker's (404/405)."""
+    from npu_sync._retry import NOT_A_WORKER
     from npu_sync.config import RetryConfig
     from npu_sync.errors import NpuSyncError
-    from npu_sync.retry import NOT_A_WORKER
     from npu_sync.task import Task
 
     problems = []
@@ -472,6 +472,7 @@ class _Progress:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from npu_sync._pool import WorkerPool
     from npu_sync.config import (
         BreakerConfig,
         HealthConfig,
@@ -481,7 +482,6 @@ def _demo(args: argparse.Namespace) -> int:
         TimeoutConfig,
         worker_config,
     )
-    from npu_sync.pool import WorkerPool
     from npu_sync.worker_server import LocalWorker
 
     if args.tasks < 1 or args.threads < 1:
@@ -604,7 +604,7 @@ def _status(args: argparse.Namespace) -> int:
             raise
         # What get_pool() would run: one worker at $NPU_WORKER_URL. Say so, since an
         # operator reading this expects the fleet of a configuration file.
-        from npu_sync.pool import fallback_config
+        from npu_sync._pool import fallback_config
 
         config, reason = fallback_config(os.environ)
         sys.stderr.write(f"fallback mode: {reason}\n")
@@ -645,9 +645,9 @@ def _status(args: argparse.Namespace) -> int:
 def _probe_pool(config: PoolConfig) -> WorkerPool:
     """A pool that only probes: no health thread, no dead-letter file touched, and no
     place in the fleet."""
+    from npu_sync._deadletter import MemoryDeadLetterStore
+    from npu_sync._pool import WorkerPool
     from npu_sync.config import SharedStateConfig
-    from npu_sync.deadletter import MemoryDeadLetterStore
-    from npu_sync.pool import WorkerPool
 
     # The health thread would probe on a schedule of its own; the rounds here are
     # driven by this command. The dead-letter store is never used by a probe, and
@@ -662,7 +662,7 @@ def _probe_pool(config: PoolConfig) -> WorkerPool:
 
 
 def _read_fleet(config: PoolConfig) -> FleetView:
-    from npu_sync.fleet import FleetSettings, read_fleet
+    from npu_sync._fleet import FleetSettings, read_fleet
 
     settings = FleetSettings.from_config(config.fleet, os.environ)
     return read_fleet(config.shared_state, settings=settings)
@@ -985,7 +985,7 @@ def _open_dlq(config: PoolConfig) -> DeadLetterStore:
     Raises:
         _CommandError: the store is in memory, so only its own process can see it.
     """
-    from npu_sync.deadletter import MemoryDeadLetterStore, open_store
+    from npu_sync._deadletter import MemoryDeadLetterStore, open_store
 
     settings = config.dead_letter
     if settings.backend == "memory":
@@ -1003,7 +1003,7 @@ def _open_dlq(config: PoolConfig) -> DeadLetterStore:
         )
         return MemoryDeadLetterStore(max_records=1)
     if settings.backend == "redis":
-        from npu_sync.shared import SharedState
+        from npu_sync._shared import SharedState
 
         shared = SharedState(config.shared_state, lambda *changes: None)
         return shared.dead_letter_store(settings.max_records, spool_path=settings.spool_path)
@@ -1087,7 +1087,7 @@ def _resolve_id(store: DeadLetterStore, prefix: str, config: PoolConfig) -> str:
 
 
 def _dlq_replay(args: argparse.Namespace) -> int:
-    from npu_sync.pool import WorkerPool
+    from npu_sync._pool import WorkerPool
 
     config = _dlq_config(args)
     with contextlib.ExitStack() as resources:

@@ -59,7 +59,7 @@ from npu_sync._config_types import (
     WorkerConfig,
     default_protocol,
 )
-from npu_sync.guard import ReloadGuard
+from npu_sync._guard import ReloadGuard
 
 __all__ = [
     "CONCURRENCY_LIMITS",
@@ -150,7 +150,7 @@ def load_config(path: str | os.PathLike[str]) -> PoolConfig:
 def check_reload(old: PoolConfig, new: PoolConfig, guard: ReloadGuard | None = None) -> None:
     """Refuse a reload that would empty a working pool or shrink most of it.
 
-    The rules are :class:`~npu_sync.guard.ReloadGuard`'s, judged on the pool ``new``
+    The rules are :class:`~npu_sync._guard.ReloadGuard`'s, judged on the pool ``new``
     leaves; ``guard`` holds the pool's own settings (the defaults when None), and the
     keys the new file's ``reload`` section gives win over them.
 

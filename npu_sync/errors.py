@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, Final
 
-from npu_sync.attempt import Attempt
+from npu_sync._attempt import Attempt
 from npu_sync.trace import Trace
 
 REDACTED: Final = "***"

@@ -28,8 +28,8 @@ try:
     from werkzeug.exceptions import HTTPException
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(f"npu_sync.flask needs Flask: {install_hint('flask')}") from exc
-from npu_sync.fleet import monitor_of
-from npu_sync.pool import WorkerPool, adopt_default_pool, get_pool
+from npu_sync._fleet import monitor_of
+from npu_sync._pool import WorkerPool, adopt_default_pool, get_pool
 from npu_sync.task import Task, priority_scope
 
 log = logging.getLogger(__name__)

@@ -64,6 +64,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
         f"npu_sync.prometheus needs prometheus_client: {install_hint('prometheus')}"
     ) from exc
 
+from npu_sync._fleet import monitor_of
 from npu_sync.events import (
     AttemptFinished,
     BreakerStateChanged,
@@ -78,7 +79,6 @@ from npu_sync.events import (
     TaskRejectedEvent,
     TaskSucceeded,
 )
-from npu_sync.fleet import monitor_of
 
 __all__ = [
     "DEFAULT_BUCKETS",

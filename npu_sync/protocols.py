@@ -2,7 +2,7 @@
 
 A worker protocol is one small immutable object per kind of worker. It maps the task's
 canonical payload (AutoBot's Linux shape, ``{"model_id", "input_text", ...}``) to what
-the worker takes, classifies the worker's answers into a :class:`~npu_sync.retry.Outcome`,
+the worker takes, classifies the worker's answers into a :class:`~npu_sync._retry.Outcome`,
 and reads its health and model-list answers. Two are built in:
 
 * ``autobot-linux`` (the default): AutoBot's Linux NPU worker (port 8081, TLS 8444).
@@ -34,9 +34,9 @@ from types import MappingProxyType
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote
 
+from npu_sync._retry import MAX_MODEL_ID as _MAX_MODEL_ID
+from npu_sync._retry import Kind, Outcome, classify_response, not_loaded_model
 from npu_sync.errors import printable
-from npu_sync.retry import MAX_MODEL_ID as _MAX_MODEL_ID
-from npu_sync.retry import Kind, Outcome, classify_response, not_loaded_model
 from npu_sync.transport import Response
 
 __all__ = [
@@ -331,7 +331,7 @@ class WindowsProtocol(WorkerProtocol):
         if isinstance(error, str) and any(p.match(error) for p in self.task_faults):
             return Outcome(Kind.REJECTED, body, response.status, text, processed=False)
         # Any other failed task may be the task's doing (bad input) as much as the
-        # worker's: suspect, a second worker decides (npu_sync.blame).
+        # worker's: suspect, a second worker decides (npu_sync._blame).
         return Outcome(Kind.FAILURE, body, response.status, text, suspect=True)
 
     def load_request(self, model_id: str) -> LoadRequest:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Attempt lives in its own module (errors.py names it too); still importable from here.
-from npu_sync.attempt import Attempt
+from npu_sync._attempt import Attempt
 from npu_sync.errors import InvalidTask
 from npu_sync.trace import Trace
 

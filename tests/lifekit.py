@@ -9,12 +9,12 @@ from contextlib import contextmanager
 from typing import Any
 
 from npu_sync import WorkerPool
+from npu_sync._life.context import TaskContext, Try
+from npu_sync._life.ledger import record
+from npu_sync._retry import Kind, Outcome
+from npu_sync._state import PoolState
+from npu_sync._stop import TaskStop
 from npu_sync.config import HealthConfig, PoolConfig, worker_config
-from npu_sync.life.context import TaskContext, Try
-from npu_sync.life.ledger import record
-from npu_sync.retry import Kind, Outcome
-from npu_sync.state import PoolState
-from npu_sync.stop import TaskStop
 from npu_sync.task import Task
 from npu_sync.testing import FakeNetwork
 from tests.stubs import NoTransport

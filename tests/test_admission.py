@@ -8,13 +8,13 @@ from typing import Any, ClassVar
 
 import pytest
 
-from npu_sync import admission
-from npu_sync.admission import Dispatcher, Lease, Refusal
-from npu_sync.balancing.selector import Selector
-from npu_sync.breaker import WorkerBreaker
+from npu_sync import _admission as admission
+from npu_sync._admission import Dispatcher, Lease, Refusal
+from npu_sync._balancing.selector import Selector
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._worker import Worker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.testing import FakeClock
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)

@@ -785,7 +785,7 @@ def test_a_slow_dead_letter_store_and_a_blocking_hook_never_hold_the_loop(server
     """While a hook blocks, and while a dead letter is being stored by a store that
     blocks (as a slow Redis would), the event loop goes on running other coroutines;
     the task ends with TaskFailed once its record is stored."""
-    from npu_sync.deadletter import MemoryDeadLetterStore
+    from npu_sync._deadletter import MemoryDeadLetterStore
 
     hook_release, store_release = threading.Event(), threading.Event()
     hooked, storing = threading.Event(), threading.Event()
@@ -849,9 +849,9 @@ def test_import_npu_sync_does_not_import_asyncio():
 
     code = (
         "import json, sys, npu_sync\n"
-        "before = ['asyncio' in sys.modules, 'npu_sync.aio' in sys.modules]\n"
+        "before = ['asyncio' in sys.modules, 'npu_sync._aio' in sys.modules]\n"
         "cls = npu_sync.AsyncWorkerPool\n"
-        "after = ['asyncio' in sys.modules, 'npu_sync.aio' in sys.modules]\n"
+        "after = ['asyncio' in sys.modules, 'npu_sync._aio' in sys.modules]\n"
         "print(json.dumps([before, after, cls.__module__, 'AsyncWorkerPool' in dir(npu_sync)]))\n"
     )
     done = subprocess.run(
@@ -864,7 +864,7 @@ def test_import_npu_sync_does_not_import_asyncio():
     assert done.returncode == 0, done.stderr
     before, after, module, listed = json.loads(done.stdout)
     assert before == [False, False] and after == [True, True]
-    assert module == "npu_sync.aio" and listed
+    assert module == "npu_sync._aio" and listed
 
 
 def test_two_event_loops_in_two_threads_share_one_async_pool(worker):

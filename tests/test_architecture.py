@@ -184,9 +184,9 @@ def test_imports_point_down_the_layers():
 def test_the_layer_check_catches_an_upward_import(monkeypatch):
     """An import from the task's life up into the pool would be reported."""
     graph = import_graph()
-    graph["npu_sync.life.runner"] = {*graph["npu_sync.life.runner"], "npu_sync.pool"}
+    graph["npu_sync._life.runner"] = {*graph["npu_sync._life.runner"], "npu_sync._pool"}
     monkeypatch.setattr(sys.modules[__name__], "import_graph", lambda: graph)
-    upward = re.escape("npu_sync.life.runner imports npu_sync.pool")
+    upward = re.escape("npu_sync._life.runner imports npu_sync._pool")
     with pytest.raises(AssertionError, match=upward):
         test_imports_point_down_the_layers()
 
@@ -209,10 +209,14 @@ def test_the_life_of_one_task_names_functions_that_exist():
         if owner in classes:
             found = hasattr(classes[owner], attribute)
         else:
-            try:
-                found = hasattr(importlib.import_module(f"npu_sync.{owner}"), attribute)
-            except ImportError:
-                found = False
+            found = False
+            # A module is cited by its concept: ``outage.held_until()`` is in _outage.py.
+            for dotted in (f"npu_sync.{owner}", f"npu_sync._{owner}"):
+                try:
+                    found = hasattr(importlib.import_module(dotted), attribute)
+                except ImportError:
+                    continue
+                break
         if not found:
             missing.append(name)
     assert missing == []

@@ -13,6 +13,14 @@ from typing import Any
 import pytest
 
 from npu_sync import ConfigError, WorkerPool
+from npu_sync._fleet import (
+    MAX_FLEET_PROCESSES,
+    MAX_SNAPSHOT_BYTES,
+    FleetSettings,
+    Monitor,
+    monitor_of,
+    parse_snapshot,
+)
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -20,14 +28,6 @@ from npu_sync.config import (
     RetryConfig,
     SharedStateConfig,
     worker_config,
-)
-from npu_sync.fleet import (
-    MAX_FLEET_PROCESSES,
-    MAX_SNAPSHOT_BYTES,
-    FleetSettings,
-    Monitor,
-    monitor_of,
-    parse_snapshot,
 )
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
-from npu_sync.balancing.limits import HillClimbingLimit, square_root_headroom
+from npu_sync._balancing.limits import HillClimbingLimit, square_root_headroom
 from npu_sync.config import BalancingConfig, HealthConfig, PoolConfig, worker_config
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from npu_sync.balancing.limits import HillClimbingLimit, square_root_headroom
+from npu_sync._balancing.limits import HillClimbingLimit, square_root_headroom
 from tests.test_attack_limits import settled, simulate, within_bounds
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from npu_sync import TaskFailed, TaskRejected, WorkerPool
+from npu_sync._life.models import ModelLoad
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -24,7 +25,6 @@ from npu_sync.config import (
     WorkerConfig,
     worker_config,
 )
-from npu_sync.life.models import ModelLoad
 from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 

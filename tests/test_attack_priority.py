@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from npu_sync.admission import Lease
-from npu_sync.priority import PriorityClasses
+from npu_sync._admission import Lease
+from npu_sync._priority import PriorityClasses
 from npu_sync.testing import FakeClock
 from tests.test_priority import classes, clock, dispatcher_with, free, take, until, waiting
 
@@ -92,7 +92,7 @@ def test_an_aged_waiter_sleeps_until_its_deadline_not_an_aging_period(
     it sleeps until a release or its deadline, not one more aging period."""
     import threading
 
-    from npu_sync import admission
+    from npu_sync import _admission as admission
 
     slept: list[float | None] = []
     ours: list[object] = []
@@ -127,7 +127,7 @@ def test_every_task_of_a_map_takes_the_class_of_the_scope_it_was_started_in(
     """A batch route streams map()'s results after the view returned (the scope left):
     the tasks fed in after the first window are batch too, not the default class."""
     from npu_sync import WorkerPool
-    from npu_sync import pool as pool_module
+    from npu_sync import _pool as pool_module
     from npu_sync.config import HealthConfig, PoolConfig, worker_config
     from npu_sync.task import as_task, priority_scope
     from npu_sync.testing import FakeNetwork

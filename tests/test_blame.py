@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from npu_sync import TaskFailed, TaskRejected, WorkerPool
-from npu_sync.blame import Blame, Verdict, misrouted
+from npu_sync._blame import Blame, Verdict, misrouted
+from npu_sync._retry import Kind, Outcome, classify_response
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -13,7 +14,6 @@ from npu_sync.config import (
     RetryConfig,
     worker_config,
 )
-from npu_sync.retry import Kind, Outcome, classify_response
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
 

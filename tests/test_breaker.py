@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from npu_sync.breaker import CLOSED, HALF_OPEN, OPEN, WorkerBreaker
+from npu_sync._breaker import CLOSED, HALF_OPEN, OPEN, WorkerBreaker
 from npu_sync.config import BreakerConfig
 from npu_sync.testing import FakeClock
 

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from npu_sync.budget import RetryBudget
+from npu_sync._budget import RetryBudget
 from npu_sync.testing import FakeClock
 
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from npu_sync import ConfigError, InvalidTask, Task, TaskRejected, WorkerPool, npu_task
-from npu_sync.capability import CapabilityFilter, meets
+from npu_sync._capability import CapabilityFilter, meets
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,

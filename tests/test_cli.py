@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from npu_sync import cli
+from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.cli import main
-from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.task import Attempt, Task
 from npu_sync.worker_server import LocalWorker
 
@@ -522,8 +522,8 @@ def fleet_redis(monkeypatch):
 def _fleet_of(count: int, namespace: str) -> list:
     """Pools on a fake network, each as if in a process of its own, sampled once."""
     from npu_sync import WorkerPool
+    from npu_sync._fleet import monitor_of
     from npu_sync.config import HealthConfig, PoolConfig, SharedStateConfig, worker_config
-    from npu_sync.fleet import monitor_of
     from npu_sync.testing import FakeNetwork, json_response
 
     net = FakeNetwork(lambda req: json_response(200, {"ok": True}))
@@ -571,7 +571,7 @@ def _plant_other_host(namespace: str, server: Any, base_of: Any) -> None:
 
     import fakeredis
 
-    from npu_sync.fleet import monitor_of
+    from npu_sync._fleet import monitor_of
 
     redis = fakeredis.FakeRedis(server=server)
     mine = monitor_of(base_of).process["id"]

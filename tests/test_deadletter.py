@@ -1,4 +1,4 @@
-"""Tests for npu_sync.deadletter: the stores, records and replay."""
+"""Tests for npu_sync._deadletter: the stores, records and replay."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from npu_sync.deadletter import (
+from npu_sync._deadletter import (
     SCHEMA_VERSION,
     DeadLetter,
     DeadLetterQueue,
@@ -197,7 +197,7 @@ def test_bounded_store_evicts_oldest_and_counts_it(
     """At max_records the oldest record goes, is counted in dropped and logged by id and task."""
     store = store_factory(max_records=3)
     records = [make_record(n) for n in range(5)]
-    with caplog.at_level(logging.WARNING, logger="npu_sync.deadletter"):
+    with caplog.at_level(logging.WARNING, logger="npu_sync._deadletter"):
         for record in records:
             store.add(record)
     assert store.list() == records[2:]
@@ -237,7 +237,7 @@ def test_sqlite_record_survives_sigkill_right_after_add(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys
-        from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
+        from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
         from npu_sync.task import Task
         store = SQLiteDeadLetterStore({str(path)!r})
         record = DeadLetter.from_task(
@@ -643,7 +643,7 @@ def test_replay_failure_after_purge_is_not_resurrected(
         raise failed(task.task_id)
 
     dlq = DeadLetterQueue(store, run)
-    with caplog.at_level(logging.WARNING, logger="npu_sync.deadletter"):
+    with caplog.at_level(logging.WARNING, logger="npu_sync._deadletter"):
         report = dlq.replay()
     assert report.failed == (record.id,)
     assert len(dlq) == 0
@@ -706,7 +706,7 @@ def test_sqlite_a_claim_whose_owner_died_expires(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """After its lease a claim may be taken over; the old owner's release is then a no-op."""
-    import npu_sync.deadletter as deadletter
+    import npu_sync._deadletter as deadletter
 
     path = tmp_path / "dlq.sqlite3"
     one, two = SQLiteDeadLetterStore(path), SQLiteDeadLetterStore(path)
@@ -841,7 +841,7 @@ def test_sqlite_a_deleted_directory_fails_loudly_instead_of_writing_nowhere(
     store = SQLiteDeadLetterStore(directory / "dlq.sqlite3")
     store.add(make_record(1))
     shutil.rmtree(directory)
-    with caplog.at_level(logging.ERROR, logger="npu_sync.deadletter"):
+    with caplog.at_level(logging.ERROR, logger="npu_sync._deadletter"):
         for n in (2, 3):
             with pytest.raises(NpuSyncError, match="its directory was deleted while in use"):
                 store.add(make_record(n))
@@ -881,7 +881,7 @@ def sqlite_config(path: Any) -> Any:
 def test_check_store_reports_what_opening_would_fail_on(tmp_path: Path) -> None:
     """Missing directory, not writable, not a database: each with its key path; nothing
     is created."""
-    from npu_sync.deadletter import check_store
+    from npu_sync._deadletter import check_store
 
     assert check_store(sqlite_config(tmp_path / "new.sqlite3")) == []
     assert not (tmp_path / "new.sqlite3").exists()
@@ -913,7 +913,7 @@ def test_check_store_reports_what_opening_would_fail_on(tmp_path: Path) -> None:
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_check_store_reports_an_unwritable_directory(tmp_path: Path) -> None:
     """A directory the process cannot write is reported before start-up fails on it."""
-    from npu_sync.deadletter import check_store
+    from npu_sync._deadletter import check_store
 
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-import npu_sync.pool as pool_module
+import npu_sync._pool as pool_module
 from npu_sync import WorkerPool, get_pool
 
 
@@ -42,7 +42,7 @@ def test_npu_workers_yaml_in_the_working_directory(tmp_path):
 def test_single_worker_compatibility_mode_is_logged(monkeypatch, caplog):
     """With no config at all, one worker at $NPU_WORKER_URL, and a warning says so."""
     monkeypatch.setenv("NPU_WORKER_URL", "http://127.0.0.1:9003")
-    with caplog.at_level(logging.WARNING, logger="npu_sync.pool"):
+    with caplog.at_level(logging.WARNING, logger="npu_sync._pool"):
         pool = get_pool()
     assert [w["url"] for w in pool.workers()] == ["http://127.0.0.1:9003"]
     assert "single worker at http://127.0.0.1:9003" in caplog.text

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from npu_sync import Task, TaskFailed, TaskRejected, WorkerPool
+from npu_sync._redact import REDACTED
 from npu_sync.cli import main
 from npu_sync.errors import InvalidTask
-from npu_sync.redact import REDACTED
 from npu_sync.worker_server import WorkerBehaviour, WorkerServer
 from tests.hostile import Hostile, answer, keep_answering
 

@@ -15,6 +15,13 @@ from dataclasses import replace as dataclasses_replace
 import pytest
 
 from npu_sync import ConfigError, TaskFailed, WorkerPool
+from npu_sync._fleet import (
+    FleetSettings,
+    Monitor,
+    merge_histories,
+    monitor_of,
+    parse_snapshot,
+)
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -23,13 +30,6 @@ from npu_sync.config import (
     SharedStateConfig,
     parse_config,
     worker_config,
-)
-from npu_sync.fleet import (
-    FleetSettings,
-    Monitor,
-    merge_histories,
-    monitor_of,
-    parse_snapshot,
 )
 from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
@@ -337,7 +337,7 @@ def test_parse_snapshot_refuses_malformed_series():
 def test_the_thread_samples_on_its_own_and_only_it_writes_to_redis(net, redis_server, monkeypatch):
     """With the timer on, samples and snapshots come from the npu-sync-fleet thread; a
     task thread sends nothing for them."""
-    from npu_sync.shared import SharedState
+    from npu_sync._shared import SharedState
 
     monkeypatch.setenv("NPU_SYNC_FLEET", "on")
     monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "0.05")

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from npu_sync.fleetview import SharedRead, host_rows, silent_process
-from npu_sync.stats_types import ProcessSnapshot
+from npu_sync._fleetview import SharedRead, host_rows, silent_process
+from npu_sync._stats_types import ProcessSnapshot
 
 
 class Ticker:

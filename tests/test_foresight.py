@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 
 from npu_sync import AdmissionRefused, TaskFailed, WorkerPool
-from npu_sync.admission import Dispatcher, Lease, Refusal
-from npu_sync.balancing.selector import Selector
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._admission import Dispatcher, Lease, Refusal
+from npu_sync._balancing.selector import Selector
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._foresight import DeadlineForesight, Late, foresight_for
+from npu_sync._worker import Worker
 from npu_sync.config import (
     AdmissionConfig,
     BreakerConfig,
@@ -19,9 +21,7 @@ from npu_sync.config import (
     RetryConfig,
     worker_config,
 )
-from npu_sync.foresight import DeadlineForesight, Late, foresight_for
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)

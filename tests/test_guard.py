@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
+from npu_sync._guard import ENV_VARS, ReloadGuard
 from npu_sync.config import PoolConfig, ReloadConfig, check_reload, parse_config, worker_config
 from npu_sync.errors import ConfigError
-from npu_sync.guard import ENV_VARS, ReloadGuard
 
 
 def pool(*ids: str, **reload: object) -> PoolConfig:

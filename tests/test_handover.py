@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npu_sync.handover import Handover
+from npu_sync._handover import Handover
 
 
 def start(removed=("w1",), added=("w4",), wanted=("w4",), now=0.0, bound=10.0, current=None):

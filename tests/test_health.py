@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._health import MAX_BODY_BYTES, HealthChecker, HealthResult, WorkerHealth, probe
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -16,7 +17,6 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.health import MAX_BODY_BYTES, HealthChecker, HealthResult, WorkerHealth, probe
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.transport import Response, Transport, TransportError
 from tests.stubs import NoTransport
@@ -477,7 +477,7 @@ def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_on
     import concurrent.futures
     import types
 
-    import npu_sync.health
+    import npu_sync._health
 
     waiting = threading.Semaphore(0)
 
@@ -488,7 +488,7 @@ def test_a_check_during_another_rounds_probe_shares_its_answer_and_applies_it_on
     fake = types.SimpleNamespace(
         futures=types.SimpleNamespace(wait=wait, Future=concurrent.futures.Future)
     )
-    monkeypatch.setattr(npu_sync.health, "concurrent", fake)
+    monkeypatch.setattr(npu_sync._health, "concurrent", fake)
     net = FakeNetwork()
     gate, probing = threading.Event(), threading.Event()
     probes = []

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from npu_sync.hedge import HedgePolicy
+from npu_sync._hedge import HedgePolicy
 
 
 def test_disabled_by_default_and_never_for_tasks_that_are_not_idempotent():

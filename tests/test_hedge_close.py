@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from npu_sync.hedge import HedgeTimer
+from npu_sync._hedge import HedgeTimer
 from npu_sync.testing import FakeClock
 
 

@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 
-from npu_sync.hedge import HedgeTimer
+from npu_sync._hedge import HedgeTimer
 from npu_sync.testing import FakeClock
 
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from npu_sync.health import HealthResult
-from npu_sync.holdings import Holdings
+from npu_sync._health import HealthResult
+from npu_sync._holdings import Holdings
 from npu_sync.protocols import MAX_MODELS
 
 

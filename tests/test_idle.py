@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from npu_sync._fdlimit import RESERVE, check, need
 from npu_sync.config import (
     HealthConfig,
     PoolConfig,
@@ -17,7 +18,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.errors import ConfigError
-from npu_sync.fdlimit import RESERVE, check, need
 from npu_sync.transport import BuiltinTransport, IdleBudget, IdleReaper, reap_interval
 from tests.hostile import Hostile, answer
 

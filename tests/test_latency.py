@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from npu_sync.latency import MIN_COST, PeakEwma
+from npu_sync._latency import MIN_COST, PeakEwma
 
 T = 1000.0
 

@@ -12,15 +12,15 @@ import npu_sync
 
 HOMES = {
     "yaml": {"_config_file"},  # the config's strict YAML loader
-    "pybreaker": {"breaker"},
-    "tenacity": {"retry"},
-    "watchdog": {"reload"},
+    "pybreaker": {"_breaker"},
+    "tenacity": {"_retry"},
+    "watchdog": {"_reload"},
     "urllib3": {"transport"},
     "requests": {"transport"},
     # The reference worker, a subpackage, is stdlib-only: see WORKER_SERVER_MAY_IMPORT.
     "http": {"transport", "worker_server"},
     "prometheus_client": {"prometheus"},
-    "redis": {"shared", "redis_client"},  # the state; building its client and durable write
+    "redis": {"_shared", "_redis_client"},  # the state; building its client and durable write
     "flask": {"flask"},
     "werkzeug": {"flask"},
 }
@@ -30,7 +30,7 @@ WORKER_SERVER = PACKAGE / "worker_server"
 
 # What the reference worker may take from npu_sync: the HMAC check it shares with the
 # pool's signing, and the injectable clock. Everything else it needs is the stdlib's.
-WORKER_SERVER_MAY_IMPORT = {"npu_sync.auth", "npu_sync.clock"}
+WORKER_SERVER_MAY_IMPORT = {"npu_sync.auth", "npu_sync._clock"}
 
 
 def imports(path: pathlib.Path) -> list[tuple[str, ast.stmt, bool]]:
@@ -51,7 +51,7 @@ def imports(path: pathlib.Path) -> list[tuple[str, ast.stmt, bool]]:
 
 def test_the_reference_worker_imports_only_the_stdlib_and_two_library_modules():
     """Each module of npu_sync/worker_server/ imports the standard library, its own
-    subpackage, npu_sync.auth and npu_sync.clock, and nothing else."""
+    subpackage, npu_sync.auth and npu_sync._clock, and nothing else."""
     paths = sorted(WORKER_SERVER.rglob("*.py"))
     assert len(paths) > 5  # the subpackage is there, split by concern
     wrong = []

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(npu_sync.__file__).parent.parent
 # Imported by npu_sync only when something that needs them is built or asked for.
 DEFERRED = (
     "importlib.metadata",  # npu_sync.__version__, the transports' User-Agent
-    "npu_sync.otel",  # a pool with tracing.opentelemetry on
+    "npu_sync._otel",  # a pool with tracing.opentelemetry on
     "opentelemetry",  # the same (and redis >= 7, which pybreaker imports, when installed)
     "pybreaker",  # the first breaker (a pool being built)
     "redis",  # pybreaker imports it when installed; shared state
@@ -92,8 +92,8 @@ def test_the_modules_that_own_the_libraries_import_lightly():
     watchdog, PyYAML and the HTTP clients, import without them (shared, the home of
     redis, is imported only with shared state)."""
     code = """
-    import npu_sync.breaker, npu_sync.config, npu_sync.pool, npu_sync.reload
-    import npu_sync.retry, npu_sync.transport
+    import npu_sync._breaker, npu_sync.config, npu_sync._pool, npu_sync._reload
+    import npu_sync._retry, npu_sync.transport
     """
     assert fresh(code)["loaded"] == []
 
@@ -104,7 +104,7 @@ def test_a_pool_on_the_default_client_never_loads_requests_or_urllib3(worker):
     report = fresh(POOL_FROM_YAML, worker.url, "default")
     assert isinstance(report["result"], dict) and report["result"]["model_id"] == "default"
     loaded = set(report["loaded"])  # type: ignore[arg-type]
-    assert loaded & {"requests", "urllib3", "npu_sync.otel"} == set()
+    assert loaded & {"requests", "urllib3", "npu_sync._otel"} == set()
     assert {"yaml", "pybreaker", "tenacity", "watchdog"} <= loaded
 
 

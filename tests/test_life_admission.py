@@ -1,4 +1,4 @@
-"""The admission steps alone (npu_sync.life.admission): Fit, Admit, Record."""
+"""The admission steps alone (npu_sync._life.admission): Fit, Admit, Record."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import pytest
 
 from npu_sync import TaskRejected, WorkerPool
-from npu_sync.life.admission import Admit, Fit, Record
-from npu_sync.life.context import TaskContext, Try
-from npu_sync.life.ledger import record
-from npu_sync.life.outcomes import Outcomes
-from npu_sync.retry import Kind, Outcome
-from npu_sync.stop import Stopped, TaskStop
+from npu_sync._life.admission import Admit, Fit, Record
+from npu_sync._life.context import TaskContext, Try
+from npu_sync._life.ledger import record
+from npu_sync._life.outcomes import Outcomes
+from npu_sync._retry import Kind, Outcome
+from npu_sync._stop import Stopped, TaskStop
 from npu_sync.task import Task
 from tests.lifekit import OK, begin, stub_pool
 

@@ -1,12 +1,12 @@
-"""The hedge step and its race alone (npu_sync.life.hedge)."""
+"""The hedge step and its race alone (npu_sync._life.hedge)."""
 
 from __future__ import annotations
 
 from npu_sync import WorkerPool
-from npu_sync.life.context import FIRST, HEDGE, TaskContext, Try
-from npu_sync.life.hedge import Hedge, Race
-from npu_sync.life.ledger import record
-from npu_sync.life.outcomes import Outcomes
+from npu_sync._life.context import FIRST, HEDGE, TaskContext, Try
+from npu_sync._life.hedge import Hedge, Race
+from npu_sync._life.ledger import record
+from npu_sync._life.outcomes import Outcomes
 from tests.lifekit import OK, begin, config
 from tests.stubs import NoTransport
 

@@ -1,4 +1,4 @@
-"""The model steps alone (npu_sync.life.models), with a stub next step."""
+"""The model steps alone (npu_sync._life.models), with a stub next step."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import pytest
 
 from npu_sync import WorkerPool
-from npu_sync.life.context import AGAIN, TaskContext, Try
-from npu_sync.life.ledger import record
-from npu_sync.life.models import ModelCount, ModelHeld
-from npu_sync.retry import Outcome
+from npu_sync._life.context import AGAIN, TaskContext, Try
+from npu_sync._life.ledger import record
+from npu_sync._life.models import ModelCount, ModelHeld
+from npu_sync._retry import Outcome
 from npu_sync.task import Task
 from tests.lifekit import OK, begin, stub_pool
 

@@ -1,4 +1,4 @@
-"""The one observer of outcomes alone (npu_sync.life.outcomes)."""
+"""The one observer of outcomes alone (npu_sync._life.outcomes)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections.abc import Iterator
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._life.outcomes import Outcomes
+from npu_sync._retry import Kind, Outcome
 from npu_sync.events import AttemptFinished, Event, TaskRejectedEvent
-from npu_sync.life.outcomes import Outcomes
-from npu_sync.retry import Kind, Outcome
 from tests.lifekit import OK, begin, config, stub_pool
 from tests.stubs import NoTransport
 

@@ -1,11 +1,11 @@
-"""The request-building step alone (npu_sync.life.protocol), with a stub next step."""
+"""The request-building step alone (npu_sync._life.protocol), with a stub next step."""
 
 from __future__ import annotations
 
-from npu_sync.life.context import HEDGE, TaskContext, Try
-from npu_sync.life.ledger import record
-from npu_sync.life.protocol import Compose
-from npu_sync.retry import Outcome
+from npu_sync._life.context import HEDGE, TaskContext, Try
+from npu_sync._life.ledger import record
+from npu_sync._life.protocol import Compose
+from npu_sync._retry import Outcome
 from npu_sync.testing import FakeNetwork
 from tests.lifekit import OK, begin, network_pool
 

@@ -1,4 +1,4 @@
-"""The retry step alone (npu_sync.life.retry), driven with a stub next step."""
+"""The retry step alone (npu_sync._life.retry), driven with a stub next step."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import pytest
 
 from npu_sync import TaskRejected, WorkerPool
-from npu_sync.life.context import AGAIN, Exhausted, TaskContext, Try
-from npu_sync.life.outcomes import Outcomes
-from npu_sync.life.retry import Retry
-from npu_sync.retry import Kind, Outcome
+from npu_sync._life.context import AGAIN, Exhausted, TaskContext, Try
+from npu_sync._life.outcomes import Outcomes
+from npu_sync._life.retry import Retry
+from npu_sync._retry import Kind, Outcome
 from tests.lifekit import OK, begin, leased, stub_pool
 
 

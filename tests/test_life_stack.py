@@ -1,4 +1,4 @@
-"""The stack of steps (npu_sync.life.stack): built once per configuration, only what it needs."""
+"""The stack of steps (npu_sync._life.stack): built once per configuration, only what it needs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The request step alone (npu_sync.life.transport), on a fake network."""
+"""The request step alone (npu_sync._life.transport), on a fake network."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._life.context import FIRST, Try
+from npu_sync._life.ledger import record
+from npu_sync._life.transport import Send
+from npu_sync._retry import Kind, Outcome
 from npu_sync.errors import InvalidTask
-from npu_sync.life.context import FIRST, Try
-from npu_sync.life.ledger import record
-from npu_sync.life.transport import Send
-from npu_sync.retry import Kind, Outcome
 from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Cancel, Response
 from tests.lifekit import OK, begin, config, network_pool

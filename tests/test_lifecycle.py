@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-import npu_sync.admission
-import npu_sync.life
+import npu_sync._admission
+import npu_sync._life
 import npu_sync.protocols
 from npu_sync import TaskFailed, TaskRejected, WorkerPool
+from npu_sync._deadletter import MemoryDeadLetterStore
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -21,7 +22,6 @@ from npu_sync.config import (
     RetryConfig,
     worker_config,
 )
-from npu_sync.deadletter import MemoryDeadLetterStore
 from npu_sync.events import (
     AttemptFinished,
     BreakerStateChanged,
@@ -601,7 +601,7 @@ def test_an_interrupt_as_a_waiter_is_handed_a_slot_leaks_nothing(monkeypatch):
         busy = pool.submit({"x": 0})
         assert started.wait(10)
         conditions = type("threading", (), {"Condition": _InterruptedOnHandOver})
-        monkeypatch.setattr(npu_sync.admission, "threading", conditions)
+        monkeypatch.setattr(npu_sync._admission, "threading", conditions)
         _InterruptedOnHandOver.armed = True
 
         def release_once_waiting() -> None:

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from npu_sync.balancing.limits import HillClimbingLimit, square_root_headroom
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._balancing.limits import HillClimbingLimit, square_root_headroom
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._worker import Worker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.testing import FakeClock
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 
@@ -319,7 +319,7 @@ def test_every_limit_keeps_its_contract_whatever_a_hostile_worker_answers(name, 
     that move the ceiling or reset the limit in between: after every call the limit is
     an int in [1, ceiling], on_sample returns it, and stats() is JSON without NaN or
     infinity and names the limit in force."""
-    from npu_sync.balancing.limits import new_limit
+    from npu_sync._balancing.limits import new_limit
 
     rng = random.Random(seed)
     clock = FakeClock()

@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from npu_sync.balancing.limits import AimdLimit
+from npu_sync._balancing.limits import AimdLimit
 from tests.limitsim import Fixed, Sim, within_bounds
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from npu_sync import ConfigError, WorkerPool
-from npu_sync.balancing.limits import (
+from npu_sync._balancing.limits import (
     AimdLimit,
     FixedLimit,
     Gradient2Limit,

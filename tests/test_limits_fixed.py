@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from npu_sync.balancing.limits import FixedLimit
+from npu_sync._balancing.limits import FixedLimit
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from npu_sync.balancing.limits import Gradient2Limit, square_root_headroom
+from npu_sync._balancing.limits import Gradient2Limit, square_root_headroom
 from tests.limitsim import Sim, within_bounds
 
 

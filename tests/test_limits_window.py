@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from npu_sync.balancing.limits import RoundWindow, SampleWindow, TimedWindow, WindowSummary
+from npu_sync._balancing.limits import RoundWindow, SampleWindow, TimedWindow, WindowSummary
 
 
 class Clock:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 import pytest
 
 from npu_sync import TaskFailed, TaskRejected, WorkerPool, npu_task
+from npu_sync._health import HealthResult
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -22,7 +23,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.events import Event, WorkerModelsChanged
-from npu_sync.health import HealthResult
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 

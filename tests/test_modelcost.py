@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from npu_sync import ConfigError, InvalidTask, Task, WorkerPool
+from npu_sync._modelcost import ModelCosts
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -13,7 +14,6 @@ from npu_sync.config import (
     RetryConfig,
     worker_config,
 )
-from npu_sync.modelcost import ModelCosts
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 

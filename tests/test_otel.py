@@ -1,4 +1,4 @@
-"""Unit tests of the OpenTelemetry spans (npu_sync.otel) on a fake network: how each
+"""Unit tests of the OpenTelemetry spans (npu_sync._otel) on a fake network: how each
 end of a task shows, and that tracing never breaks a task."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from opentelemetry.propagators.textmap import TextMapPropagator
 from opentelemetry.trace import StatusCode
 
 from npu_sync import TaskRejected, WorkerPool
+from npu_sync._otel import ATTEMPT_SPAN, TASK_SPAN
 from npu_sync.config import (
     HealthConfig,
     PoolConfig,
@@ -23,7 +24,6 @@ from npu_sync.config import (
     TracingConfig,
     worker_config,
 )
-from npu_sync.otel import ATTEMPT_SPAN, TASK_SPAN
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from tests.otelkit import by_name, spans
 
@@ -192,7 +192,7 @@ def test_an_awaited_task_on_the_async_pool_is_a_child_of_the_coroutines_span(spa
 
     from opentelemetry import trace
 
-    from npu_sync.aio import AsyncWorkerPool
+    from npu_sync._aio import AsyncWorkerPool
 
     net = FakeNetwork()
     net.route("a", ok)

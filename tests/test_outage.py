@@ -10,9 +10,19 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
-from npu_sync.admission import Dispatcher, Lease, Refusal
-from npu_sync.balancing.selector import Selector
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._admission import Dispatcher, Lease, Refusal
+from npu_sync._balancing.selector import Selector
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._health import HealthResult
+from npu_sync._outage import (
+    NEVER,
+    NOW,
+    credentials_news,
+    describe,
+    held_until,
+    refuse_credentials,
+)
+from npu_sync._worker import Worker
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -23,18 +33,8 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.errors import NoWorkerAvailable, TaskFailed
-from npu_sync.health import HealthResult
-from npu_sync.outage import (
-    NEVER,
-    NOW,
-    credentials_news,
-    describe,
-    held_until,
-    refuse_credentials,
-)
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 from npu_sync.transport import TransportError
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)
@@ -47,9 +47,7 @@ def clock() -> FakeClock:
 
 def make_worker(clock: FakeClock, worker_id: str, capacity: int = 1, **kw: Any) -> Worker:
     cfg = worker_config(worker_id, "http://127.0.0.1:9000", max_concurrent=capacity, **kw)
-    return Worker(
-        cfg, NoTransport(), WorkerBreaker(worker_id, BREAKER, clock=clock), NoTransport()
-    )
+    return Worker(cfg, NoTransport(), WorkerBreaker(worker_id, BREAKER, clock=clock), NoTransport())
 
 
 def open_breaker(worker: Worker) -> None:

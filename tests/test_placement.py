@@ -10,6 +10,7 @@ import time
 import pytest
 
 from npu_sync import Task, TaskRejected, WorkerPool
+from npu_sync._placement import Load, ModelUse, Planner, Unload, WorkerView
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -21,7 +22,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.events import Event, ModelPlacement
-from npu_sync.placement import Load, ModelUse, Planner, Unload, WorkerView
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 from npu_sync.worker_server import LocalWorker

@@ -508,7 +508,7 @@ def test_a_dead_letter_that_cannot_be_stored_still_fails_the_task_loudly(net, ca
     """If the store refuses the record, TaskFailed says so and the record is logged."""
     import sqlite3
 
-    from npu_sync.deadletter import MemoryDeadLetterStore
+    from npu_sync._deadletter import MemoryDeadLetterStore
 
     class BrokenStore(MemoryDeadLetterStore):
         def add(self, record):

@@ -9,9 +9,11 @@ from typing import Any
 import pytest
 
 from npu_sync import ConfigError, InvalidTask, Task, WorkerPool
-from npu_sync.admission import Dispatcher, Lease
-from npu_sync.balancing.selector import Selector
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._admission import Dispatcher, Lease
+from npu_sync._balancing.selector import Selector
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._priority import PriorityClasses
+from npu_sync._worker import Worker
 from npu_sync.config import (
     BreakerConfig,
     ClassConfig,
@@ -20,9 +22,7 @@ from npu_sync.config import (
     PriorityConfig,
     worker_config,
 )
-from npu_sync.priority import PriorityClasses
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 BREAKER = BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=600)

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import pytest
 
+from npu_sync._health import HealthChecker, _Schedule
+from npu_sync._probing import ProbeRunner, Slots
 from npu_sync.config import HealthConfig, TransportConfig, worker_config
-from npu_sync.health import HealthChecker, _Schedule
-from npu_sync.probing import ProbeRunner, Slots
 from npu_sync.testing import FakeNetwork, json_response
 from npu_sync.transport import Transport
 
@@ -242,7 +242,7 @@ def test_checks_that_cannot_keep_up_are_skipped_counted_and_logged(caplog):
         lambda results: None,
         lambda: HealthConfig(interval=0.1, timeout=5, concurrency=1),
     )
-    caplog.set_level(logging.WARNING, logger="npu_sync.health")
+    caplog.set_level(logging.WARNING, logger="npu_sync._health")
     checker.start()
     try:
         assert wait_for(lambda: checker.skipped > 0 and checker.behind)

@@ -783,7 +783,7 @@ def test_multiprocess_gauges_are_written_on_each_fleet_monitor_sample(net, clock
     from prometheus_client import CollectorRegistry as Registry
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from npu_sync.fleet import monitor_of
+    from npu_sync._fleet import monitor_of
 
     _, directory = multiprocess
     pool = WorkerPool(make_config("a", "b"), transport_factory=net.factory, clock=clock)

@@ -284,7 +284,7 @@ def test_a_process_never_scraped_writes_its_balancing_series_each_monitor_sample
     from prometheus_client import CollectorRegistry as Registry
     from prometheus_client.multiprocess import MultiProcessCollector
 
-    from npu_sync.fleet import monitor_of
+    from npu_sync._fleet import monitor_of
 
     _, directory = multiprocess
     clock = FakeClock()

@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 
 from npu_sync import protocols
+from npu_sync._retry import Kind, classify_response
 from npu_sync.protocols import (
     LINUX,
     MAX_MODEL_ID,
@@ -24,7 +25,6 @@ from npu_sync.protocols import (
     protocol_names,
     register_protocol,
 )
-from npu_sync.retry import Kind, classify_response
 from npu_sync.testing import json_response
 from npu_sync.transport import Response
 

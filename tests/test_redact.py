@@ -7,8 +7,7 @@ import json
 import logging
 from urllib.parse import quote
 
-from npu_sync.config import parse_config
-from npu_sync.redact import (
+from npu_sync._redact import (
     MAX_BODY_SCANNED,
     MAX_WORKER_TEXT,
     MIN_PART_LENGTH,
@@ -16,6 +15,7 @@ from npu_sync.redact import (
     REDACTED,
     Scrubber,
 )
+from npu_sync.config import parse_config
 
 TOKEN = "tok-3f9a1c77e2b54d08"
 
@@ -46,10 +46,7 @@ def test_a_secret_cut_short_or_quoted_in_part_is_redacted():
     assert scrub(f"token {TOKEN[:MIN_PART_LENGTH]}") == f"token {REDACTED}"
     assert TOKEN[3:18] not in scrub(f"saw ...{TOKEN[3:18]}...")
     # Shorter than that is not looked for: it cannot be told from ordinary text.
-    assert (
-        scrub(f"token {TOKEN[: MIN_PART_LENGTH - 1]}")
-        == f"token {TOKEN[: MIN_PART_LENGTH - 1]}"
-    )
+    assert scrub(f"token {TOKEN[: MIN_PART_LENGTH - 1]}") == f"token {TOKEN[: MIN_PART_LENGTH - 1]}"
 
 
 def test_a_word_a_secret_shares_with_ordinary_text_is_not_redacted():

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from npu_sync import ConfigError, NpuSyncError, WorkerPool
+from npu_sync._reload import ConfigWatcher
 from npu_sync._schema import hot_merge, integer, section
 from npu_sync.config import (
     BreakerConfig,
@@ -19,7 +20,6 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.reload import ConfigWatcher
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
 
@@ -282,7 +282,7 @@ def test_watcher_ignores_other_files_in_the_directory(tmp_path):
     """Events for unrelated files (a dead-letter database beside the config) set no flag."""
     from watchdog.events import FileModifiedEvent, FileMovedEvent
 
-    from npu_sync.reload import _flag_handler
+    from npu_sync._reload import _flag_handler
 
     flag = threading.Event()
     handler = _flag_handler()(frozenset({"pool.yaml"}), flag)

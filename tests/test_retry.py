@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from npu_sync._retry import Kind, RetryPolicy, classify_error, classify_response, parse_retry_after
 from npu_sync.config import RetryConfig
-from npu_sync.retry import Kind, RetryPolicy, classify_error, classify_response, parse_retry_after
 from npu_sync.transport import Response, TransportError
 
 

@@ -471,7 +471,7 @@ def test_hostile_text_stored_in_a_record_reaches_no_terminal_through_the_cli(tmp
     `list --json` and `replay` print them escaped."""
     import sqlite3
 
-    from npu_sync.deadletter import SQLiteDeadLetterStore
+    from npu_sync._deadletter import SQLiteDeadLetterStore
 
     store = tmp_path / "dead.sqlite3"
     SQLiteDeadLetterStore(store).close()
@@ -522,7 +522,7 @@ def test_check_refuses_a_default_spool_directory_others_may_write_to(tmp_path, m
     so `npu-sync check` must too (exit 2, the key named), not answer ok."""
     import tempfile
 
-    from npu_sync.deadletter import default_spool_path
+    from npu_sync._deadletter import default_spool_path
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     spool_dir = os.path.dirname(default_spool_path("npu_sync"))

@@ -11,10 +11,10 @@ import pytest
 fakeredis = pytest.importorskip("fakeredis")
 redis = pytest.importorskip("redis")
 
+from npu_sync._deadletter import DeadLetter  # noqa: E402
+from npu_sync._shared import SharedState  # noqa: E402
 from npu_sync.config import SharedStateConfig  # noqa: E402
-from npu_sync.deadletter import DeadLetter  # noqa: E402
 from npu_sync.errors import ConfigError, NpuSyncError  # noqa: E402
-from npu_sync.shared import SharedState  # noqa: E402
 from npu_sync.task import Attempt, Task  # noqa: E402
 
 
@@ -296,7 +296,7 @@ def test_a_change_received_by_pubsub_is_not_applied_again_by_the_re_read():
 
 def test_a_claim_that_fails_on_redis_leaves_the_record_replayable():
     """If claiming raises (Redis went away), the record is not stuck as 'being replayed'."""
-    from npu_sync.deadletter import DeadLetterQueue
+    from npu_sync._deadletter import DeadLetterQueue
 
     server = fakeredis.FakeServer()
     one, _, _, _ = pair(server)
@@ -389,7 +389,7 @@ def test_a_record_another_process_is_flushing_from_the_old_shared_spool_is_left_
 ):
     """The one spool file earlier versions shared: two processes never both write one
     of its records to Redis."""
-    from npu_sync.deadletter import SQLiteDeadLetterStore
+    from npu_sync._deadletter import SQLiteDeadLetterStore
 
     server = fakeredis.FakeServer()
     one, two, _, _ = pair(server)
@@ -418,7 +418,7 @@ def test_a_spool_that_cannot_be_opened_is_a_config_error_naming_its_key(tmp_path
 
 def test_the_default_spool_directory_must_be_private(tmp_path):
     """A world-writable spool directory in the shared temp dir is refused."""
-    from npu_sync.deadletter import default_spool_path
+    from npu_sync._deadletter import default_spool_path
 
     one, _, _, _ = pair()
     directory = os.path.dirname(default_spool_path("t"))
@@ -522,7 +522,7 @@ class PolicyClient:
 
 def test_the_eviction_policy_is_read_from_config_else_from_info():
     """CONFIG GET first; with CONFIG disabled, INFO memory; with both refused, unknown."""
-    from npu_sync.shared import EvictionPolicy
+    from npu_sync._shared import EvictionPolicy
 
     assert EvictionPolicy.read(PolicyClient("allkeys-lru")).name == "allkeys-lru"
     assert EvictionPolicy.read(PolicyClient("volatile-lru", config=False)).name == "volatile-lru"
@@ -542,7 +542,7 @@ def test_the_eviction_policy_is_read_from_config_else_from_info():
 )
 def test_only_a_policy_that_evicts_keys_without_ttl_refuses_dead_letters(policy, refused, risky):
     """allkeys-* may drop dead letters: refused; volatile-* only drops keys with a TTL."""
-    from npu_sync.shared import EvictionPolicy
+    from npu_sync._shared import EvictionPolicy
 
     checked = EvictionPolicy(policy)
     assert checked.risky is risky
@@ -558,7 +558,7 @@ def test_a_risky_policy_found_at_start_or_after_an_outage_is_warned_and_counted(
     client = fakeredis.FakeRedis()
     policy = PolicyClient("volatile-lru")
     client.config_get = policy.config_get  # type: ignore[method-assign]
-    with caplog.at_level("WARNING", logger="npu_sync.shared"):
+    with caplog.at_level("WARNING", logger="npu_sync._shared"):
         shared = SharedState(
             SharedStateConfig(backend="redis", namespace="t"), Changes(), client=client
         )

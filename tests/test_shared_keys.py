@@ -1,6 +1,6 @@
 """Key names under one hash tag, the move of dead letters from the keys of earlier
-versions, the durable write's replica rule and the Cluster pipeline (npu_sync.shared,
-npu_sync.redis_client)."""
+versions, the durable write's replica rule and the Cluster pipeline (npu_sync._shared,
+npu_sync._redis_client)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ fakeredis = pytest.importorskip("fakeredis")
 redis = pytest.importorskip("redis")
 
 from npu_sync import _redis_url  # noqa: E402
-from npu_sync.config import SharedStateConfig  # noqa: E402
-from npu_sync.deadletter import DeadLetter  # noqa: E402
-from npu_sync.redis_client import (  # noqa: E402
+from npu_sync._deadletter import DeadLetter  # noqa: E402
+from npu_sync._redis_client import (  # noqa: E402
     ClusterClient,
     NotReplicated,
     ReplicatedWriter,
     SlotPipeline,
 )
-from npu_sync.shared import SharedState  # noqa: E402
+from npu_sync._shared import SharedState  # noqa: E402
+from npu_sync.config import SharedStateConfig  # noqa: E402
 from npu_sync.task import Attempt, Task  # noqa: E402
 
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from npu_sync.deadletter import DeadLetter, default_spool_path
-from npu_sync.spool import ProcessSpool
+from npu_sync._deadletter import DeadLetter, default_spool_path
+from npu_sync._spool import ProcessSpool
 from npu_sync.task import Attempt, Task
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock")
@@ -39,7 +39,7 @@ def test_the_file_of_an_ended_process_is_taken_over_and_deleted_once_empty(tmp_p
     base = str(tmp_path / "app.spool")
     script = (
         "import os, sys\n"
-        "from npu_sync.spool import ProcessSpool\n"
+        "from npu_sync._spool import ProcessSpool\n"
         "from tests.test_spool import record\n"
         "spool = ProcessSpool(sys.argv[1])\n"
         "spool.own.store.add(record(7))\n"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from npu_sync import Task, TaskFailed, WorkerPool
+from npu_sync._stall import MIN_SAMPLES, WINDOW, Pace, StallLimit
 from npu_sync.config import (
     BalancingConfig,
     BreakerConfig,
@@ -17,7 +18,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.errors import ConfigError
-from npu_sync.stall import MIN_SAMPLES, WINDOW, Pace, StallLimit
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import TransportError
 

@@ -15,6 +15,12 @@ from typing import Any
 import pytest
 
 from npu_sync import PoolStatsDict, WorkerPool, WorkerRow
+from npu_sync._stats_types import (
+    FleetStatsDict,
+    PoolTaskStats,
+    PoolWorkerCounts,
+    SharedStateStats,
+)
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -22,12 +28,6 @@ from npu_sync.config import (
     RetryConfig,
     SharedStateConfig,
     worker_config,
-)
-from npu_sync.stats_types import (
-    FleetStatsDict,
-    PoolTaskStats,
-    PoolWorkerCounts,
-    SharedStateStats,
 )
 from npu_sync.testing import FakeClock, FakeNetwork, json_response
 
@@ -290,7 +290,7 @@ def test_a_fleet_view_returns_exactly_the_typed_shape(monkeypatch):
     fakeredis = pytest.importorskip("fakeredis")
     import redis
 
-    from npu_sync.fleet import monitor_of
+    from npu_sync._fleet import monitor_of
 
     server = fakeredis.FakeServer()
     monkeypatch.setattr(redis.Redis, "from_url", lambda *a, **k: fakeredis.FakeRedis(server=server))

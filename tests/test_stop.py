@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import threading
 
-from npu_sync.admission import Dispatcher, Refusal
-from npu_sync.stop import TaskStop
+from npu_sync._admission import Dispatcher, Refusal
+from npu_sync._stop import TaskStop
 from npu_sync.testing import FakeClock
 from tests.test_admission import far, make_worker
 

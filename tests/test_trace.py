@@ -128,8 +128,8 @@ def test_a_full_worker_is_named_as_full() -> None:
         finally:
             with pool._state.lock:
                 a.in_flight = 1
-        from npu_sync.life import record
-        from npu_sync.retry import Kind, Outcome
+        from npu_sync._life import record
+        from npu_sync._retry import Kind, Outcome
 
         record(pool._state, held, Outcome(Kind.ABANDONED), 0.0, 0.0, retry=False)
     assert dict(trace.steps[0].considered) == {"a": f"full ({a.capacity}/{a.capacity})"}
@@ -154,7 +154,7 @@ def test_a_sqlite_dead_letter_keeps_the_trace_even_in_a_file_made_before_it(tmp_
     """A schema-1 file without the trace column gets it on open; the trace round-trips."""
     import sqlite3
 
-    from npu_sync.deadletter import _SCHEMA, SCHEMA_VERSION, DeadLetter, SQLiteDeadLetterStore
+    from npu_sync._deadletter import _SCHEMA, SCHEMA_VERSION, DeadLetter, SQLiteDeadLetterStore
     from npu_sync.task import Task
 
     path = tmp_path / "old.sqlite3"
@@ -193,8 +193,8 @@ def test_a_trace_over_a_large_fleet_stays_bounded() -> None:
     """300 workers all failing, 100 retries: each choice lists at most MAX_CONSIDERED
     workers (the untried first) and counts the rest, so the dead letter stays small
     instead of growing with workers x retries (4 MB at 500 workers)."""
+    from npu_sync._routing import MAX_CONSIDERED
     from npu_sync.config import TimeoutConfig
-    from npu_sync.routing import MAX_CONSIDERED
 
     net = FakeNetwork(default=lambda req: json_response(503, {"detail": "down"}))
     ids = [f"w{i:03d}" for i in range(300)]

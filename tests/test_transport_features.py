@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._health import probe
 from npu_sync.config import (
     HealthConfig,
     ModelPolicy,
@@ -22,7 +23,6 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.health import probe
 from npu_sync.testing import FakeTransport, json_response
 from npu_sync.transport import (
     NO_FEATURES,

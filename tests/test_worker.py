@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._health import HealthResult
+from npu_sync._worker import CPU_PENALTY, Worker
 from npu_sync.config import BreakerConfig, worker_config
-from npu_sync.health import HealthResult
 from npu_sync.testing import FakeClock
-from npu_sync.worker import CPU_PENALTY, Worker
 from tests.stubs import NoTransport
 
 

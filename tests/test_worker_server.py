@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import trustme
 
+from npu_sync._retry import Kind
 from npu_sync.auth import BearerAuth, HmacAuth
 from npu_sync.protocols import LINUX, WINDOWS
-from npu_sync.retry import Kind
 from npu_sync.testing import FakeClock
 from npu_sync.transport import Response
 from npu_sync.worker_server import (

@@ -3,7 +3,7 @@
     python tools/limits_differential.py <tree with npu_sync/limits.py> [runs] [answers]
 
 Loads ``HillClimbingLimit`` from the old tree's ``npu_sync/limits.py`` (a module of the
-standard library alone) and the current one from ``npu_sync.balancing.limits``, and
+standard library alone) and the current one from ``npu_sync._balancing.limits``, and
 feeds both the same random runs: random ceilings, starts, round sizes and hold periods;
 a simulated worker with random slots and task-time noise that change during the run;
 drops, ceiling changes, resets and meaningless samples. After every call the current
@@ -21,7 +21,7 @@ import random
 import sys
 from typing import Any
 
-from npu_sync.balancing.limits import HillClimbingLimit
+from npu_sync._balancing.limits import HillClimbingLimit
 
 
 def _old_class(tree: str) -> Any:

@@ -57,7 +57,7 @@ class TransportError(NpuSyncError):
             byte of the answer: most likely the worker never saw the request; nobody
             is to blame. Always with ``kind="reset"`` and ``sent=True``.
         stalled: the worker sent no byte of the answer for the call's ``silence``
-            (see :mod:`npu_sync.stall`). Always with ``kind="timeout"``.
+            (see :mod:`npu_sync._stall`). Always with ``kind="timeout"``.
     """
 
     def __init__(
@@ -133,7 +133,7 @@ class TransportFeatures:
             hedge, a health check or a model load cut short by ``close()``.
         silences: :meth:`~Transport.request` takes ``silence=`` (seconds) and fails
             with ``kind="timeout"``, ``stalled=True`` once the worker sends no byte of
-            its answer for that long (see :mod:`npu_sync.stall`). Without it, the pool
+            its answer for that long (see :mod:`npu_sync._stall`). Without it, the pool
             cuts the call's whole ``timeout`` to the stall limit instead.
         shares_idle: the transport has ``share_idle(budget)`` (an
             :class:`~npu_sync.transport.IdleBudget`): its idle keep-alive connections

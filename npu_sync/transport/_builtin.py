@@ -336,7 +336,7 @@ class BuiltinTransport:
     """
 
     # cancel= shuts the socket down whatever the request is doing; silence= is timed
-    # per read (npu_sync.stall); idle connections join the pool's cap and sweep.
+    # per read (npu_sync._stall); idle connections join the pool's cap and sweep.
     features = TransportFeatures(cancellable=True, silences=True, shares_idle=True)
     # The older spelling of two of them, for code that probes the attributes.
     cancellable = features.cancellable

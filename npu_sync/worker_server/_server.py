@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+from npu_sync._clock import SYSTEM_CLOCK, Clock
 from npu_sync.auth import HmacVerifier
-from npu_sync.clock import SYSTEM_CLOCK, Clock
 from npu_sync.worker_server._behaviour import WorkerBehaviour
 from npu_sync.worker_server._handler import WorkerHTTPServer
 from npu_sync.worker_server._models import PROTOCOLS, check_models

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from npu_sync.clock import Clock
+from npu_sync._clock import Clock
 from npu_sync.worker_server._behaviour import BEHAVIOUR_FIELDS, WorkerBehaviour
 from npu_sync.worker_server._models import (
     ANY_MODEL,

@@ -7,16 +7,16 @@ import random
 from dataclasses import dataclass
 from itertools import groupby
 
-from npu_sync.balancing.hold import PeakHold
-from npu_sync.balancing.index import Index
-from npu_sync.balancing.rules import RampTurn, StallRule, TrialTurn
-from npu_sync.balancing.scores import Scores
-from npu_sync.balancing.slot import Slot
-from npu_sync.balancing.slowstart import Ramps, SlowStart
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._balancing.hold import PeakHold
+from npu_sync._balancing.index import Index
+from npu_sync._balancing.rules import RampTurn, StallRule, TrialTurn
+from npu_sync._balancing.scores import Scores
+from npu_sync._balancing.slot import Slot
+from npu_sync._balancing.slowstart import Ramps, SlowStart
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._worker import Worker
 from npu_sync.config import BreakerConfig, worker_config
 from npu_sync.testing import FakeClock
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 

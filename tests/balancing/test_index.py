@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npu_sync.balancing.slot import BLOCKED, FULL, READY, TIMED
+from npu_sync._balancing.slot import BLOCKED, FULL, READY, TIMED
 from npu_sync.testing import FakeClock
 from tests.balancing.kit import make_worker, parts
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from npu_sync.balancing.least_loaded import P2C_THRESHOLD, LeastLoaded, TwoChoices
+from npu_sync._balancing.least_loaded import P2C_THRESHOLD, LeastLoaded, TwoChoices
 from tests.balancing.kit import Parts, make_worker, parts
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npu_sync.balancing.priority import PriorityFailover
+from npu_sync._balancing.priority import PriorityFailover
 from tests.balancing.kit import make_worker, parts
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from npu_sync.balancing.priority import Priority
-from npu_sync.balancing.round_robin import RoundRobin
+from npu_sync._balancing.priority import Priority
+from npu_sync._balancing.round_robin import RoundRobin
 from tests.balancing.kit import make_worker, parts
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from npu_sync.balancing.rules import RampTurn, StallRule
-from npu_sync.balancing.slowstart import SlowStart
+from npu_sync._balancing.rules import RampTurn, StallRule
+from npu_sync._balancing.slowstart import SlowStart
 from npu_sync.testing import FakeClock
 from tests.balancing.kit import make_worker, parts
 
@@ -78,7 +78,7 @@ def test_a_removed_workers_due_trial_is_not_kept_by_the_selector(strategy):
     """A worker whose breaker trial is due, then removed from the candidates (by the
     strategy that never takes trial turns too): the selector keeps nothing of it, so
     repeated reloads of workers in that state hold no memory of the workers gone."""
-    from npu_sync.balancing.selector import Selector
+    from npu_sync._balancing.selector import Selector
 
     clock = FakeClock()
     a, b = make_worker("a", clock=clock), make_worker("b", clock=clock)

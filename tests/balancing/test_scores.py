@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from npu_sync.balancing.slowstart import SlowStart
+from npu_sync._balancing.slowstart import SlowStart
 from tests.balancing.kit import make_worker, parts
 
 
@@ -91,7 +91,7 @@ def test_a_removed_workers_held_peak_is_not_kept_by_the_selector(strategy):
     """Latency-aware, a worker answers (its peak is held for a while) and is removed
     before the hold ends, under a strategy that never relaxes peaks too: once it has
     nothing in flight and the candidates change, the selector keeps nothing of it."""
-    from npu_sync.balancing.selector import Selector
+    from npu_sync._balancing.selector import Selector
 
     a, b = make_worker("a"), make_worker("b")
     selector = Selector([a, b], latency_aware=True, strategy=strategy, now=0.0)

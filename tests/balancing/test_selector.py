@@ -10,16 +10,16 @@ from typing import Any, ClassVar
 
 import pytest
 
-from npu_sync.admission import Dispatcher
-from npu_sync.balancing.least_loaded import P2C_THRESHOLD
-from npu_sync.balancing.limits import HillClimbingLimit
-from npu_sync.balancing.selector import Selector
-from npu_sync.balancing.slowstart import SlowStart
-from npu_sync.breaker import WorkerBreaker
+from npu_sync._admission import Dispatcher
+from npu_sync._balancing.least_loaded import P2C_THRESHOLD
+from npu_sync._balancing.limits import HillClimbingLimit
+from npu_sync._balancing.selector import Selector
+from npu_sync._balancing.slowstart import SlowStart
+from npu_sync._breaker import WorkerBreaker
+from npu_sync._latency import TYPICAL
+from npu_sync._worker import Worker
 from npu_sync.config import BreakerConfig, worker_config
-from npu_sync.latency import TYPICAL
 from npu_sync.testing import FakeClock
-from npu_sync.worker import Worker
 from tests.stubs import NoTransport
 
 CLOCK = FakeClock()
@@ -720,8 +720,8 @@ def test_selection_is_sound_and_complete_after_any_sequence_of_changes(seed, siz
     capacity; no lease means no such worker exists (priority-failover: the first live
     worker, when it has room); the selector holds a slot for exactly the candidates and
     keeps a removed worker's only while it has tasks in flight."""
-    from npu_sync.balancing.limits import AimdLimit
-    from npu_sync.outage import down_reason
+    from npu_sync._balancing.limits import AimdLimit
+    from npu_sync._outage import down_reason
     from tests.balancing.kit import make_worker as kit_worker
 
     rng = random.Random(seed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from npu_sync.balancing.slowstart import SlowStart
+from npu_sync._balancing.slowstart import SlowStart
 
 
 def test_the_factor_ramps_linearly_from_the_floor_to_one_over_the_window():
@@ -45,7 +45,7 @@ def test_a_reload_turning_slow_start_off_ends_the_ramps_under_way():
     """A worker ramping when a reload sets the window to 0: it has its whole share at
     once, and nothing shows it as ramping any more (stats()'s ``ramping``, its
     ``slow_start_until``), nor refreshes shares on every selection until the old end."""
-    from npu_sync.balancing.selector import Selector
+    from npu_sync._balancing.selector import Selector
     from tests.balancing.kit import make_worker
 
     a, b = make_worker("a"), make_worker("b")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from npu_sync.balancing.slowstart import SlowStart
-from npu_sync.balancing.weighted import Weighted, WeightedRandom
+from npu_sync._balancing.slowstart import SlowStart
+from npu_sync._balancing.weighted import Weighted, WeightedRandom
 from tests.balancing.kit import make_worker, parts
 
 

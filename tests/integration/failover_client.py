@@ -45,7 +45,7 @@ class Transitions(logging.Handler):
 def main() -> None:
     config, threads, doom_every = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     transitions = Transitions()
-    logger = logging.getLogger("npu_sync.shared")
+    logger = logging.getLogger("npu_sync._shared")
     logger.addHandler(transitions)
     logger.setLevel(logging.INFO)
     stop = threading.Event()

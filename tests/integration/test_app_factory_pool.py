@@ -7,7 +7,7 @@ import logging
 import pytest
 from flask import Flask
 
-import npu_sync.pool as pool_module
+import npu_sync._pool as pool_module
 from npu_sync import WorkerPool, get_pool, npu_task
 from npu_sync.flask import NpuSync, current_pool
 
@@ -72,13 +72,13 @@ def test_a_default_pool_built_first_is_kept_and_the_second_pool_is_warned_about(
     path = write_config(tmp_path, worker)
     first = WorkerPool.from_yaml(path, watch=False)
     pool_module._default_pool = first
-    caplog.set_level(logging.WARNING, logger="npu_sync.pool")
+    caplog.set_level(logging.WARNING, logger="npu_sync._pool")
     app = create_app(path)
     with app.app_context():
         built = current_pool()
     try:
         assert built is not first and get_pool() is first
-        (warning,) = [r.getMessage() for r in caplog.records if r.name == "npu_sync.pool"]
+        (warning,) = [r.getMessage() for r in caplog.records if r.name == "npu_sync._pool"]
         assert warning.startswith("this process has two pools:")
         assert "NPU_SYNC_CONFIG" in warning
     finally:

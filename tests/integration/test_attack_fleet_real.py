@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._fleet import monitor_of
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -20,7 +21,6 @@ from npu_sync.config import (
     SharedStateConfig,
     worker_config,
 )
-from npu_sync.fleet import monitor_of
 from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 

@@ -138,7 +138,7 @@ def test_a_header_value_a_worker_echoes_reaches_no_trace(monkeypatch) -> None:
     import json
 
     from npu_sync import TaskFailed
-    from npu_sync.redact import REDACTED
+    from npu_sync._redact import REDACTED
     from npu_sync.trace import Trace
     from npu_sync.worker_server import WorkerBehaviour, WorkerServer
 
@@ -225,7 +225,7 @@ def test_the_trace_names_a_breaker_that_opened_during_the_task(start_worker) -> 
 _OPEN_AND_ADD = """
 import os, sys, time
 go, path, n = sys.argv[1], sys.argv[2], sys.argv[3]
-from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
+from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.task import Task
 deadline = time.monotonic() + 60
 while not os.path.exists(go):
@@ -252,7 +252,7 @@ def test_processes_opening_an_old_dead_letter_file_at_once_each_add_the_trace_co
     import subprocess
     import sys
 
-    from npu_sync.deadletter import _SCHEMA, SCHEMA_VERSION, SQLiteDeadLetterStore
+    from npu_sync._deadletter import _SCHEMA, SCHEMA_VERSION, SQLiteDeadLetterStore
 
     path = tmp_path / "old.sqlite3"
     conn = sqlite3.connect(path)

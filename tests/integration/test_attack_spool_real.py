@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from npu_sync import NpuSyncError, Task, TaskFailed, WorkerPool
+from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
+from npu_sync._spool import default_base
 from npu_sync.config import (
     DeadLetterConfig,
     HealthConfig,
@@ -23,8 +25,6 @@ from npu_sync.config import (
     SharedStateConfig,
     worker_config,
 )
-from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
-from npu_sync.spool import default_base
 
 from .conftest import RedisServer
 
@@ -96,8 +96,8 @@ def test_an_evicting_redis_that_comes_up_after_start_gets_no_dead_letters(lru_re
 SPOOLER = """
 import sys, time
 from npu_sync import Task
-from npu_sync.deadletter import DeadLetter
-from npu_sync.spool import ProcessSpool, default_base
+from npu_sync._deadletter import DeadLetter
+from npu_sync._spool import ProcessSpool, default_base
 spool = ProcessSpool(default_base(sys.argv[1], sys.argv[2]))
 record = DeadLetter.from_task(
     Task({"input_text": "kept"}), endpoint="/x", error="e", attempts=[], now=time.time()
@@ -155,7 +155,7 @@ def test_a_corrupt_spool_of_an_ended_process_does_not_hide_the_others(redis_serv
         child.stdout.close()
     assert record_id
     with (
-        caplog.at_level(logging.ERROR, logger="npu_sync.shared"),
+        caplog.at_level(logging.ERROR, logger="npu_sync._shared"),
         WorkerPool(config_for(redis_server.url, sync_interval=60)) as pool,
     ):
         assert [r.id for r in pool.dead_letters.list()] == [record_id]

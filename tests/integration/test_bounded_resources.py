@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._fdlimit import need
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -28,7 +29,6 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.errors import TaskFailed
-from npu_sync.fdlimit import need
 
 pytestmark = pytest.mark.skipif(
     not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd"

@@ -13,6 +13,7 @@ import threading
 import pytest
 
 from npu_sync import Task, TaskFailed, WorkerPool
+from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.config import (
     DeadLetterConfig,
     HealthConfig,
@@ -20,7 +21,6 @@ from npu_sync.config import (
     RetryConfig,
     worker_config,
 )
-from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.task import Attempt
 
 pytestmark = pytest.mark.integration

@@ -188,7 +188,7 @@ def test_all_workers_down_dead_letters_durably_and_replays(start_worker, tmp_pat
         assert {a.worker_id for a in info.value.attempts} == {"w0", "w1", "w2"}
         record_id = info.value.dead_letter_id
     script = (
-        "import json, sys; from npu_sync.deadletter import SQLiteDeadLetterStore as S; "
+        "import json, sys; from npu_sync._deadletter import SQLiteDeadLetterStore as S; "
         "r = S(sys.argv[1]).get(sys.argv[2]); print(json.dumps(r.to_dict()))"
     )
     out = subprocess.run(

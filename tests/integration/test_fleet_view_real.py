@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 
 from npu_sync import WorkerPool
+from npu_sync._fleet import monitor_of
+from npu_sync._shared import SharedState
 from npu_sync.config import (
     BreakerConfig,
     FleetConfig,
@@ -22,8 +24,6 @@ from npu_sync.config import (
     SharedStateConfig,
     worker_config,
 )
-from npu_sync.fleet import monitor_of
-from npu_sync.shared import SharedState
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
 

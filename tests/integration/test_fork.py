@@ -370,7 +370,7 @@ def test_a_forked_child_counts_its_own_work_in_prometheus_and_the_fleet(monkeypa
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from npu_sync.fleet import monitor_of
+    from npu_sync._fleet import monitor_of
     from npu_sync.prometheus import instrument
 
     monkeypatch.setenv("NPU_SYNC_FLEET", "manual")

@@ -265,7 +265,7 @@ def test_replacing_the_only_worker_hands_tasks_over_make_before_break(start_work
 def test_a_new_worker_that_never_answers_leaves_the_old_one_serving(start_worker, tmp_path):
     """w4 at a port nobody listens on: past the bound w1 still serves (one warning);
     saving the old file again ends the handover and keeps w1 as it was."""
-    from npu_sync.guard import ReloadGuard
+    from npu_sync._guard import ReloadGuard
 
     w1 = start_worker(worker_id="w1")
     dead = f"http://127.0.0.1:{_free_port()}"

@@ -15,8 +15,8 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode
 
 from npu_sync import ConfigError, Task, TaskFailed, WorkerPool
+from npu_sync._otel import ATTEMPT_SPAN, TASK_SPAN
 from npu_sync.config import parse_config
-from npu_sync.otel import ATTEMPT_SPAN, TASK_SPAN
 from npu_sync.trace import Trace
 from tests.otelkit import by_name, spans
 
@@ -234,7 +234,7 @@ def test_tracing_off_sends_no_traceparent_and_makes_no_span(start_worker, spans)
 def test_tracing_on_without_the_package_is_a_config_error_naming_the_key(monkeypatch):
     """tracing.opentelemetry: true with opentelemetry-api missing fails when the pool is
     built, naming the key and the extra to install."""
-    monkeypatch.setitem(sys.modules, "npu_sync.otel", None)  # as if the import failed
+    monkeypatch.setitem(sys.modules, "npu_sync._otel", None)  # as if the import failed
     config = parse_config({"npu_workers": {"workers": [], "tracing": {"opentelemetry": True}}})
     with pytest.raises(ConfigError, match=r"npu_workers\.tracing\.opentelemetry: true needs"):
         WorkerPool(config)

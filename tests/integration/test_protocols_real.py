@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from npu_sync._retry import Kind, Outcome
 from npu_sync.auth import BearerAuth, HmacAuth, RequestAuth, StaticHeaders
 from npu_sync.config import TransportConfig, worker_config
 from npu_sync.protocols import LINUX, WINDOWS, HealthInfo, WorkerProtocol
-from npu_sync.retry import Kind, Outcome
 from npu_sync.transport import Response, Transport, make_transport
 from npu_sync.worker_server import CPU_DEVICE, LocalWorker
 

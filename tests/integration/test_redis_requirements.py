@@ -86,7 +86,7 @@ def test_breakers_alone_in_an_evicting_redis_are_warned_about_and_counted(lru_re
     """Shared breakers with dead letters kept elsewhere: the pool starts, says loudly
     what may vanish, and stats() shows the policy and the count."""
     with (
-        caplog.at_level(logging.WARNING, logger="npu_sync.shared"),
+        caplog.at_level(logging.WARNING, logger="npu_sync._shared"),
         WorkerPool(config_for(lru_redis.url, dead_letter="memory")) as pool,
     ):
         shared = pool.stats()["shared_state"]

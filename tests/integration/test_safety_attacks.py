@@ -18,7 +18,9 @@ import pytest
 import redis
 
 from npu_sync import ConfigError, NpuSyncError, Task, TaskFailed, WorkerPool
-from npu_sync import deadletter as deadletter_module
+from npu_sync import _deadletter as deadletter_module
+from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
+from npu_sync._shared import RedisDeadLetterStore
 from npu_sync.config import (
     DeadLetterConfig,
     HealthConfig,
@@ -28,8 +30,6 @@ from npu_sync.config import (
     TimeoutConfig,
     worker_config,
 )
-from npu_sync.deadletter import DeadLetter, SQLiteDeadLetterStore
-from npu_sync.shared import RedisDeadLetterStore
 from npu_sync.task import Attempt
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("private_temp_dir")]
@@ -81,9 +81,9 @@ def sqlite_yaml(tmp_path, worker, store_path, *, task_timeout: float = 25.0):
 
 REPLAYER = """
 import json, sys
-import npu_sync.deadletter
+import npu_sync._deadletter
 if len(sys.argv) > 2:
-    npu_sync.deadletter.CLAIM_SECONDS = float(sys.argv[2])
+    npu_sync._deadletter.CLAIM_SECONDS = float(sys.argv[2])
 from npu_sync import WorkerPool
 with WorkerPool.from_yaml(sys.argv[1], watch=False) as pool:
     print("ready", flush=True)

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from npu_sync import Task, WorkerPool
+from npu_sync._stall import MIN_SAMPLES
 from npu_sync.config import (
     BalancingConfig,
     HealthConfig,
@@ -20,7 +21,6 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.stall import MIN_SAMPLES
 from tests.hostile import Peer, answer, serve
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import pytest
 from flask import Flask
 from werkzeug.serving import make_server
 
-import npu_sync.pool as pool_module
+import npu_sync._pool as pool_module
 from npu_sync import TaskFailed, WorkerPool
 from npu_sync.config import BreakerConfig, HealthConfig, PoolConfig, RetryConfig, worker_config
 from npu_sync.flask import NpuSync
