@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+__all__ = [
+    "main",
+]
+
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2

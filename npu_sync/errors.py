@@ -14,6 +14,17 @@ from typing import Any, Final
 from npu_sync._attempt import Attempt
 from npu_sync.trace import Trace
 
+__all__ = [
+    "AdmissionRefused",
+    "ConfigError",
+    "InvalidTask",
+    "NoWorkerAvailable",
+    "NpuSyncError",
+    "PoolClosed",
+    "TaskFailed",
+    "TaskRejected",
+]
+
 REDACTED: Final = "***"
 """What :func:`scrub` puts in place of a credential."""
 

@@ -22,6 +22,33 @@ from typing import Any, ClassVar
 log = logging.getLogger("npu_sync.events")
 
 
+__all__ = [
+    "AttemptFinished",
+    "AttemptHedged",
+    "BreakerStateChanged",
+    "ConfigReloadFailed",
+    "ConfigReloaded",
+    "Event",
+    "HandoverDone",
+    "HandoverOverdue",
+    "HandoverStarted",
+    "Hook",
+    "ModelPlacement",
+    "RetryBudgetAvailable",
+    "RetryBudgetExhausted",
+    "RetryScheduled",
+    "TaskDeadLettered",
+    "TaskFallback",
+    "TaskRejectedEvent",
+    "TaskStarted",
+    "TaskSucceeded",
+    "WorkerCredentialsRefused",
+    "WorkerHealthChanged",
+    "WorkerLimitChanged",
+    "WorkerModelsChanged",
+    "WorkerSlowStart",
+]
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """Base of every event. ``at`` is wall-clock epoch seconds."""

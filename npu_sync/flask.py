@@ -34,6 +34,12 @@ from npu_sync.task import Task, priority_scope
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "NpuSync",
+    "current_pool",
+    "npu_priority",
+]
+
 EXTENSION_KEY = "npu_sync"
 """The key of the extension's state in ``app.extensions``; also the blueprint's name."""
 

@@ -16,6 +16,15 @@ if TYPE_CHECKING:
     from npu_sync.config import TransportConfig, WorkerConfig
 
 
+__all__ = [
+    "DrippingServer",
+    "FakeClock",
+    "FakeNetwork",
+    "FakeRequest",
+    "FakeTransport",
+    "json_response",
+]
+
 class FakeClock:
     """A clock that moves only when told to. Thread-safe.
 
