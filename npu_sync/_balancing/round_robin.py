@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from npu_sync._balancing.index import Index
 from npu_sync._balancing.slot import Tier
-from npu_sync._balancing.slowstart import Ramps
+from npu_sync._balancing.tiered import TierByTier
 from npu_sync._worker import Worker
 
 
-class RoundRobin:
+class RoundRobin(TierByTier):
     """The first eligible worker with room after the last one picked in its tier.
 
     Not thread-safe: the selector calls it under the pool's lock. Its only state is
@@ -22,27 +21,9 @@ class RoundRobin:
     rotate = True
     """Whether the scan starts after the last worker picked (else at the first)."""
 
-    __slots__ = ("_index", "_ramps")
+    __slots__ = ()
 
-    def __init__(self, index: Index, ramps: Ramps) -> None:
-        self._index = index
-        self._ramps = ramps
-
-    def select(self, excluded: Collection[str], now: float) -> Worker | None:
-        """The next worker with room not in ``excluded``, of the first tier that has one."""
-        index = self._index
-        if now >= index.due:
-            index.catch_up(now)
-        if now >= self._ramps.due:
-            self._ramps.refresh(now)
-        for tier in index.tiers:
-            if tier.ready:
-                chosen = self.first(tier, excluded, now)
-                if chosen is not None:
-                    return chosen
-        return None
-
-    def first(self, tier: Tier, excluded: Collection[str], now: float) -> Worker | None:
+    def pick(self, tier: Tier, excluded: Collection[str], now: float) -> Worker | None:
         """The first eligible worker with room in ``tier``: after the last one picked
         (:attr:`rotate`) or in configuration order."""
         rotate = self.rotate

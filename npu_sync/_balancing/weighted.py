@@ -15,10 +15,11 @@ from collections.abc import Callable, Collection
 from npu_sync._balancing.index import Index
 from npu_sync._balancing.slot import Tier
 from npu_sync._balancing.slowstart import Ramps
+from npu_sync._balancing.tiered import TierByTier
 from npu_sync._worker import Worker
 
 
-class Weighted:
+class Weighted(TierByTier):
     """Smooth weighted round robin over a tier's workers with room: each gains its
     share, the richest is picked and pays the total.
 
@@ -28,25 +29,7 @@ class Weighted:
 
     name = "weighted"
 
-    __slots__ = ("_index", "_ramps")
-
-    def __init__(self, index: Index, ramps: Ramps) -> None:
-        self._index = index
-        self._ramps = ramps
-
-    def select(self, excluded: Collection[str], now: float) -> Worker | None:
-        """The worker whose turn it is by share, of the first tier with room."""
-        index = self._index
-        if now >= index.due:
-            index.catch_up(now)
-        if now >= self._ramps.due:
-            self._ramps.refresh(now)
-        for tier in index.tiers:
-            if tier.ready:
-                chosen = self.pick(tier, excluded, now)
-                if chosen is not None:
-                    return chosen
-        return None
+    __slots__ = ()
 
     def pick(self, tier: Tier, excluded: Collection[str], now: float) -> Worker | None:
         """The richest eligible worker of ``tier`` after one round of credit."""
