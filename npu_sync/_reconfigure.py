@@ -101,6 +101,10 @@ class _Built:
     """What a change needs built before it takes the pool's lock."""
 
     workers: dict[str, Worker]  # added
+    # Added again while their old selves still drain at the same address: taken back
+    # rather than replaced, if still draining once the pool's lock is taken (the
+    # worker built for the id then serves only as its spare connections).
+    revived: dict[str, Worker]
     rewired: dict[str, tuple[Transport, Transport]]  # moved to a new address
     resized: dict[str, Transport]  # a new max_concurrent: a task transport of that size
 
@@ -460,8 +464,15 @@ class Reconfigurer:
                 getattr(current[wid].config, f) != getattr(wanted[wid], f) for f in _ADDRESS_FIELDS
             )
         ]
+        with state.lock:
+            draining = {wid: state.draining.get(wid) for wid in added}
         return _Built(
             workers={wid: state.build_worker(wanted[wid]) for wid in added},
+            revived={
+                wid: worker
+                for wid, worker in draining.items()
+                if worker is not None and _same_address(worker.config, wanted[wid])
+            },
             rewired={wid: state.build_transports(wanted[wid]) for wid in moved},
             resized={
                 wid: state.transport_factory(
@@ -490,7 +501,9 @@ class Reconfigurer:
         old = state.config
         to_close: list[Transport] = []
         with state.lock:
+            revived = _revive_locked(state, built, wanted, to_close)
             state.workers.update(built.workers)
+            state.workers.update(revived)
             for wid in removed:
                 _remove_locked(state, wid, drain=drain, to_close=to_close)
             for wid in updated:
@@ -523,6 +536,41 @@ class Reconfigurer:
                 if until is not None:  # a new worker ramps in (slow start)
                     state.events.append(_ramp_event(worker.id, until - now))
             return to_close, list(state.workers)
+
+
+def _same_address(old: WorkerConfig, new: WorkerConfig) -> bool:
+    return all(getattr(old, f) == getattr(new, f) for f in _ADDRESS_FIELDS)
+
+
+def _revive_locked(
+    state: PoolState, built: _Built, wanted: dict[str, WorkerConfig], to_close: list[Transport]
+) -> dict[str, Worker]:
+    """Take back the draining workers a change adds again at the same address: the
+    tasks still in flight on them count against their capacity, and their breaker,
+    counts and what was learnt of them carry on. Call with the pool's lock held.
+    Returns them by id; the workers built for their ids give the connections they
+    need (a health check's, closed when they left; a task transport of a new size) and
+    are dropped, their other connections added to ``to_close``."""
+    revived: dict[str, Worker] = {}
+    for wid, worker in built.revived.items():
+        if state.draining.get(wid) is not worker:
+            continue  # drained meanwhile, its connections closed: the new one goes in
+        spare = built.workers.pop(wid)
+        del state.draining[wid]
+        worker.draining = False
+        worker.removed = False
+        cfg = wanted[wid]
+        if worker.config.max_concurrent != cfg.max_concurrent:
+            # Requests in flight finish on the old transport, closed after.
+            to_close.append(worker.transport)
+            worker.transport = spare.transport
+        else:
+            to_close.append(spare.transport)
+        worker.health.transport = spare.health.transport
+        if worker.config != cfg:
+            worker.configure(cfg)
+        revived[wid] = worker
+    return revived
 
 
 def _remove_locked(state: PoolState, wid: str, *, drain: bool, to_close: list[Transport]) -> None:

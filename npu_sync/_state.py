@@ -425,7 +425,7 @@ class PoolState:
     def after_fork(self) -> None:
         """In a child process: a fresh lock and slots, the child's own numbers and
         connections. Tasks in flight, their slots, model loads and draining workers are
-        the parent's.
+        the parent's: the child forgets them, its selector keeps no slot of them.
         """
         self.dispatcher = Dispatcher(self.clock, self.dispatcher.selector)
         self.lock = self.dispatcher.lock
@@ -438,6 +438,11 @@ class PoolState:
         self.hedge = _hedge_policy(self.config.balancing, self.hedge_totals)
         self.hedger = self._new_hedger()
         self.stats = PoolStats()
+        # Their tasks are the parent's, and so are their connections: nothing here
+        # would ever end them, and counted they would keep the workers' balancing slots
+        # (and a worker re-added under the id full) for the child's whole life.
+        for worker in self.draining.values():
+            worker.in_flight = 0
         self.draining.clear()
         # A load under way is the parent's: no thread here would ever end it, and the
         # child's tasks for its model would wait on it until their deadlines.

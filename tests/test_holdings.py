@@ -173,13 +173,6 @@ def test_a_move_forgets_everything_the_worker_held():
     assert held.on_demand is True and not held.lacks("z")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a task's 'not loaded' answer is recorded on the worker without checking the "
-    "lease's address: one from the old address after a move marks the new one as lacking "
-    "the model (the task's life checks the generation for the breaker and the latency, "
-    "not for the models)",
-)
 def test_a_not_loaded_answer_from_a_workers_old_address_teaches_its_new_one_nothing():
     """Worker a moves to a new address by a reload while a task for model m is on its
     old one; the old address then answers "m not loaded". The new address's models are
@@ -224,3 +217,64 @@ def test_a_not_loaded_answer_from_a_workers_old_address_teaches_its_new_one_noth
             old.result(10.0)
         assert not pool._state.workers["a"].held.lacks("m")
         assert pool.execute({"model_id": "m", "input_text": "x"}) == {"worker": "a"}
+
+
+def test_not_loaded_answers_from_the_old_address_are_ignored_but_the_new_ones_are_heard():
+    """Several tasks for m are on a's old address (slow to answer) when a reload moves
+    a; each then answers "m not loaded", and a still is not known to lack m. Once the
+    new address itself says "m not loaded", that is recorded: the next task for m is
+    refused at once, naming it."""
+    import contextlib
+    import threading
+
+    from npu_sync import TaskFailed, TaskRejected, WorkerPool
+    from npu_sync.config import HealthConfig, PoolConfig, RetryConfig, worker_config
+    from npu_sync.testing import FakeNetwork, FakeRequest, json_response
+
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+
+    def handler(req: FakeRequest) -> Any:
+        if req.path.endswith("/models"):
+            return json_response(404, {"detail": "Not Found"})
+        where = req.headers.get("X-Where")
+        if where == "old":
+            entered.release()
+            assert release.wait(10.0)
+        return json_response(500, {"detail": "Model m not loaded"})
+
+    def config(port: int, where: str) -> PoolConfig:
+        return PoolConfig(
+            workers=(
+                worker_config(
+                    "a", f"http://127.0.0.1:{port}", max_concurrent=4, headers={"X-Where": where}
+                ),
+            ),
+            health=HealthConfig(enabled=False),
+            retry=RetryConfig(max_retries=3, backoff_initial=0.0, backoff_max=0.0),
+        )
+
+    net = FakeNetwork(handler)
+    with WorkerPool(config(9710, "old"), transport_factory=net.factory) as pool:
+        old = [pool.submit({"model_id": "m", "input_text": str(i)}) for i in range(4)]
+        try:
+            for _ in old:
+                assert entered.acquire(timeout=10.0)
+            pool.reload(config(9711, "new"))
+        finally:
+            release.set()
+        for future in old:
+            with contextlib.suppress(TaskFailed, TaskRejected):
+                future.result(10.0)
+        worker = pool._state.workers["a"]
+        assert not worker.held.lacks("m") and not worker.held.not_loaded
+        with contextlib.suppress(TaskRejected):
+            pool.execute({"model_id": "m", "input_text": "to the new address"})
+        assert worker.held.lacks("m")
+        with pytest.raises(TaskRejected, match="no live worker serves model 'm'"):
+            pool.execute({"model_id": "m", "input_text": "refused at once"})
+    assert not any(
+        r.headers.get("X-Where") == "new" and r.json().get("input_text") == "refused at once"
+        for r in net.requests("a")
+        if r.body is not None
+    )

@@ -742,3 +742,222 @@ def test_a_fifo_put_in_place_of_the_file_is_counted_not_waited_on(tmp_path):
             pool.reload()
         assert pool.stats()["reloads"]["failed"] == 1
         assert len(pool.workers()) == 2
+
+
+# -- a worker added again while its old self still drains ------------------------------
+
+
+class Gate:
+    """Requests whose body says ``hold`` wait for ``release``; counts requests at once."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entered = threading.Semaphore(0)
+        self.release = threading.Event()
+        self.now: dict[str, int] = {}
+        self.most: dict[str, int] = {}
+
+    def __call__(self, req):
+        if req.path == "/health":
+            return json_response(200, {"status": "healthy"})
+        where = req.headers.get("X-Where", req.worker_id)
+        with self.lock:
+            self.now[where] = self.now.get(where, 0) + 1
+            self.most[where] = max(self.most.get(where, 0), self.now[where])
+        try:
+            body = req.json()
+            if body.get("fail") == req.worker_id:
+                return json_response(500, {"detail": "boom"})
+            if body.get("hold"):
+                self.entered.release()
+                assert self.release.wait(10.0)
+            return json_response(200, {"worker_id": req.worker_id, "where": where})
+        finally:
+            with self.lock:
+                self.now[where] -= 1
+
+    def wait_entered(self, n: int = 1) -> None:
+        for _ in range(n):
+            assert self.entered.acquire(timeout=10.0)
+
+
+def test_a_draining_worker_taken_back_keeps_its_breaker_statistics_and_latency():
+    """Worker a, slow to answer its last task, is removed and added again at the same
+    address: the pool takes back the very worker, with its breaker's count, its task
+    counts and its observed latency, and does not ramp it in again."""
+    from npu_sync.config import BalancingConfig
+
+    gate = Gate()
+    a = worker_config("a", "http://127.0.0.1:9511", max_concurrent=1, priority=1)
+    b = worker_config("b", "http://127.0.0.1:9512", priority=2)
+
+    def cfg(*workers):
+        return config(
+            *workers,
+            circuit_breaker=BreakerConfig(fail_max=3, reset_timeout=60),
+            retry=RetryConfig(max_retries=1, backoff_initial=0.0, backoff_max=0.0),
+            balancing=BalancingConfig(slow_start=30.0),
+        )
+
+    net = FakeNetwork(gate)
+    with WorkerPool(cfg(a, b), transport_factory=net.factory) as pool:
+        for i in range(3):
+            assert pool.execute({"x": i})["worker_id"] == "a"
+        assert pool.execute({"fail": "a"})["worker_id"] == "b"  # a fails, b serves
+        worker = pool._state.workers["a"]
+        before = {r["id"]: r for r in pool.workers()}["a"]
+        assert before["breaker"]["failures"] == 1 and before["tasks"]["attempts"] == 4
+        held = pool.submit({"hold": 1})
+        try:
+            gate.wait_entered()
+            pool.reload(cfg(b))
+            assert pool._state.draining["a"] is worker
+            result = pool.reload(cfg(a, b))
+            assert result.added == ("a",)
+            assert pool._state.workers["a"] is worker and "a" not in pool._state.draining
+            row = {r["id"]: r for r in pool.workers()}["a"]
+            assert (row["in_flight"], row["draining"], row["removed"]) == (1, False, False)
+            assert row["breaker"]["failures"] == 1
+            assert row["tasks"]["attempts"] == 4
+            assert row["balancing"]["latency_observed"] is True
+            assert row["balancing"]["slow_start_until"] is None
+            # Full: a task meanwhile goes to b, the lower tier.
+            assert pool.execute({"x": "meanwhile"})["worker_id"] == "b"
+        finally:
+            gate.release.set()
+        assert held.result(10.0)["worker_id"] == "a"
+        # Its task connections were not closed when its last old task ended.
+        assert pool.execute({"x": "after"})["worker_id"] == "a"
+        assert not pool._state.draining and pool.stats()["tasks"]["in_flight"] == 0
+    assert gate.most["a"] == 1
+
+
+def test_taking_back_a_worker_while_its_last_tasks_end_never_loses_its_connections():
+    """Many rounds of a race: a's last tasks end on their threads while a reload adds a
+    back. Whichever wins, a serves afterwards on open connections (no retries to hide a
+    closed one), never above its max_concurrent, and nothing is left in flight."""
+    gate = Gate()
+    a = worker_config("a", "http://127.0.0.1:9513", max_concurrent=2)
+
+    def cfg(*workers):
+        return config(*workers, retry=RetryConfig(max_retries=0))
+
+    net = FakeNetwork(gate)
+    with WorkerPool(cfg(a), transport_factory=net.factory) as pool:
+        for round_ in range(25):
+            gate.release = threading.Event()
+            held = [pool.submit({"hold": True, "round": round_}) for _ in range(2)]
+            gate.wait_entered(2)
+            pool.reload(cfg())
+            start = threading.Barrier(2)
+
+            def let_go(release=gate.release, start=start):
+                start.wait(10.0)
+                release.set()
+
+            releaser = threading.Thread(target=let_go)
+            releaser.start()
+            start.wait(10.0)
+            pool.reload(cfg(a))
+            releaser.join(10.0)
+            assert all(f.result(10.0)["worker_id"] == "a" for f in held), f"round {round_}"
+            served = [pool.execute({"x": i}, timeout=10.0)["worker_id"] for i in range(3)]
+            assert served == ["a", "a", "a"], f"round {round_}"
+            assert not pool._state.draining
+            assert [r["in_flight"] for r in pool.workers()] == [0]
+        assert pool.stats()["tasks"]["failed"] == 0
+    assert gate.most["a"] == 2
+
+
+def test_a_worker_added_back_at_another_address_is_a_new_worker_beside_the_draining_one():
+    """Make before break still holds for a move: a back at a new address is a new
+    worker with room of its own while the old address finishes its task, then the old
+    one's connections close."""
+    gate = Gate()
+    old = worker_config("a", "http://127.0.0.1:9514", max_concurrent=1, headers={"X-Where": "old"})
+    new = worker_config("a", "http://127.0.0.1:9515", max_concurrent=1, headers={"X-Where": "new"})
+    net = FakeNetwork(gate)
+    with WorkerPool(config(old), transport_factory=net.factory) as pool:
+        held = pool.submit({"hold": 1})
+        try:
+            gate.wait_entered()
+            leaving = pool._state.workers["a"]
+            pool.reload(config())
+            pool.reload(config(new))
+            assert pool._state.workers["a"] is not leaving
+            assert pool._state.draining["a"] is leaving
+            assert pool.execute({"x": 1}, timeout=10.0)["where"] == "new"
+            rows = pool.workers()
+            assert [(r["id"], r["url"], r["in_flight"]) for r in rows] == [
+                ("a", "http://127.0.0.1:9515", 0)
+            ]
+        finally:
+            gate.release.set()
+        assert held.result(10.0)["where"] == "old"
+        assert not pool._state.draining and leaving.transport.closed
+        assert not pool._state.workers["a"].transport.closed
+    assert gate.most == {"old": 1, "new": 1}
+
+
+def test_a_worker_taken_back_with_a_larger_max_concurrent_counts_its_old_task_in_it():
+    """Added back at the same address with max_concurrent 2: the task still there takes
+    one of the two, a second task goes to it at once on a transport of the new size,
+    and the old task finishes on the old transport."""
+    gate = Gate()
+    one = worker_config("a", "http://127.0.0.1:9516", max_concurrent=1)
+    two = worker_config("a", "http://127.0.0.1:9516", max_concurrent=2)
+    net = FakeNetwork(gate)
+    with WorkerPool(config(one), transport_factory=net.factory) as pool:
+        worker = pool._state.workers["a"]
+        first = worker.transport
+        held = pool.submit({"hold": 1})
+        try:
+            gate.wait_entered()
+            pool.reload(config())
+            pool.reload(config(two))
+            assert pool._state.workers["a"] is worker
+            row = pool.workers()[0]
+            assert (row["in_flight"], row["capacity"]) == (1, 2)
+            assert worker.transport is not first and first.closed
+            second = pool.submit({"hold": 2})
+            gate.wait_entered()
+            assert pool.workers()[0]["in_flight"] == 2
+        finally:
+            gate.release.set()
+        assert held.result(10.0)["worker_id"] == "a" and second.result(10.0)["worker_id"] == "a"
+        assert not worker.transport.closed
+    assert gate.most["a"] == 2
+
+
+def test_a_worker_whose_last_task_ends_while_it_is_being_added_back_comes_back_afresh():
+    """The old self's last task ends after the reload saw it draining but before the
+    change is swapped in: its connections are closed by then, so a new worker takes
+    the id, and a task after is served on open connections."""
+    gate = Gate()
+    a = worker_config("a", "http://127.0.0.1:9517", max_concurrent=1)
+    net = FakeNetwork(gate)
+    armed = threading.Event()
+    holder: list[WorkerPool] = []
+
+    def factory(cfg, transport_config, maxsize=None):
+        transport = net.factory(cfg, transport_config, maxsize=maxsize)
+        if cfg.id == "a" and armed.is_set():
+            armed.clear()
+            gate.release.set()  # the last task ends while the change is being built
+            deadline = time.monotonic() + 10.0
+            while holder[0]._state.draining and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return transport
+
+    with WorkerPool(config(a, retry=RetryConfig(max_retries=0)), transport_factory=factory) as pool:
+        holder.append(pool)
+        leaving = pool._state.workers["a"]
+        held = pool.submit({"hold": 1})
+        gate.wait_entered()
+        pool.reload(config(retry=RetryConfig(max_retries=0)))
+        armed.set()
+        pool.reload(config(a, retry=RetryConfig(max_retries=0)))
+        assert not armed.is_set() and held.result(10.0)["worker_id"] == "a"
+        assert leaving.transport.closed and pool._state.workers["a"] is not leaving
+        assert pool.execute({"x": 1}, timeout=10.0)["worker_id"] == "a"
+        assert not pool._state.draining and pool.workers()[0]["in_flight"] == 0

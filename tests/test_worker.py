@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from npu_sync._breaker import WorkerBreaker
 from npu_sync._health import HealthResult
 from npu_sync._worker import CPU_PENALTY, Worker
@@ -139,11 +137,6 @@ def test_the_workers_row_shows_what_its_owners_know():
     assert row["capacity"] == 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a reload re-adding a draining worker's id builds a new Worker with no tasks "
-    "in flight: the old one's task is not counted against the address's max_concurrent",
-)
 def test_a_worker_re_added_while_its_old_self_drains_counts_the_task_still_there():
     """Worker a (max_concurrent 1) is removed by a reload while a task is on it, then
     re-added at the same address before the task ends: the address still has that task,

@@ -235,15 +235,21 @@ class Selector:
         Given ``now``, workers that were not candidates before are ramped in (slow
         start) and seeded with their tier's median latency, unless there were no
         candidates before (a pool starting: every worker starts together). A worker
-        that stays keeps its slot, and what was learnt of it.
+        that stays keeps its slot, and what was learnt of it, as does a draining worker
+        taken back.
         """
         workers = list(workers)
         previous = self._index.slots
-        added = [w for w in workers if w not in previous] if previous and now is not None else []
+        retired = self._retired
+        # A draining worker taken back keeps its slot as it was: no seed, no ramp.
+        added = (
+            [w for w in workers if w not in previous and w not in retired]
+            if previous and now is not None
+            else []
+        )
         ordered = sorted(workers, key=lambda w: w.priority)
         self.workers = tuple(ordered)
         self.tiers = tuple(tuple(tier) for _, tier in groupby(ordered, key=lambda w: w.priority))
-        retired = self._retired
         staying = set(ordered)
         slot_tiers = [
             [previous.get(w) or retired.pop(w, None) or Slot(w) for w in tier]

@@ -270,8 +270,9 @@ class Record:
                 # The other attempt won. A success here came too late (a transport that
                 # cannot cancel): dropped like a failure, credited to nobody.
                 outcome = Outcome(Kind.ABANDONED, error="cancelled: the hedged task was answered")
-            if outcome.kind is Kind.NOT_HERE:
-                # Before record() hands the slot on: the next task must know.
+            if outcome.kind is Kind.NOT_HERE and lease.generation == worker.generation:
+                # Before record() hands the slot on: the next task must know. An answer
+                # from an address the worker has since left says nothing of the new one.
                 not_loaded(state, ctx, worker, outcome)
             # An answer that may be the task's fault: is its charge held? Asked on the
             # caller's side only: the hedge's thread never touches the blame, so a

@@ -488,11 +488,6 @@ def test_a_forked_child_keeps_a_consistent_learned_limit_while_the_parent_has_ta
     assert close_bounded(pool)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the child forgets the parent's draining workers (state.draining) but not "
-    "their tasks in flight, so the selector keeps their slots for the child's lifetime",
-)
 def test_a_forked_child_keeps_nothing_of_a_worker_the_parent_was_draining():
     """The parent removed worker a by a reload while a's task was in flight (a drains).
     The child, forked then, has no task of its own on a: it keeps no balancing slot of
@@ -542,3 +537,77 @@ def test_a_forked_child_keeps_nothing_of_a_worker_the_parent_was_draining():
     assert close_bounded(pool)
     assert report["rows"] == {"a": 0, "b": 0} and report["closed"] is True
     assert report["kept"] == [] and report["kept_after"] == []
+
+
+def test_a_fork_amid_many_draining_tasks_leaves_the_child_clean_and_the_parent_draining():
+    """Two workers drain two slow tasks each in the parent when it forks. The child
+    keeps none of them, takes a back as a new worker with all its room, and serves
+    from it; the parent's workers still drain, and close, once their tasks end."""
+    from npu_sync.config import BalancingConfig
+
+    parent = os.getpid()
+    gate = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def handler(req):
+        if os.getpid() == parent and req.json().get("x") == "hold":
+            entered.release()
+            gate.wait(30)
+        return json_response(200, {"by": req.worker_id, "pid": os.getpid()})
+
+    a = worker_config("a", "http://127.0.0.1:9823", max_concurrent=2)
+    b = worker_config("b", "http://127.0.0.1:9824", max_concurrent=2, priority=5)
+    c = worker_config("c", "http://127.0.0.1:9825", max_concurrent=2)
+
+    def config(*workers):
+        return PoolConfig(
+            workers=workers,
+            balancing=BalancingConfig(slow_start=0),
+            health=HealthConfig(enabled=False),
+        )
+
+    def child() -> dict[str, Any]:
+        selector = pool._state.dispatcher.selector
+        kept = sorted(w.id for w in selector._retired)
+        draining = sorted(pool._state.draining)
+        pool.reload(config(a, b))
+        fresh = pool._state.workers["a"] not in leaving
+        room = pool.workers()[0]
+        by = {pool.execute({"x": i}, timeout=5)["by"] for i in range(4)}
+        closed = close_bounded(pool)
+        return {
+            "kept": kept,
+            "draining": draining,
+            "fresh": fresh,
+            "room": [room["id"], room["in_flight"], room["capacity"]],
+            "by": sorted(by),
+            "closed": closed,
+        }
+
+    net = FakeNetwork(handler)
+    pool = WorkerPool(config(a, b, c), transport_factory=net.factory)
+    try:
+        try:
+            running = [pool.submit({"x": "hold"}) for _ in range(4)]
+            for _ in running:
+                assert entered.acquire(timeout=10)
+            in_flight = {w.id: w.in_flight for w in pool._state.workers.values()}
+            assert in_flight == {"a": 2, "b": 0, "c": 2}
+            leaving = [pool._state.workers["a"], pool._state.workers["c"]]
+            pool.reload(config(b))  # a and c drain their tasks
+            report = run_in_child(child)
+            assert pool._state.draining == {"a": leaving[0], "c": leaving[1]}
+        finally:
+            gate.set()
+        assert all(f.result(10)["pid"] == parent for f in running)
+        assert report == {
+            "kept": [],
+            "draining": [],
+            "fresh": True,
+            "room": ["a", 0, 2],
+            "by": ["a"],
+            "closed": True,
+        }
+        assert not pool._state.draining and all(w.transport.closed for w in leaving)
+    finally:
+        assert close_bounded(pool)
