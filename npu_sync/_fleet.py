@@ -121,6 +121,9 @@ _TASK_KEYS = (
     "in_flight",
     "waiting",
 )
+_LATER_TASK_KEYS = ("cancelled",)
+"""Task counters added since the snapshot format's version: a process of an earlier
+release publishes none of them (read as 0), so a rolling upgrade keeps its view."""
 _ATTEMPT_KEYS = ("attempts", "succeeded", "failed", "rejected", "not_here", "abandoned")
 _LETTERS = {"closed": "c", "half-open": "h", "open": "o"}
 _SEVERITY = {"-": 0, "c": 1, "h": 2, "o": 3}
@@ -553,6 +556,9 @@ def parse_snapshot(text: str) -> dict[str, Any] | None:
         _check(process, {"id": str, "pid": int, "host": str, "started_at": float})
         _check(data, {"published_at": float, "uptime_s": float})
         _check(data["tasks"], dict.fromkeys(_TASK_KEYS, int))
+        for key in _LATER_TASK_KEYS:
+            data["tasks"].setdefault(key, 0)
+        _check(data["tasks"], dict.fromkeys(_LATER_TASK_KEYS, int))
         workers = data["workers"]
         if not isinstance(workers, list):
             return None
@@ -688,7 +694,7 @@ def fleet_view(
     """
     snaps = sorted(snapshots, key=lambda s: (s["process"]["host"], s["process"]["pid"]))
     processes: list[ProcessSnapshot] = []
-    tasks = cast(PoolTaskStats, dict.fromkeys(_TASK_KEYS, 0))
+    tasks = cast(PoolTaskStats, dict.fromkeys(_TASK_KEYS + _LATER_TASK_KEYS, 0))
     workers: dict[str, FleetWorkerTotals] = {}
     for snap in snaps:
         info: ProcessInfo = snap["process"]
@@ -704,7 +710,7 @@ def fleet_view(
                 "workers": rows,
             }
         )
-        for key in _TASK_KEYS:
+        for key in _TASK_KEYS + _LATER_TASK_KEYS:
             tasks[key] += snap["tasks"][key]  # type: ignore[literal-required]
         for row in rows:
             total = workers.get(row["id"])
@@ -1111,7 +1117,10 @@ class Monitor:
             "process": dict(self._process),
             "published_at": now,
             "uptime_s": stats["uptime_s"],
-            "tasks": {key: stats["tasks"][key] for key in _TASK_KEYS},  # type: ignore[literal-required]
+            "tasks": {
+                **{key: stats["tasks"][key] for key in _TASK_KEYS},  # type: ignore[literal-required]
+                **{key: stats["tasks"].get(key, 0) for key in _LATER_TASK_KEYS},
+            },
             "workers": [_worker_stats(row) for row in rows if not row["removed"]],
             "history": self._history.export(),
         }

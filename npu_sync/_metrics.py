@@ -117,5 +117,6 @@ class PoolStats:
     failed: int = 0
     retries: int = 0
     fallbacks: int = 0
+    cancelled: int = 0
     dead_lettered: int = 0
     waited: int = 0

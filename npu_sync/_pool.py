@@ -451,6 +451,7 @@ class WorkerPool:
                     "rejected": s.rejected,
                     "failed": s.failed,
                     "fallbacks": s.fallbacks,
+                    "cancelled": s.cancelled,
                     "retries": s.retries,
                     "active": self._active,
                     "in_flight": sum(w.in_flight for w in workers)

@@ -65,6 +65,7 @@ class PoolTaskStats(TypedDict):
     rejected: int
     failed: int
     fallbacks: int
+    cancelled: int
     retries: int
     active: int
     in_flight: int

@@ -302,6 +302,8 @@ def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers, client)
         assert await until_async(lambda: apool.in_flight() == 0)
         check_untouched(pool)
         assert row(pool)["tasks"]["abandoned"] == 1
+        tasks = pool.stats()["tasks"]
+        assert tasks["cancelled"] == 1 and tasks["failed"] == tasks["succeeded"] == 0
         await apool.aclose()
 
     asyncio.run(main())
@@ -676,6 +678,13 @@ def test_random_cancellations_leave_the_pool_whole(worker):
             assert kinds <= {"CancelledError"}, kinds
             assert await until_async(lambda: apool.in_flight() == 0)
             check_untouched(apool.pool)
+            # Each task that started is counted once: a result, or cancelled (a task
+            # cancelled before it reached a thread never started, and counts nowhere).
+            tasks = apool.pool.stats()["tasks"]
+            finished = sum(isinstance(e, dict) for e in ends)
+            assert tasks["succeeded"] == finished
+            assert tasks["submitted"] == tasks["succeeded"] + tasks["cancelled"]
+            assert tasks["failed"] == tasks["rejected"] == tasks["fallbacks"] == 0
             assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
 
     asyncio.run(main())

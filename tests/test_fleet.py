@@ -331,6 +331,25 @@ def test_parse_snapshot_refuses_malformed_series():
     assert parse_snapshot("[]") is None
 
 
+def test_a_snapshot_from_before_the_cancelled_counter_reads_it_as_zero():
+    """A process of an earlier release publishes no ``tasks.cancelled``: its snapshot
+    is kept (a rolling upgrade keeps the fleet view whole), the count read as 0; a
+    snapshot whose count is not a number is still refused."""
+    net = FakeNetwork(answer)
+    with WorkerPool(make_config("a"), transport_factory=net.factory) as pool:
+        monitor = monitor_of(pool)
+        monitor.tick()
+        good = monitor._snapshot(pool.stats(), pool.workers(), 0.0)
+    assert good["tasks"]["cancelled"] == 0
+    older = json.loads(json.dumps(good))
+    del older["tasks"]["cancelled"]
+    read = parse_snapshot(json.dumps(older))
+    assert read is not None and read["tasks"]["cancelled"] == 0
+    wrong = json.loads(json.dumps(good))
+    wrong["tasks"]["cancelled"] = "some"
+    assert parse_snapshot(json.dumps(wrong)) is None
+
+
 # -- the thread --------------------------------------------------------------------------------
 
 
