@@ -1,7 +1,7 @@
 """Fake Linux-protocol workers holding models over a FakeNetwork, and the pool
-configuration around them: the helpers of the attacks on model routing, placement for a
-task, Windows answers and request auth (tests/test_model_routing.py,
-tests/test_life_models.py, tests/test_protocols.py, tests/test_auth.py)."""
+configuration around them: the helpers of the attacks on model routing and placement for
+a task (tests/test_life_models.py), Windows answers (tests/test_protocols.py) and request
+auth (tests/test_auth.py). A worker listed with None serves every model."""
 
 from __future__ import annotations
 
