@@ -1,10 +1,11 @@
 """A simulated worker for the tests of the time-windowed limits (AIMD, gradient2).
 
-Like the simulation of ``tests/test_attack_limits.py``, with the time the limit's
-windows are read on: the worker has ``slots(i)`` parallel slots after ``i`` answers, a
-task started then takes ``duration(rng, i)`` seconds in its slot, and more callers than
-the limit keep it full. With ``refuse_above``, the worker has admission of its own: a
-task that arrives when that many are already in it is answered 429 at once (a drop).
+Like the simulation of the hill-climbing attacks in ``tests/test_limits.py``, with the
+time the limit's windows are read on: the worker has ``slots(i)`` parallel slots after
+``i`` answers, a task started then takes ``duration(rng, i)`` seconds in its slot, and
+more callers than the limit keep it full. With ``refuse_above``, the worker has
+admission of its own: a task that arrives when that many are already in it is answered
+429 at once (a drop).
 The limit is built on :meth:`Sim.clock`, which reads the simulation's time.
 """
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import hmac
+import json
 import logging
 import threading
+from typing import Any
 
 import pytest
 
+from npu_sync import TaskFailed, WorkerPool
 from npu_sync.auth import (
     HMAC_WINDOW,
     NO_AUTH,
@@ -18,6 +22,10 @@ from npu_sync.auth import (
     HmacVerifier,
     StaticHeaders,
 )
+from npu_sync.config import PoolConfig, worker_config
+from npu_sync.testing import FakeNetwork, FakeRequest, json_response
+from npu_sync.transport import Response
+from tests.modelkit import config, linux, w
 
 SECRET = "s3cr3t-Value-9f8e7d"
 TOKEN = "tok-5a4b3c2d1e"
@@ -318,3 +326,74 @@ def test_no_secret_in_repr_str_errors_or_logs(caplog: pytest.LogCaptureFixture) 
     assert TOKEN not in everything
     assert expected not in everything
     assert "***" in repr(objects[0]) and "***" in repr(objects[2])
+
+
+# Attacks on request auth through a pool: a reload rotating the HMAC secret, a worker
+# that echoes the bearer token it refused.
+
+
+SECRET_OLD, SECRET_NEW = "old-hmac-secret-aa1", "new-hmac-secret-bb2"
+
+
+def _signed_with(secret: str, req: FakeRequest) -> bool:
+    stamp = req.headers["X-Service-Timestamp"]
+    message = f"pool:{req.method}:{req.path}:{stamp}".encode()
+    expected = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, req.headers["X-Service-Signature"])
+
+
+def test_a_reload_rotating_the_hmac_secret_signs_every_later_request_with_the_new_one():
+    """After a reload that changes only the secret, no request (task, health, /models)
+    carries a signature made with the old one."""
+    net = FakeNetwork()
+    net.route("a", linux(["m"]))
+
+    def cfg(secret: str) -> PoolConfig:
+        auth = {"type": "hmac", "service_id": "pool", "secret": secret}
+        return config(worker_config("a", "http://127.0.0.1:9500", auth=auth))
+
+    with WorkerPool(cfg(SECRET_OLD), transport_factory=net.factory) as pool:
+        pool.check_health()
+        pool.execute({"model_id": "m"})
+        before = len(net.requests("a"))
+        assert all(_signed_with(SECRET_OLD, r) for r in net.requests("a"))
+        pool.reload(cfg(SECRET_NEW))
+        pool.check_health()
+        pool.execute({"model_id": "m"})
+        after = net.requests("a")[before:]
+        shown = repr(pool.config) + json.dumps([pool.workers(), pool.stats()])
+    assert [r.path for r in after] == ["/health", "/models", "/inference"]
+    assert all(_signed_with(SECRET_NEW, r) for r in after)
+    assert SECRET_OLD not in shown and SECRET_NEW not in shown
+
+
+def test_a_token_the_worker_echoes_in_its_401_is_never_shown(caplog: pytest.LogCaptureFixture):
+    """A worker that quotes the bearer token it refused: the token appears in no error,
+    dead letter, stats, workers() row, event or log record."""
+    events: list[Any] = []
+
+    def echo(req: FakeRequest) -> Response:
+        given = req.headers.get("Authorization", "")
+        return json_response(401, {"detail": f"token refused: {given!r}"})
+
+    net = FakeNetwork()
+    net.route("a", linux(None, task=echo))
+    cfg = config(w("a", 0, auth={"type": "bearer", "token": TOKEN}))
+    caplog.set_level(logging.DEBUG, logger="npu_sync")
+    with WorkerPool(cfg, transport_factory=net.factory, hooks=[events.append]) as pool:
+        with pytest.raises(TaskFailed) as info:
+            pool.execute({"x": 1})
+        letter = pool.dead_letters.get(info.value.dead_letter_id)
+        assert letter is not None
+        shown = "\n".join(
+            [
+                str(info.value),
+                repr(info.value.attempts),
+                json.dumps(letter.to_dict(), default=repr),
+                json.dumps([pool.stats(), pool.workers()], default=repr),
+                repr([dataclasses.asdict(e) for e in events]),
+                caplog.text,
+            ]
+        )
+    assert "token refused" in shown  # the worker's words are kept...
+    assert TOKEN not in shown  # ...without the token

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from npu_sync import cli
+from npu_sync import ConfigError, WorkerPool, cli
 from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.cli import main
 from npu_sync.task import Attempt, Task
@@ -991,3 +992,116 @@ def test_check_probe_reports_an_entry_that_is_not_an_npu_worker(tmp_path, capsys
     assert f"{wrong}not an NPU worker at this URL: POST /npu/inference → 404" in err
     assert "workers[0]" not in err
     assert worker_stats["inference_count"] == 0  # the probe's empty task runs nothing
+
+
+# Attacks on the CLI: hostile text in a stored record, a spool directory others may write
+# to, another application's database.
+
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2J\r\b\u202e"
+
+
+def test_hostile_text_stored_in_a_record_reaches_no_terminal_through_the_cli(tmp_path, capsys):
+    """A record whose id, task id, error and attempts hold escape sequences (written
+    into the file by an older npu_sync or another tool): `npu-sync dlq list`, `show`,
+    `list --json` and `replay` print them escaped."""
+    import sqlite3
+
+    from npu_sync._deadletter import SQLiteDeadLetterStore
+
+    store = tmp_path / "dead.sqlite3"
+    SQLiteDeadLetterStore(store).close()
+    with sqlite3.connect(store) as conn:
+        conn.execute(
+            "INSERT INTO dead_letters (id, task_id, payload, endpoint, idempotent, timeout,"
+            " error, attempts, first_attempt_at, last_attempt_at, created_at)"
+            " VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                "id" + HOSTILE,
+                "task" + HOSTILE,
+                json.dumps({"input_text": HOSTILE}),
+                "/inference",
+                1,
+                1.0,
+                "error" + HOSTILE,
+                json.dumps([{"worker_id": "w" + HOSTILE, "error": HOSTILE, "duration": 0.1}]),
+                1.0,
+                1.0,
+                1.0,
+            ),
+        )
+    conn.close()
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+        "  health: {enabled: false}\n  retry: {max_retries: 0}\n"
+        f"  dead_letter: {{backend: sqlite, path: '{store}'}}\n"
+    )
+    for argv in (
+        ["dlq", "list"],
+        ["dlq", "list", "--json"],
+        ["dlq", "show", "id" + HOSTILE],
+        ["dlq", "replay"],
+    ):
+        main([*argv, "--config", str(path)])
+        out, err = capsys.readouterr()
+        assert "id" in out, argv
+        for char in ("\x1b", "\x07", "\r", "\b", "\u202e"):
+            assert char not in out + err, f"{char!r} reached the terminal via {argv}"
+
+
+def test_check_refuses_a_default_spool_directory_others_may_write_to(tmp_path, monkeypatch, capsys):
+    """The default Redis spool's directory exists, world-writable: start-up refuses it,
+    so `npu-sync check` must too (exit 2, the key named), not answer ok."""
+    import tempfile
+
+    from npu_sync._deadletter import default_spool_path
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spool_dir = os.path.dirname(default_spool_path("npu_sync"))
+    os.makedirs(spool_dir)
+    os.chmod(spool_dir, 0o777)
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+        "  shared_state: {backend: redis, url: 'redis://127.0.0.1:1/0'}\n"
+        "  dead_letter: {backend: redis}\n"
+    )
+    assert main(["check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "npu_workers.dead_letter.spool_path:" in err
+    assert "others may write to it" in err
+    os.chmod(spool_dir, 0o700)
+    assert main(["check", str(path)]) == 0
+
+
+@pytest.mark.parametrize(
+    "schema",
+    ["CREATE TABLE users (id INTEGER PRIMARY KEY, email TEXT)", "CREATE TABLE dead_letters (x)"],
+    ids=["other-tables", "same-table-name"],
+)
+def test_another_applications_database_is_neither_adopted_nor_passed_by_check(
+    tmp_path, capsys, schema
+):
+    """dead_letter.path names another application's SQLite file: `npu-sync check` says
+    so (exit 2), and the pool refuses it at start instead of writing task payloads into
+    that database, or failing with a bare 'table already exists'."""
+    import sqlite3
+
+    store = tmp_path / "app.sqlite3"
+    with sqlite3.connect(store) as conn:
+        conn.execute(schema)
+    conn.close()
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers: [{id: w0, url: 'http://127.0.0.1:9'}]\n"
+        f"  dead_letter: {{backend: sqlite, path: '{store}'}}\n"
+    )
+    assert main(["check", str(path)]) == 2
+    assert "npu_workers.dead_letter.path:" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="a database of something else"):
+        WorkerPool.from_yaml(path, watch=False)
+    with sqlite3.connect(store) as conn:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+    conn.close()
+    assert "dead_letter_meta" not in tables

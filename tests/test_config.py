@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
@@ -1482,3 +1484,71 @@ def test_a_control_character_in_the_file_is_a_config_error() -> None:
     """PyYAML's reader refuses NUL while the loader is built: still a ConfigError."""
     (error,) = yaml_errors("npu_workers:\x00\n")
     assert error.startswith("YAML error: unacceptable character #x0000")
+
+
+# Attacks on YAML that is small on disk and huge in memory: merge-key bombs.
+
+
+# Each level merges nine copies of the one before: 9**9 key/value pairs from 600 bytes.
+MERGE_BOMB = "\n".join(
+    ["a0: &a0 {k0: 0, k1: 1, k2: 2, k3: 3, k4: 4, k5: 5, k6: 6, k7: 7, k8: 8}"]
+    + [f"a{i}: &a{i} {{<<: [{', '.join([f'*a{i - 1}'] * 9)}]}}" for i in range(1, 10)]
+    + ["npu_workers:", "  workers: []", ""]
+)
+
+
+# One merge of many aliases to one wide mapping: 3,000 x 3,000 pairs from 40 kB.
+WIDE_MERGE = (
+    "a: &a {" + ", ".join(f"k{i}: {i}" for i in range(3_000)) + "}\n"
+    "b: {<<: [" + ", ".join(["*a"] * 3_000) + "]}\n"
+    "npu_workers:\n  workers: []\n"
+)
+
+
+PARSE_IN_A_BOX = textwrap.dedent(
+    """
+    import resource, sys
+    # A regression must fail this test, not exhaust the machine running it.
+    resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+    from npu_sync.config import parse_yaml
+    from npu_sync.errors import ConfigError
+    try:
+        parse_yaml(sys.stdin.read(), source="/bomb.yaml")
+    except ConfigError as exc:
+        print("refused:", exc)
+    except MemoryError:
+        print("MemoryError")
+    """
+)
+
+
+@pytest.mark.parametrize("text", [MERGE_BOMB, WIDE_MERGE], ids=["nested", "wide"])
+def test_a_yaml_merge_key_bomb_is_refused_as_too_large(text):
+    """Merge keys (<<) copy pairs at load time: a tiny file that expands to billions of
+    pairs is a ConfigError about its size, not a MemoryError or a hung reload."""
+    assert len(text) < 1 << 20
+    run = subprocess.run(
+        [sys.executable, "-c", PARSE_IN_A_BOX],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("refused:"), run.stdout[:500]
+    assert "YAML nodes" in run.stdout or "merge" in run.stdout
+
+
+def test_plain_merge_keys_still_load():
+    """The size guard leaves ordinary anchors and merges alone."""
+    text = (
+        "npu_workers:\n  workers:\n"
+        "    - &d {id: a, url: 'http://127.0.0.1:9601', max_concurrent: 4, priority: 2}\n"
+        "    - {<<: [*d], id: b, url: 'http://127.0.0.1:9602', priority: 1}\n"
+    )
+    config = parse_yaml(text, source="/x.yaml")
+    assert [(w.id, w.priority, w.max_concurrent) for w in config.workers] == [
+        ("a", 2, 4),
+        ("b", 1, 4),
+    ]

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from npu_sync import WorkerPool
 from npu_sync._deadletter import (
     SCHEMA_VERSION,
     DeadLetter,
@@ -936,3 +937,33 @@ def test_open_store_names_the_key_when_the_path_is_unusable(tmp_path: Path) -> N
     assert info.value.errors == (
         f"dead_letter.path: dead-letter store {missing}: directory {missing.parent} does not exist",
     )
+
+
+# Attacks: a dead-letter file truncated in place while the pool runs.
+
+
+def test_a_store_file_truncated_in_place_is_refused_not_written_into(tmp_path, caplog):
+    """`: > dead.sqlite3` (or a copytruncate) while the pool runs: same inode, no
+    header. Tasks then fail saying their record was not stored, each record is logged,
+    rather than "succeeding" into a file that no longer opens."""
+    from npu_sync.config import DeadLetterConfig, HealthConfig, PoolConfig, RetryConfig
+    from npu_sync.config import worker_config as make_worker
+
+    store = tmp_path / "dead.sqlite3"
+    config = PoolConfig(
+        workers=(make_worker("gone", "http://127.0.0.1:9"),),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=0),
+        dead_letter=DeadLetterConfig(backend="sqlite", path=str(store)),
+    )
+    with WorkerPool(config) as pool:
+        with pytest.raises(TaskFailed) as first:
+            pool.execute(Task({"input_text": "x"}, task_id="before"))
+        assert first.value.dead_letter_id is not None
+        os.truncate(store, 0)
+        with caplog.at_level(logging.ERROR), pytest.raises(TaskFailed) as after:
+            pool.execute(Task({"input_text": "x"}, task_id="after"))
+        assert after.value.dead_letter_id is None
+        assert "truncated" in str(after.value)
+        assert any('"task_id": "after"' in r.getMessage() for r in caplog.records)
+        assert pool.stats()["dead_letters"]["pending"] is None

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from npu_sync import WorkerPool
+from npu_sync import TaskRejected, WorkerPool
 from npu_sync._life.context import AGAIN, TaskContext, Try
 from npu_sync._life.ledger import record
-from npu_sync._life.models import ModelCount, ModelHeld
+from npu_sync._life.models import ModelCount, ModelHeld, ModelLoad
 from npu_sync._retry import Outcome
+from npu_sync.config import ModelsConfig
 from npu_sync.task import Task
+from npu_sync.testing import FakeNetwork, FakeRequest, json_response
+from npu_sync.transport import Response
 from tests.lifekit import OK, begin, stub_pool
+from tests.modelkit import config, linux, tasks_to, w
 
 
 @pytest.fixture
@@ -68,3 +75,279 @@ def test_model_count_ends_what_it_started_even_when_the_attempt_raises(
         state.placer = None
     wid = lease.worker.id
     assert counted == [("started", wid, "m"), ("ended", wid, "m")]
+
+
+# Attacks on model routing and placement for a task, through a pool over a fake network:
+# lying and hostile model lists, odd model ids, a model unloaded everywhere while tasks
+# wait, placements racing, a placement worker removed while it loads.
+
+
+def test_a_not_loaded_answer_naming_another_model_still_keeps_the_worker_out():
+    """A worker answering "Model X not loaded" to a task for m is kept out for m: one
+    bounce in the whole run, however many tasks name m."""
+
+    def liar(req: FakeRequest) -> Response:
+        return json_response(500, {"detail": "Model \x1b[31mSOMETHING-ELSE not loaded"})
+
+    net = FakeNetwork()
+    net.route("a", linux(None, task=liar))
+    net.route("b", linux(None))
+    cfg = config(w("a", 0, priority=1), w("b", 1, priority=2))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        for _ in range(10):
+            assert pool.execute({"model_id": "m"})["worker"] == "b"
+    assert len(tasks_to(net, "a")) == 1
+
+
+def test_a_task_every_worker_bounces_is_rejected_naming_the_tasks_own_model():
+    """When every worker says "not loaded", exc.model is the model the task named, not
+    whatever (escape sequences included) a worker's answer named."""
+    hostile = "\x1b]0;pwned\x07" + "x" * 10_000
+
+    def liar(req: FakeRequest) -> Response:
+        return json_response(500, {"detail": f"Model {hostile} not loaded"})
+
+    net = FakeNetwork()
+    net.route("a", linux(None, task=liar))
+    with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
+        with pytest.raises(TaskRejected) as info:
+            pool.execute({"model_id": "m"})
+        assert info.value.model == "m"
+        assert "\x1b" not in str(info.value) and len(str(info.value)) < 2000
+        assert len(pool.dead_letters) == 0
+
+
+def test_a_worker_listing_a_model_it_never_serves_costs_one_bounce_per_health_round():
+    """A /models that always names m while tasks for m always bounce: each round brings
+    the lie back, each costs at most one bounce, and every task succeeds elsewhere."""
+
+    def never(req: FakeRequest) -> Response:
+        return json_response(500, {"detail": "Model m not loaded"})
+
+    net = FakeNetwork()
+    net.route("liar", linux(["m"], task=never))
+    net.route("b", linux(["m"]))
+    cfg = config(w("liar", 0, priority=1), w("b", 1, priority=2))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        rounds = 5
+        for _ in range(rounds):
+            pool.check_health()
+            for _ in range(10):
+                assert pool.execute({"model_id": "m"})["worker"] == "b"
+        assert pool.stats()["tasks"]["failed"] == 0
+    assert len(tasks_to(net, "liar")) == rounds
+
+
+def test_a_correction_without_a_model_list_gives_way_at_the_next_health_round():
+    """A worker with no /models that once said "not loaded" for m is tried for m again
+    after a health round (it may have loaded m since), not rejected for ever."""
+    held: list[str] = []
+
+    def task(req: FakeRequest) -> Response:
+        model = req.json()["model_id"]
+        if model not in held:
+            return json_response(500, {"detail": f"Model {model} not loaded"})
+        return json_response(200, {"worker": req.worker_id})
+
+    net = FakeNetwork()
+    net.route("a", linux(None, task=task))
+    with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
+        pool.check_health()
+        with pytest.raises(TaskRejected):
+            pool.execute({"model_id": "m"})
+        with pytest.raises(TaskRejected):  # known to lack m: nothing sent
+            pool.execute({"model_id": "m"})
+        assert len(tasks_to(net, "a")) == 1
+        held.append("m")  # an operator loads m by hand
+        pool.check_health()
+        assert pool.execute({"model_id": "m"}) == {"worker": "a"}
+
+
+@pytest.mark.parametrize(
+    "models",
+    [
+        {"loaded_models": {str(n): {} for n in range(200_000)}},  # megabytes of ids
+        {"loaded_models": [1, None, ["m"], {"m": 1}, "ok\x1b[2J", "\u202eevil"]},
+        {"loaded_models": "m"},
+    ],
+)
+def test_hostile_model_lists_neither_raise_nor_reach_workers_output(models: Any):
+    """A huge, mistyped or escape-laden /models never breaks a round and never puts a
+    control character or a non-string into workers(), stats() or their JSON."""
+    net = FakeNetwork()
+
+    def handle(req: FakeRequest) -> Response:
+        if req.path == "/models":
+            return json_response(200, models)
+        return linux([])(req)
+
+    net.route("a", handle)
+    with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
+        pool.check_health()
+        (row,) = pool.workers()
+        assert row["healthy"] is True
+        listed = row["models"] or []
+        assert all(isinstance(m, str) and m.isprintable() for m in listed)
+        shown = json.dumps([pool.workers(), pool.stats()])
+    assert "\x1b" not in shown and "\u202e" not in shown
+
+
+@pytest.mark.parametrize("model", [["m"], {"m": 1}, 7, None, True])
+def test_a_payload_naming_a_model_of_another_type_is_routed_as_naming_none(model: Any):
+    """model_id that is not a string: no routing by models, no crash, the task runs."""
+    net = FakeNetwork()
+    net.route("a", linux([], task=lambda req: json_response(200, {"ok": req.json()})))
+    with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
+        pool.check_health()
+        assert pool.execute({"model_id": model}) == {"ok": {"model_id": model}}
+
+
+def test_a_long_model_name_in_a_rejection_is_bounded_and_escaped():
+    """A 10 kB model id with control characters that no worker holds: TaskRejected at
+    once, with exc.model the id itself and a message short and free of escapes."""
+    model = "\x1b[1m" + "y" * 10_000
+    net = FakeNetwork()
+    net.route("a", linux(["m"]))
+    with WorkerPool(config(w("a", 0)), transport_factory=net.factory) as pool:
+        pool.check_health()
+        with pytest.raises(TaskRejected) as info:
+            pool.execute({"model_id": model})
+    assert info.value.model == model
+    assert "\x1b" not in str(info.value) and len(str(info.value)) < 2000
+    assert tasks_to(net, "a") == []
+
+
+def test_a_model_unloaded_everywhere_rejects_waiting_tasks_without_dead_letters():
+    """Tasks queued for m when every worker unloads it: each ends TaskRejected naming m,
+    each worker bounces one task only (the rest know by then), and no dead letter."""
+    held = {"a": ["m"], "b": ["m"]}
+    gate = threading.Event()
+    inside = threading.Barrier(3)
+
+    def task(req: FakeRequest) -> Response:
+        if not gate.is_set():
+            inside.wait(5)  # both workers busy with a first task each
+            gate.wait(5)
+        if "m" not in held[req.worker_id]:
+            return json_response(500, {"detail": "Model m not loaded"})
+        return json_response(200, {"worker": req.worker_id})
+
+    net = FakeNetwork()
+    net.route("a", linux(held["a"], task=task))
+    net.route("b", linux(held["b"], task=task))
+    cfg = config(w("a", 0, max_concurrent=1), w("b", 1, max_concurrent=1))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()
+        first = [pool.submit({"model_id": "m"}) for _ in range(2)]
+        inside.wait(5)
+        queued = [pool.submit({"model_id": "m"}, timeout=10) for _ in range(8)]
+        held["a"].clear()
+        held["b"].clear()
+        gate.set()
+        outcomes = []
+        for future in first + queued:
+            try:
+                outcomes.append(future.result(15))
+            except TaskRejected as exc:
+                assert exc.model == "m"
+                outcomes.append("rejected")
+        assert outcomes.count("rejected") == 10
+        assert len(pool.dead_letters) == 0
+    assert len(tasks_to(net, "a")) == len(tasks_to(net, "b")) == 1
+
+
+def test_placement_never_loads_a_model_a_live_worker_already_serves():
+    """A task that decided to place m just as another task's placement of m finished
+    finds the model served and sends no second load."""
+    loads: list[str] = []
+
+    def load(req: FakeRequest) -> Response:
+        loads.append(req.worker_id)
+        return json_response(200, {"status": "success"})
+
+    held = ["other"]
+    net = FakeNetwork()
+    net.route("a", linux(held, load=load))
+    cfg = config(w("a", 0), models=ModelsConfig(placement=True))
+    real = ModelLoad.place
+
+    def place_after_another(run: ModelLoad, model: str) -> str | None:
+        # Another task's placement of the model ends between this task's check and
+        # its own placement.
+        held.append(model)
+        with run.state.lock:
+            run.state.workers["a"].held.model_placed(model)
+            run.state.models_changed_locked()
+        return real(run, model)
+
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()
+        ModelLoad.place = place_after_another  # type: ignore[method-assign]
+        try:
+            assert pool.execute({"model_id": "m"})["worker"] == "a"
+        finally:
+            ModelLoad.place = real  # type: ignore[method-assign]
+    assert loads == []
+
+
+def test_two_hundred_tasks_for_one_unplaced_model_load_it_exactly_once():
+    """200 threads ask at once for a model no worker holds: one load, 200 results."""
+    loads: list[str] = []
+    release = threading.Event()
+    held = ["other"]
+
+    def load(req: FakeRequest) -> Response:
+        release.wait(10)
+        loads.append(req.json()["model_id"])
+        held.append("m")
+        return json_response(200, {"status": "success"})
+
+    net = FakeNetwork()
+    net.route("a", linux(held, load=load))
+    cfg = config(w("a", 0, max_concurrent=16), models=ModelsConfig(placement=True))
+    start = threading.Barrier(201)
+    results: list[Any] = []
+
+    def one(pool: WorkerPool) -> None:
+        start.wait(10)
+        results.append(pool.execute({"model_id": "m"}, timeout=30)["worker"])
+
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()
+        threads = [threading.Thread(target=one, args=(pool,)) for _ in range(200)]
+        for t in threads:
+            t.start()
+        start.wait(10)
+        release.set()
+        for t in threads:
+            t.join(30)
+    assert loads == ["m"]
+    assert results == ["a"] * 200
+
+
+def test_a_worker_removed_while_loading_the_model_rejects_the_task_at_once():
+    """The placement worker leaves the pool during the load: the task is rejected naming
+    the model (the only other worker lacks it), not parked until a dead letter."""
+    loading = threading.Event()
+    release = threading.Event()
+
+    def load(req: FakeRequest) -> Response:
+        loading.set()
+        release.wait(10)
+        return json_response(200, {"status": "success"})
+
+    net = FakeNetwork()
+    net.route("a", linux(["other"], load=load))
+    net.route("b", linux(["other"]))
+    cfg = config(w("a", 0), w("b", 1), models=ModelsConfig(placement=True))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()
+        future = pool.submit({"model_id": "m"}, timeout=20)
+        assert loading.wait(10)
+        pool.remove_worker("a")
+        release.set()
+        with pytest.raises(TaskRejected) as info:
+            future.result(5)  # far below the task's deadline
+        assert info.value.model == "m"
+        assert len(pool.dead_letters) == 0
+    assert tasks_to(net, "b") == []

@@ -312,3 +312,166 @@ def test_a_process_never_scraped_writes_its_balancing_series_each_monitor_sample
     assert share == rows["b"]["share"]
     assert estimate == pytest.approx(rows["a"]["latency_estimate_ms"] / 1000)
     assert (refused, budget) == (1, balance)
+
+
+# Attacks on the balancing series: reloads that reset the totals between two scrapes,
+# reloads racing scrapes, NaN and infinite estimates, and workers removed by a reload.
+
+
+STINGY = RetryBudgetConfig(ratio=0.0, min_per_second=0.0)
+
+
+def refused_total(registry: CollectorRegistry) -> float:
+    return get(single(registry), "npu_sync_retry_budget_refused_total")
+
+
+def test_refusals_after_a_reload_that_outgrow_those_before_are_all_counted():
+    """Two refusals, a scrape, a reload that renews the retry budget, then three
+    refusals: the pool's total and the counter read five, not three."""
+    clock = FakeClock()
+    net = FakeNetwork(scripted(clock))
+    stingy = BalancingConfig(retry_budget=STINGY)
+    config = make_config(
+        "a", "b", balancing=stingy, circuit_breaker=BreakerConfig(fail_max=100, reset_timeout=30)
+    )
+    registry = CollectorRegistry()
+    pool = WorkerPool(config, transport_factory=net.factory, clock=clock)
+    with pool, instrument(pool, registry):
+        for _ in range(2):
+            with pytest.raises(TaskFailed, match="retry budget"):
+                pool.execute({"kind": "down"})
+        before = refused_total(registry)
+        renewed = BalancingConfig(retry_budget=RetryBudgetConfig(ratio=0.01, min_per_second=0))
+        pool.reload(replace(config, balancing=renewed))
+        for _ in range(3):
+            with pytest.raises(TaskFailed, match="retry budget"):
+                pool.execute({"kind": "down"})
+        after = refused_total(registry)
+        total = pool.stats()["balancing"]["retry_budget"]["refused"]
+    assert (before, after, total) == (2, 5, 5)
+
+
+def test_counters_never_go_back_while_reloads_race_scrapes():
+    """Tasks whose retries the budget refuses, reloads that renew the budget, and three
+    threads scraping all at once: no thread ever sees a counter lower than it saw
+    before, and the last one counts no more refusals than happened."""
+    clock = FakeClock()
+    net = FakeNetwork(scripted(clock))
+    config = make_config(
+        "a",
+        "b",
+        balancing=BalancingConfig(retry_budget=STINGY),
+        circuit_breaker=BreakerConfig(fail_max=10_000, reset_timeout=30),
+    )
+    budgets = [
+        BalancingConfig(retry_budget=RetryBudgetConfig(ratio=r, min_per_second=0.0))
+        for r in (0.0, 0.001)
+    ]
+    registry = CollectorRegistry()
+    pool = WorkerPool(config, transport_factory=net.factory, clock=clock)
+    stop = threading.Event()
+    seen: dict[int, list[float]] = {}
+    refused = 0
+
+    def scrape(n: int) -> None:
+        series = seen.setdefault(n, [])
+        while not stop.is_set():
+            series.append(refused_total(registry))
+
+    with pool, instrument(pool, registry):
+        scrapers = [threading.Thread(target=scrape, args=(n,)) for n in range(3)]
+        for thread in scrapers:
+            thread.start()
+        try:
+            for round_ in range(30):
+                for _ in range(3):
+                    with pytest.raises(TaskFailed, match="retry budget"):
+                        pool.execute({"kind": "down"})
+                refused += 3
+                pool.reload(replace(config, balancing=budgets[round_ % 2 - 1]))
+        finally:
+            stop.set()
+            for thread in scrapers:
+                thread.join(30)
+        last = refused_total(registry)
+    for series in seen.values():
+        assert series == sorted(series)
+    assert last <= refused
+
+
+@pytest.mark.parametrize("estimate", [float("inf"), float("nan")])
+def test_an_infinite_or_nan_estimate_does_not_break_the_scrape(estimate):
+    """A worker whose estimate is inf or NaN: the scrape still serves every series,
+    the other worker's estimate and the counters included."""
+    registry = CollectorRegistry()
+    pool = BalancingPool("a", "b")
+    pool.rows["a"] = {"latency_estimate_ms": estimate, "share": 1.0}
+    pool.refused = 2
+    with instrument(pool, registry):
+        found = samples(generate_latest(registry))
+    assert get(found, "npu_sync_worker_latency_estimate_seconds", worker="b") == 0.02
+    value = get(found, "npu_sync_worker_latency_estimate_seconds", worker="a")
+    assert value == estimate or (value != value and estimate != estimate)
+    assert get(found, "npu_sync_retry_budget_refused_total") == 2
+
+
+def test_a_worker_removed_by_a_reload_leaves_the_balancing_gauges():
+    """One process: after a reload removes a worker, its estimate and share series are
+    gone at the next scrape while the other worker's stay."""
+    clock = FakeClock()
+    net = FakeNetwork(scripted(clock))
+    config = make_config("a", "b")
+    registry = CollectorRegistry()
+    pool = WorkerPool(config, transport_factory=net.factory, clock=clock)
+    with pool, instrument(pool, registry):
+        pool.execute({"kind": "ok"})
+        before = single(registry)
+        pool.reload(replace(config, workers=config.workers[:1]))
+        after = single(registry)
+    for name in ("npu_sync_worker_latency_estimate_seconds", "npu_sync_worker_share"):
+        assert (name, (("worker", "b"),)) in before
+        assert (name, (("worker", "b"),)) not in after
+        assert (name, (("worker", "a"),)) in after
+
+
+def test_multiprocess_a_removed_worker_reads_zero_and_a_live_one_its_values(
+    multiprocess,  # noqa: F811
+):
+    """Multiprocess mode: a worker a reload removed reads 0 for its estimate and its
+    full share, its weight (a series in the files cannot go); the remaining worker
+    reads its own values."""
+    clock = FakeClock()
+    net = FakeNetwork(scripted(clock))
+    config = make_config("a", "b")
+    pool = WorkerPool(config, transport_factory=net.factory, clock=clock)
+    with pool, instrument(pool):
+        pool.execute({"kind": "ok"})
+        everyone(pool)
+        pool.reload(replace(config, workers=config.workers[:1]))
+        found = everyone(pool)
+        row = {w["id"]: w["balancing"] for w in pool.workers()}["a"]
+    assert get(found, "npu_sync_worker_share", worker="b") == 1  # its weight
+    assert get(found, "npu_sync_worker_latency_estimate_seconds", worker="b") == 0
+    assert get(found, "npu_sync_worker_share", worker="a") == row["share"]
+
+
+def test_multiprocess_a_worker_one_process_removed_keeps_the_share_others_give_it(
+    multiprocess,  # noqa: F811
+):
+    """Two processes use worker ``b``, one still ramping it up (share 0.4 of weight 2);
+    the other removes it: the fleet's share of ``b`` stays 0.4, not 0."""
+    pids, _ = multiprocess
+    ramping = BalancingPool("a", "b")
+    ramping.rows["b"] = {"latency_estimate_ms": 20.0, "share": 0.4, "weight": 2}
+    with instrument(ramping):  # closed, its files stay: a process still running
+        everyone(ramping)
+
+    pids.pid = 102
+    removing = BalancingPool("a", "b")
+    removing.rows["b"] = {"latency_estimate_ms": 20.0, "share": 2.0, "weight": 2}
+    with instrument(removing):
+        assert get(everyone(removing), "npu_sync_worker_share", worker="b") == 0.4
+        del removing.rows["b"]
+        found = everyone(removing)
+    assert get(found, "npu_sync_worker_share", worker="b") == 0.4
+    assert get(found, "npu_sync_worker_latency_estimate_seconds", worker="b") == 0.02

@@ -9,8 +9,9 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from npu_sync import protocols
+from npu_sync import TaskFailed, WorkerPool, protocols
 from npu_sync._retry import Kind, classify_response
+from npu_sync.config import BreakerConfig
 from npu_sync.protocols import (
     LINUX,
     MAX_MODEL_ID,
@@ -25,8 +26,9 @@ from npu_sync.protocols import (
     protocol_names,
     register_protocol,
 )
-from npu_sync.testing import json_response
+from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
+from tests.modelkit import config, w
 
 TASK = {"model_id": "llama", "input_text": "hello", "max_tokens": 8, "temperature": 0.2}
 
@@ -509,3 +511,57 @@ def test_windows_loads_with_model_optimize_and_a_quoted_name() -> None:
     parts = urlsplit(request.path)
     assert parts.path == "/model/optimize"
     assert parse_qs(parts.query) == {"model_name": ["org/model a&b=c"]}
+
+
+# Attacks on the Windows protocol's answers through a pool: a failed task charges no
+# worker, a status of another type is the task's result.
+
+
+def test_one_bad_windows_task_charges_none_of_three_healthy_workers():
+    """A task every Windows worker answers 200 {"status": "failed"} for is dead-lettered
+    after two workers agree, charging nobody: no breaker opens, and the next good task
+    runs on the first worker tried."""
+
+    def windows(req: FakeRequest) -> Response:
+        if req.path == "/health":
+            return json_response(200, {"status": "healthy", "loaded_models": []})
+        data = req.json()["input_data"]
+        if data.get("text") == "poison":
+            return json_response(200, {"status": "failed", "error": "bad input"})
+        return json_response(200, {"status": "completed", "result": req.worker_id})
+
+    net = FakeNetwork()
+    for wid in ("w1", "w2", "w3"):
+        net.route(wid, windows)
+    cfg = config(
+        *(w(wid, n, platform="windows") for n, wid in enumerate(("w1", "w2", "w3"))),
+        circuit_breaker=BreakerConfig(fail_max=2, reset_timeout=60),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        with pytest.raises(TaskFailed) as info:
+            pool.execute({"model_id": "m", "input_text": "poison"})
+        tried = [a.worker_id for a in info.value.attempts]
+        assert len(tried) == len(set(tried)) == 2
+        rows = {r["id"]: r for r in pool.workers()}
+        assert all(r["breaker"]["state"] == "closed" for r in rows.values())
+        assert all(r["breaker"]["failures"] == 0 for r in rows.values())
+        assert pool.execute({"model_id": "m", "input_text": "fine"})["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"status": ["failed"]},
+        {"status": None},
+        {"status": 0},
+        {"status": {"failed": True}},
+        {"status": "completed"},
+    ],
+)
+def test_windows_status_values_of_other_types_are_returned_as_results(body: Any):
+    """A 200 whose status is not the string "failed" is the task's result, as sent."""
+    net = FakeNetwork()
+    net.route("win", lambda req: json_response(200, body))
+    cfg = config(w("win", 0, platform="windows"))
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        assert pool.execute({"model_id": "m", "input_text": "x"}) == body

@@ -7,6 +7,9 @@ import json
 import logging
 from urllib.parse import quote
 
+import pytest
+
+from npu_sync import ConfigError
 from npu_sync._redact import (
     MAX_BODY_SCANNED,
     MAX_WORKER_TEXT,
@@ -15,7 +18,9 @@ from npu_sync._redact import (
     REDACTED,
     Scrubber,
 )
-from npu_sync.config import parse_config
+from npu_sync.cli import main
+from npu_sync.config import parse_config, parse_yaml
+from npu_sync.errors import scrub
 
 TOKEN = "tok-3f9a1c77e2b54d08"
 
@@ -212,3 +217,60 @@ def test_value_redacts_inside_a_json_answer():
     }
     clean = {"detail": "fine"}
     assert scrub.value(clean) is clean
+
+
+# Attacks on hiding secrets with what an operator could really write: credentials in any
+# shape of URL, a value under a wrong explicit tag, ordinary text left alone.
+
+
+SECRET = "Sup3rS3cretPassw0rd"
+
+
+LEAKY_URLS = [
+    # The quote is cut at 80 characters: the '@' falls past the cut.
+    f"http://a-rather-long-service-account-name-for-the-npu-pool:{SECRET}@npu.example.com:99999",
+    f"a-rather-long-service-account-name-for-the-npu-workers-here:{SECRET}@host:8081",
+    # Characters a password may hold that end a URL's authority.
+    f"http://user:pa/{SECRET}@127.0.0.1:8081",
+    f"http://user:{SECRET}#x@127.0.0.1:8081",
+    f"http://user:{SECRET}?x@127.0.0.1:8081",
+    # A token in a fragment, as OAuth's implicit flow puts it.
+    f"http://127.0.0.1:8081/#access_token={SECRET}",
+    # A scheme with one slash: still a credential.
+    f"http:/user:{SECRET}@127.0.0.1:8081",
+]
+
+
+@pytest.mark.parametrize("url", LEAKY_URLS)
+def test_no_shape_of_a_credential_in_a_worker_url_is_quoted(url):
+    """Whatever the URL's shape, the ConfigError names the key and hides the secret."""
+    with pytest.raises(ConfigError) as info:
+        parse_yaml(f"npu_workers:\n  workers:\n    - {{id: a, url: '{url}'}}\n", source="/x.yaml")
+    assert "npu_workers.workers[0].url" in str(info.value)
+    assert SECRET not in str(info.value)
+    assert SECRET[:6] not in str(info.value)
+
+
+def test_scrub_still_leaves_ordinary_text_alone():
+    """Masking to the last '@' and fragments does not eat e-mail addresses or prose."""
+    assert scrub("mail ops@example.com, see http://host/x#section") == (
+        "mail ops@example.com, see http://host/x#section"
+    )
+    assert scrub("http://h:1/a and http://u:p@h:2/b") == "http://h:1/a and http://***@h:2/b"
+
+
+@pytest.mark.parametrize("tag", ["!!int", "!!float", "!!timestamp", "!!bool", "!!binary"])
+def test_a_value_under_a_wrong_explicit_tag_is_a_config_error_that_hides_it(tmp_path, tag):
+    """A header value tagged !!int (or !!timestamp, !!bool ...) it cannot be: a
+    ConfigError (exit 2 from check, counted by reload), never KeyError/AttributeError,
+    and the value itself is not quoted."""
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers:\n"
+        f"    - {{id: a, url: 'http://127.0.0.1:9601', headers: {{X-Key: {tag} {SECRET}}}}}\n"
+    )
+    assert main(["check", str(path)]) == 2
+    with pytest.raises(ConfigError) as info:
+        parse_yaml(path.read_text(), source=str(path))
+    assert "YAML" in str(info.value)
+    assert SECRET not in str(info.value)

@@ -10,6 +10,7 @@ import pytest
 
 from npu_sync import WorkerPool
 from npu_sync.testing import FakeNetwork, json_response
+from tests.configkit import path_with, workers_yaml
 from tests.load import Load
 
 WORKERS = 4
@@ -120,3 +121,105 @@ def test_broken_files_through_the_watcher_never_touch_a_loaded_pool(tmp_path):
     assert reloads["ok"] == 1
     assert reloads["failed"] >= len(broken) + 1
     assert pool.stats()["tasks"]["failed"] == 0
+
+
+# Attacks on the file watcher with the writes real tools make: one byte per write, a
+# truncation left past the debounce, a Kubernetes ConfigMap swap.
+
+
+def slow_answer(req):
+    threading.Event().wait(0.0005)
+    return json_response(200, {"worker_id": req.worker_id})
+
+
+def test_a_file_written_one_byte_per_write_is_applied_only_whole(tmp_path):
+    """A writer that flushes one byte at a time (faster than the debounce): the pool
+    under load only ever applies the finished file, and no task fails."""
+    path = tmp_path / "pool.yaml"
+    old = workers_yaml(["w0", "w1", "w2"], extra="  reload: {max_removed_share: 0}\n")
+    new = old + "    - {id: w3, url: 'http://127.0.0.1:9603'}\n"
+    new = new.replace("  reload: {max_removed_share: 0}\n", "") + (
+        "  reload: {max_removed_share: 0}\n"
+    )
+    applied: list[dict] = []
+
+    def hook(event):
+        if type(event).__name__ == "ConfigReloaded":
+            applied.append(event.changes)
+
+    with (
+        WorkerPool.from_yaml(
+            path_with(path, old),
+            transport_factory=FakeNetwork(slow_answer).factory,
+            poll_interval=3600,
+            hooks=[hook],
+        ) as pool,
+        Load(pool) as load,
+    ):
+        wait_for(lambda: load.ok >= 20, "the load to get going")
+        pace = threading.Event()
+        with open(path, "wb", buffering=0) as fh:
+            for byte in new.encode():
+                fh.write(bytes([byte]))
+                pace.wait(0.002)  # the writer's own pace, well under the debounce
+        wait_for(lambda: "w3" in [w["id"] for w in pool.workers()], "the finished file")
+    assert load.errors == []
+    assert [c["added"] for c in applied] == [["w3"]]
+    assert all(not c["removed"] for c in applied)
+
+
+def test_a_file_truncated_then_rewritten_later_keeps_the_pool(tmp_path):
+    """Truncated to nothing, left so past the debounce, then rewritten: the empty file
+    is refused and counted, the rewrite applied, and no task fails meanwhile."""
+    path = tmp_path / "pool.yaml"
+    old = workers_yaml(["w0", "w1"])
+    with (
+        WorkerPool.from_yaml(
+            path_with(path, old),
+            transport_factory=FakeNetwork(slow_answer).factory,
+            poll_interval=3600,
+        ) as pool,
+        Load(pool) as load,
+    ):
+        wait_for(lambda: load.ok >= 20, "the load to get going")
+        with open(path, "wb"):
+            pass
+        wait_for(lambda: pool.stats()["reloads"]["failed"] == 1, "the empty file refused")
+        assert [w["id"] for w in pool.workers()] == ["w0", "w1"]
+        path.write_text(old + "    - {id: w2, url: 'http://127.0.0.1:9602'}\n")
+        wait_for(lambda: len(pool.workers()) == 3, "the rewrite")
+    assert load.errors == []
+    assert pool.stats()["reloads"]["ok"] == 1
+
+
+def test_a_configmap_swap_to_a_broken_file_is_refused_then_a_good_one_applied(tmp_path):
+    """Kubernetes-style ..data symlink swapped to a directory whose file is broken,
+    then to a good one: refused and counted, then applied; no task fails."""
+    root = tmp_path / "config"
+    root.mkdir()
+
+    def version(name: str, text: str) -> None:
+        directory = root / name
+        directory.mkdir()
+        (directory / "pool.yaml").write_text(text)
+        link = root / "..data_tmp"
+        os.symlink(name, link)
+        os.replace(link, root / "..data")
+
+    version("..v1", workers_yaml(["w0", "w1"]))
+    os.symlink("..data/pool.yaml", root / "pool.yaml")
+    with (
+        WorkerPool.from_yaml(
+            root / "pool.yaml",
+            transport_factory=FakeNetwork(slow_answer).factory,
+            poll_interval=3600,
+        ) as pool,
+        Load(pool) as load,
+    ):
+        wait_for(lambda: load.ok >= 20, "the load to get going")
+        version("..v2", "npu_workers:\n  workers:\n    - {id: w0, url: 'http://127.0.0.1:\n")
+        wait_for(lambda: pool.stats()["reloads"]["failed"] == 1, "the broken version refused")
+        assert [w["id"] for w in pool.workers()] == ["w0", "w1"]
+        version("..v3", workers_yaml(["w0", "w1", "w2"]))
+        wait_for(lambda: len(pool.workers()) == 3, "the good version")
+    assert load.errors == []

@@ -167,3 +167,99 @@ def test_escape_sequences_from_a_worker_reach_no_message_log_or_listing(tmp_path
     for where, text in texts.items():
         for char in ("\x1b", "\x07", "\u202e"):
             assert char not in text, f"{char!r} reached {where}"
+
+
+# Attacks: credentials in headers and in the Redis URL when everything fails.
+
+
+HEADER_SECRET = "hdr-s3cret-value"
+
+
+BEARER_SECRET = "bearer-s3cret-value"
+
+
+REDIS_SECRET = "redis-s3cret-value"
+
+
+def test_credentials_in_headers_and_the_redis_url_reach_no_surface_when_all_fails(
+    tmp_path, caplog, capsys, monkeypatch
+):
+    """Header values (any name), a Bearer token from the environment and the Redis
+    password in a valid file: with the worker unreachable and Redis down, none shows in
+    TaskFailed, dead letters, logs, stats(), workers(), repr, the Flask endpoints, the
+    status page, metrics or `npu-sync status`/`check`/`dlq list`."""
+    pytest.importorskip("flask")
+    pytest.importorskip("prometheus_client")
+    import socket
+
+    from flask import Flask
+
+    from npu_sync.flask import NpuSync
+    from npu_sync.prometheus import metrics_text
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("NPU_TOKEN", BEARER_SECRET)
+    with socket.socket() as s:  # a port nothing listens on, for the worker and Redis
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+    store = tmp_path / "dead.sqlite3"
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n"
+        "  workers:\n"
+        f"    - id: a\n      url: 'http://127.0.0.1:{dead_port}'\n"
+        "      headers:\n"
+        f"        X-Api-Key: '{HEADER_SECRET}'\n"
+        "        Authorization: 'Bearer ${NPU_TOKEN}'\n"
+        "  health: {enabled: true, interval: 3600}\n"
+        "  retry: {max_retries: 0}\n"
+        f"  dead_letter: {{backend: sqlite, path: '{store}'}}\n"
+        "  shared_state: {backend: redis, timeout: 0.2,"
+        f" url: 'redis://user:{REDIS_SECRET}@127.0.0.1:{dead_port}/0'}}\n"
+    )
+    surfaces: dict[str, str] = {}
+    with WorkerPool.from_yaml(path, watch=False) as pool:
+        assert pool.config.workers[0].headers["X-Api-Key"] == HEADER_SECRET
+        with pytest.raises(TaskFailed) as failed:
+            pool.execute(Task({"input_text": "x"}))
+        pool.check_health()
+        record = pool.dead_letters.get(failed.value.dead_letter_id)
+        surfaces.update(
+            {
+                "TaskFailed": str(failed.value) + repr(failed.value.attempts),
+                "dead letter": json.dumps(record.to_dict()),
+                "stats()": json.dumps(pool.stats()),
+                "workers()": json.dumps(pool.workers()),
+                "repr(config)": repr(pool.config) + repr(pool.config.workers[0]),
+                "repr(pool)": repr(pool),
+                "metrics": metrics_text(pool)[0].decode(),
+            }
+        )
+        assert pool.stats()["shared_state"]["available"] is False  # Redis failed
+        app = Flask(__name__)
+        app.config.update(TESTING=True, NPU_SYNC_ADMIN_TOKEN="t")
+        NpuSync(app, pool=pool)
+        client = app.test_client()
+        for route in ("/", "/stats", "/workers", "/dead-letters", "/metrics"):
+            surfaces[f"GET {route}"] = client.get(f"/api/npu/pool{route}").get_data(as_text=True)
+        surfaces["GET /dead-letters (admin)"] = client.get(
+            "/api/npu/pool/dead-letters", headers={"Authorization": "Bearer t"}
+        ).get_data(as_text=True)
+    # The sqlite store is what the CLI lists; shared state needs no Redis for it.
+    for argv in (
+        ["status", str(path)],
+        ["status", "--json", str(path)],
+        ["check", str(path)],
+        ["dlq", "list", "--config", str(path)],
+        ["dlq", "show", record.id, "--config", str(path)],
+    ):
+        main(argv)
+        out, err = capsys.readouterr()
+        assert out, f"npu-sync {argv[0]} printed nothing"
+        surfaces["npu-sync " + " ".join(argv[:2])] = out + err
+    surfaces["logs"] = "\n".join(
+        r.getMessage() + repr(r.args) + str(r.exc_text) for r in caplog.records
+    )
+    for where, text in surfaces.items():
+        for secret in (HEADER_SECRET, BEARER_SECRET, REDIS_SECRET):
+            assert secret not in text, f"{secret} leaked into {where}"
