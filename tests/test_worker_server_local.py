@@ -54,6 +54,27 @@ def test_local_worker_pause_freezes_until_resume() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_local_worker_pause_returns_once_the_child_is_stopped() -> None:
+    """SIGSTOP takes effect when the child is next scheduled; pause() returns only once
+    the kernel reports it stopped, so no request sent after it is answered. Checked
+    on each of twenty pause/resume cycles, right after pause() returns."""
+
+    def state(pid: int) -> str:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+
+    with LocalWorker(worker_id="lw5") as worker:
+        assert infer(worker).status == 200
+        pid = worker.pid
+        for _ in range(20):
+            worker.pause()
+            assert state(pid) in ("T", "t")
+            worker.resume()
+        assert infer(worker).status == 200
+
+
+@pytest.mark.integration
 def test_local_worker_control_and_stats() -> None:
     """control() changes the child's behaviour and stats() reads its counters."""
     with LocalWorker(worker_id="lw3", models=("*",)) as worker:

@@ -238,6 +238,11 @@ class LocalWorker:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.send_signal(signal.SIGSTOP)
             self._paused = True
+            # The signal is delivered when the child is next scheduled: on a loaded
+            # machine it could still answer a request sent right after this returns.
+            # Wait until the kernel reports it stopped (or gone), reaping nothing.
+            if hasattr(os, "waitid"):
+                os.waitid(os.P_PID, self._proc.pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT)
 
     def resume(self) -> None:
         """Thaw a frozen worker (SIGCONT)."""
