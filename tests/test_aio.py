@@ -683,10 +683,11 @@ def test_random_cancellations_leave_the_pool_whole(worker):
             assert await until_async(lambda: apool.in_flight() == 0)
             check_untouched(apool.pool)
             # Each task that started is counted once: a result, or cancelled (a task
-            # cancelled before it reached a thread never started, and counts nowhere).
+            # cancelled before it reached a thread never started, and counts nowhere;
+            # one whose result came as its caller left counts as a success).
             tasks = apool.pool.stats()["tasks"]
             finished = sum(isinstance(e, dict) for e in ends)
-            assert tasks["succeeded"] == finished
+            assert finished <= tasks["succeeded"] <= finished + 100 - tasks["cancelled"]
             assert tasks["submitted"] == tasks["succeeded"] + tasks["cancelled"]
             assert tasks["failed"] == tasks["rejected"] == tasks["fallbacks"] == 0
             assert (await apool.execute(PAYLOAD))["worker_id"] == "w0"
