@@ -977,28 +977,33 @@ def test_close_racing_cancellations_ends_every_task_once(worker):
     assert not aio_threads()
 
 
+def hedged_pair(a: str, b: str) -> PoolConfig:
+    """Two workers of four slots, hedging after 50 ms, one retry, a breaker that opens
+    at the first failure: the set-up of the hedged-cancellation tests."""
+    from npu_sync.config import BalancingConfig, HedgeConfig
+
+    return PoolConfig(
+        workers=(
+            worker_config("w0", a, max_concurrent=4),
+            worker_config("w1", b, max_concurrent=4),
+        ),
+        timeouts=TimeoutConfig(connect=30, read=30, task=30),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=1),
+        circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
+        balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
+    )
+
+
 def test_cancelling_a_hedged_task_shuts_both_attempts(servers):
     """With hedging on, a task cancelled while its attempt and its hedge are both on
     the wire: both connections are shut at once, neither worker is charged, no dead
     letter, and no hedge thread is left."""
-    from npu_sync.config import BalancingConfig, HedgeConfig
 
     requests = Requests()
     a = serve(servers, until_hung_up(requests))
     b = serve(servers, until_hung_up(requests))
-    pool = WorkerPool(
-        PoolConfig(
-            workers=(
-                worker_config("w0", a.url(), max_concurrent=4),
-                worker_config("w1", b.url(), max_concurrent=4),
-            ),
-            timeouts=TimeoutConfig(connect=30, read=30, task=30),
-            health=HealthConfig(enabled=False),
-            retry=RetryConfig(max_retries=1),
-            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
-            balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
-        )
-    )
+    pool = WorkerPool(hedged_pair(a.url(), b.url()))
 
     async def main() -> None:
         async with AsyncWorkerPool(pool) as apool:
@@ -1507,7 +1512,6 @@ def test_prometheus_counts_a_cancelled_attempt_as_stats_does(servers):
 def test_a_cancelled_hedged_task_tells_the_hooks_of_both_attempts(servers):
     """A hedged task cancelled with its attempt and its hedge on the wire: each
     attempt is told to the hooks once, as abandoned, as workers() counts them."""
-    from npu_sync.config import BalancingConfig, BreakerConfig, HedgeConfig, RetryConfig
     from npu_sync.events import AttemptFinished
 
     requests = Requests()
@@ -1522,17 +1526,7 @@ def test_a_cancelled_hedged_task_tells_the_hooks_of_both_attempts(servers):
                 told.append(event)
 
     pool = WorkerPool(
-        PoolConfig(
-            workers=(
-                worker_config("w0", a.url(), max_concurrent=4),
-                worker_config("w1", b.url(), max_concurrent=4),
-            ),
-            timeouts=TimeoutConfig(connect=30, read=30, task=30),
-            health=HealthConfig(enabled=False),
-            retry=RetryConfig(max_retries=1),
-            circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
-            balancing=BalancingConfig(hedge=HedgeConfig(enabled=True, delay=0.05)),
-        ),
+        hedged_pair(a.url(), b.url()),
         hooks=(hook,),
     )
 

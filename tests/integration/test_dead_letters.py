@@ -372,6 +372,22 @@ def second_replay_of(pool: WorkerPool, record_id: str, worker) -> str:
     return outcome[0] if outcome else "ran"
 
 
+def replay_past_the_lease(first, second, rid, worker) -> str:
+    """``first`` replays ``rid`` on the hung ``worker``; once the replay is at the
+    worker and the base claim lease has passed, ``second`` tries the same record.
+    The worker is let go whatever happens; returns what the second replay met."""
+    claimed_at = time.time()
+    replay = threading.Thread(target=first.dead_letters.replay, args=(rid,))
+    replay.start()
+    try:
+        wait_for(lambda: worker.stats()["in_flight"] == 1, "the replay at the worker")
+        wait_for(lambda: time.time() > claimed_at + 0.6, "the base lease to pass")
+        return second_replay_of(second, rid, worker)
+    finally:
+        worker.control(hang=False)
+        replay.join(30)
+
+
 def test_a_sqlite_claim_outlives_a_replay_longer_than_its_lease(
     start_worker, tmp_path, monkeypatch
 ):
@@ -387,16 +403,7 @@ def test_a_sqlite_claim_outlives_a_replay_longer_than_its_lease(
         WorkerPool(hung_worker_pool_config(worker, settings)) as first,
         WorkerPool(hung_worker_pool_config(worker, settings)) as second,
     ):
-        claimed_at = time.time()
-        replay = threading.Thread(target=first.dead_letters.replay, args=(rid,))
-        replay.start()
-        try:
-            wait_for(lambda: worker.stats()["in_flight"] == 1, "the replay at the worker")
-            wait_for(lambda: time.time() > claimed_at + 0.6, "the base lease to pass")
-            outcome = second_replay_of(second, rid, worker)
-        finally:
-            worker.control(hang=False)
-            replay.join(30)
+        outcome = replay_past_the_lease(first, second, rid, worker)
     assert worker.stats()["duplicates"] == 0, "the record ran twice"
     assert outcome == "refused"
 
@@ -421,16 +428,7 @@ def test_a_redis_claim_outlives_a_replay_longer_than_its_lease(
     with WorkerPool(config()) as first, WorkerPool(config()) as second:
         first.dead_letters.add(record(0))
         (rid,) = [r.id for r in first.dead_letters.list()]
-        claimed_at = time.time()
-        replay = threading.Thread(target=first.dead_letters.replay, args=(rid,))
-        replay.start()
-        try:
-            wait_for(lambda: worker.stats()["in_flight"] == 1, "the replay at the worker")
-            wait_for(lambda: time.time() > claimed_at + 0.6, "the base lease to pass")
-            outcome = second_replay_of(second, rid, worker)
-        finally:
-            worker.control(hang=False)
-            replay.join(30)
+        outcome = replay_past_the_lease(first, second, rid, worker)
     assert worker.stats()["duplicates"] == 0, "the record ran twice"
     assert outcome == "refused"
 
