@@ -37,6 +37,7 @@ __all__ = [
     "RetryBudgetAvailable",
     "RetryBudgetExhausted",
     "RetryScheduled",
+    "TaskCancelled",
     "TaskDeadLettered",
     "TaskFallback",
     "TaskRejectedEvent",
@@ -48,6 +49,7 @@ __all__ = [
     "WorkerModelsChanged",
     "WorkerSlowStart",
 ]
+
 
 @dataclass(frozen=True, slots=True)
 class Event:
@@ -133,6 +135,15 @@ class TaskFallback(Event):
     level: ClassVar[int] = logging.INFO
     task_id: str
     reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class TaskCancelled(Event):
+    """A task was stopped by its caller before it ended (an asyncio task cancelled, a
+    ``TaskStop`` stopped): nobody charged, no dead letter, no fallback."""
+
+    name: ClassVar[str] = "task.cancelled"
+    task_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,6 +74,7 @@ from npu_sync.events import (
     Hook,
     ModelPlacement,
     RetryScheduled,
+    TaskCancelled,
     TaskDeadLettered,
     TaskFallback,
     TaskRejectedEvent,
@@ -111,7 +112,7 @@ DEFAULT_BUCKETS: tuple[float, ...] = (
 generation's minute (``+Inf`` is added)."""
 
 ATTEMPT_OUTCOMES = ("succeeded", "rejected", "not_here", "failed", "misconfigured", "abandoned")
-TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback")
+TASK_OUTCOMES = ("succeeded", "rejected", "failed", "fallback", "cancelled")
 RELOAD_RESULTS = ("ok", "failed")
 PLACEMENT_ACTIONS = ("load", "unload", "evict", "failed")
 BREAKER_STATES = ("closed", "open", "half-open")
@@ -333,7 +334,9 @@ class PrometheusExporter:
                 c.trips[wid] = c.trips.get(wid, 0) + trips
             tasks = stats.get("tasks") or {}
             for outcome, key in zip(
-                TASK_OUTCOMES, ("succeeded", "rejected", "failed", "fallbacks"), strict=True
+                TASK_OUTCOMES,
+                ("succeeded", "rejected", "failed", "fallbacks", "cancelled"),
+                strict=True,
             ):
                 c.tasks[outcome] += int(tasks.get(key) or 0)
             c.retries += int(tasks.get("retries") or 0)
@@ -391,6 +394,8 @@ class PrometheusExporter:
             family, key = "tasks", "failed"
         elif isinstance(event, TaskFallback):
             family, key = "tasks", "fallback"
+        elif isinstance(event, TaskCancelled):
+            family, key = "tasks", "cancelled"
         elif isinstance(event, RetryScheduled):
             with self._lock:
                 c.retries += 1

@@ -25,6 +25,7 @@ __all__ = [
     "json_response",
 ]
 
+
 class FakeClock:
     """A clock that moves only when told to. Thread-safe.
 

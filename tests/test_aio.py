@@ -39,7 +39,7 @@ from npu_sync.config import (
     TransportConfig,
     worker_config,
 )
-from npu_sync.events import Event, RetryScheduled
+from npu_sync.events import Event, RetryScheduled, TaskCancelled
 from npu_sync.worker_server import LocalWorker
 from tests.hostile import Peer, answer, keep_answering, serve
 
@@ -290,13 +290,25 @@ def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers, client)
     """A task cancelled while its worker drips the answer: the connection is shut at
     once, the slot given back, the attempt abandoned, the breaker (fail_max 1) closed,
     no dead letter, and the worker serves the next task."""
+    from prometheus_client import CollectorRegistry
+
+    from npu_sync.prometheus import PrometheusExporter
+
     requests = Requests()
     server = serve(servers, dripping(requests))
-    pool = make_pool([server.url()], max_concurrent=1, client=client)
+    seen: list[TaskCancelled] = []
+    pool = make_pool(
+        [server.url()],
+        max_concurrent=1,
+        client=client,
+        hooks=(lambda e: seen.append(e) if isinstance(e, TaskCancelled) else None,),
+    )
+    registry = CollectorRegistry()
+    exporter = PrometheusExporter(pool, registry)
 
     async def main() -> None:
         apool = AsyncWorkerPool(pool, threads=2)
-        task = asyncio.ensure_future(apool.execute(PAYLOAD))
+        task = asyncio.ensure_future(apool.execute(Task(PAYLOAD, task_id="cut-short")))
         assert await asyncio.to_thread(requests.wait, 1)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -308,9 +320,26 @@ def test_cancel_mid_request_shuts_the_socket_and_charges_nobody(servers, client)
         assert row(pool)["tasks"]["abandoned"] == 1
         tasks = pool.stats()["tasks"]
         assert tasks["cancelled"] == 1 and tasks["failed"] == tasks["succeeded"] == 0
+        # Told once to the hooks, and counted by Prometheus as the task's end.
+        assert [e.task_id for e in seen] == ["cut-short"]
+        outcomes = ("cancelled", "succeeded", "failed", "rejected", "fallback")
+        counted = {
+            o: registry.get_sample_value("npu_sync_tasks_total", {"outcome": o}) for o in outcomes
+        }
+        assert counted == {
+            "cancelled": 1,
+            "succeeded": 0,
+            "failed": 0,
+            "rejected": 0,
+            "fallback": 0,
+        }
+        late = CollectorRegistry()  # an exporter attached later starts from the pool's totals
+        with PrometheusExporter(pool, late):
+            assert late.get_sample_value("npu_sync_tasks_total", {"outcome": "cancelled"}) == 1
         await apool.aclose()
 
     asyncio.run(main())
+    exporter.close()
     pool.close()
 
 

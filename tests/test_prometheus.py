@@ -22,6 +22,7 @@ from npu_sync.events import (
     Event,
     Hook,
     RetryScheduled,
+    TaskCancelled,
     TaskDeadLettered,
     TaskFallback,
     TaskRejectedEvent,
@@ -175,7 +176,7 @@ def test_counters_and_histogram_count_attempts_and_tasks_by_worker_and_outcome(
             assert value(
                 samples, "npu_sync_attempts_total", worker=wid, outcome=outcome
             ) == expected_attempts.get((wid, outcome), 0), (wid, outcome)
-    tasks = {"succeeded": 3, "rejected": 1, "failed": 1, "fallback": 0}
+    tasks = {"succeeded": 3, "rejected": 1, "failed": 1, "fallback": 0, "cancelled": 0}
     for outcome, n in tasks.items():
         assert value(samples, "npu_sync_tasks_total", outcome=outcome) == n
     # The failing task was retried after a's and b's failures; c's was its last.
@@ -334,6 +335,7 @@ def test_the_hook_counts_constructed_events_and_ignores_the_rest(registry):
             TaskRejectedEvent(0.0, "t", None, 500, "no worker serves model 'x'"),
             TaskDeadLettered(0.0, "t", "dl-1", 3, "all failed"),
             TaskFallback(0.0, "t", "all failed"),
+            TaskCancelled(0.0, "t"),
             ConfigReloaded(0.0, None, {"added": ["c"]}),
             ConfigReloadFailed(0.0, None, "npu_workers.workers[0].port: bad"),
         ):
@@ -348,7 +350,7 @@ def test_the_hook_counts_constructed_events_and_ignores_the_rest(registry):
     assert value(samples, f"{hist}_bucket", worker="a", le="+Inf") == 2
     assert value(samples, "npu_sync_retries_total") == 1
     assert value(samples, "npu_sync_breaker_trips_total", worker="a") == 2
-    for outcome in ("succeeded", "rejected", "failed", "fallback"):
+    for outcome in ("succeeded", "rejected", "failed", "fallback", "cancelled"):
         assert value(samples, "npu_sync_tasks_total", outcome=outcome) == 1
     assert value(samples, "npu_sync_reloads_total", result="ok") == 1
     assert value(samples, "npu_sync_reloads_total", result="failed") == 1

@@ -4,7 +4,7 @@ follows the pool.
 A step that ends an attempt or a task reports it here once (:class:`Outcomes`); this
 turns it into the hook events (``TaskStarted``, ``AttemptFinished``,
 ``RetryScheduled``, ``AttemptHedged``, ``TaskSucceeded``, ``TaskRejectedEvent``,
-``TaskFallback``, ``TaskDeadLettered``, ``WorkerModelsChanged``), the pool's task
+``TaskFallback``, ``TaskDeadLettered``, ``TaskCancelled``, ``WorkerModelsChanged``), the pool's task
 counters, and the task's routing trace, which an OpenTelemetry observer
 (:mod:`npu_sync._otel`) turns into span events. The steps themselves never call a hook.
 
@@ -27,6 +27,7 @@ from npu_sync.events import (
     AttemptFinished,
     AttemptHedged,
     RetryScheduled,
+    TaskCancelled,
     TaskDeadLettered,
     TaskFallback,
     TaskRejectedEvent,
@@ -93,6 +94,13 @@ class Outcomes:
         with state.lock:
             state.stats.fallbacks += 1
         state.notify(TaskFallback(state.clock.time(), task_id, reason))
+
+    def cancelled(self, task_id: str) -> None:
+        """The task's caller stopped it before it ended: counted, nobody charged."""
+        state = self.state
+        with state.lock:
+            state.stats.cancelled += 1
+        state.notify(TaskCancelled(state.clock.time(), task_id))
 
     def dead_lettered(
         self, task_id: str, letter_id: str | None, tried: int, reason: str, at: float

@@ -114,7 +114,7 @@ class Runner:
             return _retry(stack.retry, stack.begin(task, body, deadline, stop, watch), stack.first)
         except Exhausted as exhausted:
             if stop is not None and stop.cancelled:
-                self._count_cancelled()
+                self.outcomes.cancelled(task.task_id)
                 raise Stopped(task.task_id) from None  # nobody is left to hear of it
             if fallback is None:
                 self.dead_letter(task, exhausted, deadline)
@@ -126,14 +126,8 @@ class Runner:
                 raise
             return self.fall_back_model(task, rejected, fallback)
         except Stopped:
-            self._count_cancelled()
+            self.outcomes.cancelled(task.task_id)
             raise
-
-    def _count_cancelled(self) -> None:
-        """A task stopped by its caller (``TaskStop``): counted, nothing else."""
-        state = self.state
-        with state.lock:
-            state.stats.cancelled += 1
 
     def watched(
         self,
