@@ -6,11 +6,16 @@ Usage, from a clone (aiohttp comes with the ``bench`` extra)::
     python benchmarks/aio_side_by_side.py [--tasks 1000] [--rounds 3] [--latency-ms 50]
 
 Three reference workers, each in its own process on loopback (``--latency-ms`` per
-task, 32 slots each). Two contenders, each on a fresh event loop in this process, each
+task, 32 slots each). Four contenders, each on a fresh event loop in this process, each
 given ``--tasks`` tasks at once (one ``gather``):
 
 * ``npu_sync``: :class:`~npu_sync.AsyncWorkerPool` over one :class:`~npu_sync.WorkerPool`
   (built-in transport, 32 tasks a worker, 96 threads, 3 retries, health every second);
+* ``executor``: ``run_in_executor(pool.execute)`` on 96 threads, what callers write
+  without ``AsyncWorkerPool``;
+* ``threads`` (steady phase only): the floor of any threads-under-the-hood design,
+  ``run_in_executor`` on 96 threads each sending a bare HTTP/1.1 request on a socket
+  of its own: no pool, no balancing, no retries;
 * ``aiohttp``: one ``ClientSession``, least connections of its own (the worker with
   the fewest requests in flight, at most 32 each), up to 3 attempts on workers not yet
   tried, a worker that refused a connection skipped for a second.
@@ -37,8 +42,10 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import socket
 import statistics
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -209,6 +216,58 @@ class ExecutorContender:
         self._inner.close()
 
 
+class BareThreadsContender:
+    """The floor of threads under the hood: ``run_in_executor`` on 96 threads, each
+    sending a bare HTTP/1.1 request on a keep-alive socket of its own (a third of the
+    threads on each worker), with no pool, no balancing, no retry. Steady phase only:
+    it has nothing to survive a killed worker with. What any design that runs blocking
+    I/O on threads costs the loop, whatever it does around the I/O."""
+
+    name = "threads"
+
+    def __init__(self, workers: list[LocalWorker]) -> None:
+        self.addresses = [("127.0.0.1", int(w.url.rsplit(":", 1)[1])) for w in workers]
+        self.attempts = 0
+        self.executor = concurrent.futures.ThreadPoolExecutor(PER_WORKER * len(workers))
+        self.local = threading.local()
+        self.lock = threading.Lock()
+        self.opened = 0
+        # Its threads started before the first run, not on the loop during it.
+        list(self.executor.map(time.sleep, [0.01] * PER_WORKER * len(workers)))
+
+    def _send(self, task_id: str, payload: dict[str, Any]) -> dict[str, Any]:
+        local = self.local
+        if getattr(local, "sock", None) is None:
+            with self.lock:
+                address = self.addresses[self.opened % len(self.addresses)]
+                self.opened += 1
+            local.sock = socket.create_connection(address)
+            local.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            local.file = local.sock.makefile("rb")
+        body = json.dumps(payload).encode()
+        head = (
+            "POST /inference HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nX-NPU-Task-Id: {task_id}\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        local.sock.sendall(head.encode() + body)
+        length = 0
+        local.file.readline()  # the status line
+        while (line := local.file.readline()) not in (b"\r\n", b""):
+            if line[:15].lower() == b"content-length:":
+                length = int(line[15:])
+        answer: dict[str, Any] = json.loads(local.file.read(length))
+        return answer
+
+    async def call(self, task_id: str, payload: dict[str, Any]) -> dict[str, Any] | None:
+        self.attempts += 1
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._send, task_id, payload)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+
+
 class AiohttpContender:
     """aiohttp with least connections of its own: what an asyncio service writes."""
 
@@ -359,7 +418,7 @@ def _ratios(runs: list[Run]) -> dict[str, dict[str, float]]:
     floor = [r for r in runs if r.contender == "idle"]
     for phase in ("steady", "kill"):
         base = [r for r in runs if r.phase == phase and r.contender == "aiohttp"]
-        for name in ("npu_sync", "executor", "aiohttp"):
+        for name in ("npu_sync", "executor", "threads", "aiohttp"):
             mine = [r for r in runs if r.phase == phase and r.contender == name]
             if not mine or not base:
                 continue
@@ -397,18 +456,20 @@ def main(argv: list[str] | None = None) -> int:
             w.start()
         mine = NpuSyncContender(workers)
         naive = ExecutorContender(workers)
+        floor = BareThreadsContender(workers)
         theirs = AiohttpContender(workers)
         try:
-            order: list[Any] = [mine, naive, theirs]
+            order: list[Any] = [mine, naive, floor, theirs]
             for round_ in range(args.rounds):
                 for contender in order if round_ % 2 == 0 else order[::-1]:
                     runs.append(_run(contender, "steady", args.tasks, None))
                 runs.append(_idle(runs[-1].elapsed_s))
-            for contender in order:
+            for contender in (mine, naive, theirs):
                 runs.append(_run(contender, "kill", args.tasks, workers[2]))
         finally:
             mine.close()
             naive.close()
+            floor.close()
     finally:
         for w in workers:
             with contextlib.suppress(Exception):
