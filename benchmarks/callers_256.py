@@ -6,7 +6,7 @@ distribution)::
     pip install -e '.[bench]'
     apt-get install -y haproxy
     python benchmarks/callers_256.py [--callers 256] [--rounds 5] [--tasks N]
-        [--latency-ms 20] [--json PATH]
+        [--latency-ms 20] [--json PATH] [--only NAME ...] [--locks]
 
 Three reference workers, each in its own process on loopback (``--latency-ms`` per
 task, 256 slots each, so the workers themselves never refuse), shared by every
@@ -41,6 +41,13 @@ workers' CPU per task (they share the machine's cores with the client); attempts
 task (the pool's retries, HAProxy's retries and redispatches); failed tasks. The
 summary gives each contender's median per-round throughput ratio against HAProxy +
 aiohttp's run in the same round. Not run by pytest: it measures, it asserts nothing.
+
+``--only NAME`` runs the contenders whose name contains ``NAME`` (repeatable), for a
+profiler attached to one of them; the header names this process's pid, so that the
+callers' switches can be told from the workers' (``perf script --pid``). ``--locks``
+counts, per task, acquisitions of the package's own locks and those that found the
+lock taken, with where they were taken (the counting costs CPU: leave it off for the
+figures).
 """
 
 from __future__ import annotations
@@ -110,6 +117,73 @@ def process_switches(pid: int) -> int:
     return total
 
 
+class LockCounts:
+    """``--locks``: every ``threading.Lock`` the package creates from now on counts its
+    acquisitions and those that found it taken, by where they were taken.
+
+    Thread-safe: ``next()`` on an ``itertools.count`` is atomic in CPython; reading a
+    count takes one more, which :meth:`snapshot` subtracts.
+    """
+
+    def __init__(self) -> None:
+        self.acquired = itertools.count()
+        self.blocked: dict[str, itertools.count[int]] = {}
+        counts = self
+        allocate = threading.Lock
+
+        class CountingLock:
+            def __init__(self) -> None:
+                self._lock = allocate()
+
+            def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+                next(counts.acquired)
+                if self._lock.acquire(False):
+                    return True
+                if not blocking:
+                    return False
+                frame = sys._getframe(1)
+                if frame.f_code.co_name == "__enter__" and frame.f_back is not None:
+                    frame = frame.f_back
+                where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                next(
+                    counts.blocked.setdefault(f"{where} {frame.f_code.co_name}", itertools.count())
+                )
+                return self._lock.acquire(True, timeout)
+
+            def release(self) -> None:
+                self._lock.release()
+
+            def locked(self) -> bool:
+                return self._lock.locked()
+
+            def __enter__(self) -> bool:
+                return self.acquire()
+
+            def __exit__(self, *exc: object) -> None:
+                self._lock.release()
+
+        def make_lock() -> Any:
+            # The package's locks only: not the benchmark's, nor asyncio's or aiohttp's.
+            package = os.sep + "npu_sync" + os.sep
+            return CountingLock() if package in sys._getframe(1).f_code.co_filename else allocate()
+
+        threading.Lock = make_lock  # type: ignore[assignment]
+
+    def snapshot(self) -> dict[str, int]:
+        out = {"acquired": next(self.acquired)}
+        for where, count in list(self.blocked.items()):
+            out[where] = next(count)
+        return out
+
+    @staticmethod
+    def since(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+        """What was counted between two snapshots (each snapshot took one of each)."""
+        return {k: v - before.get(k, -1) - 1 for k, v in after.items()}
+
+
+LOCKS: LockCounts | None = None
+
+
 @dataclass
 class Run:
     """One contender's measured run."""
@@ -126,6 +200,7 @@ class Run:
     proxy_cpu_s: float | None = None
     proxy_switches: int | None = None
     worker_cpu_s: float = 0.0
+    locks: dict[str, int] | None = None
 
     @property
     def tasks_per_s(self) -> float:
@@ -421,6 +496,12 @@ def summary(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
         if mine[0].proxy_cpu_s is not None:
             figures["proxy_cpu_us"] = [(r.proxy_cpu_s or 0.0) / r.tasks * 1e6 for r in mine]
             figures["proxy_switches"] = [(r.proxy_switches or 0) / r.tasks for r in mine]
+        if all(r.locks is not None for r in mine):
+            tasks = sum(r.tasks for r in mine)
+            where = dict.fromkeys(k for r in mine for k in r.locks or {})
+            figures["locks_per_task"] = {
+                k: sum((r.locks or {}).get(k, 0) for r in mine) / tasks for k in where
+            }
         out[name] = figures
     return out
 
@@ -489,7 +570,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=5000, help="tasks per run")
     parser.add_argument("--latency-ms", type=float, default=20.0)
     parser.add_argument("--json", metavar="PATH", help="write every figure to PATH")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME", help="run the contenders named so"
+    )
+    parser.add_argument(
+        "--locks", action="store_true", help="count acquisitions of the package's locks"
+    )
     args = parser.parse_args(argv)
+    global LOCKS
+    if args.locks:
+        LOCKS = LockCounts()
     binary = haproxy_binary()
     if aiohttp is None or binary is None:
         missing = "aiohttp (pip install -e '.[bench]')" if aiohttp is None else "haproxy"
@@ -514,14 +604,23 @@ def main(argv: list[str] | None = None) -> int:
         )
         contenders.append(HAProxyAiohttpContender(workers, callers, binary))
         contenders.append(BareThreadsReference(workers, callers))
+        if args.only:
+            for contender in contenders:
+                if not any(part in contender.name for part in args.only):
+                    contender.close()
+            contenders = [c for c in contenders if any(p in c.name for p in args.only)]
+        print(f"pid {os.getpid()}: {', '.join(c.name for c in contenders)}", file=sys.stderr)
         for contender in contenders:
             contender.run(0, callers * 4)
         for round_ in range(1, args.rounds + 1):
             order = contenders if round_ % 2 else contenders[::-1]
             for contender in order:
                 before = sum(process_cpu(w.pid) for w in workers)
+                locks = LOCKS.snapshot() if LOCKS is not None else None
                 run = contender.run(round_, args.tasks)
                 run.worker_cpu_s = sum(process_cpu(w.pid) for w in workers) - before
+                if LOCKS is not None and locks is not None:
+                    run.locks = LockCounts.since(locks, LOCKS.snapshot())
                 runs.append(run)
                 print(
                     f"round {round_}: {run.contender}: {run.tasks_per_s:.0f} tasks/s,"
@@ -546,11 +645,16 @@ def main(argv: list[str] | None = None) -> int:
     print("medians over the rounds (min-max); p50/p99 over every task of every round")
     print(table(figures))
     for name, f in figures.items():
-        if name != ANCHOR:
+        if name != ANCHOR and f["ratio_vs_anchor"]:
             print(
                 f"{name}: median throughput {_med(f['ratio_vs_anchor'], '.2f')}x"
                 f" {ANCHOR}'s (per round, same round)"
             )
+    for name, f in figures.items():
+        if f.get("locks_per_task"):
+            print(f"{name}: the package's locks, per task")
+            for where, n in sorted(f["locks_per_task"].items(), key=lambda kv: -kv[1]):
+                print(f"  {n:7.3f}  {'acquired' if where == 'acquired' else 'blocked at ' + where}")
     if args.json:
         document = {
             "settings": {**vars(args), "workers": WORKERS, "worker_slots": WORKER_SLOTS},
