@@ -524,6 +524,11 @@ class HAProxyContender:
         self._timeout = urllib3.Timeout(connect=CONNECT_TIMEOUT, read=READ_TIMEOUT)
         self._counters: dict[str, int] = {}
 
+    @property
+    def pid(self) -> int:
+        """HAProxy's process id, for reading its CPU time and context switches."""
+        return self._proc.pid
+
     def _wait_listening(self) -> None:
         # HAProxy prints no ready line: poll its port and its stats socket (the two are
         # set up one after the other), bounded, and give up with its log.
@@ -577,9 +582,9 @@ class HAProxyContender:
     def run(self, tasks: int, progress: Progress) -> Samples:
         before = self.backend_counters()
         # HAProxy's CPU is the client's work moved to another process: it counts.
-        cpu = time.process_time() + process_cpu(self._proc.pid)
+        cpu = time.process_time() + process_cpu(self.pid)
         samples = drive_threads(self._call, tasks, progress)
-        samples.cpu_s = time.process_time() + process_cpu(self._proc.pid) - cpu
+        samples.cpu_s = time.process_time() + process_cpu(self.pid) - cpu
         after = self.backend_counters()
         for key, value in after.items():
             self._counters[key] = self._counters.get(key, 0) + value - before[key]
@@ -606,6 +611,15 @@ class HAProxyContender:
 
 # -- the run -------------------------------------------------------------------------
 
+
+def haproxy_binary() -> str | None:
+    """The HAProxy executable, also where ``PATH`` lacks ``sbin``; None without one."""
+    return shutil.which("haproxy") or next(
+        (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)),
+        None,
+    )
+
+
 Factory = Callable[[Sequence[LocalWorker]], Contender]
 
 
@@ -621,10 +635,7 @@ def contender_factories() -> tuple[dict[str, Factory], dict[str, str]]:
         factories[AiohttpContender.name] = AiohttpContender
     else:
         skipped[AiohttpContender.name] = "aiohttp is not installed (pip install aiohttp)"
-    binary = shutil.which("haproxy") or next(
-        (p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy") if os.access(p, os.X_OK)),
-        None,
-    )
+    binary = haproxy_binary()
     if binary is not None:
         factories[HAProxyContender.name] = lambda workers: HAProxyContender(workers, binary)
     else:
