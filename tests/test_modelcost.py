@@ -164,6 +164,54 @@ def test_a_worker_fast_for_one_model_and_slow_for_another_gets_each_by_its_speed
     assert off.get(("small", "a"), 0) + off.get(("big", "b"), 0) < 54
 
 
+def test_a_worker_that_served_the_large_tasks_is_not_taken_for_the_slow_one() -> None:
+    """a takes 1 ms per unit, b 3 ms; a learnt on tasks of 100 units, b on tasks of 10,
+    so per task a looks the slower (100 ms against 30). Every sized task that follows
+    goes to a, the fastest per unit, from the first one on; a pool that ignored the
+    size would send the first to b."""
+    clock = FakeClock()
+    per_unit = {"a": 0.001, "b": 0.003}
+
+    def handler(wid: str):
+        def handle(req: FakeRequest) -> Response:
+            if req.path.endswith("/health"):
+                return json_response(200, {"status": "healthy"})
+            clock.advance(per_unit[wid] * req.json()["units"])
+            return json_response(200, {"worker": wid})
+
+        return handle
+
+    net = FakeNetwork()
+    net.route("a", handler("a"))
+    net.route("b", handler("b"))
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9401", tags={"name": "a"}),
+            worker_config("b", "http://127.0.0.1:9402", tags={"name": "b"}),
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=1, backoff_initial=0.0, backoff_max=0.0),
+        circuit_breaker=BreakerConfig(fail_max=5),
+    )
+
+    def run(units: int, requires: frozenset[str] = frozenset()) -> str:
+        task = Task({"model_id": "m", "units": units}, size=units, requires=requires)
+        return str(pool.execute(task)["worker"])
+
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        for _ in range(10):  # a: 100 units in 100 ms; b: 10 units in 30 ms
+            assert run(100, frozenset({"name=a"})) == "a"
+            assert run(10, frozenset({"name=b"})) == "b"
+        chosen = [run(50) for _ in range(10)]
+        costs = pool._state.model_costs
+        assert costs is not None
+        now = clock.monotonic()
+        per_unit_seen = {w: costs.estimate(w, "m", now, size=1) for w in ("a", "b")}
+    assert chosen == ["a"] * 10
+    assert per_unit_seen["a"] == pytest.approx(0.001, rel=0.1)
+    assert per_unit_seen["b"] == pytest.approx(0.003, rel=0.2)  # decayed a little since
+
+
 def test_only_an_uneven_model_makes_tasks_look_for_the_fastest() -> None:
     """Workers alike for a model (or within a millisecond) leave it to the usual choice;
     one three times slower makes the model uneven."""
