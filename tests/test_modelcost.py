@@ -16,6 +16,7 @@ from npu_sync.config import (
 )
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
+from npu_sync.worker_server import LocalWorker
 
 
 class _W:
@@ -210,6 +211,32 @@ def test_a_worker_that_served_the_large_tasks_is_not_taken_for_the_slow_one() ->
     assert chosen == ["a"] * 10
     assert per_unit_seen["a"] == pytest.approx(0.001, rel=0.1)
     assert per_unit_seen["b"] == pytest.approx(0.003, rel=0.2)  # decayed a little since
+
+
+def test_real_workers_each_model_goes_to_the_worker_fast_for_it() -> None:
+    """Two reference workers holding both models: "one" fast for A (1 ms) and slow for
+    B (100 ms), "two" the other way round. Once each has answered both, A's tasks go
+    to "one" and B's to "two"; each worker's own estimate, mixing both models, could
+    not tell them apart."""
+    with (
+        LocalWorker(worker_id="one", models=("A", "B")).start() as one,
+        LocalWorker(worker_id="two", models=("A", "B")).start() as two,
+    ):
+        one.control(model_latency_ms={"A": 1, "B": 100})
+        two.control(model_latency_ms={"A": 100, "B": 1})
+        cfg = PoolConfig(
+            workers=(worker_config("one", one.url), worker_config("two", two.url)),
+            health=HealthConfig(enabled=False),
+        )
+        served: list[tuple[str, str]] = []
+        with WorkerPool(cfg) as pool:
+            for _ in range(30):
+                for model in ("A", "B"):
+                    answer = pool.execute({"model_id": model, "input_text": "x"})
+                    served.append((model, answer["worker_id"]))
+    last = served[20:]  # 20 rounds after the first ten, in which both were learnt
+    assert sum(1 for pair in last if pair == ("A", "one")) >= 18, served
+    assert sum(1 for pair in last if pair == ("B", "two")) >= 18, served
 
 
 def test_only_an_uneven_model_makes_tasks_look_for_the_fastest() -> None:
