@@ -8,7 +8,7 @@ of needs, and a task that needs nothing never comes here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from npu_sync._config_types import PoolConfig, WorkerConfig
 
@@ -71,9 +71,20 @@ class CapabilityFilter:
         nobody = sorted(n for n in needs if not any(meets(w, (n,)) for w in workers))
         if nobody:
             return "no worker has " + ", ".join(_shown(n) for n in nobody)
-        lacks = []
-        for worker in workers[:5]:
-            absent = sorted(n for n in needs if not meets(worker, (n,)))
-            lacks.append(f"{worker.id} lacks " + ", ".join(_shown(n) for n in absent))
-        more = " ..." if len(workers) > 5 else ""
-        return "no worker has them all: " + "; ".join(lacks) + more
+        return "no worker has them all: " + lacking(workers, needs)
+
+    def unmet(self, config: PoolConfig, needs: Collection[str], ids: Collection[str]) -> str:
+        """What each of the workers ``ids`` lacks of ``needs``, for a rejection of a
+        task that other workers meet but none of them may serve."""
+        return lacking([w for w in config.workers if w.id in ids], needs)
+
+
+def lacking(workers: Sequence[WorkerConfig], needs: Collection[str]) -> str:
+    """``"a lacks capability 'vision'; b lacks tag site=lab"``: the first five workers
+    and what each lacks of ``needs``."""
+    lacks = []
+    for worker in workers[:5]:
+        absent = sorted(n for n in needs if not meets(worker, (n,)))
+        lacks.append(f"{worker.id} lacks " + ", ".join(_shown(n) for n in absent))
+    more = " ..." if len(workers) > 5 else ""
+    return "; ".join(lacks) + more

@@ -222,7 +222,7 @@ class Planner:
                     reason = f"load: {peak} in flight on {len(have)} replica(s) of {capacity} slots"
             if reason is None:
                 continue
-            load = self.target(model, live, now, busy=loading, evicted=evicted, reason=reason)
+            load = self.target(model, live, now, skip=loading, evicted=evicted, reason=reason)
             if load is not None:
                 actions.append(load)
                 loading.add(load.worker_id)
@@ -281,17 +281,19 @@ class Planner:
         workers: Iterable[WorkerView],
         now: float,
         *,
-        busy: set[str] | frozenset[str] = frozenset(),
+        skip: set[str] | frozenset[str] = frozenset(),
         evicted: set[tuple[str, str]] | frozenset[tuple[str, str]] = frozenset(),
         reason: str = "a task needs it",
     ) -> Load | None:
         """The cheapest place to load ``model``: live workers that do not hold it, by
         learnt load time, a free model slot first, then the lightest load; on a full
-        worker, the coldest evictable model goes first. None when nowhere will do."""
+        worker, the coldest evictable model goes first. Never a worker in ``skip``
+        (given a load this round already, or lacking what the task needing the model
+        requires); replicas still count there. None when nowhere will do."""
         replicas = self._replicas(model, workers)
         best: tuple[tuple[float, int, float], Load] | None = None
         for worker in workers:
-            if not worker.live or worker.models is None or worker.id in busy:
+            if not worker.live or worker.models is None or worker.id in skip:
                 continue
             if model in worker.models:
                 continue
@@ -367,7 +369,8 @@ class Placer:
         self.counts = {"loads": 0, "unloads": 0, "evictions": 0, "failures": 0, "rounds": 0}
         self.load_seconds = 0.0
         self._pending_lock = threading.Lock()
-        self._pending: dict[str, _Pending] = {}  # models being loaded for waiting tasks
+        # Models being loaded for waiting tasks, per model and the workers left out.
+        self._pending: dict[tuple[str, frozenset[str]], _Pending] = {}
         # Caps learnt from a worker's 507 to a load, and each worker's last status.
         self._learnt_cap: dict[str, int] = {}
         self._last_status: dict[str, int] = {}
@@ -489,17 +492,25 @@ class Placer:
         """That attempt ended."""
         self.use.end(worker_id, model, now)
 
-    def place(self, model: str, timeout: float, stop: TaskStop | None = None) -> str | None:
-        """Load ``model``, which no live worker holds, where it is cheapest for the
-        tasks waiting for it (evicting the coldest model of a full worker); one load
-        per model at a time, the other tasks waiting for it within ``timeout``, or
-        until their ``stop`` is stopped (the load goes on for the others). None once
-        loaded, else why not."""
+    def place(
+        self,
+        model: str,
+        timeout: float,
+        stop: TaskStop | None = None,
+        skip: frozenset[str] = frozenset(),
+    ) -> str | None:
+        """Load ``model``, which no live worker outside ``skip`` holds, where it is
+        cheapest for the tasks waiting for it (evicting the coldest model of a full
+        worker), never on a worker in ``skip`` (those lacking what the tasks require);
+        one load per model and ``skip`` at a time, the other tasks waiting for it
+        within ``timeout``, or until their ``stop`` is stopped (the load goes on for the
+        others). None once loaded, else why not."""
+        key = (model, skip)
         with self._pending_lock:
-            pending = self._pending.get(model)
+            pending = self._pending.get(key)
             mine = pending is None
             if pending is None:
-                pending = self._pending[model] = _Pending()
+                pending = self._pending[key] = _Pending()
         if not mine:
             if stop is None:
                 ended = pending.done.wait(max(0.0, timeout))
@@ -512,14 +523,14 @@ class Placer:
             return pending.error
         error: str | None = "loading it was interrupted"
         try:
-            error = self._place(model, timeout)
+            error = self._place(model, timeout, skip)
         finally:
             state = self._state
             with state.lock:
                 state.model_counts["placements" if error is None else "placement_failures"] += 1
             pending.error = error
             with self._pending_lock:
-                del self._pending[model]
+                del self._pending[key]
                 pending.done.set()
                 wakers, pending.wakers = pending.wakers, []
             for woken in wakers:
@@ -546,7 +557,7 @@ class Placer:
                     pending.wakers.remove(woken)
         return pending.done.is_set()
 
-    def _place(self, model: str, timeout: float) -> str | None:
+    def _place(self, model: str, timeout: float, skip: frozenset[str]) -> str | None:
         state = self._state
         # A round, or another model's load, may hold it for as long as a load takes
         # (minutes on an NPU): the task waits for it only within its deadline.
@@ -555,30 +566,34 @@ class Placer:
         if not self._acting.acquire(timeout=max(0.0, timeout)):
             return "another model was being loaded or placed until the task's deadline"
         try:
-            return self._place_acting(model, timeout - (clock.monotonic() - start))
+            return self._place_acting(model, timeout - (clock.monotonic() - start), skip)
         finally:
             self._acting.release()
 
-    def _place_acting(self, model: str, timeout: float) -> str | None:
+    def _place_acting(self, model: str, timeout: float, skip: frozenset[str]) -> str | None:
         """:meth:`_place`'s work, under ``_acting``."""
         state = self._state
         now = state.clock.monotonic()
         views = self._views(now)
-        if any(v.live and v.models is not None and model in v.models for v in views):
+        if any(
+            v.live and v.models is not None and model in v.models and v.id not in skip
+            for v in views
+        ):
             return None  # loaded meanwhile (by a round, or as the lists were re-read)
         planner = Planner(state.config.models, self.use, self._loaded_at, self._load_cost)
-        load = planner.target(model, views, now)
+        load = planner.target(model, views, now, skip=skip)
         if load is None:
             return (
-                "no live worker can load it (each is full and none of its models may "
-                "leave yet: in flight, or held; or it lists no models)"
+                f"no live worker{' meeting its requires' if skip else ''} can load it "
+                "(each is full and none of its models may leave yet: in flight, or held; "
+                "or it lists no models)"
             )
         error = self._do_load(load, timeout)
         if error is None or not self._learnt_full(load, views):
             return error
         # The worker said it is full (507): its cap is now known; try again, once,
         # evicting where that is allowed.
-        load = planner.target(model, self._views(state.clock.monotonic()), now)
+        load = planner.target(model, self._views(state.clock.monotonic()), now, skip=skip)
         if load is None:
             return f"{error}; none of its models may leave yet (in flight, or held)"
         return self._do_load(load, timeout)

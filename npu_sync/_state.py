@@ -65,7 +65,13 @@ class ModelPlacer(Protocol):
 
     def ended(self, worker_id: str, model: str, now: float) -> None: ...
 
-    def place(self, model: str, timeout: float, stop: TaskStop | None = None) -> str | None: ...
+    def place(
+        self,
+        model: str,
+        timeout: float,
+        stop: TaskStop | None = None,
+        skip: frozenset[str] = frozenset(),
+    ) -> str | None: ...
 
 
 class Placement:
@@ -176,7 +182,9 @@ class PoolState:
         self.models_known = False
         self._protocols: tuple[WorkerProtocol, ...] = (LINUX,)
         self._protocols_for: PoolConfig | None = None
-        self.placements: dict[str, Placement] = {}  # models being loaded right now
+        # Models being loaded right now, per model and the workers it may not go to
+        # (those lacking what the task requires).
+        self.placements: dict[tuple[str, frozenset[str]], Placement] = {}
         self.capabilities = CapabilityFilter()  # who meets a task's requires/prefers
         self.placer: ModelPlacer | None = None  # set by the pool with models.balance
         models = config.models

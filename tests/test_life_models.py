@@ -12,12 +12,13 @@ import pytest
 from npu_sync import TaskRejected, WorkerPool
 from npu_sync._life.context import AGAIN, TaskContext, Try
 from npu_sync._life.ledger import record
-from npu_sync._life.models import ModelCount, ModelHeld, ModelLoad
+from npu_sync._life.models import ModelCount, ModelHeld, ModelLoad, ModelRoute
 from npu_sync._retry import Outcome
-from npu_sync.config import ModelsConfig
+from npu_sync.config import ModelsConfig, worker_config
 from npu_sync.task import Task
 from npu_sync.testing import FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
+from npu_sync.worker_server import LocalWorker
 from tests.lifekit import OK, begin, stub_pool
 from tests.modelkit import config, linux, tasks_to, w
 
@@ -351,3 +352,147 @@ def test_a_worker_removed_while_loading_the_model_rejects_the_task_at_once():
         assert info.value.model == "m"
         assert len(pool.dead_letters) == 0
     assert tasks_to(net, "b") == []
+
+
+# Attacks on a task's requires meeting its model: a model loaded on demand for a task
+# that requires what only some workers have, a model held only by workers the task may
+# not use, and a task no live worker may serve. The load goes only where the task may
+# run, the task never runs elsewhere, and a task nobody can serve is rejected at once.
+
+
+def _loader(held: dict[str, list[str]], loads: list[tuple[str, str]]) -> Any:
+    def load(req: FakeRequest) -> Response:
+        model = req.json()["model_id"]
+        loads.append((req.worker_id, model))
+        held[req.worker_id].append(model)
+        return json_response(200, {"status": "success", "model_id": model})
+
+    return load
+
+
+def _requires_fleet(
+    held: dict[str, list[str]], loads: list[tuple[str, str]], **models: Any
+) -> tuple[FakeNetwork, WorkerPool]:
+    # "plain" comes first: where nothing else decides, a load goes there.
+    net = FakeNetwork()
+    for wid in held:
+        net.route(wid, linux(held[wid], load=_loader(held, loads)))
+    models.setdefault("interval", 3600)  # no round runs on its own
+    cfg = config(
+        w("plain", 0),
+        w("cam", 1, capabilities=("vision",)),
+        models=ModelsConfig(**models),
+    )
+    pool = WorkerPool(cfg, transport_factory=net.factory)
+    pool.check_health()
+    return net, pool
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_a_model_loaded_for_a_task_goes_only_to_a_worker_meeting_its_requires(
+    balance: bool,
+) -> None:
+    """No worker holds m; a task for m requiring vision has it loaded on the vision
+    worker and runs there, never on the other (which a load would otherwise pick)."""
+    held: dict[str, list[str]] = {"plain": ["x"], "cam": ["x"]}
+    loads: list[tuple[str, str]] = []
+    net, pool = _requires_fleet(held, loads, placement=True, balance=balance)
+    with pool:
+        task = Task({"model_id": "m"}, requires={"vision"}, timeout=10)
+        assert pool.execute(task)["worker"] == "cam"
+    assert loads == [("cam", "m")]
+    assert tasks_to(net, "plain") == []
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_a_model_held_only_by_workers_failing_requires_is_loaded_on_one_meeting_them(
+    balance: bool,
+) -> None:
+    """Only the worker without vision holds m: a task for m requiring vision has m
+    loaded on the vision worker and runs there, not failing as if every worker had been
+    tried."""
+    held: dict[str, list[str]] = {"plain": ["m"], "cam": ["x"]}
+    loads: list[tuple[str, str]] = []
+    net, pool = _requires_fleet(held, loads, placement=True, balance=balance)
+    with pool:
+        for _ in range(3):
+            task = Task({"model_id": "m"}, requires={"vision"}, timeout=10)
+            assert pool.execute(task)["worker"] == "cam"
+        assert len(pool.dead_letters) == 0
+    assert loads == [("cam", "m")]
+    assert tasks_to(net, "plain") == []
+
+
+@pytest.mark.parametrize(
+    ("placement", "refused"), [(False, ""), (True, "loading it on cam failed: HTTP 500")]
+)
+def test_a_task_no_live_worker_meeting_its_requires_can_serve_is_rejected_at_once(
+    placement: bool, refused: str
+) -> None:
+    """m is held only by the worker without vision, and the vision worker cannot have
+    it (no placement, or it refuses the load): TaskRejected naming the model and what
+    the holder lacks, no task request, no dead letter."""
+    held: dict[str, list[str]] = {"plain": ["m"], "cam": ["x"]}
+    net = FakeNetwork()
+    net.route("plain", linux(held["plain"]))
+    net.route("cam", linux(held["cam"], load=lambda req: json_response(500, {"detail": "no"})))
+    cfg = config(
+        w("plain", 0),
+        w("cam", 1, capabilities=("vision",)),
+        models=ModelsConfig(placement=placement),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()
+        with pytest.raises(TaskRejected) as info:
+            pool.execute(Task({"model_id": "m"}, requires={"vision"}, timeout=10))
+        assert len(pool.dead_letters) == 0
+        assert pool.stats()["tasks"]["rejected"] == 1
+    message = str(info.value)
+    assert info.value.model == "m"
+    assert "requires (vision)" in message
+    assert "plain lacks capability 'vision'" in message
+    assert refused in message
+    assert tasks_to(net, "plain") == tasks_to(net, "cam") == []
+
+
+def test_a_worker_failing_requires_is_not_readmitted_after_its_model_is_loaded(
+    pool: WorkerPool,
+) -> None:
+    """After a load, a worker the task found without the model may be tried again, but
+    never one the task's requires keep out, whatever it holds."""
+    state = pool._state
+    route = ModelRoute(state, pool._runner.outcomes, True, 1.0)
+    ctx = begin(pool, Task({"model_id": "m", "input_text": "x"}))
+    ctx.unfit = frozenset({"a"})
+    ctx.not_here |= {"a", "b"}
+    ctx.excluded |= {"a", "b"}
+    route.readmit(ctx, "m")  # neither worker's list is known: both may hold m
+    assert ctx.not_here == ctx.excluded == {"a"}
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_real_workers_a_model_loaded_for_a_task_requiring_vision_runs_only_with_vision(
+    balance: bool,
+) -> None:
+    """Two reference workers holding another model; tasks for m1 requiring vision have
+    m1 loaded on the vision worker only and all run there; a task without requires for
+    m2 is still loaded where placement likes."""
+    with (
+        LocalWorker(worker_id="plain", models=("x",)).start() as plain,
+        LocalWorker(worker_id="cam", models=("x",)).start() as cam,
+    ):
+        cfg = config(
+            worker_config("plain", plain.url),
+            worker_config("cam", cam.url, capabilities=("vision",)),
+            models=ModelsConfig(placement=True, balance=balance, interval=3600),
+        )
+        with WorkerPool(cfg) as pool:
+            pool.check_health()
+            for _ in range(5):
+                task = Task({"model_id": "m1", "input_text": "hi"}, requires={"vision"})
+                assert pool.execute(task)["worker_id"] == "cam"
+            assert pool.execute({"model_id": "m2", "input_text": "hi"})["model_id"] == "m2"
+            rows = {row["id"]: row for row in pool.workers()}
+        assert "m1" not in plain.control()["models"]
+        assert "m1" in cam.control()["models"]
+        assert rows["plain"]["tasks"]["attempts"] <= 1  # m2's task only

@@ -16,6 +16,7 @@ from npu_sync.config import (
 )
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
+from npu_sync.worker_server import LocalWorker
 
 
 class _W:
@@ -162,6 +163,80 @@ def test_a_worker_fast_for_one_model_and_slow_for_another_gets_each_by_its_speed
     assert on.get(("small", "a"), 0) >= 27 and on.get(("big", "b"), 0) >= 27
     off = run(False)
     assert off.get(("small", "a"), 0) + off.get(("big", "b"), 0) < 54
+
+
+def test_a_worker_that_served_the_large_tasks_is_not_taken_for_the_slow_one() -> None:
+    """a takes 1 ms per unit, b 3 ms; a learnt on tasks of 100 units, b on tasks of 10,
+    so per task a looks the slower (100 ms against 30). Every sized task that follows
+    goes to a, the fastest per unit, from the first one on; a pool that ignored the
+    size would send the first to b."""
+    clock = FakeClock()
+    per_unit = {"a": 0.001, "b": 0.003}
+
+    def handler(wid: str):
+        def handle(req: FakeRequest) -> Response:
+            if req.path.endswith("/health"):
+                return json_response(200, {"status": "healthy"})
+            clock.advance(per_unit[wid] * req.json()["units"])
+            return json_response(200, {"worker": wid})
+
+        return handle
+
+    net = FakeNetwork()
+    net.route("a", handler("a"))
+    net.route("b", handler("b"))
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9401", tags={"name": "a"}),
+            worker_config("b", "http://127.0.0.1:9402", tags={"name": "b"}),
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=1, backoff_initial=0.0, backoff_max=0.0),
+        circuit_breaker=BreakerConfig(fail_max=5),
+    )
+
+    def run(units: int, requires: frozenset[str] = frozenset()) -> str:
+        task = Task({"model_id": "m", "units": units}, size=units, requires=requires)
+        return str(pool.execute(task)["worker"])
+
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        for _ in range(10):  # a: 100 units in 100 ms; b: 10 units in 30 ms
+            assert run(100, frozenset({"name=a"})) == "a"
+            assert run(10, frozenset({"name=b"})) == "b"
+        chosen = [run(50) for _ in range(10)]
+        costs = pool._state.model_costs
+        assert costs is not None
+        now = clock.monotonic()
+        per_unit_seen = {w: costs.estimate(w, "m", now, size=1) for w in ("a", "b")}
+    assert chosen == ["a"] * 10
+    assert per_unit_seen["a"] == pytest.approx(0.001, rel=0.1)
+    assert per_unit_seen["b"] == pytest.approx(0.003, rel=0.2)  # decayed a little since
+
+
+def test_real_workers_each_model_goes_to_the_worker_fast_for_it() -> None:
+    """Two reference workers holding both models: "one" fast for A (1 ms) and slow for
+    B (100 ms), "two" the other way round. Once each has answered both, A's tasks go
+    to "one" and B's to "two"; each worker's own estimate, mixing both models, could
+    not tell them apart."""
+    with (
+        LocalWorker(worker_id="one", models=("A", "B")).start() as one,
+        LocalWorker(worker_id="two", models=("A", "B")).start() as two,
+    ):
+        one.control(model_latency_ms={"A": 1, "B": 100})
+        two.control(model_latency_ms={"A": 100, "B": 1})
+        cfg = PoolConfig(
+            workers=(worker_config("one", one.url), worker_config("two", two.url)),
+            health=HealthConfig(enabled=False),
+        )
+        served: list[tuple[str, str]] = []
+        with WorkerPool(cfg) as pool:
+            for _ in range(30):
+                for model in ("A", "B"):
+                    answer = pool.execute({"model_id": model, "input_text": "x"})
+                    served.append((model, answer["worker_id"]))
+    last = served[20:]  # 20 rounds after the first ten, in which both were learnt
+    assert sum(1 for pair in last if pair == ("A", "one")) >= 18, served
+    assert sum(1 for pair in last if pair == ("B", "two")) >= 18, served
 
 
 def test_only_an_uneven_model_makes_tasks_look_for_the_fastest() -> None:

@@ -189,6 +189,30 @@ def test_latency_and_jitter_are_waited_on_the_clock(make_server: MakeServer) -> 
         assert clock.monotonic() >= before
 
 
+def test_a_model_latency_replaces_the_latency_for_its_tasks(make_server: MakeServer) -> None:
+    """model_latency_ms: a task for a listed model waits its own latency, any other
+    model the worker's; set at run time through /_control like any setting."""
+    clock = FakeClock()
+    server = make_server(
+        clock=clock, models=("fast", "slow", "other"), behaviour=WorkerBehaviour(latency_ms=50.0)
+    )
+    reply = call(server, "POST", "/_control", {"model_latency_ms": {"fast": 2, "slow": 400}})
+    assert reply.status == 200 and reply.json["model_latency_ms"] == {"fast": 2, "slow": 400}
+
+    def waited(model: str) -> float:
+        before = clock.monotonic()
+        body = {"model_id": model, "input_text": "x"}
+        assert call(server, "POST", "/inference", body).status == 200
+        return clock.monotonic() - before
+
+    assert waited("fast") == pytest.approx(0.002)
+    assert waited("slow") == pytest.approx(0.4)
+    assert waited("other") == pytest.approx(0.05)
+    for bad in ({"fast": -1}, {"": 1}, ["fast"], {"fast": "1"}):
+        assert call(server, "POST", "/_control", {"model_latency_ms": bad}).status == 422
+    assert server.behaviour.model_latency_ms == {"fast": 2, "slow": 400}
+
+
 # --- /health, /echo, routing ------------------------------------------------------------------
 
 

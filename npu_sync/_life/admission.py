@@ -64,7 +64,7 @@ class Fit:
         config = state.config
         needs = state.capabilities
         if task.requires:
-            unfit = needs.unfit(config, task.requires)
+            ctx.unfit = unfit = needs.unfit(config, task.requires)
             if unfit:
                 if len(unfit) >= len(config.workers):
                     why = needs.missing(config, task.requires)

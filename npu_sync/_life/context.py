@@ -31,6 +31,8 @@ MIN_ATTEMPT = 0.001
 
 EVERY_WORKER_TRIED = "every worker was tried"
 
+_NOBODY: frozenset[str] = frozenset()  # made once: a task pays no call for it
+
 FIRST = 0
 """The caller's own attempt (``Try.side``)."""
 HEDGE = 1
@@ -82,6 +84,7 @@ class TaskContext:
         "stop",
         "task",
         "trace",
+        "unfit",
         "wall",
     )
 
@@ -109,6 +112,8 @@ class TaskContext:
         self.attempts: list[Attempt] = []  # every attempt that did not succeed
         self.excluded: set[str] = set()  # not to be chosen for the next attempt
         self.not_here: set[str] = set()  # do not serve the task's model: never again
+        # Lack what the task requires (Fit): never tried, never loaded a model for it.
+        self.unfit: frozenset[str] = _NOBODY
         self.failures = 0  # the attempts counted against retry.max_retries
         self.cut_at = 0.0  # the longest silence an attempt of this task was cut at
         self.missing_model: str | None = None

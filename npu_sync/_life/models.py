@@ -152,24 +152,28 @@ class ModelRoute:
         return next(ctx)
 
     def serve(self, ctx: TaskContext, model: str) -> bool:
-        """Whether some live worker may hold ``model`` (so waiting for one may help),
-        after loading it on one if ``models.placement`` allows.
+        """Whether some live worker the task may run on may hold ``model`` (so waiting
+        for one may help), after loading it on one if ``models.placement`` allows.
 
         Live means enabled, healthy, not draining, its breaker not open: a worker that
-        is merely busy is worth waiting for, one that is down is not. A task that has
+        is merely busy is worth waiting for, one that is down is not. A worker lacking
+        what the task ``requires`` does not count, whatever it holds. A task that has
         already failed on a worker gives up (False, the reason in ``ctx.reason``): it
         may well succeed when replayed, once that worker is back.
 
         Raises:
-            TaskRejected: no live worker serves the model, naming it (``exc.model``),
-                and no attempt failed.
+            TaskRejected: no live worker the task may run on serves the model, naming
+                it (``exc.model``) and what the others lack, and no attempt failed.
         """
         state = self.state
+        unfit = ctx.unfit
         with state.lock:
             now = state.clock.monotonic()
             down: list[str] = []
             lacking = 0
             for worker in state.workers.values():
+                if worker.id in unfit:
+                    continue
                 if worker.held.lacks(model):
                     lacking += 1
                     continue
@@ -180,8 +184,10 @@ class ModelRoute:
         detail = f"{lacking} worker(s) do not hold it"
         if down:
             detail += "; " + ", ".join(down[:5]) + (" ..." if len(down) > 5 else "")
+        if unfit:
+            detail += "; " + state.capabilities.unmet(state.config, ctx.task.requires, unfit)
         if ctx.failures:
-            ctx.reason = f"no live worker serves model {shown(model)} ({detail})"
+            ctx.reason = f"{no_server(ctx)} serves model {shown(model)} ({detail})"
             return False
         if self.placement and not ctx.placed:
             ctx.placed = True
@@ -194,12 +200,13 @@ class ModelRoute:
 
     def readmit(self, ctx: TaskContext, model: str) -> None:
         """``model`` was just loaded: a worker this task found without it (it unloaded
-        the model behind the pool's back) may hold it now, and may be tried again."""
+        the model behind the pool's back) may hold it now, and may be tried again; a
+        worker lacking what the task requires stays out, whatever it holds."""
         state = self.state
         with state.lock:
             back = {
                 wid
-                for wid in ctx.not_here
+                for wid in ctx.not_here - ctx.unfit
                 if (w := state.workers.get(wid)) is not None and not w.held.lacks(model)
             }
         ctx.not_here -= back
@@ -209,9 +216,17 @@ class ModelRoute:
         """The rejection of a task whose model no live worker serves; no attempt is
         charged to anybody."""
         task_id = ctx.task.task_id
-        message = f"no live worker serves model {shown(model)} ({detail})"
+        message = f"{no_server(ctx)} serves model {shown(model)} ({detail})"
         self.outcomes.rejected(task_id, None, None, message)
         return TaskRejected(f"{message} (task {task_id})", task_id=task_id, model=model)
+
+
+def no_server(ctx: TaskContext) -> str:
+    """Who a rejection says is missing: a live worker, one meeting what the task
+    requires when some workers do not."""
+    if not ctx.unfit:
+        return "no live worker"
+    return f"no live worker meeting the task's requires ({', '.join(sorted(ctx.task.requires))})"
 
 
 class ModelHeld:
@@ -276,30 +291,33 @@ class ModelLoad:
         self.connect_timeout = connect_timeout
 
     def place(self, model: str) -> str | None:
-        """Have the least-loaded live worker load ``model``.
+        """Have the least-loaded live worker that the task may run on (one meeting its
+        ``requires``) load ``model``.
 
-        One load per model at a time: a task that finds one under way waits for it,
-        within its deadline, rather than ask again. Returns None once the model is
-        loaded, else why it is not.
+        One load per model and set of workers left out at a time: a task that finds
+        one under way waits for it, within its deadline, rather than ask again. Returns
+        None once the model is loaded, else why it is not.
         """
         state = self.state
         ctx = self.ctx
+        skip = ctx.unfit
         placer = state.placer
         if placer is not None:  # models.balance: where loading is cheapest, evicting
-            why = placer.place(model, ctx.deadline - state.clock.monotonic(), ctx.stop)
+            why = placer.place(model, ctx.deadline - state.clock.monotonic(), ctx.stop, skip)
             if ctx.stop is not None and ctx.stop.cancelled:
                 raise Stopped(ctx.task.task_id)
             return why
+        key = (model, skip)
         with state.lock:
-            placement = state.placements.get(model)
+            placement = state.placements.get(key)
             worker = None
             if placement is None:
-                if self._served_locked(model):
+                if self._served_locked(model, skip):
                     return None  # another task's placement ended since this one looked
-                worker = self._placement_worker()
+                worker = self._placement_worker(skip)
                 if worker is None:
                     return "no live worker to load it on"
-                placement = state.placements[model] = Placement(worker.id)
+                placement = state.placements[key] = Placement(worker.id)
         if worker is None:
             if not self.await_placement(placement):
                 return f"loading it on {placement.worker_id} did not end before the deadline"
@@ -309,7 +327,7 @@ class ModelLoad:
             error = self.load(worker, model)
         finally:
             with state.lock:
-                del state.placements[model]
+                del state.placements[key]
                 if error is None and state.workers.get(worker.id) is not worker:
                     error = f"{worker.id} left the pool while loading it"
                 if error is None:
@@ -359,21 +377,22 @@ class ModelLoad:
             raise Stopped(ctx.task.task_id)
         return False
 
-    def _served_locked(self, model: str) -> bool:
-        """Whether a live worker may serve ``model``. Under the lock."""
+    def _served_locked(self, model: str, skip: frozenset[str]) -> bool:
+        """Whether a live worker not in ``skip`` may serve ``model``. Under the lock."""
         now = self.state.clock.monotonic()
         return any(
-            not w.held.lacks(model) and down_reason(w, now) is None
+            w.id not in skip and not w.held.lacks(model) and down_reason(w, now) is None
             for w in self.state.workers.values()
         )
 
-    def _placement_worker(self) -> Worker | None:
-        """The live worker with the least load for its weight. Under the lock."""
+    def _placement_worker(self, skip: frozenset[str]) -> Worker | None:
+        """The live worker not in ``skip`` with the least load for its weight. Under
+        the lock."""
         now = self.state.clock.monotonic()
         best: Worker | None = None
         best_load = 0.0
         for worker in self.state.workers.values():
-            if down_reason(worker, now) is None:
+            if worker.id not in skip and down_reason(worker, now) is None:
                 load = worker.in_flight / worker.weight
                 if best is None or load < best_load:
                     best, best_load = worker, load

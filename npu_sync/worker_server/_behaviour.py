@@ -28,6 +28,9 @@ class WorkerBehaviour:
 
     Attributes:
         latency_ms: time every task endpoint takes before answering.
+        model_latency_ms: per model id, the time a task for that model takes instead
+            of ``latency_ms`` (None: every model takes ``latency_ms``): a worker fast
+            for one model and slow for another. Jitter applies as to ``latency_ms``.
         jitter_ms: uniform +/- spread around ``latency_ms`` (the delay never goes below 0).
         failure_rate: probability in [0, 1] that an inference answers
             ``500 {"detail": "simulated failure"}`` after the latency.
@@ -69,8 +72,22 @@ class WorkerBehaviour:
     echo_header: str | None = None
     max_models: int | None = None
     load_status: int | None = None
+    model_latency_ms: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
+        if self.model_latency_ms is not None:
+            if not isinstance(self.model_latency_ms, dict):
+                raise ValueError(
+                    "model_latency_ms: must be null or a map of model id to milliseconds, "
+                    f"got {self.model_latency_ms!r}"
+                )
+            checked = {}
+            for model, ms in self.model_latency_ms.items():
+                if not isinstance(model, str) or not model:
+                    raise ValueError(f"model_latency_ms: model ids must be text, got {model!r}")
+                checked[model] = check_number(f"model_latency_ms.{model}", ms)
+            # A copy: the caller's dict may change later; this behaviour may not.
+            object.__setattr__(self, "model_latency_ms", checked)
         if self.max_models is not None and (
             isinstance(self.max_models, bool)
             or not isinstance(self.max_models, int)
@@ -108,6 +125,13 @@ class WorkerBehaviour:
             raise ValueError(
                 f"echo_header: must be null or a header name, got {self.echo_header!r}"
             )
+
+    def latency_for(self, model: str | None) -> float:
+        """The milliseconds a task for ``model`` takes (before jitter)."""
+        per_model = self.model_latency_ms
+        if per_model is None or model is None:
+            return self.latency_ms
+        return per_model.get(model, self.latency_ms)
 
     @property
     def device(self) -> str:

@@ -230,7 +230,7 @@ class _Handler(BaseHTTPRequestHandler):
                 # The AutoBot worker's exact wording, which clients recognise.
                 self._send_json(500, {"detail": f"Model {model_id} not loaded"})
                 return
-            if not state.simulate_latency():
+            if not state.simulate_latency(model_id):
                 self._drop()
                 return
             # Read again: /_control may have changed the behaviour during the latency.
@@ -288,7 +288,7 @@ class _Handler(BaseHTTPRequestHandler):
             if not isinstance(text, str):
                 self._task_failed(task_id, "input_data.text: must be a string")
                 return
-            if not state.simulate_latency():
+            if not state.simulate_latency(model):
                 self._drop()
                 return
             behaviour = state.behaviour

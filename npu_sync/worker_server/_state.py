@@ -215,10 +215,11 @@ class WorkerState:
                 self._cond.wait()
             return not self.closing.is_set()
 
-    def simulate_latency(self) -> bool:
-        """Wait the configured latency; return False when the server closes meanwhile."""
+    def simulate_latency(self, model: str | None = None) -> bool:
+        """Wait the configured latency (for ``model``, when the task names one); return
+        False when the server closes meanwhile."""
         behaviour = self.behaviour
-        delay_ms = behaviour.latency_ms
+        delay_ms = behaviour.latency_for(model)
         if behaviour.jitter_ms:
             with self._cond:
                 delay_ms += self._rng.uniform(-behaviour.jitter_ms, behaviour.jitter_ms)
