@@ -6,6 +6,15 @@ the JSON answer, so the difference is the pool's own work in the client. Calls a
 interleaved one by one so that machine noise hits every contender alike; the figures
 that matter are the ratios of medians, printed and stored in the benchmark's
 extra_info.
+
+``test_execute_overhead_by_fleet`` does the same on the default transport for four
+fleets: a worker that answers at once (``benchmarks/instant_worker.py``) and the
+reference worker, one of each and ten of each, timing each contender's wall clock and
+then, in a second interleaved pass, the calling thread's CPU time. With ten workers
+the bare call is timed three ways: spread round-robin over the ten (the anchor: what
+a caller spreading tasks by hand would do), on one worker only, and on the worker that
+answered the pool's last task (the same spread as the pool's, so the same wake-ups of
+worker processes: what is left is the pool's work in the client).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import time
 import requests
 import urllib3
 
-from benchmarks.conftest import interleave, report, summarise
+from benchmarks.conftest import FLEET, interleave, report, summarise
 from npu_sync import WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
 from npu_sync.testing import FakeNetwork
@@ -64,6 +73,136 @@ def _bare_builtin(url: str):
         return json.loads(response.body)
 
     return call, transport.close
+
+
+def _round_robin(calls: list):
+    turn = 0
+
+    def call() -> dict:
+        nonlocal turn
+        fn = calls[turn]
+        turn = (turn + 1) % len(calls)
+        return fn()
+
+    return call
+
+
+def _spread(pool: WorkerPool) -> list[int]:
+    """Attempts per worker, most used first."""
+    return sorted((row["tasks"]["attempts"] for row in pool.workers()), reverse=True)
+
+
+FLEETS = {
+    "instant, 1 worker": ("instant_fleet", 1),
+    "instant, 10 workers": ("instant_fleet", FLEET),
+    "reference, 1 worker": ("reference_fleet", 1),
+    "reference, 10 workers": ("reference_fleet", FLEET),
+}
+
+
+def _fleet_contenders(pool: WorkerPool, bare: list) -> dict:
+    """The contenders for one fleet: the pool, and the bare calls beside it."""
+    contenders = {"bare, one worker": bare[0]}
+    if len(bare) > 1:
+        # Each worker names itself in its answers: the bare call to the worker that
+        # answered the pool's last task.
+        by_id = {call()["worker_id"]: call for call in bare}
+        last = [next(iter(by_id))]
+
+        def execute() -> dict:
+            result = pool.execute(PAYLOAD)
+            last[0] = result["worker_id"]
+            return result
+
+        contenders["bare, round-robin"] = _round_robin(bare)
+        contenders["bare, the pool's worker"] = lambda: by_id[last[0]]()
+        contenders["pool.execute"] = execute
+    else:
+        contenders["pool.execute"] = lambda: pool.execute(PAYLOAD)
+    return contenders
+
+
+def _fleet_case(urls: list[str]) -> dict:
+    """Wall clock and the caller's CPU of each contender on the workers at ``urls``."""
+    config = PoolConfig(
+        workers=tuple(worker_config(f"w{i}", url, max_concurrent=8) for i, url in enumerate(urls)),
+        health=HealthConfig(enabled=False),
+    )
+    bare = [_bare_builtin(url) for url in urls]
+    with WorkerPool(config) as pool:
+        contenders = _fleet_contenders(pool, [call for call, _ in bare])
+        interleave(contenders, 200)  # warm connections and code paths
+        before = _spread(pool)
+        wall = summarise(interleave(contenders, ROUNDS))
+        spread = [a - b for a, b in zip(_spread(pool), before, strict=True)]
+        cpu = summarise(interleave(contenders, ROUNDS, time.thread_time))
+    for _, close in bare:
+        close()
+    return {"wall": wall, "cpu": cpu, "pool_attempts_per_worker": sorted(spread, reverse=True)}
+
+
+def test_execute_overhead_by_fleet(benchmark, request):
+    """pool.execute over a bare built-in call, wall clock and the caller's CPU, on a
+    worker that answers at once and on the reference worker, with 1 and 10 workers."""
+    summary: list[tuple[str, ...]] = [
+        (
+            "fleet",
+            "bare µs",
+            "pool µs",
+            "pool ÷ bare",
+            "÷ bare on 1",
+            "÷ bare, pool's worker",
+            "CPU bare",
+            "CPU pool",
+        )
+    ]
+    results: dict[str, dict] = {}
+    for case, (fixture, size) in FLEETS.items():
+        result = results[case] = _fleet_case(request.getfixturevalue(fixture)[:size])
+        wall = {k: f["median_us"] for k, f in result["wall"].items()}
+        cpu = {k: f["median_us"] for k, f in result["cpu"].items()}
+        anchor = "bare, round-robin" if size > 1 else "bare, one worker"
+        pool = wall["pool.execute"]
+        result["pool_over_bare"] = pool / wall[anchor]
+        result["pool_over_bare_one_worker"] = pool / wall["bare, one worker"]
+        if size > 1:
+            result["pool_over_bare_same_worker"] = pool / wall["bare, the pool's worker"]
+        report(
+            f"{case}: median µs (the pool's attempts per worker, most used first: "
+            f"{result['pool_attempts_per_worker']})",
+            [("contender", "wall", "p99", "CPU", "wall - CPU", f"÷ {anchor}")]
+            + [
+                (
+                    k,
+                    f"{f['median_us']:.0f}",
+                    f"{f['p99_us']:.0f}",
+                    f"{cpu[k]:.0f}",
+                    f"{f['median_us'] - cpu[k]:.0f}",
+                    f"{f['median_us'] / wall[anchor]:.3f}",
+                )
+                for k, f in result["wall"].items()
+            ],
+        )
+        summary.append(
+            (
+                case,
+                f"{wall[anchor]:.0f}",
+                f"{pool:.0f}",
+                f"{result['pool_over_bare']:.3f}",
+                f"{result['pool_over_bare_one_worker']:.3f}" if size > 1 else "",
+                f"{result['pool_over_bare_same_worker']:.3f}" if size > 1 else "",
+                f"{cpu[anchor]:.0f}",
+                f"{cpu['pool.execute']:.0f}",
+            )
+        )
+    benchmark.extra_info.update({"fleets": results})
+    report("pool.execute over a bare built-in call (with 10 workers: round-robin)", summary)
+    config = PoolConfig(
+        workers=(worker_config("w", request.getfixturevalue("reference_fleet")[0]),),
+        health=HealthConfig(enabled=False),
+    )
+    with WorkerPool(config) as pool:
+        benchmark.pedantic(lambda: pool.execute(PAYLOAD), rounds=500, warmup_rounds=50)
 
 
 def _bare_requests(url: str):
