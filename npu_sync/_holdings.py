@@ -27,6 +27,9 @@ _NO_DEVICES: Mapping[str, str] = {}
 _NO_COUNTS: Mapping[str, int] = {}
 _NO_RATES: Mapping[str, float] = {}
 
+RATE_SPAN = 1.0
+"""Seconds: the least time between the two lists a model's rate is measured over."""
+
 
 class Holdings:
     """What one worker holds, as far as the pool knows.
@@ -42,8 +45,9 @@ class Holdings:
     its model list or health answer; None when it says none). ``inferences`` is, per
     model, the inference count the last list gave (AutoBot's ``inference_count``:
     every process's tasks, since the worker loaded it), read at ``inferences_at``;
-    ``rates`` the inferences per second between the last two lists, for the models
-    whose count grew or stayed (a count that fell was a reload of the model).
+    ``rates`` the inferences per second between the last two lists (at least
+    :data:`RATE_SPAN` apart), for the models whose count grew or stayed (a count that
+    fell was a reload of the model).
 
     Not thread-safe: read and written under the pool's lock. ``models`` and the maps
     are swapped whole, never changed in place, so a reader without the lock sees one
@@ -51,6 +55,8 @@ class Holdings:
     """
 
     __slots__ = (
+        "_base",
+        "_base_at",
         "device",
         "inferences",
         "inferences_at",
@@ -74,6 +80,8 @@ class Holdings:
         self.inferences: Mapping[str, int] = _NO_COUNTS
         self.inferences_at: float | None = None
         self.rates: Mapping[str, float] = _NO_RATES
+        self._base: Mapping[str, int] = _NO_COUNTS  # the counts the rates are measured from
+        self._base_at: float | None = None
 
     def lacks(self, model: str) -> bool:
         """Whether the worker is known not to serve ``model``. A worker whose list is
@@ -130,17 +138,22 @@ class Holdings:
         return models - before, before - models
 
     def _count(self, counts: Mapping[str, int], at: float) -> None:
-        """Take a list's inference counts, read at ``at``; rates from the last ones."""
-        before, since = self.inferences, self.inferences_at
-        rates: dict[str, float] = {}
-        if since is not None and at > since:
-            span = at - since
-            for model, count in counts.items():
-                old = before.get(model)
-                if old is not None and count >= old:
-                    rates[model] = (count - old) / span
+        """Take a list's inference counts, read at ``at``, and the rates since the counts
+        they are measured from: the last ones at least :data:`RATE_SPAN` older (lists
+        read closer together, as ``check_health()`` right after a round reads them,
+        would give a rate of a few milliseconds' luck)."""
         self.inferences = counts
         self.inferences_at = at
+        base, since = self._base, self._base_at
+        if since is not None and at - since < RATE_SPAN:
+            return
+        rates: dict[str, float] = {}
+        if since is not None:
+            for model, count in counts.items():
+                old = base.get(model)
+                if old is not None and count >= old:
+                    rates[model] = (count - old) / (at - since)
+        self._base, self._base_at = counts, at
         self.rates = rates or _NO_RATES
 
     def model_not_loaded(self, model: str, now: float) -> bool:
@@ -173,8 +186,8 @@ class Holdings:
         self.not_loaded = {}
         self.model_devices = _NO_DEVICES
         self.max_models = None
-        self.inferences = _NO_COUNTS
-        self.inferences_at = None
+        self.inferences = self._base = _NO_COUNTS
+        self.inferences_at = self._base_at = None
         self.rates = _NO_RATES
 
     def forget(self) -> None:

@@ -41,6 +41,7 @@ from npu_sync._fleet import FleetSettings, Monitor
 from npu_sync._guard import ReloadGuard
 from npu_sync._health import HealthChecker, HealthResult
 from npu_sync._life import Runner
+from npu_sync._modelview import model_rows
 from npu_sync._outage import awaiting_first_check, credentials_news
 from npu_sync._placement import Load, Placer, Unload
 from npu_sync._reconfigure import Reconfigurer
@@ -493,7 +494,7 @@ class WorkerPool:
                         "corrections": self._state.model_counts["corrections"],
                         "placements": self._state.model_counts["placements"],
                         "placement_failures": self._state.model_counts["placement_failures"],
-                        **self._placement_stats(),
+                        **self._placement_stats(workers, now),
                     },
                 ),
                 "balancing": cast(
@@ -867,8 +868,10 @@ class WorkerPool:
             raise RuntimeError("placement is off: set models.balance: true")
         return self._placer.check_once()
 
-    def _placement_stats(self) -> dict[str, Any]:
+    def _placement_stats(self, workers: list[Worker], now: float) -> dict[str, Any]:
+        """Placement's counters and the per-model rows. Under the pool's lock."""
         placer = self._placer
+        models = self._state.config.models
         if placer is None:
             return {
                 "balance": False,
@@ -877,7 +880,7 @@ class WorkerPool:
                 "evictions": 0,
                 "load_failures": 0,
                 "load_seconds": 0.0,
-                "per_model": [],
+                "per_model": model_rows(workers, models, now),
             }
         counts = placer.counts
         return {
@@ -887,7 +890,7 @@ class WorkerPool:
             "evictions": counts["evictions"],
             "load_failures": counts["failures"],
             "load_seconds": placer.load_seconds,
-            "per_model": placer.rows(),
+            "per_model": model_rows(workers, models, now, placer.rows()),
         }
 
     def _check_soon(self) -> None:

@@ -163,7 +163,8 @@ def test_the_cap_comes_from_the_last_answer_that_lists_the_models():
 
 def test_inference_counts_give_a_rate_between_two_lists():
     """Two lists 10 s apart: each model's inferences per second; a count that fell (the
-    model was loaded again) gives no rate; a list without counts clears them."""
+    model was loaded again) gives no rate; a list within a second of the last one
+    leaves the rates as they were; a list without counts clears them."""
     held = Holdings()
     held.apply_models(listed("a", "b", at=10.0, model_inferences={"a": 5, "b": 1}))
     assert dict(held.inferences) == {"a": 5, "b": 1} and not held.rates
@@ -173,6 +174,8 @@ def test_inference_counts_give_a_rate_between_two_lists():
     assert dict(held.rates) == {"a": 2.0, "b": 0.0}
     held.apply_models(listed("a", "b", at=30.0, model_inferences={"a": 3, "b": 4}))
     assert dict(held.rates) == {"b": 0.3} and dict(held.inferences) == {"a": 3, "b": 4}
+    held.apply_models(listed("a", "b", at=30.5, model_inferences={"a": 9, "b": 4}))
+    assert dict(held.rates) == {"b": 0.3} and held.inferences["a"] == 9  # too soon for a rate
     held.apply_models(listed("a", "b", at=40.0))
     assert not held.inferences and not held.rates
 
