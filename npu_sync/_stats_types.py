@@ -355,6 +355,7 @@ class WorkerRow(TypedDict):
     models: list[str] | None
     device: str | None
     npu_available: bool | None
+    max_models: int | None
     enabled: bool
     draining: bool
     removed: bool
