@@ -471,7 +471,7 @@ def test_status_shows_each_model_its_replicas_and_targets(tmp_path, capsys) -> N
     rows = {line.split()[0]: line.split() for line in out.strip().splitlines()[1:]}
     assert rows["e5"][:4] == ["e5", "2", "0", "-"] and "a," in rows["e5"] and "b" in rows["e5"]
     assert rows["llama"][:4] == ["llama", "1", "2", "3"] and "min" in " ".join(rows["llama"])
-    assert rows["whisper"][:5] == ["whisper", "0", "1", "-", "none"]
+    assert rows["whisper"][:7] == ["whisper", "0", "1", "-", "-", "-", "none"]
 
 
 def test_close_cuts_a_rounds_slow_load_short() -> None:
