@@ -43,20 +43,40 @@ def model_rows(
     Returns:
         JSON-serialisable rows.
     """
-    held: dict[str, list[Worker]] = {}
+    # One pass over what each worker holds (stats() runs this under the pool's lock):
+    # per model, its holders, live replicas, and the counts and rates summed.
+    found: dict[str, _Model] = {}
     for worker in sorted(workers, key=lambda w: w.id):
         holdings = worker.held
-        for model in holdings.models or ():
-            if model not in holdings.not_loaded:
-                held.setdefault(model, []).append(worker)
+        listed = holdings.models
+        if not listed:
+            continue
+        gone = holdings.not_loaded
+        if gone:
+            listed = frozenset(m for m in listed if m not in gone)
+        counts, rates, wid = holdings.inferences, holdings.rates, worker.id
+        live = down_reason(worker, now) is None
+        for model in listed:
+            entry = found.get(model)
+            if entry is None:
+                entry = found[model] = _Model()
+            entry.workers.append(wid)
+            if counts:
+                count = counts.get(model)
+                if count is not None:
+                    entry.inferences = count + (entry.inferences or 0)
+            if live:
+                entry.replicas += 1
+                if rates:
+                    rate = rates.get(model)
+                    if rate is not None:
+                        entry.rate = rate + (entry.rate or 0.0)
     by_model = {row["model"]: row for row in placed} if placed is not None else None
+    none = _Model()
     rows: list[ModelViewDict] = []
-    for model in sorted(set(held) | set(models.catalog)):
+    for model in sorted(set(found) | set(models.catalog)):
         policy = models.policy(model)
-        holders = held.get(model, [])
-        live = [w for w in holders if down_reason(w, now) is None]
-        counts = [w.held.inferences[model] for w in holders if model in w.held.inferences]
-        rates = [w.held.rates[model] for w in live if model in w.held.rates]
+        entry = found.get(model, none)
         row = None if by_model is None else by_model.get(model)
         in_flight: int | None = None  # not counted without placement rounds
         if by_model is not None:
@@ -64,14 +84,26 @@ def model_rows(
         rows.append(
             {
                 "model": model,
-                "workers": [w.id for w in holders],
-                "replicas": len(live),
+                "workers": list(entry.workers),
+                "replicas": entry.replicas,
                 "min": policy.min_replicas,
                 "max": policy.max_replicas,
                 "in_flight": in_flight,
-                "inferences": sum(counts) if counts else None,
-                "rate": sum(rates) if rates else None,
+                "inferences": entry.inferences,
+                "rate": entry.rate,
                 "load_seconds": None if row is None else row["load_seconds"],
             }
         )
     return rows
+
+
+class _Model:
+    """One model's sums while the rows are built."""
+
+    __slots__ = ("inferences", "rate", "replicas", "workers")
+
+    def __init__(self) -> None:
+        self.workers: list[str] = []
+        self.replicas = 0
+        self.inferences: int | None = None
+        self.rate: float | None = None
