@@ -43,7 +43,7 @@ def model_rows(
     Returns:
         JSON-serialisable rows.
     """
-    # One pass over what each worker holds (stats() runs this under the pool's lock):
+    # One pass over what each worker holds (a big fleet has thousands of pairs):
     # per model, its holders, live replicas, and the counts and rates summed.
     found: dict[str, _Model] = {}
     for worker in sorted(workers, key=lambda w: w.id):
