@@ -337,8 +337,9 @@ class WorkerConfig:
 
     max_models: int | None = custom(
         None,
-        "models this worker may hold at once (placement evicts the coldest first); null: "
-        "`models.max_models`, or what the worker's `GET /models` answer says",
+        "models this worker may hold at once (placement evicts the coldest first); it wins "
+        "over the `max_models` the worker's `GET /models` (or health) answer reports; null: "
+        "that reported cap, else one learnt from a `507` to a load, else `models.max_models`",
         type_text="int or null",
         default_text="null",
         allowed_text="`1..10000`",
@@ -1099,8 +1100,9 @@ class ModelsConfig:
     )
     max_models: int | None = custom(
         None,
-        "models one worker may hold at once, unless its own `max_models` or its `GET /models` "
-        "answer says otherwise; null: no limit known",
+        "models one worker may hold at once, for a worker with no `max_models` of its own, "
+        "none reported in its `GET /models` (or health) answer and none learnt from a `507` "
+        "to a load; null: no limit until a `507` teaches one",
         type_text="int or null",
         default_text="null",
         allowed_text="`1..10000`",

@@ -82,6 +82,8 @@ class HealthResult:
     model_devices: Mapping[str, str] | None = None
     npu_available: bool | None = None
     device: str | None = None
+    max_models: int | None = None  # the cap on loaded models the worker reports
+    model_inferences: Mapping[str, int] | None = None  # per model, its inference count
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -311,6 +313,8 @@ def _with_models(
         models=info.models,
         models_at=asked,
         model_devices=info.devices,
+        max_models=info.max_models if info.max_models is not None else result.max_models,
+        model_inferences=info.inferences,
         npu_available=(
             info.npu_available if info.npu_available is not None else result.npu_available
         ),
@@ -374,6 +378,7 @@ def _verdict(
         models_at=started,
         npu_available=info.npu_available,
         device=info.device,
+        max_models=info.max_models,
     )
 
 

@@ -462,7 +462,8 @@ class Placer:
                     models = None  # nothing to place: it loads what it is asked for
                 elif models is not None:
                     models = frozenset(m for m in models if m not in held.not_loaded)
-                cap = worker.config.max_models or self._learnt_cap.get(worker.id)
+                # Configured, else what the worker's answers report, else a 507's lesson.
+                cap = worker.config.max_models or held.max_models or self._learnt_cap.get(worker.id)
                 views.append(
                     WorkerView(
                         worker.id,

@@ -41,6 +41,7 @@ from npu_sync._fleet import FleetSettings, Monitor
 from npu_sync._guard import ReloadGuard
 from npu_sync._health import HealthChecker, HealthResult
 from npu_sync._life import Runner
+from npu_sync._modelview import model_rows
 from npu_sync._outage import awaiting_first_check, credentials_news
 from npu_sync._placement import Load, Placer, Unload
 from npu_sync._reconfigure import Reconfigurer
@@ -55,6 +56,7 @@ from npu_sync._stats_types import (
     FleetStatsDict,
     HealthStats,
     ModelStats,
+    ModelViewDict,
     PoolStatsDict,
     ReloadStats,
     SharedStateStats,
@@ -426,6 +428,10 @@ class WorkerPool:
         shared = {"backend": "none"} if self._state.shared is None else self._state.shared.stats()
         budget = self._state.budget.stats()
         hedge = self._state.hedge.stats()
+        # The per-model rows walk every worker's models: outside the lock, which tasks
+        # take to be admitted (what they read is swapped whole; a row may be a moment
+        # older than the counters).
+        per_model = self._model_rows()
         with self._state.lock:
             now = self._state.clock.monotonic()
             workers = list(self._state.workers.values())
@@ -493,7 +499,7 @@ class WorkerPool:
                         "corrections": self._state.model_counts["corrections"],
                         "placements": self._state.model_counts["placements"],
                         "placement_failures": self._state.model_counts["placement_failures"],
-                        **self._placement_stats(),
+                        **self._placement_stats(per_model),
                     },
                 ),
                 "balancing": cast(
@@ -867,7 +873,17 @@ class WorkerPool:
             raise RuntimeError("placement is off: set models.balance: true")
         return self._placer.check_once()
 
-    def _placement_stats(self) -> dict[str, Any]:
+    def _model_rows(self) -> list[ModelViewDict]:
+        """``stats()["models"]["per_model"]``, read without the pool's lock: each
+        worker's holdings are swapped whole, and placement's rows take no lock of it."""
+        state = self._state
+        placer = self._placer
+        workers = list(state.workers.values())
+        placed = None if placer is None else placer.rows()
+        return model_rows(workers, state.config.models, state.clock.monotonic(), placed)
+
+    def _placement_stats(self, per_model: list[ModelViewDict]) -> dict[str, Any]:
+        """Placement's counters beside the per-model rows. Under the pool's lock."""
         placer = self._placer
         if placer is None:
             return {
@@ -877,7 +893,7 @@ class WorkerPool:
                 "evictions": 0,
                 "load_failures": 0,
                 "load_seconds": 0.0,
-                "per_model": [],
+                "per_model": per_model,
             }
         counts = placer.counts
         return {
@@ -887,7 +903,7 @@ class WorkerPool:
             "evictions": counts["evictions"],
             "load_failures": counts["failures"],
             "load_seconds": placer.load_seconds,
-            "per_model": placer.rows(),
+            "per_model": per_model,
         }
 
     def _check_soon(self) -> None:

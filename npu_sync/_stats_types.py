@@ -28,6 +28,7 @@ __all__ = [
     "LatencyStats",
     "ModelRowDict",
     "ModelStats",
+    "ModelViewDict",
     "PoolStatsDict",
     "PoolTaskStats",
     "PoolWorkerCounts",
@@ -200,17 +201,33 @@ class ModelStats(TypedDict):
     evictions: int
     load_failures: int
     load_seconds: float
-    per_model: list["ModelRowDict"]
+    per_model: list["ModelViewDict"]
 
 
 class ModelRowDict(TypedDict):
-    """``stats()["models"]["per_model"][i]``: one model as placement sees it."""
+    """One model as placement rounds see it (``Placer.rows()``); ``stats()`` shows it
+    merged into a :class:`ModelViewDict`."""
 
     model: str
     min: int
     max: int | None
     workers: list[str]
     in_flight: int
+    load_seconds: float | None
+
+
+class ModelViewDict(TypedDict):
+    """``stats()["models"]["per_model"][i]``: one model, who holds it, its load, its
+    replicas against its targets."""
+
+    model: str
+    workers: list[str]  # every worker known to hold it, by id
+    replicas: int  # of those, the ones that can take a task now
+    min: int
+    max: int | None
+    in_flight: int | None  # this process's tasks (models.balance); None: not counted
+    inferences: int | None  # the holders' own counts; None: none reports one
+    rate: float | None  # inferences per second between the last two lists
     load_seconds: float | None
 
 
@@ -338,6 +355,7 @@ class WorkerRow(TypedDict):
     models: list[str] | None
     device: str | None
     npu_available: bool | None
+    max_models: int | None
     enabled: bool
     draining: bool
     removed: bool

@@ -271,6 +271,7 @@ class Worker:
             "models": None if held.models is None else sorted(held.models),
             "device": held.device,
             "npu_available": held.npu_available,
+            "max_models": self.config.max_models or held.max_models,
             "enabled": self.enabled,
             "draining": self.draining or self.health.hinted_draining,
             "removed": self.removed,

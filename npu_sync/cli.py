@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from npu_sync._deadletter import DeadLetterStore
     from npu_sync._fleet import FleetView
     from npu_sync._pool import WorkerPool
-    from npu_sync.config import ModelPolicy, PoolConfig
+    from npu_sync._stats_types import ModelViewDict
+    from npu_sync.config import PoolConfig
 
 logger = logging.getLogger(__name__)
 
@@ -622,7 +623,7 @@ def _status(args: argparse.Namespace) -> int:
             view = _read_fleet(config) if fleet else None
             _print_status(
                 out, rows, as_json=args.json, compact=False, fleet=view, keyed=args.fleet,
-                detail=_detail(args), catalog=config.models.catalog,
+                detail=_detail(args), per_model=pool.stats()["models"]["per_model"],
             )  # fmt: skip
             return _status_code(rows)
         tty = out.isatty() and not args.json
@@ -638,7 +639,7 @@ def _status(args: argparse.Namespace) -> int:
                 )
             _print_status(
                 out, rows, as_json=args.json, compact=True, fleet=view, keyed=args.fleet,
-                detail=_detail(args), catalog=config.models.catalog,
+                detail=_detail(args), per_model=pool.stats()["models"]["per_model"],
             )  # fmt: skip
             out.flush()
             _pause(args.watch)
@@ -647,7 +648,8 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _probe_pool(config: PoolConfig) -> WorkerPool:
-    """A pool that only probes: no health thread, no dead-letter file touched, and no
+    """A pool that only probes: no health thread, no placement round (it would load and
+    unload models on the workers it looks at), no dead-letter file touched, and no
     place in the fleet."""
     from npu_sync._deadletter import MemoryDeadLetterStore
     from npu_sync._pool import WorkerPool
@@ -661,6 +663,7 @@ def _probe_pool(config: PoolConfig) -> WorkerPool:
         config,
         health=dataclasses.replace(config.health, enabled=False),
         shared_state=SharedStateConfig(),
+        models=dataclasses.replace(config.models, balance=False, placement=False),
     )
     return WorkerPool(quiet, dead_letter_store=MemoryDeadLetterStore(max_records=1))
 
@@ -696,6 +699,7 @@ def _probe(pool: WorkerPool, config: PoolConfig) -> list[dict[str, Any]]:
                 "name": worker.name,
                 "protocol": worker.protocol,
                 "models": learnt[worker.id]["models"] if worker.id in learnt else None,
+                "max_models": learnt[worker.id]["max_models"] if worker.id in learnt else None,
                 "device": learnt[worker.id]["device"] if worker.id in learnt else None,
                 "npu_available": (
                     learnt[worker.id]["npu_available"] if worker.id in learnt else None
@@ -720,12 +724,16 @@ def _print_status(
     fleet: FleetView | None = None,
     keyed: bool = False,
     detail: str | None = None,
-    catalog: Mapping[str, ModelPolicy] | None = None,
+    per_model: Sequence[ModelViewDict] = (),
 ) -> None:
     if as_json:
         data: Any = rows
         if keyed:
-            data = {"workers": rows, "fleet": None if fleet is None else _fleet_dict(fleet)}
+            data = {
+                "workers": rows,
+                "models": list(per_model),
+                "fleet": None if fleet is None else _fleet_dict(fleet),
+            }
         out.write(json.dumps(data, indent=None if compact else 2) + "\n")
         return
     table = [
@@ -750,9 +758,10 @@ def _print_status(
         # Indented, after the summary: lines that start with an id stay the health rows.
         about = _table(["ID", "NAME", "PROTOCOL", "DEVICE", "MODELS"], _about(described))
         out.write("\nmodels and devices:\n" + "".join(f"  {line}\n" for line in about.splitlines()))
-    per_model = _per_model(rows, catalog or {})
-    if per_model:
-        table_text = _table(["MODEL", "REPLICAS", "MIN", "MAX", "WORKERS"], per_model, right={1})
+    models = _per_model(per_model, rows)
+    if models:
+        headers = ["MODEL", "REPLICAS", "MIN", "MAX", "INFERENCES", "PER_S", "WORKERS"]
+        table_text = _table(headers, models, right={1, 2, 3, 4, 5})
         out.write("\nper model:\n" + "".join(f"  {line}\n" for line in table_text.splitlines()))
 
     if fleet is not None:
@@ -907,30 +916,35 @@ def _about(rows: list[dict[str, Any]]) -> list[list[str]]:
             device += " (no NPU)"
         models = row["models"]
         shown = "unknown" if models is None else ", ".join(models) or "none"
+        if row["max_models"] is not None:
+            shown += f" (at most {row['max_models']})"
         table.append([row["id"], row["name"], row["protocol"], device, shown])
     return table
 
 
-def _per_model(rows: list[dict[str, Any]], catalog: Mapping[str, ModelPolicy]) -> list[list[str]]:
-    """Per model held by a healthy worker or named in ``models.catalog``: how many
-    healthy workers hold it, its replica targets, and which workers; a model below its
-    ``min`` says so."""
-    held: dict[str, list[str]] = {}
-    for row in rows:
-        if row["ok"] and row["enabled"]:
-            for model in row["models"] or ():
-                held.setdefault(model, []).append(row["id"])
+def _per_model(per_model: Sequence[ModelViewDict], rows: list[dict[str, Any]]) -> list[list[str]]:
+    """Per model held or named in ``models.catalog`` (the probe pool's
+    ``stats()["models"]["per_model"]``): its live replicas and targets, its load as the
+    holders count it (inferences since each loaded it, and per second between two
+    probes: ``--watch``), and who holds it; a holder that is not healthy and enabled
+    says so, and so does a model below its ``min``."""
+    up = {row["id"] for row in rows if row["ok"] and row["enabled"]}
     table = []
-    for model in sorted(set(held) | set(catalog)):
-        policy = catalog.get(model)
-        workers = held.get(model, [])
-        low = 0 if policy is None else policy.min_replicas
-        high = None if policy is None else policy.max_replicas
-        shown = ", ".join(workers) or "none"
-        if len(workers) < low:
-            shown += f" (below min {low})"
+    for row in per_model:
+        shown = ", ".join(w if w in up else f"{w} (down)" for w in row["workers"]) or "none"
+        if row["replicas"] < row["min"]:
+            shown += f" (below min {row['min']})"
+        inferences, rate, high = row["inferences"], row["rate"], row["max"]
         table.append(
-            [model, str(len(workers)), str(low), "-" if high is None else str(high), shown]
+            [
+                row["model"],
+                str(row["replicas"]),
+                str(row["min"]),
+                "-" if high is None else str(high),
+                "-" if inferences is None else str(inferences),
+                "-" if rate is None else f"{rate:.2f}",
+                shown,
+            ]
         )
     return table
 

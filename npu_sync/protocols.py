@@ -63,9 +63,14 @@ MAX_MODELS = 1000
 MAX_MODEL_ID = _MAX_MODEL_ID
 """Model ids longer than this (or not printable) are left out of a worker's model list."""
 
+# A max_models a worker reports above this (or below 1) is not believed: the
+# configuration's own max_models may not exceed it either.
+_MAX_CAP = 10_000
+
 _MAX_DEVICE = 100
 _WINDOWS_FAILED = frozenset({"failed", "error"})
 _NO_DEVICES: Mapping[str, str] = MappingProxyType({})
+_NO_COUNTS: Mapping[str, int] = MappingProxyType({})
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 200
 
@@ -83,6 +88,7 @@ class HealthInfo:
         device: the device the worker reports (``optimal_device`` or ``device``),
             escaped for display.
         draining, max_concurrent, active_tasks: the load hints, when present and valid.
+        max_models: the most models the worker says it may hold at once, when it says.
     """
 
     healthy: bool
@@ -92,6 +98,7 @@ class HealthInfo:
     draining: bool | None = None
     max_concurrent: int | None = None
     active_tasks: int | None = None
+    max_models: int | None = None
 
 
 _UNHEALTHY = HealthInfo(False)
@@ -106,12 +113,19 @@ class ModelsInfo:
         devices: the device each model runs on, where the answer says (escaped).
         npu_available: ``False`` when the worker fell back to CPU; ``None`` if not said.
         optimal_device: the device the worker prefers (escaped), if said.
+        max_models: the most models the worker says it may hold at once (``max_models``,
+            1..10000), if said. AutoBot's worker says nothing of it; the
+            reference worker does when started with ``--max-models``.
+        inferences: per model, the inferences the worker ran with it since it loaded
+            it (``inference_count`` in AutoBot's map), where the answer says.
     """
 
     models: frozenset[str]
     devices: Mapping[str, str] = field(default_factory=lambda: _NO_DEVICES, hash=False)
     npu_available: bool | None = None
     optimal_device: str | None = None
+    max_models: int | None = None
+    inferences: Mapping[str, int] = field(default_factory=lambda: _NO_COUNTS, hash=False)
 
 
 class LoadRequest(NamedTuple):
@@ -200,6 +214,7 @@ class WorkerProtocol:
                 draining=_bool(body.get("draining")),
                 max_concurrent=_int(body.get("max_concurrent"), allow_zero=False),
                 active_tasks=_int(body.get("active_tasks"), allow_zero=True),
+                max_models=_cap(body.get("max_models")),
             )
         except Exception:  # an answer no rule foresaw: unhealthy, nothing worse
             return _UNHEALTHY
@@ -207,9 +222,10 @@ class WorkerProtocol:
     def parse_models(self, body: Any) -> ModelsInfo | None:
         """Read a decoded model-list answer; ``None`` when it is not one (never raises).
 
-        ``loaded_models`` may map ids to ``{"device", ...}`` (AutoBot) or list ids. A
-        list longer than :data:`MAX_MODELS` gives ``None``: better to know nothing
-        than to route by a list cut short.
+        ``loaded_models`` may map ids to ``{"device", "inference_count", ...}``
+        (AutoBot) or list ids. A list longer than :data:`MAX_MODELS` gives ``None``:
+        better to know nothing than to route by a list cut short. A ``max_models``
+        beside it is the worker's cap on loaded models.
         """
         if type(body) is not dict:
             return None
@@ -219,20 +235,28 @@ class WorkerProtocol:
             if models is None:
                 return None
             devices: Mapping[str, str] = _NO_DEVICES
+            inferences: Mapping[str, int] = _NO_COUNTS
             if type(loaded) is dict:
                 found = {}
+                counts = {}
                 for model in models:
                     info = loaded[model]
                     if type(info) is dict:
                         device = _device(info.get("device"))
                         if device is not None:
                             found[model] = device
+                        count = _int(info.get("inference_count"), allow_zero=True)
+                        if count is not None:
+                            counts[model] = count
                 devices = MappingProxyType(found)
+                inferences = MappingProxyType(counts) if counts else _NO_COUNTS
             return ModelsInfo(
                 models,
                 devices,
                 _bool(body.get("npu_available")),
                 _device(body.get("optimal_device")),
+                _cap(body.get("max_models")),
+                inferences,
             )
         except Exception:
             return None
@@ -440,6 +464,11 @@ def _int(value: object, *, allow_zero: bool) -> int | None:
     if type(value) is not int:
         return None
     return value if value > 0 or (allow_zero and value == 0) else None
+
+
+def _cap(value: object) -> int | None:
+    found = _int(value, allow_zero=False)
+    return found if found is not None and found <= _MAX_CAP else None
 
 
 def _describe_error(error: object) -> str:

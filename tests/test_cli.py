@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 
 from npu_sync import ConfigError, WorkerPool, cli
+from npu_sync import _holdings as holdings
 from npu_sync._deadletter import DeadLetter, SQLiteDeadLetterStore
 from npu_sync.cli import main
 from npu_sync.task import Attempt, Task
 from npu_sync.worker_server import LocalWorker
+from tests.workerkit import call
 
 
 def test_check_accepts_a_valid_file(tmp_path, capsys):
@@ -353,6 +355,78 @@ def test_status_shows_each_workers_name_protocol_device_and_models_never_its_sec
     assert "autobot-windows" in about and "(no NPU)" in about and "nomic" in about
     assert rows["lin"]["models"] == ["e5", "phi"] and rows["win"]["npu_available"] is False
     assert rows["win"]["protocol"] == "autobot-windows" and rows["lin"]["device"]
+
+
+def _per_model_blocks(out: str) -> list[dict[str, list[str]]]:
+    """Each 'per model:' table of the output: model -> its cells."""
+    blocks = []
+    for chunk in out.split("per model:\n")[1:]:
+        lines = [line.split() for line in chunk.split("\n\n", 1)[0].strip().splitlines()]
+        blocks.append({cells[0]: cells for cells in lines[1:]})
+    return blocks
+
+
+@pytest.mark.integration
+def test_status_shows_each_models_load_beside_its_holders_and_replicas(
+    tmp_path, capsys, monkeypatch
+):
+    """Per model, 'status' prints the holders' inference counts, and with --watch the
+    inferences per second between two probes, beside its replicas and who holds it;
+    '--fleet --json' carries the same rows under "models"."""
+    monkeypatch.setattr(holdings, "RATE_SPAN", 0.0)  # probes a moment apart give a rate
+
+    def run(worker: LocalWorker, model: str, times: int) -> None:
+        for _ in range(times):
+            body = {"model_id": model, "input_text": "x"}
+            assert call(worker, "POST", "/inference", body).status == 200
+
+    with (
+        LocalWorker(worker_id="a", models=("llama", "e5")).start() as a,
+        LocalWorker(worker_id="b", models=("e5",)).start() as b,
+    ):
+        run(a, "llama", 3)
+        run(a, "e5", 2)
+        run(b, "e5", 1)
+        config = _write_config(tmp_path / "pool.yaml", [("a", a.url), ("b", b.url)])
+        assert main(["status", str(config), "--fleet", "--json"]) == 0
+        models = {row["model"]: row for row in json.loads(capsys.readouterr().out)["models"]}
+        rounds = iter([lambda: run(a, "llama", 4), None])
+
+        def pause(_seconds: float) -> None:
+            step = next(rounds)
+            if step is None:
+                raise KeyboardInterrupt
+            step()
+
+        monkeypatch.setattr(cli, "_pause", pause)
+        assert main(["status", str(config), "--watch", "1"]) == 130
+    assert (models["llama"]["workers"], models["llama"]["inferences"]) == (["a"], 3)
+    assert (models["e5"]["workers"], models["e5"]["replicas"], models["e5"]["inferences"]) == (
+        ["a", "b"],
+        2,
+        3,
+    )
+    first, second = _per_model_blocks(capsys.readouterr().out)
+    assert first["llama"] == ["llama", "1", "0", "-", "3", "-", "a"]
+    assert first["e5"] == ["e5", "2", "0", "-", "3", "-", "a,", "b"]
+    assert second["llama"][:5] == ["llama", "1", "0", "-", "7"] and float(second["llama"][5]) > 0
+    assert second["e5"][:6] == ["e5", "2", "0", "-", "3", "0.00"]
+
+
+def test_the_status_probe_runs_no_placement_round():
+    """With models.balance in the file, the probe's pool still places nothing: a round
+    would load and unload models on the workers it only looks at."""
+    from npu_sync.config import HealthConfig, ModelPolicy, ModelsConfig, PoolConfig, worker_config
+
+    config = PoolConfig(
+        workers=(worker_config("a", _refused_url()),),
+        health=HealthConfig(enabled=False),
+        models=ModelsConfig(balance=True, interval=0.01, catalog={"m": ModelPolicy(1, None)}),
+    )
+    with cli._probe_pool(config) as pool:
+        assert pool.stats()["models"]["balance"] is False
+        with pytest.raises(RuntimeError, match="placement is off"):
+            pool.check_placement()
 
 
 @pytest.mark.integration

@@ -146,6 +146,40 @@ def test_device_and_npu_come_from_the_check_that_said_them():
     assert held.npu_available is False and held.device == "NPU" and not held.model_devices
 
 
+def test_the_cap_comes_from_the_last_answer_that_lists_the_models():
+    """A list with max_models sets the cap; a health answer alone with one does too; a
+    list without one drops it (the worker no longer says)."""
+    held = Holdings()
+    assert held.max_models is None
+    held.apply_models(listed("a", max_models=2))
+    assert held.max_models == 2
+    held.apply_models(unlisted(max_models=3))
+    assert held.max_models == 3
+    held.apply_models(unlisted())
+    assert held.max_models == 3
+    held.apply_models(listed("a"))
+    assert held.max_models is None
+
+
+def test_inference_counts_give_a_rate_between_two_lists():
+    """Two lists 10 s apart: each model's inferences per second; a count that fell (the
+    model was loaded again) gives no rate; a list within a second of the last one
+    leaves the rates as they were; a list without counts clears them."""
+    held = Holdings()
+    held.apply_models(listed("a", "b", at=10.0, model_inferences={"a": 5, "b": 1}))
+    assert dict(held.inferences) == {"a": 5, "b": 1} and not held.rates
+    held.apply_models(listed("a", "b", at=20.0, model_inferences={"a": 25, "b": 1}))
+    assert dict(held.rates) == {"a": 2.0, "b": 0.0}
+    held.apply_models(unlisted(at=25.0))  # no list this round: counts and rates stand
+    assert dict(held.rates) == {"a": 2.0, "b": 0.0}
+    held.apply_models(listed("a", "b", at=30.0, model_inferences={"a": 3, "b": 4}))
+    assert dict(held.rates) == {"b": 0.3} and dict(held.inferences) == {"a": 3, "b": 4}
+    held.apply_models(listed("a", "b", at=30.5, model_inferences={"a": 9, "b": 4}))
+    assert dict(held.rates) == {"b": 0.3} and held.inferences["a"] == 9  # too soon for a rate
+    held.apply_models(listed("a", "b", at=40.0))
+    assert not held.inferences and not held.rates
+
+
 def test_another_protocol_forgets_the_models_but_not_the_device():
     """Lists read in another protocol's terms are dropped, refusals too; what the worker
     said of its device still holds. The new protocol's on-demand rule applies."""
@@ -163,6 +197,8 @@ def test_a_move_forgets_everything_the_worker_held():
     held = Holdings(on_demand=True)
     held.apply_models(listed("a", device="NPU", npu_available=False))
     held.model_not_loaded("z", now=1.0)
+    held.apply_models(listed("a", at=1.0, max_models=2, model_inferences={"a": 1}))
+    held.apply_models(listed("a", at=2.0, max_models=2, model_inferences={"a": 2}))
     held.forget()
     assert (held.models, held.not_loaded, held.device, held.npu_available) == (
         None,
@@ -170,6 +206,7 @@ def test_a_move_forgets_everything_the_worker_held():
         None,
         None,
     )
+    assert (held.max_models, dict(held.inferences), dict(held.rates)) == (None, {}, {})
     assert held.on_demand is True and not held.lacks("z")
 
 

@@ -28,8 +28,10 @@ from npu_sync.worker_server import LocalWorker
 
 
 class ModelWorker:
-    """A fake Linux worker with a model list, an optional cap, a load time on the fake
-    clock, and tasks that may be held open."""
+    """A fake Linux worker with a model list, an optional cap (answered 507 beyond it;
+    reported in its list as ``max_models`` only when ``reports`` says what, as AutoBot's
+    worker reports none), a load time on the fake clock, and tasks that may be held
+    open."""
 
     def __init__(
         self,
@@ -37,10 +39,13 @@ class ModelWorker:
         models: tuple[str, ...] = (),
         cap: int | None = None,
         load_seconds: float = 1.0,
+        reports: int | None = None,
     ) -> None:
         self.clock = clock
         self.models = list(models)
         self.cap = cap
+        self.reports = reports
+        self.full = 0  # loads answered 507
         self.load_seconds = load_seconds
         self.load_status: int | None = None
         self.loads: list[str] = []
@@ -57,13 +62,17 @@ class ModelWorker:
         if path == "/models" and req.method == "GET":
             with self.lock:
                 loaded = {m: {"device": "NPU"} for m in self.models}
-            return json_response(200, {"loaded_models": loaded, "max_models": self.cap})
+            listed: dict[str, object] = {"loaded_models": loaded}
+            if self.reports is not None:
+                listed["max_models"] = self.reports
+            return json_response(200, listed)
         if path == "/models/load":
             model = req.json()["model_id"]
             if self.load_status is not None:
                 return json_response(self.load_status, {"detail": "forced"})
             with self.lock:
                 if self.cap is not None and len(self.models) >= self.cap:
+                    self.full += 1
                     return json_response(507, {"detail": "model capacity reached"})
             self.clock.advance(self.load_seconds)
             with self.lock:
@@ -462,7 +471,7 @@ def test_status_shows_each_model_its_replicas_and_targets(tmp_path, capsys) -> N
     rows = {line.split()[0]: line.split() for line in out.strip().splitlines()[1:]}
     assert rows["e5"][:4] == ["e5", "2", "0", "-"] and "a," in rows["e5"] and "b" in rows["e5"]
     assert rows["llama"][:4] == ["llama", "1", "2", "3"] and "min" in " ".join(rows["llama"])
-    assert rows["whisper"][:5] == ["whisper", "0", "1", "-", "none"]
+    assert rows["whisper"][:7] == ["whisper", "0", "1", "-", "-", "-", "none"]
 
 
 def test_close_cuts_a_rounds_slow_load_short() -> None:
@@ -533,3 +542,74 @@ def test_a_round_learns_a_workers_cap_from_its_507_and_evicts() -> None:
         assert placements(events, "failed") == [("w0", "new")]  # the 507
         assert placements(events, "evict") == [("w0", "old")]
         assert placements(events, "load") == [("w0", "new")]
+
+
+# -- the cap a worker reports --------------------------------------------------------
+
+
+def test_a_cap_the_worker_reports_is_filled_to_and_evicts_without_a_507() -> None:
+    """No cap configured; the worker's list says max_models 1: a task for a second model
+    evicts the first at once, no load is answered 507, nothing is reported failed."""
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("old",), cap=1, reports=1)
+    events: list[Event] = []
+    with fleet(clock, worker, events=events, hold=0) as pool:
+        assert pool.execute({"model_id": "new"})["model_id"] == "new"
+        assert worker.full == 0 and worker.unloads == ["old"] and worker.models == ["new"]
+        assert placements(events, "failed") == []
+        assert placements(events, "evict") == [("w0", "old")]
+
+
+@pytest.mark.parametrize(
+    ("own", "default", "evicted"),
+    [
+        (2, None, []),  # the worker's own max_models in the file wins over its answer
+        (None, 2, ["old"]),  # the answer wins over the pool-wide default
+        (None, None, ["old"]),  # the answer alone
+    ],
+)
+def test_which_cap_counts_the_files_own_then_the_workers_then_the_default(
+    own: int | None, default: int | None, evicted: list[str]
+) -> None:
+    """A worker reporting max_models 1 while it could hold more: a max_models of its own
+    in the file is its cap (nothing evicted); models.max_models is not, the answer is."""
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("old",), reports=1)
+    net = FakeNetwork()
+    net.route("w0", worker)
+    cfg = config(1, hold=0, max_models=default)
+    cfg = dataclasses.replace(cfg, workers=(dataclasses.replace(cfg.workers[0], max_models=own),))
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        pool.check_health()
+        assert pool.execute({"model_id": "new"})["model_id"] == "new"
+        assert worker.unloads == evicted
+        assert sorted(worker.models) == sorted({"old", "new"} - set(evicted))
+
+
+def test_a_list_without_a_cap_drops_the_one_reported_before() -> None:
+    """The worker stops reporting max_models (restarted without it): the next list
+    drops the cap, and a second model is loaded beside the first."""
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("old",), reports=1)
+    with fleet(clock, worker, hold=0) as pool:
+        worker.reports = None
+        pool.check_health()
+        assert pool.execute({"model_id": "new"})["model_id"] == "new"
+        assert worker.unloads == [] and sorted(worker.models) == ["new", "old"]
+
+
+def test_real_worker_reporting_its_cap_is_evicted_from_not_answered_507() -> None:
+    """A reference worker started with --max-models 1 says so in GET /models: a task for
+    a second model evicts the first at once, and the worker never answers 507."""
+    with LocalWorker(worker_id="a", models=("m1",), max_models=1).start() as a:
+        cfg = PoolConfig(
+            workers=(worker_config("a", a.url),),
+            health=HealthConfig(interval=3600),
+            models=ModelsConfig(placement=True, balance=True, interval=3600, hold=0),
+        )
+        with WorkerPool(cfg) as pool:
+            pool.check_health()
+            assert pool.execute({"model_id": "m2", "input_text": "x"})["model_id"] == "m2"
+            stats = a.stats()
+        assert stats["models"] == ["m2"]
+        assert "507" not in stats["responses"]

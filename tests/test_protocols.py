@@ -407,14 +407,17 @@ AUTOBOT_MODELS = {
 
 
 def test_models_reads_autobots_answer() -> None:
-    """GET /models: the ids, the device of each, npu_available and optimal_device."""
+    """GET /models: the ids, the device and inference count of each, npu_available and
+    optimal_device; AutoBot's answer reports no cap."""
     info = LINUX.parse_models(AUTOBOT_MODELS)
     assert info == ModelsInfo(
         frozenset({"llama-3.2-1b", "phi-3", "odd"}),
         {"llama-3.2-1b": "NPU", "phi-3": "CPU"},
         npu_available=True,
         optimal_device="NPU",
+        inferences={"llama-3.2-1b": 12, "phi-3": 0},
     )
+    assert info is not None and info.max_models is None
     assert LINUX.models_path == "/models" and WINDOWS.models_path is None
 
 
@@ -425,6 +428,38 @@ def test_models_accepts_a_plain_list_and_an_empty_map() -> None:
     assert dict(listed.devices) == {}
     empty = LINUX.parse_models({"loaded_models": {}})
     assert empty is not None and empty.models == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("value", "cap"),
+    [(2, 2), (1, 1), (10_000, 10_000), (0, None), (-1, None), (10_001, None), (True, None),
+     ("2", None), (2.0, None), (None, None)],
+)  # fmt: skip
+def test_models_and_health_read_the_cap_a_worker_reports(value: object, cap: int | None) -> None:
+    """max_models beside the list (or in the health answer) is the worker's cap when it
+    is a whole number from 1 to 10000; anything else says nothing."""
+    info = LINUX.parse_models({"loaded_models": {}, "max_models": value})
+    assert info is not None and info.max_models == cap
+    assert LINUX.parse_health({"status": "healthy", "max_models": value}).max_models == cap
+
+
+def test_models_inference_counts_of_the_wrong_type_are_left_out() -> None:
+    """An inference count is a whole number >= 0; others, and those of a plain list of
+    ids, are not read."""
+    info = LINUX.parse_models(
+        {
+            "loaded_models": {
+                "a": {"inference_count": 3},
+                "b": {"inference_count": -1},
+                "c": {"inference_count": True},
+                "d": {"inference_count": "7"},
+                "e": {"inference_count": 1.5},
+            }
+        }
+    )
+    assert info is not None and dict(info.inferences) == {"a": 3}
+    listed = LINUX.parse_models({"loaded_models": ["a"]})
+    assert listed is not None and dict(listed.inferences) == {}
 
 
 @pytest.mark.parametrize(

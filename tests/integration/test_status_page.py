@@ -24,6 +24,8 @@ from npu_sync._fleet import monitor_of
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
+    ModelPolicy,
+    ModelsConfig,
     PoolConfig,
     RetryConfig,
     SharedStateConfig,
@@ -32,6 +34,7 @@ from npu_sync.config import (
 from npu_sync.flask import NpuSync
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
 from npu_sync.transport import Response
+from tests.workerkit import call
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -324,6 +327,109 @@ def test_each_worker_shows_its_name_device_and_models(start_worker, tmp_path, mo
             assert "no NPU" not in shown["vm2-npu"]
             assert no_sideways_scrolling(driver)
             screenshot(driver, tmp_path, "status-models.png")
+
+
+def model_table(driver: WebDriver) -> dict[str, dict[str, str]]:
+    """Model id -> the text of each cell of its row in the models table (by its class),
+    and whether the row is marked below its min."""
+    table = {}
+    for row in driver.find_elements(By.CSS_SELECTOR, "#models tr[data-model]"):
+        cells = {
+            str(td.get_attribute("class")).split()[0].removeprefix("c-"): td.text
+            for td in row.find_elements(By.TAG_NAME, "td")
+        }
+        cells["below"] = str(row.get_attribute("data-below"))
+        table[str(row.get_attribute("data-model"))] = cells
+    return table
+
+
+def test_the_models_table_shows_holders_load_replicas_and_targets(
+    start_worker, tmp_path, monkeypatch
+):
+    """Per model held or in the catalog the page shows the workers holding it, its
+    inferences as they count them and their rate, its live replicas and targets (below
+    min marked), and each worker's reported cap; a model id with markup is text, and a
+    worker's credentials never reach the page."""
+    monkeypatch.setenv("NPU_SYNC_FLEET_INTERVAL", "0.2")
+    evil = '<img src=x onerror="window.__pwned=1">'
+    secret = "status-page-bearer-secret-26"
+    a = start_worker(worker_id="a", models=("llama", "e5", evil), max_models=3)
+    b = start_worker(worker_id="b", models=("e5",), bearer_token=secret)
+    config = PoolConfig(
+        workers=(
+            worker_config("a", a.url),
+            worker_config("b", b.url, auth={"type": "bearer", "token": secret}),
+        ),
+        health=HealthConfig(interval=0.2, timeout=0.5),
+        models=ModelsConfig(catalog={"llama": ModelPolicy(2, 3), "whisper": ModelPolicy(1, None)}),
+    )
+    with WorkerPool(config) as pool:
+        pool.check_health()
+        for i in range(4):
+            pool.execute({"model_id": "e5", "input_text": f"e5 {i}"})
+        stop = threading.Event()
+
+        def busy() -> None:
+            while not stop.is_set():
+                pool.execute({"model_id": "llama", "input_text": "busy"})
+
+        caller = threading.Thread(target=busy, name="llama-caller")
+        caller.start()
+        try:
+            with serve(pool) as base, chromium(tmp_path / "profile") as driver:
+                driver.get(base + PAGE)
+                wait_for(
+                    driver,
+                    lambda d: (
+                        model_table(d).get("llama", {}).get("rate", "").endswith("/s")
+                        and model_table(d)["llama"]["rate"] != "0.00/s"
+                    ),
+                    "a rate for llama while its tasks run",
+                )
+                stop.set()
+                caller.join(30)
+                counted = call(a, "GET", "/models").json["loaded_models"]
+                llama = str(counted["llama"]["inference_count"])
+                wait_for(
+                    driver,
+                    lambda d: model_table(d)["llama"]["inferences"] == llama,
+                    f"llama's {llama} inferences on the page",
+                )
+                table = model_table(driver)
+                assert set(table) == {"llama", "e5", "whisper", evil}
+                assert table["llama"] == {
+                    "model": "llama",
+                    "holders": "a",
+                    "inflight": "\u2013",  # counted with models.balance only
+                    "inferences": llama,
+                    "rate": table["llama"]["rate"],
+                    "replicas": "1",
+                    "targets": "min 2 \u00b7 max 3 \u00b7 below min",
+                    "below": "true",
+                }
+                assert (table["e5"]["holders"], table["e5"]["replicas"]) == ("a, b", "2")
+                assert table["e5"]["targets"] == "\u2013" and table["e5"]["below"] == "false"
+                assert (table["whisper"]["holders"], table["whisper"]["inferences"]) == (
+                    "none",
+                    "\u2013",
+                )
+                assert table["whisper"]["targets"] == "min 1 \u00b7 below min"
+                assert table[evil]["model"] == evil and table[evil]["holders"] == "a"
+                assert driver.find_elements(By.CSS_SELECTOR, "main img") == []
+                assert driver.execute_script("return window.__pwned === undefined")
+                about = next(
+                    r.find_element(By.CSS_SELECTOR, "small.about").text
+                    for r in driver.find_elements(By.CSS_SELECTOR, "tr[data-worker]")
+                    if r.get_attribute("data-worker") == "a"
+                )
+                assert "at most 3 models" in about
+                assert secret not in driver.page_source
+                assert secret not in _get(base + PAGE + "stats")
+                assert no_sideways_scrolling(driver)
+                screenshot(driver, tmp_path, "status-per-model.png")
+        finally:
+            stop.set()
+            caller.join(30)
 
 
 # Attacks: a hostile fleet against a real redis-server and the page — garbage and markup in
