@@ -442,7 +442,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--latency-ms", type=float, default=50.0)
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        metavar="S",
+        help="sys.setswitchinterval(S) for the whole run (an application's setting: "
+        "how long a thread may keep the GIL while another waits; Python's default 0.005)",
+    )
     args = parser.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if aiohttp is None:
         print("aiohttp is not installed: pip install -e '.[bench]'", file=sys.stderr)
         return 2
@@ -477,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.tasks} tasks at once, 3 workers x {PER_WORKER} slots, "
         f"{args.latency_ms:g} ms a task; Python {sys.version.split()[0]}, "
-        f"{os.cpu_count()} CPUs"
+        f"{os.cpu_count()} CPUs, switch interval {sys.getswitchinterval() * 1000:g} ms"
     )
     print(_table(runs))
     ratios = _ratios(runs)
