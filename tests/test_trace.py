@@ -256,3 +256,79 @@ def test_one_trace_for_two_tasks_is_refused_naming_both() -> None:
         assert pool.execute(Task({"x": 4}, task_id="third"), trace=again) == {"ok": True}
     assert trace.steps == steps and trace.task_id == "first"
     assert len([r for r in net.requests() if r.path != "/health"]) == 2
+
+
+# -- why a worker was not chosen, and why the task gave up -------------------------------
+
+
+def test_a_worker_without_the_tasks_model_is_named_as_lacking_it() -> None:
+    """a holds m1 only, b holds m2: a task for m2 goes to b, and the trace says a lacks
+    the model (not that it was tried, nor that the balancing passed it over)."""
+    from tests.modelkit import config, linux, w
+
+    net = FakeNetwork()
+    net.route("a", linux(["m1"]))
+    net.route("b", linux(["m2"]))
+    trace = Trace()
+    with WorkerPool(config(w("a", 0), w("b", 1)), transport_factory=net.factory) as pool:
+        pool.check_health()  # the model lists are read
+        assert pool.execute({"model_id": "m2"}, trace=trace)["worker"] == "b"
+    choice = trace.steps[0]
+    assert (choice.kind, choice.worker_id) == ("choice", "b")
+    assert dict(choice.considered) == {"a": "no model: does not hold the task's model"}
+
+
+def test_a_worker_with_room_the_balancing_passed_over_is_named_so() -> None:
+    """a and b in one tier, a already running a task: the task goes to b, the less
+    loaded, and a is 'not picked by the balancing', with its load."""
+    net = FakeNetwork()
+    net.route("a", ok)
+    net.route("b", ok)
+    trace = Trace()
+    with make_pool(net, "a", "b") as pool:
+        state = pool._state
+        a = state.workers["a"]
+        with state.lock:
+            held = state.dispatcher._try({"b"}, state.clock.monotonic())
+        assert held is not None and held.worker is a
+        try:
+            pool.execute({"x": 1}, trace=trace)
+        finally:
+            from npu_sync._life import record
+            from npu_sync._retry import Kind, Outcome
+
+            record(state, held, Outcome(Kind.ABANDONED), 0.0, 0.0, retry=False)
+    choice = trace.steps[0]
+    assert (choice.kind, choice.worker_id) == ("choice", "b")
+    assert dict(choice.considered) == {
+        "a": f"not picked by the balancing (1/{a.capacity} in flight)"
+    }
+
+
+def test_a_task_refused_a_retry_by_the_budget_says_so_in_its_trace() -> None:
+    """A budget of one retry per window: the task's second retry is refused, and its
+    trace (and dead letter) end on the note that the retry budget was spent."""
+    from npu_sync.config import BalancingConfig, RetryBudgetConfig
+
+    net = FakeNetwork(default=lambda req: json_response(500, {"detail": "down"}))
+    cfg = PoolConfig(
+        workers=tuple(
+            worker_config(w, f"http://127.0.0.1:{9100 + n}") for n, w in enumerate("abc")
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=3, backoff_initial=0.0, backoff_max=0.0),
+        circuit_breaker=BreakerConfig(fail_max=100, reset_timeout=30, max_reset_timeout=60),
+        balancing=BalancingConfig(
+            retry_budget=RetryBudgetConfig(ratio=0.0, min_per_second=0.1)  # 1 per 10 s
+        ),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock()) as pool:
+        with pytest.raises(TaskFailed) as caught:
+            pool.execute({"x": 1})
+        letter = pool.dead_letters.get(caught.value.dead_letter_id)  # type: ignore[arg-type]
+    trace = caught.value.trace
+    assert trace is not None and len(trace.workers) == 2  # the first attempt and one retry
+    last = trace.steps[-1]
+    assert last.kind == "note" and last.text is not None
+    assert last.text.startswith("gave up: retry budget exhausted; last error on ")
+    assert letter is not None and Trace.from_dict(letter.trace).steps[-1] == last  # type: ignore[arg-type]
