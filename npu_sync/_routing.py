@@ -10,6 +10,7 @@ from collections.abc import Collection, Iterable
 from typing import Final
 
 from npu_sync._breaker import OPEN
+from npu_sync._capability import lacked
 from npu_sync._retry import Kind, Outcome
 from npu_sync._worker import Worker
 
@@ -28,22 +29,27 @@ def considered(
     excluded: Collection[str],
     lacking: Collection[str],
     now: float,
+    requires: Collection[str] = (),
 ) -> tuple[tuple[tuple[str, str], ...], int]:
     """For every worker but ``chosen``, why it was not chosen, as the pool saw it just
     after the choice: at most :data:`MAX_CONSIDERED` of them, those not yet tried by
     the task first (the alternatives a reader wants to see), and how many more were
-    left unlisted. Read without the pool's lock: a snapshot for people, which a
-    worker changing at that moment may make one step stale."""
+    left unlisted. A worker lacking what the task ``requires`` says so, though the
+    task keeps it out as it keeps out the workers it tried. Read without the pool's
+    lock: a snapshot for people, which a worker changing at that moment may make one
+    step stale."""
     untried: list[tuple[str, str]] = []
-    tried: list[tuple[str, str]] = []
+    kept_out: list[tuple[str, str]] = []  # tried, or lacking what the task requires
     for worker in workers:
         if worker is chosen:
             continue
-        if worker.id in excluded:
-            tried.append((worker.id, _TRIED))
+        if requires and (absent := lacked(worker.config, requires)):
+            kept_out.append((worker.id, f"lacks {absent}, which the task requires"))
+        elif worker.id in excluded:
+            kept_out.append((worker.id, _TRIED))
         else:
             untried.append((worker.id, _why_not(worker, chosen, excluded, lacking, now)))
-    why = untried + tried
+    why = untried + kept_out
     return tuple(why[:MAX_CONSIDERED]), max(0, len(why) - MAX_CONSIDERED)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from npu_sync import TaskFailed, WorkerPool
+from npu_sync import Task, TaskFailed, WorkerPool
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -332,3 +332,28 @@ def test_a_task_refused_a_retry_by_the_budget_says_so_in_its_trace() -> None:
     assert last.kind == "note" and last.text is not None
     assert last.text.startswith("gave up: retry budget exhausted; last error on ")
     assert letter is not None and Trace.from_dict(letter.trace).steps[-1] == last  # type: ignore[arg-type]
+
+
+def test_a_worker_lacking_what_the_task_requires_is_named_as_lacking_it() -> None:
+    """a and b have 'vision', c has not: a task requiring it, failed by a and answered by
+    b, names c as lacking the capability in each choice, never as tried by the task."""
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(503, {"detail": "busy"}))
+    net.route("b", ok)
+    net.route("c", ok)
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9100", priority=1, capabilities=["vision"]),
+            worker_config("b", "http://127.0.0.1:9101", priority=2, capabilities=["vision"]),
+            worker_config("c", "http://127.0.0.1:9102", priority=1),
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=2, backoff_initial=0.0, backoff_max=0.0),
+    )
+    trace = Trace()
+    with WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock()) as pool:
+        pool.execute(Task({"x": 1}, requires=["vision"]), trace=trace)
+    first, _, second, _ = trace.steps
+    lacks = "lacks capability 'vision', which the task requires"
+    assert dict(first.considered) == {"b": "lower tier (priority 2 after 1)", "c": lacks}
+    assert dict(second.considered) == {"a": "excluded: already tried by this task", "c": lacks}

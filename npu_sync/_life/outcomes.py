@@ -187,7 +187,9 @@ class Outcomes:
         state = self.state
         now = state.clock.monotonic()
         lacking = excluded if excluded is not ctx.excluded else ()
-        why, unlisted = considered(state.workers.values(), lease.worker, ctx.excluded, lacking, now)
+        why, unlisted = considered(
+            state.workers.values(), lease.worker, ctx.excluded, lacking, now, ctx.task.requires
+        )
         trace.add(
             TraceStep("choice", now + ctx.wall, lease.worker.id, considered=why, unlisted=unlisted)
         )
