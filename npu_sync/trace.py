@@ -4,7 +4,8 @@ Asked for with ``pool.execute(task, trace=Trace())`` (the object given is filled
 task runs, whatever its end), and always kept for a task that fails: ``TaskFailed.trace``
 and the dead letter's ``trace``. A failed task's trace starts at its first failed
 attempt, so that a task that succeeds at once pays nothing for it: its first choice
-then names the worker chosen, without the others.
+then names the worker chosen, without the others; a task that fails before any
+attempt has one from the choice that found no worker.
 
 A module of the vocabulary layer: plain records, importing nothing from the package.
 """
@@ -25,10 +26,10 @@ class TraceStep:
 
     ``kind`` is ``choice`` (a worker was chosen: ``worker_id``; ``considered`` says for
     the other workers, at most 20 of them, why they were not; ``unlisted`` counts the
-    rest), ``attempt`` (an attempt ended: ``outcome``,
-    ``status``, ``error``, ``duration``, ``charged``), ``hedge`` (a second attempt
-    sent while the first went on) or ``note`` (admission's word: a refusal, the retry
-    budget spent, why the task gave up).
+    rest; ``worker_id`` None: none could be had, and the task ends), ``attempt`` (an
+    attempt ended: ``outcome``, ``status``, ``error``, ``duration``, ``charged``),
+    ``hedge`` (a second attempt sent while the first went on) or ``note`` (admission's
+    word: a refusal, the retry budget spent, why the task gave up).
     """
 
     kind: str
@@ -60,6 +61,8 @@ class TraceStep:
             others = "; ".join(f"{w}: {why}" for w, why in self.considered)
             if self.unlisted:
                 others += f"; and {self.unlisted} more"
+            if self.worker_id is None:
+                return "no worker chosen" + (f" ({others})" if others else "")
             return f"chose {self.worker_id}" + (f" (not {others})" if others else "")
         if self.kind == "attempt":
             took = f" in {self.duration * 1000:.0f} ms" if self.duration is not None else ""

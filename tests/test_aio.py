@@ -425,7 +425,12 @@ def test_a_task_waiting_too_long_for_a_thread_is_dead_lettered_in_time(servers):
     assert took < 0.3 + 1.0
     assert "no thread free" in str(error) and "threads=1" in str(error)
     assert error.dead_letter_id is not None
-    assert pool.dead_letters.get(error.dead_letter_id) is not None
+    letter = pool.dead_letters.get(error.dead_letter_id)
+    assert letter is not None
+    # No step of the task ran: its trace is the reason it gave up, in the letter too.
+    assert error.trace is not None and [s.kind for s in error.trace.steps] == ["note"]
+    assert str(error.trace).startswith("1. gave up: no thread free for the task")
+    assert letter.trace == error.trace.to_dict()
     assert len(server.seen) == 1
     pool.close()
     assert not aio_threads()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
 
-from npu_sync import Task, TaskFailed, WorkerPool
+from npu_sync import NoWorkerAvailable, Task, TaskFailed, WorkerPool
 from npu_sync.config import (
+    AdmissionConfig,
     BreakerConfig,
     HealthConfig,
     PoolConfig,
@@ -357,3 +359,125 @@ def test_a_worker_lacking_what_the_task_requires_is_named_as_lacking_it() -> Non
     lacks = "lacks capability 'vision', which the task requires"
     assert dict(first.considered) == {"b": "lower tier (priority 2 after 1)", "c": lacks}
     assert dict(second.considered) == {"a": "excluded: already tried by this task", "c": lacks}
+
+
+# -- a task that fails before any attempt ------------------------------------------------
+
+
+def test_a_task_failed_with_every_breaker_open_carries_a_trace_naming_why() -> None:
+    """The only worker's breaker is open: NoWorkerAvailable, no attempt, and its trace
+    (and dead letter's) says why the worker was not chosen, and why the task gave up."""
+    net = FakeNetwork()
+    net.route("a", lambda req: json_response(503, {"detail": "down"}))
+    cfg = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9100"),),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(max_retries=0),
+        circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=60, max_reset_timeout=600),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock()) as pool:
+        with pytest.raises(TaskFailed):
+            pool.execute({"x": 1})  # opens a's breaker
+        with pytest.raises(NoWorkerAvailable) as caught:
+            pool.execute({"x": 2})
+        letter = pool.dead_letters.get(caught.value.dead_letter_id)  # type: ignore[arg-type]
+    trace = caught.value.trace
+    assert trace is not None and trace.task_id == caught.value.task_id
+    assert trace.workers == []  # no attempt
+    none, gave_up = trace.steps
+    assert (none.kind, none.worker_id) == ("choice", None)
+    assert dict(none.considered) == {"a": "breaker open"}
+    assert str(none) == "no worker chosen (a: breaker open)"
+    assert gave_up.kind == "note" and gave_up.text is not None
+    assert gave_up.text.startswith("gave up: ") and "breaker open" in gave_up.text
+    assert letter is not None and letter.trace == trace.to_dict()
+
+
+def waited_out(pool: WorkerPool, task: Any, held: list[Any]) -> NoWorkerAvailable:
+    """Run ``task`` on a thread until it waits for a worker, then move the fake clock past
+    its deadline: the NoWorkerAvailable it ends with. ``held``: leases to give back."""
+    from npu_sync._life import record
+    from npu_sync._retry import Kind, Outcome
+
+    state = pool._state
+    dispatcher = state.dispatcher
+    caught: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            pool.execute(task, timeout=5.0)
+        except BaseException as exc:
+            caught.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        for _ in range(5000):
+            if dispatcher.waiting or not thread.is_alive():
+                break
+            threading.Event().wait(0.001)
+        assert dispatcher.waiting == 1
+    finally:
+        state.clock.advance(10.0)  # type: ignore[attr-defined]
+        with dispatcher.lock:
+            dispatcher.wake_all_locked()
+        thread.join(5)
+        for lease in held:
+            record(state, lease, Outcome(Kind.ABANDONED), 0.0, 0.0, retry=False)
+    assert not thread.is_alive()
+    (error,) = caught
+    assert isinstance(error, NoWorkerAvailable)
+    return error
+
+
+def test_a_task_that_found_no_free_slot_in_time_carries_a_trace_naming_why() -> None:
+    """a full until the task's deadline: NoWorkerAvailable, and its trace names a as full."""
+    net = FakeNetwork()
+    net.route("a", ok)
+    cfg = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9100", max_concurrent=1),),
+        health=HealthConfig(enabled=False),
+        admission=AdmissionConfig(deadline_aware=False),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock()) as pool:
+        state = pool._state
+        with state.lock:
+            lease = state.dispatcher._try((), state.clock.monotonic())
+        failed = waited_out(pool, {"x": 1}, [lease])
+        (letter,) = pool.dead_letters.list()
+    trace = failed.trace
+    assert trace is not None and trace.workers == []
+    none = trace.steps[0]
+    assert (none.kind, none.worker_id) == ("choice", None)
+    assert dict(none.considered) == {"a": "full (1/1)"}
+    assert trace.steps[-1].text == "gave up: deadline passed waiting for a worker"
+    assert letter.trace == trace.to_dict()
+
+
+def test_a_batch_task_kept_off_a_reserved_slot_is_told_so_in_its_trace() -> None:
+    """Interactive reserving half of a's two slots, one batch task running: a second
+    batch task waits beside the free slot, and its trace says the slot is reserved."""
+    from npu_sync.config import ClassConfig, PriorityConfig
+
+    net = FakeNetwork()
+    net.route("a", ok)
+    cfg = PoolConfig(
+        workers=(worker_config("a", "http://127.0.0.1:9100", max_concurrent=2),),
+        health=HealthConfig(enabled=False),
+        admission=AdmissionConfig(deadline_aware=False),
+        priority=PriorityConfig(
+            classes=(ClassConfig("interactive", 0.5), ClassConfig("batch", 0.0)),
+            default="interactive",
+            aging=0,
+        ),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=FakeClock()) as pool:
+        state = pool._state
+        with state.lock:
+            lease = state.dispatcher._try((), state.clock.monotonic(), rank=1)
+        failed = waited_out(pool, Task({"x": 1}, priority="batch"), [lease])
+    trace = failed.trace
+    assert trace is not None
+    assert dict(trace.steps[0].considered) == {
+        "a": "reserved for the classes above batch (1/2 in flight)"
+    }

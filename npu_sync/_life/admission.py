@@ -139,6 +139,7 @@ class Admit:
         if isinstance(got, Refusal):
             if got is Refusal.STOPPED:
                 raise Stopped(ctx.task.task_id)
+            self.outcomes.none_chosen(ctx, excluded)
             ctx.reason = self.refusal_reason(ctx, got, wait_until)
         else:
             self.late(ctx, got)
