@@ -205,6 +205,28 @@ def test_execute_map_and_the_decorator_return_the_workers_answers(worker):
     assert not aio_threads()
 
 
+def test_trace_true_is_the_awaiting_tasks_last_trace(worker):
+    """execute(trace=True) on the async pool: last_trace() in the coroutine that awaited
+    it is the task's trace; a Trace of the caller's own is filled; anything else is a
+    TypeError before the task is handed over."""
+    from npu_sync.trace import Trace, last_trace
+
+    async def main() -> None:
+        async with AsyncWorkerPool(make_pool([worker.url]), close_pool=True) as apool:
+            await apool.execute(Task(PAYLOAD, task_id="t-aio"), trace=True)
+            made = last_trace()
+            assert made is not None and made.task_id == "t-aio" and made.workers == ["w0"]
+            own = Trace()
+            await apool.execute(PAYLOAD, trace=own)
+            assert own.workers == ["w0"] and last_trace() is made
+            with pytest.raises(TypeError, match="trace: expected a Trace, True or False"):
+                await apool.execute(PAYLOAD, trace="yes")  # type: ignore[arg-type]
+            assert apool.pool.stats()["tasks"]["succeeded"] == 2
+
+    asyncio.run(main())
+    assert not aio_threads()
+
+
 def test_bad_thread_counts_are_refused_naming_the_value():
     """threads must be an integer in 1..4096; the error names the key and the value."""
     pool = make_pool(["http://127.0.0.1:9"])

@@ -260,6 +260,69 @@ def test_one_trace_for_two_tasks_is_refused_naming_both() -> None:
     assert len([r for r in net.requests() if r.path != "/health"]) == 2
 
 
+# -- trace=True: the pool makes the trace ------------------------------------------------
+
+
+def test_trace_true_keeps_a_trace_from_the_start_read_with_last_trace() -> None:
+    """execute(trace=True): the pool makes the task's Trace, read after the call with
+    last_trace(); kept from the task's start, its first choice names why the others
+    were not chosen (a failed task's own trace, begun at its first failure, does not);
+    a failure carries that same trace."""
+    from npu_sync.trace import last_trace
+
+    net = FakeNetwork()
+    net.route("a", ok)
+    net.route("b", lambda req: json_response(503, {"detail": "down"}))
+    net.route("c", lambda req: json_response(503, {"detail": "down"}))
+    with make_pool(net, "a", "b", priorities=[1, 2]) as pool:
+        assert pool.execute(Task({"x": 1}, task_id="t-ok"), trace=True) == {"ok": True}
+        done = last_trace()
+        assert done is not None and done.task_id == "t-ok" and done.workers == ["a"]
+        assert dict(done.steps[0].considered) == {"b": "lower tier (priority 2 after 1)"}
+        assert pool.execute({"x": 2}) == {"ok": True}  # not traced: last_trace() stays
+        assert pool.execute({"x": 3}, trace=False) == {"ok": True}  # nor this one
+        assert last_trace() is done
+    with make_pool(net, "b", "c", priorities=[1, 2]) as pool, pytest.raises(TaskFailed) as caught:
+        pool.execute({"x": 4}, trace=True)
+    failed = last_trace()
+    assert failed is not None and caught.value.trace is failed
+    assert failed.task_id == caught.value.task_id and failed.workers[:2] == ["b", "c"]
+    assert dict(failed.steps[0].considered) == {"c": "lower tier (priority 2 after 1)"}
+
+
+def test_trace_true_on_submit_is_the_submitting_threads_last_trace() -> None:
+    """submit(trace=True): last_trace() on the submitting thread is that task's trace
+    as soon as submit returns, filled once the future is done; other threads keep their
+    own."""
+    from npu_sync.trace import last_trace
+
+    net = FakeNetwork()
+    net.route("a", ok)
+    seen: list[object] = []
+    with make_pool(net, "a") as pool:
+        future = pool.submit(Task({"x": 1}, task_id="t-sub"), trace=True)
+        trace = last_trace()
+        assert trace is not None and trace.task_id == "t-sub"
+        assert future.result(10) == {"ok": True}
+        other = threading.Thread(target=lambda: seen.append(last_trace()))
+        other.start()
+        other.join(5)
+    assert trace.workers == ["a"] and seen == [None]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, Trace, {"on": True}])
+def test_a_trace_that_is_neither_a_trace_nor_a_bool_is_a_type_error(value: object) -> None:
+    """trace= takes a Trace, True or False (None: the default): anything else is a
+    TypeError naming what was given, raised before anything is sent."""
+    net = FakeNetwork()
+    net.route("a", ok)
+    with make_pool(net, "a") as pool:
+        for run in (pool.execute, pool.submit):
+            with pytest.raises(TypeError, match=r"trace: expected a Trace, True or False, got"):
+                run({"x": 1}, trace=value)  # type: ignore[operator]
+        assert net.requests() == []
+
+
 # -- why a worker was not chosen, and why the task gave up -------------------------------
 
 
