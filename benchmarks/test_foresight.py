@@ -20,6 +20,7 @@ Run: ``python -m pytest benchmarks/test_foresight.py -s -n 0`` (about a minute).
 
 from __future__ import annotations
 
+import inspect
 import random
 import threading
 import time
@@ -78,13 +79,21 @@ _judged = threading.local()
 
 
 def _shadowed(original: Any) -> Any:
-    """Dispatcher._wait that first records what the foresight would say (not acting)."""
-    foresight = DeadlineForesight(margin=1.0)
+    """Dispatcher._wait that first records what the foresight would say (not acting).
 
-    def wait(self: Dispatcher, excluded: Any, deadline: float, now: float) -> Any:
+    It passes every argument on as it came and reads only the three it needs by name:
+    arguments the real method gains later (the task's class, its stop) do not break
+    it, and a renamed one fails loudly here rather than measuring something else."""
+    foresight = DeadlineForesight(margin=1.0)
+    signature = inspect.signature(original)
+
+    def wait(self: Dispatcher, *args: Any, **kwargs: Any) -> Any:
+        given = signature.bind(self, *args, **kwargs).arguments
+        excluded, deadline, now = given["excluded"], given["deadline"], given["now"]
+        # Every task of this benchmark is of one class: the whole queue is ahead.
         expected = foresight.expect(self.selector.workers, excluded, len(self._waiters))
         _judged.value = (None if expected is None else expected[1], deadline - now)
-        return original(self, excluded, deadline, now)
+        return original(self, *args, **kwargs)
 
     return wait
 

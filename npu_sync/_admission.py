@@ -217,16 +217,20 @@ class Dispatcher:
                 return self._wait(excluded, deadline, now, priority)
             return self._wait_stoppable(excluded, deadline, now, stop, priority)
 
-    def try_acquire(self, excluded: Collection[str]) -> Lease | None:
+    def try_acquire(self, excluded: Collection[str], priority: str | None = None) -> Lease | None:
         """A lease on the best worker not in ``excluded`` if one has room now, else None.
 
-        Never waits, and never takes a slot a queued task is waiting for: for an
-        optional extra attempt (a hedge), which must not delay anybody's first one.
+        Never waits, never takes a slot a queued task is waiting for, nor one the
+        classes above ``priority`` (the task's class; None: the default) reserve: for
+        a choice beside the usual one (a preferred worker, a hedge), which must not
+        delay anybody's first attempt.
         """
         with self.lock:
             if self._waiters:
                 return None
-            return self._try(excluded, self.clock.monotonic(), self.classes.default_rank)
+            classes = self.classes
+            rank = classes.default_rank if priority is None else classes.rank_or_default(priority)
+            return self._try(excluded, self.clock.monotonic(), rank)
 
     def release_locked(self, now: float) -> None:
         """Workers not named may have become available (a health round, a breaker

@@ -35,7 +35,8 @@ from npu_sync._life import Exhausted
 from npu_sync._pool import WorkerPool
 from npu_sync._stop import Stopped, TaskStop
 from npu_sync.errors import PoolClosed
-from npu_sync.task import Task, as_task
+from npu_sync.task import Task, as_task, traced
+from npu_sync.trace import Trace, asked
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class _Call:
         "task",
         "timeout",
         "timer",
+        "trace",
         "waiter",
     )
 
@@ -92,6 +94,16 @@ class _Call:
         # The awaiting coroutine's context variables (its current span), when the pool
         # traces: the task runs in them on its thread.
         self.context: contextvars.Context | None = None
+        self.trace: Trace | None = None  # the routing trace the caller asked for
+
+    def made(self) -> Task:
+        """The task, made from what the caller gave (on its thread: a task id is a
+        system call), with the trace the caller asked for."""
+        task = as_task(self.given)
+        if self.trace is not None:
+            task = traced(task, self.trace)
+        self.task = task
+        return task
 
     def deliver(self, source: concurrent.futures.Future[Any]) -> None:
         """Hand ``source``'s end to the awaiting coroutine, from any thread."""
@@ -363,6 +375,7 @@ class AsyncWorkerPool:
         timeout: float | None = None,
         *,
         fallback: Callable[[], Any] | None = None,
+        trace: Trace | bool | None = None,
     ) -> Any:
         """Run one task; the coroutine ends as :meth:`WorkerPool.execute` would.
 
@@ -372,16 +385,22 @@ class AsyncWorkerPool:
         Args:
             task, timeout, fallback: as for :meth:`WorkerPool.execute` (the fallback
                 runs on the task's thread, never on the event loop).
+            trace: as for :meth:`WorkerPool.execute`; with True,
+                :func:`~npu_sync.trace.last_trace` in the asyncio task that awaited
+                this returns the trace.
 
         Raises:
             TaskRejected: the task is bad.
             TaskFailed: no attempt succeeded; the dead letter is stored first
                 (``NoWorkerAvailable`` when none could start, no thread included).
             InvalidTask: the task cannot be sent.
+            TypeError: ``trace`` is not a Trace, True or False.
             PoolClosed: the pool is closed, or was closed while the task ran.
         """
         loop = asyncio.get_running_loop()
         call = _Call(task, timeout, fallback, loop, self._clock.monotonic())
+        if trace is not None:
+            call.trace = asked(trace)  # made here: last_trace() is the awaiting task's
         if self._pool._state.observer is not None:
             call.context = contextvars.copy_context()
         with self._lock:
@@ -575,7 +594,7 @@ class AsyncWorkerPool:
         as submitted), then run as ``WorkerPool.execute`` runs it."""
         pool = self._pool
         try:
-            task = call.task = as_task(call.given)
+            task = call.made()
             body = task.body()
             if call.loop.is_closed():
                 raise Stopped(task.task_id)  # nobody can hear of its end
@@ -629,7 +648,7 @@ class AsyncWorkerPool:
     def _dead_letter(self, call: _Call) -> Any:
         """Store the dead letter of a task that never got a thread, then raise."""
         pool = self._pool
-        task = call.task = as_task(call.given)
+        task = call.made()
         task.body()  # InvalidTask, as execute raises it
         pool._enter()  # PoolClosed once the pool is closed
         try:

@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable, Sequence
 
 from npu_sync._config_types import PoolConfig, WorkerConfig
 
-__all__ = ["CapabilityFilter", "meets"]
+__all__ = ["CapabilityFilter", "lacked", "meets"]
 
 _MAX_CACHED = 256  # distinct sets of needs remembered per configuration
 
@@ -27,6 +27,12 @@ def meets(worker: WorkerConfig, needs: Iterable[str]) -> bool:
         elif need not in worker.capabilities:
             return False
     return True
+
+
+def lacked(worker: WorkerConfig, needs: Iterable[str]) -> str:
+    """What of ``needs`` ``worker`` lacks, in words (``capability 'vision', tag
+    site=lab``); empty when it has them all."""
+    return ", ".join(_shown(n) for n in sorted(needs) if not meets(worker, (n,)))
 
 
 def _shown(need: str) -> str:

@@ -81,7 +81,7 @@ from npu_sync.events import (
     WorkerModelsChanged,
 )
 from npu_sync.task import Task, as_task, current_scope, priority_scope, traced
-from npu_sync.trace import TaskWatch, Trace
+from npu_sync.trace import TaskWatch, Trace, asked
 from npu_sync.transport import IdleReaper, make_transport, reap_interval
 
 log = logging.getLogger(__name__)
@@ -263,7 +263,7 @@ class WorkerPool:
         timeout: float | None = None,
         *,
         fallback: Callable[[], Any] | None = None,
-        trace: Trace | None = None,
+        trace: Trace | bool | None = None,
     ) -> Any:
         """Run one task and return the worker's decoded JSON body.
 
@@ -273,18 +273,21 @@ class WorkerPool:
                 default the task's own, else ``timeouts.task``.
             fallback: run locally, and its result returned, when the task fails on
                 every worker; no dead letter is stored if it succeeds.
-            trace: filled with the task's routing as it runs (see
-                :class:`~npu_sync.trace.Trace`); a failed task carries one anyway.
+            trace: a :class:`~npu_sync.trace.Trace` to fill with the task's routing as
+                it runs; or True: the pool makes one, which
+                :func:`~npu_sync.trace.last_trace` returns afterwards (and a failure
+                carries). A failed task carries one anyway.
 
         Raises:
             TaskRejected: the task is bad (a 4xx, or no worker serves its model).
             TaskFailed: no attempt succeeded; the dead-letter record is stored first.
             InvalidTask: the task cannot be sent (not JSON, bad options).
+            TypeError: ``trace`` is not a Trace, True or False.
             PoolClosed: the pool is closed.
         """
         task = as_task(task)
-        if trace is not None:
-            task = traced(task, trace)
+        if trace is not None and (wanted := asked(trace)) is not None:
+            task = traced(task, wanted)
         body = task.body()
         deadline = self._runner.deadline(task, timeout)
         self._enter()
@@ -299,15 +302,17 @@ class WorkerPool:
         timeout: float | None = None,
         *,
         fallback: Callable[[], Any] | None = None,
-        trace: Trace | None = None,
+        trace: Trace | bool | None = None,
     ) -> concurrent.futures.Future[Any]:
         """Run a task on the pool's own threads; the future ends as :meth:`execute` would.
 
         The task's deadline starts now: time spent queued for a pool thread counts.
+        With ``trace=True``, :func:`~npu_sync.trace.last_trace` on the calling thread
+        is the task's trace as soon as this returns, complete once the future is done.
         """
         task = as_task(task)
-        if trace is not None:
-            task = traced(task, trace)
+        if trace is not None and (wanted := asked(trace)) is not None:
+            task = traced(task, wanted)
         body = task.body()
         deadline = self._runner.deadline(task, timeout)
         self._enter()

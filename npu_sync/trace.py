@@ -1,10 +1,13 @@
 """The routing trace of one task: every worker considered, every attempt, who was charged.
 
 Asked for with ``pool.execute(task, trace=Trace())`` (the object given is filled as the
-task runs, whatever its end), and always kept for a task that fails: ``TaskFailed.trace``
+task runs, whatever its end) or ``trace=True`` (the pool makes one, which
+:func:`last_trace` returns afterwards in the caller's thread or asyncio task), and
+always kept for a task that fails: ``TaskFailed.trace``
 and the dead letter's ``trace``. A failed task's trace starts at its first failed
 attempt, so that a task that succeeds at once pays nothing for it: its first choice
-then names the worker chosen, without the others.
+then names the worker chosen, without the others; a task that fails before any
+attempt has one from the choice that found no worker.
 
 A module of the vocabulary layer: plain records, importing nothing from the package.
 """
@@ -13,10 +16,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
-__all__ = ["TaskWatch", "Trace", "TraceStep"]
+__all__ = ["TaskWatch", "Trace", "TraceStep", "last_trace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +29,10 @@ class TraceStep:
 
     ``kind`` is ``choice`` (a worker was chosen: ``worker_id``; ``considered`` says for
     the other workers, at most 20 of them, why they were not; ``unlisted`` counts the
-    rest), ``attempt`` (an attempt ended: ``outcome``,
-    ``status``, ``error``, ``duration``, ``charged``), ``hedge`` (a second attempt
-    sent while the first went on) or ``note`` (admission's word: a refusal, the retry
-    budget spent, why the task gave up).
+    rest; ``worker_id`` None: none could be had, and the task ends), ``attempt`` (an
+    attempt ended: ``outcome``, ``status``, ``error``, ``duration``, ``charged``),
+    ``hedge`` (a second attempt sent while the first went on) or ``note`` (admission's
+    word: a refusal, the retry budget spent, why the task gave up).
     """
 
     kind: str
@@ -60,6 +64,8 @@ class TraceStep:
             others = "; ".join(f"{w}: {why}" for w, why in self.considered)
             if self.unlisted:
                 others += f"; and {self.unlisted} more"
+            if self.worker_id is None:
+                return "no worker chosen" + (f" ({others})" if others else "")
             return f"chose {self.worker_id}" + (f" (not {others})" if others else "")
         if self.kind == "attempt":
             took = f" in {self.duration * 1000:.0f} ms" if self.duration is not None else ""
@@ -135,6 +141,41 @@ class Trace:
 
     def __repr__(self) -> str:
         return f"<Trace {self.task_id}: {len(self.steps)} steps>"
+
+
+_LAST: ContextVar[Trace | None] = ContextVar("npu_sync_last_trace", default=None)
+
+
+def last_trace() -> Trace | None:
+    """The trace the pool made for the last task handed to it with ``trace=True`` from
+    this context (this thread, or this asyncio task), whatever its end; None if none was.
+
+    Set when the task is handed over (``execute``, ``submit``, an ``await`` on
+    ``AsyncWorkerPool.execute``) and filled as it runs: after ``execute`` returns or
+    raises it is complete, after ``submit`` once the future is done. A task given a
+    ``Trace()`` of the caller's own, or none, leaves it as it was.
+    """
+    return _LAST.get()
+
+
+def asked(trace: Trace | bool | None) -> Trace | None:
+    """The trace a ``trace=`` argument of the pool's asks for: the one given, a new one
+    for True (then :func:`last_trace` in this context), none for None or False.
+
+    Raises:
+        TypeError: ``trace`` is none of those.
+    """
+    if trace is True:
+        made = Trace()
+        _LAST.set(made)
+        return made
+    if trace is None or trace is False:
+        return None
+    if isinstance(trace, Trace):
+        return trace
+    raise TypeError(
+        f"trace: expected a Trace, True or False, got {type(trace).__name__} {trace!r:.80}"
+    )
 
 
 class TaskWatch(Protocol):

@@ -205,6 +205,28 @@ def test_execute_map_and_the_decorator_return_the_workers_answers(worker):
     assert not aio_threads()
 
 
+def test_trace_true_is_the_awaiting_tasks_last_trace(worker):
+    """execute(trace=True) on the async pool: last_trace() in the coroutine that awaited
+    it is the task's trace; a Trace of the caller's own is filled; anything else is a
+    TypeError before the task is handed over."""
+    from npu_sync.trace import Trace, last_trace
+
+    async def main() -> None:
+        async with AsyncWorkerPool(make_pool([worker.url]), close_pool=True) as apool:
+            await apool.execute(Task(PAYLOAD, task_id="t-aio"), trace=True)
+            made = last_trace()
+            assert made is not None and made.task_id == "t-aio" and made.workers == ["w0"]
+            own = Trace()
+            await apool.execute(PAYLOAD, trace=own)
+            assert own.workers == ["w0"] and last_trace() is made
+            with pytest.raises(TypeError, match="trace: expected a Trace, True or False"):
+                await apool.execute(PAYLOAD, trace="yes")  # type: ignore[arg-type]
+            assert apool.pool.stats()["tasks"]["succeeded"] == 2
+
+    asyncio.run(main())
+    assert not aio_threads()
+
+
 def test_bad_thread_counts_are_refused_naming_the_value():
     """threads must be an integer in 1..4096; the error names the key and the value."""
     pool = make_pool(["http://127.0.0.1:9"])
@@ -425,7 +447,12 @@ def test_a_task_waiting_too_long_for_a_thread_is_dead_lettered_in_time(servers):
     assert took < 0.3 + 1.0
     assert "no thread free" in str(error) and "threads=1" in str(error)
     assert error.dead_letter_id is not None
-    assert pool.dead_letters.get(error.dead_letter_id) is not None
+    letter = pool.dead_letters.get(error.dead_letter_id)
+    assert letter is not None
+    # No step of the task ran: its trace is the reason it gave up, in the letter too.
+    assert error.trace is not None and [s.kind for s in error.trace.steps] == ["note"]
+    assert str(error.trace).startswith("1. gave up: no thread free for the task")
+    assert letter.trace == error.trace.to_dict()
     assert len(server.seen) == 1
     pool.close()
     assert not aio_threads()

@@ -213,6 +213,55 @@ def test_other_refusals_come_first(clock: FakeClock) -> None:
     assert got is Refusal.EVERY_WORKER_TRIED
 
 
+def test_only_the_waiting_tasks_served_before_it_count_as_ahead(clock: FakeClock) -> None:
+    """Two interactive and eight batch tasks queued on 4 slots freed at 4 a second: a
+    batch task counts all ten ahead, an interactive one only the two of its own class
+    (the batch tasks are served after it), so it is let in where a batch task is not."""
+    dispatcher, _ = saturated(clock)
+    far = clock.monotonic() + 3600
+    now = clock.monotonic()
+    on = AdmissionConfig()  # margin 1.25
+    got: dict[str, object] = {}
+
+    def judged(priority: str, left: float) -> None:
+        got[priority] = dispatcher.acquire_or_reason(
+            (), now + left, admission=on, task_deadline=now + left, priority=priority
+        )
+
+    def waits(target: Any, *args: Any, **kwargs: Any) -> threading.Thread:
+        before = dispatcher.waiting
+        thread = threading.Thread(target=target, args=args, kwargs=kwargs)
+        thread.start()
+        threads.append(thread)
+        for _ in range(5000):
+            if dispatcher.waiting > before or not thread.is_alive():
+                break
+            threading.Event().wait(0.001)
+        return thread
+
+    threads: list[threading.Thread] = []
+    try:
+        for priority in ("interactive",) * 2 + ("batch",) * 8:
+            waits(dispatcher.acquire_or_reason, (), far, priority=priority)
+        assert dispatcher.waiting == 10
+        # Its own class counts: ten ahead, answered in (10 + 1 + 4) / 4 = 3.75 s > 2 x 1.25.
+        waits(judged, "batch", 2.0).join(5)
+        late = got.get("batch")
+        assert isinstance(late, Late) and late.expected == pytest.approx(3.75)
+        # Two ahead: (2 + 1 + 4) / 4 = 1.75 s <= 1.5 x 1.25, so it waits; counting the
+        # whole queue it would have been refused (3.75 s).
+        interactive = waits(judged, "interactive", 1.5)
+        assert "interactive" not in got and interactive.is_alive()
+        assert dispatcher.waiting == 11
+    finally:
+        clock.advance(7200)  # every waiter's deadline passes
+        with dispatcher.lock:
+            dispatcher.wake_all_locked()
+        for thread in threads:
+            thread.join(5)
+            assert not thread.is_alive()
+
+
 # -- the pool ---------------------------------------------------------------------------
 
 

@@ -123,6 +123,46 @@ def test_a_task_refused_as_invalid_is_never_hedged_afterwards():
     assert pool.stats()["balancing"]["hedge"]["hedged"] == 0
 
 
+def test_a_hedge_keeps_out_of_the_capacity_the_classes_above_its_task_reserve():
+    """interactive (the default class) reserving 0.9 of 8 slots: a batch task's first
+    attempt takes batch's one slot, and its hedge, judged by batch's ceiling and not
+    the default class's, is skipped: nothing reaches the second worker."""
+    from npu_sync import Task
+    from npu_sync.config import ClassConfig, PriorityConfig
+
+    clock = FakeClock()
+    script = Gated()
+    net = FakeNetwork(script)
+    classes = PriorityConfig(
+        classes=(ClassConfig("interactive", 0.9), ClassConfig("batch", 0.0)),
+        default="interactive",
+        aging=0,
+    )
+    config = make_config(
+        "w0",
+        "w1",
+        balancing=hedging(retry_budget=GENEROUS),
+        circuit_breaker=BreakerConfig(),
+        priority=classes,
+    )
+    result: list[Any] = []
+    with WorkerPool(config, transport_factory=net.factory, clock=clock) as pool:
+        task = Task({"kind": "ok"}, priority="batch")
+        caller = threading.Thread(target=lambda: result.append(pool.execute(task)))
+        caller.start()
+        try:
+            assert script.seen.wait(10)
+            clock.advance(1)
+            pool._state.hedger.run_due()  # the hedge's time: judged here
+        finally:
+            script.gate.set()
+            caller.join(30)
+        hedge = pool.stats()["balancing"]["hedge"]
+    assert result == [{"worker_id": "w0"}]
+    assert net.requests("w1") == []
+    assert (hedge["hedged"], hedge["skipped"]) == (0, 1)
+
+
 def test_a_hedge_ending_after_a_reload_is_counted():
     """A task is hedged, the hedging policy is replaced by a reload while its hedge is
     out, and the hedge wins: the pool's totals and the Prometheus counter show it."""

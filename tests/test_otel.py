@@ -266,3 +266,45 @@ def test_a_tracer_that_fails_to_start_a_span_never_breaks_the_task(spans) -> Non
     (request,) = net.requests()
     assert "traceparent" not in request.headers
     assert spans.get_finished_spans() == ()
+
+
+def test_the_tracing_page_names_only_modules_and_objects_that_exist() -> None:
+    """Every `npu_sync.x` docs/tracing.md quotes is a span, event or attribute name the
+    spans carry, or a module (or an object in one) that can be imported: a module
+    renamed or made private shows here, not to a reader looking for it."""
+    import ast
+    import importlib
+    import inspect
+    import pathlib
+    import re
+
+    from npu_sync import _otel
+
+    emitted = {
+        node.value
+        for node in ast.walk(ast.parse(inspect.getsource(_otel)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
+    # The routing trace's steps are events named after their kind.
+    emitted |= {f"npu_sync.{kind}" for kind in ("choice", "attempt", "hedge", "note")}
+    assert "npu_sync.task.id" in emitted
+
+    def exists(dotted: str) -> bool:
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                found: object = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            try:
+                for name in parts[cut:]:
+                    found = getattr(found, name)
+            except AttributeError:
+                return False
+            return True
+        return False
+
+    page = pathlib.Path(__file__).parent.parent / "docs" / "tracing.md"
+    quoted = set(re.findall(r"`(npu_sync(?:\.\w+)+)(?:\(\))?`", page.read_text()))
+    assert quoted  # the pattern still finds the page's names
+    assert sorted(n for n in quoted if n not in emitted and not exists(n)) == []

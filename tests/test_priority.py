@@ -289,6 +289,47 @@ def test_an_aged_batch_task_may_use_the_reserve(clock: FakeClock, waiting: Any) 
     free(dispatcher, blocked.result)
 
 
+def test_a_batch_task_that_prefers_a_worker_keeps_out_of_the_reserve_too() -> None:
+    """4 slots, standard and interactive reserving 0.25 each: two batch tasks in flight
+    on a fill batch's share. A third that prefers a, which still has room, waits like
+    any batch task: its preference is judged by its own class's ceiling, not the
+    default class's (which would let it take a third slot)."""
+    from npu_sync.config import AdmissionConfig
+
+    entered = threading.Semaphore(0)
+    gate = threading.Event()
+
+    def held(req: Any) -> Any:
+        entered.release()
+        gate.wait(10)
+        return json_response(200, {"ok": True})
+
+    net = FakeNetwork(default=held)
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9100", max_concurrent=3, capabilities=["x"]),
+            worker_config("b", "http://127.0.0.1:9101", max_concurrent=1),
+        ),
+        health=HealthConfig(enabled=False),
+        admission=AdmissionConfig(deadline_aware=False),
+        priority=classes(0.25, 0.25),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        dispatcher = pool._state.dispatcher
+        try:
+            first = [pool.submit(Task({"i": i}, priority="batch", prefers=["x"])) for i in (1, 2)]
+            for _ in first:
+                assert entered.acquire(timeout=10)
+            late = pool.submit(Task({"i": 3}, priority="batch", prefers=["x"]))
+            until(lambda: dispatcher.waiting == 1 or len(net.requests()) > 2)
+            assert dispatcher.waiting == 1 and len(net.requests()) == 2
+            assert sum(w.in_flight for w in pool._state.workers.values()) == 2
+        finally:
+            gate.set()
+        for future in (*first, late):
+            assert future.result(10) == {"ok": True}
+
+
 # -- reloads ----------------------------------------------------------------------------
 
 

@@ -82,7 +82,7 @@ class Fit:
         if ctx.deposit is not None:
             ctx.deposit = None
             self.budget.deposit(ctx.start)
-        return state.dispatcher.try_acquire(excluded)
+        return state.dispatcher.try_acquire(excluded, task.priority)
 
     def reject_unfit(self, ctx: TaskContext, why: str) -> TaskRejected:
         """The rejection of a task no configured worker can serve; nobody is charged."""
@@ -139,6 +139,7 @@ class Admit:
         if isinstance(got, Refusal):
             if got is Refusal.STOPPED:
                 raise Stopped(ctx.task.task_id)
+            self.outcomes.none_chosen(ctx, excluded)
             ctx.reason = self.refusal_reason(ctx, got, wait_until)
         else:
             self.late(ctx, got)

@@ -235,14 +235,15 @@ class Hedge:
     def fire(self, ctx: TaskContext, race: Race, first: Worker, delay: float, next: Lower) -> None:
         """On the timer's thread, ``delay`` after the first attempt began: send the task
         to another worker if it is still unanswered, a worker has room now (a hedge
-        never waits, nor takes a slot a queued task waits for) and the retry budget
-        allows it. Otherwise the hedge is skipped."""
+        never waits, nor takes a slot a queued task waits for or the classes above
+        the task's reserve) and the retry budget allows it. Otherwise the hedge is
+        skipped."""
         if not race.claim():
             return
         state = self.state
         lease: Lease | None = None
         try:
-            lease = state.dispatcher.try_acquire(ctx.excluded | {first.id})
+            lease = state.dispatcher.try_acquire(ctx.excluded | {first.id}, ctx.task.priority)
             # A shared breaker's trial needs the fleet's lease, a Redis round trip the
             # hedge's timer thread does not make: it is left to a task.
             fleet_trial = lease is not None and lease.trial and state.shared is not None

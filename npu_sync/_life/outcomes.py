@@ -184,13 +184,38 @@ class Outcomes:
         Call only when the task has a trace."""
         trace = ctx.trace
         assert trace is not None
-        state = self.state
-        now = state.clock.monotonic()
-        lacking = excluded if excluded is not ctx.excluded else ()
-        why, unlisted = considered(state.workers.values(), lease.worker, ctx.excluded, lacking, now)
+        now = self.state.clock.monotonic()
+        why, unlisted = self._considered(ctx, lease.worker, excluded, now)
         trace.add(
             TraceStep("choice", now + ctx.wall, lease.worker.id, considered=why, unlisted=unlisted)
         )
+
+    def none_chosen(self, ctx: TaskContext, excluded: Collection[str]) -> None:
+        """Trace that no worker could be had, and why each was not: the task is about to
+        end without this attempt. A task with no trace begins one here, so that one
+        failed before any attempt says why too."""
+        trace = ctx.trace
+        if trace is None:
+            ctx.trace = trace = Trace(ctx.task.task_id)
+        now = self.state.clock.monotonic()
+        why, unlisted = self._considered(ctx, None, excluded, now)
+        trace.add(TraceStep("choice", now + ctx.wall, None, considered=why, unlisted=unlisted))
+
+    def _considered(
+        self, ctx: TaskContext, chosen: Worker | None, excluded: Collection[str], now: float
+    ) -> tuple[tuple[tuple[str, str], ...], int]:
+        state = self.state
+        workers = state.workers.values()
+        # Left out beyond what the task tried: the workers lacking its model.
+        lacking = excluded if excluded is not ctx.excluded else ()
+        reserved = None
+        if chosen is None:
+            classes = state.dispatcher.classes
+            rank = classes.rank_or_default(ctx.task.priority)
+            rank = classes.effective(rank, now - ctx.start)
+            if classes.reserving and rank and not classes.may_take(rank, workers):
+                reserved = classes.names[rank]
+        return considered(workers, chosen, ctx.excluded, lacking, now, ctx.task.requires, reserved)
 
     def traced_attempt(
         self,

@@ -29,7 +29,7 @@ from npu_sync._state import PoolState
 from npu_sync._stop import Stopped, TaskStop
 from npu_sync.errors import AdmissionRefused, NoWorkerAvailable, TaskFailed, TaskRejected
 from npu_sync.task import Task
-from npu_sync.trace import TaskWatch
+from npu_sync.trace import TaskWatch, Trace, TraceStep
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,12 @@ class Runner:
         when no attempt was made) carrying the record's id and every attempt."""
         state = self.state
         now = state.clock.time()
+        if exhausted.trace is None:
+            # Ended before any step traced it (no thread of the asyncio pool took it,
+            # too little time was left to send it): its trace still says why.
+            trace = task.trace if task.trace is not None else Trace(task.task_id)
+            trace.add(TraceStep("note", now, text=f"gave up: {exhausted.reason}"))
+            exhausted.trace = trace
         letter = DeadLetter.from_task(
             task,
             endpoint=task.endpoint or state.config.pool.default_endpoint,
@@ -190,7 +196,7 @@ class Runner:
             attempts=exhausted.attempts,
             now=now,
             first_attempt_at=exhausted.first_at,
-            trace=None if exhausted.trace is None else exhausted.trace.to_dict(),
+            trace=exhausted.trace.to_dict(),
         )
         error = NoWorkerAvailable if not exhausted.attempts else TaskFailed
         try:
