@@ -330,6 +330,52 @@ def test_a_batch_task_that_prefers_a_worker_keeps_out_of_the_reserve_too() -> No
             assert future.result(10) == {"ok": True}
 
 
+def test_a_batch_task_naming_a_model_keeps_out_of_the_reserve_too() -> None:
+    """As above, for the choice among the workers holding the task's model: a holds m
+    (3 slots), b does not (1 slot); standard and interactive reserve 0.25 each of the 4.
+    With two batch tasks for m in flight, a third waits, though a still has room: the
+    model route judges it by batch's ceiling, not the default class's."""
+    from npu_sync.config import AdmissionConfig
+    from tests.modelkit import linux
+
+    entered = threading.Semaphore(0)
+    gate = threading.Event()
+
+    def held(req: Any) -> Any:
+        entered.release()
+        gate.wait(10)
+        return json_response(200, {"ok": True})
+
+    net = FakeNetwork()
+    net.route("a", linux(["m"], task=held))
+    net.route("b", linux(["other"], task=held))
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9100", max_concurrent=3),
+            worker_config("b", "http://127.0.0.1:9101", max_concurrent=1),
+        ),
+        health=HealthConfig(enabled=False),
+        admission=AdmissionConfig(deadline_aware=False),
+        priority=classes(0.25, 0.25),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory) as pool:
+        pool.check_health()  # a holds m, b does not
+        dispatcher = pool._state.dispatcher
+        payload = {"model_id": "m", "input_text": "x"}
+        try:
+            first = [pool.submit(Task(dict(payload), priority="batch")) for _ in (1, 2)]
+            for _ in first:
+                assert entered.acquire(timeout=10)
+            late = pool.submit(Task(dict(payload), priority="batch"))
+            until(lambda: dispatcher.waiting == 1 or entered.acquire(blocking=False))
+            assert dispatcher.waiting == 1
+            assert sum(w.in_flight for w in pool._state.workers.values()) == 2
+        finally:
+            gate.set()
+        for future in (*first, late):
+            assert future.result(10) == {"ok": True}
+
+
 # -- reloads ----------------------------------------------------------------------------
 
 

@@ -114,7 +114,9 @@ class Costed:
         if ctx.deposit is not None:
             ctx.deposit = None
             self.budget.deposit(ctx.start)
-        return state.dispatcher.try_acquire([w.id for w in workers if w is not best])
+        return state.dispatcher.try_acquire(
+            [w.id for w in workers if w is not best], ctx.task.priority
+        )
 
 
 class ModelRoute:
@@ -140,7 +142,7 @@ class ModelRoute:
                 if ctx.deposit is not None:
                     ctx.deposit = None
                     self.budget.deposit(ctx.start)
-                ready = state.dispatcher.try_acquire(ctx.excluded | lacking)
+                ready = state.dispatcher.try_acquire(ctx.excluded | lacking, ctx.task.priority)
                 if ready is not None:
                     if ctx.trace is not None:
                         self.outcomes.chose(ctx, ready, lacking)
