@@ -289,13 +289,8 @@ def test_an_aged_batch_task_may_use_the_reserve(clock: FakeClock, waiting: Any) 
     free(dispatcher, blocked.result)
 
 
-def test_a_batch_task_that_prefers_a_worker_keeps_out_of_the_reserve_too() -> None:
-    """4 slots, standard and interactive reserving 0.25 each: two batch tasks in flight
-    on a fill batch's share. A third that prefers a, which still has room, waits like
-    any batch task: its preference is judged by its own class's ceiling, not the
-    default class's (which would let it take a third slot)."""
-    from npu_sync.config import AdmissionConfig
-
+def held_answers() -> tuple[threading.Semaphore, threading.Event, Any]:
+    """A worker's answer held until ``gate`` is set; ``entered`` counts the requests in."""
     entered = threading.Semaphore(0)
     gate = threading.Event()
 
@@ -303,6 +298,18 @@ def test_a_batch_task_that_prefers_a_worker_keeps_out_of_the_reserve_too() -> No
         entered.release()
         gate.wait(10)
         return json_response(200, {"ok": True})
+
+    return entered, gate, held
+
+
+def test_a_batch_task_that_prefers_a_worker_keeps_out_of_the_reserve_too() -> None:
+    """4 slots, standard and interactive reserving 0.25 each: two batch tasks in flight
+    on a fill batch's share. A third that prefers a, which still has room, waits like
+    any batch task: its preference is judged by its own class's ceiling, not the
+    default class's (which would let it take a third slot)."""
+    from npu_sync.config import AdmissionConfig
+
+    entered, gate, held = held_answers()
 
     net = FakeNetwork(default=held)
     cfg = PoolConfig(
@@ -338,13 +345,7 @@ def test_a_batch_task_naming_a_model_keeps_out_of_the_reserve_too() -> None:
     from npu_sync.config import AdmissionConfig
     from tests.modelkit import linux
 
-    entered = threading.Semaphore(0)
-    gate = threading.Event()
-
-    def held(req: Any) -> Any:
-        entered.release()
-        gate.wait(10)
-        return json_response(200, {"ok": True})
+    entered, gate, held = held_answers()
 
     net = FakeNetwork()
     net.route("a", linux(["m"], task=held))
