@@ -18,8 +18,9 @@ A load goes where loading is cheapest: the worker with the lowest learnt load ti
 for that model (else its mean load time), preferring one with a free model slot. On a
 worker at its cap (``max_models``), the coldest evictable model is unloaded first:
 the one with the most idle time per second of load cost (cheap to bring back and
-long unused goes first), never one with tasks in flight, within its hold time, or
-the last replica of a model with ``min >= 1``. At most ``models.loads_per_round``
+long unused goes first), never one with tasks in flight, within its hold time, or at
+its ``min`` (counting what the round already takes away: never the last replica of a
+model with ``min >= 1``, however many loads the round makes). At most ``models.loads_per_round``
 loads per round: each pool acts on what the workers report and on its own tasks, so
 many processes placing on their own are rate-limited rather than coordinated (see
 docs/placement.md).
@@ -266,12 +267,14 @@ class Planner:
 
     def may_unload(self, worker_id: str, model: str, now: float, replicas: int) -> bool:
         """Whether ``model`` may leave ``worker_id`` now: no task in flight there, past
-        its hold time, and not the last replica of a model with ``min >= 1``."""
+        its hold time, and ``replicas`` (its live holders, less those this round
+        already takes away) above its ``min``: so never the last replica of a model
+        with ``min >= 1``."""
         if self.use.in_flight(worker_id, model):
             return False
         if now - self.loaded_at.get((worker_id, model), now) < self.config.hold:
             return False
-        return not (replicas <= 1 and self.config.policy(model).min_replicas >= 1)
+        return replicas > self.config.policy(model).min_replicas
 
     # -- where a replica goes --------------------------------------------------------
 
@@ -290,7 +293,10 @@ class Planner:
         worker, the coldest evictable model goes first. Never a worker in ``skip``
         (given a load this round already, or lacking what the task needing the model
         requires); replicas still count there. None when nowhere will do."""
-        replicas = self._replicas(model, workers)
+        workers = list(workers)
+        # What this round already takes away counts: two evictions on two full workers
+        # must not each take one of the same model's last two replicas.
+        replicas = self._replicas(workers, evicted)
         best: tuple[tuple[float, int, float], Load] | None = None
         for worker in workers:
             if not worker.live or worker.models is None or worker.id in skip:
@@ -337,12 +343,16 @@ class Planner:
         return sum(mine) / len(mine) if mine else DEFAULT_LOAD_COST
 
     @staticmethod
-    def _replicas(model: str, workers: Iterable[WorkerView]) -> dict[str, int]:
+    def _replicas(
+        workers: Iterable[WorkerView], gone: set[tuple[str, str]] | frozenset[tuple[str, str]]
+    ) -> dict[str, int]:
+        """Live holders per model, less the replicas ``gone`` (decided to leave)."""
         counts: dict[str, int] = {}
         for worker in workers:
             if worker.live:
                 for held in worker.models or ():
-                    counts[held] = counts.get(held, 0) + 1
+                    if (worker.id, held) not in gone:
+                        counts[held] = counts.get(held, 0) + 1
         return counts
 
 
@@ -431,6 +441,13 @@ class Placer:
             planner = Planner(config, self.use, self._loaded_at, self._load_cost)
             actions = planner.plan(views, self.use.take_peaks(), now)
             self.counts["rounds"] += 1
+            # Every replica the round decided to take away, done or not: a second try
+            # after a 507 must leave each model its min, counting the actions to come.
+            leaving = {
+                (a.worker_id, m)
+                for a in actions
+                for m in (a.evict if isinstance(a, Load) else (a.model,))
+            }
             for action in actions:
                 if state.closed or self._stop.is_set():
                     break
@@ -441,9 +458,11 @@ class Placer:
                             action.model,
                             self._views(state.clock.monotonic()),
                             now,
+                            evicted=leaving,
                             reason=action.reason,
                         )
                         if again is not None:
+                            leaving.update((again.worker_id, m) for m in again.evict)
                             self._do_load(again)
                 else:
                     self._unload(action.worker_id, action.model, "unload", action.reason)

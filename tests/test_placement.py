@@ -210,6 +210,29 @@ def test_a_round_adds_below_min_scales_up_and_removes_cold_and_surplus() -> None
     assert len([u for u in unloads if u[1] == "capped"]) == 1
 
 
+def test_one_round_never_evicts_a_min_models_replicas_below_its_min() -> None:
+    """loads_per_round 3 on three full workers, each holding the coldest model x: the
+    round's evictions count each other, so x (min 1, then min 2) keeps its min."""
+    now = 1000.0
+    for keep in (1, 2):
+        use = ModelUse()
+        for wid, hot in (("a", "h0"), ("b", "h1"), ("c", "h2")):
+            use.start(wid, hot, now - 1)
+            use.end(wid, hot, now - 1)
+            use.start(wid, "x", 10.0)
+            use.end(wid, "x", 10.0)
+        catalog = {m: ModelPolicy(1, None) for m in ("h0", "h1", "h2", "n0", "n1", "n2")}
+        catalog["x"] = ModelPolicy(keep, None)
+        cfg = ModelsConfig(hold=0, idle=86400, loads_per_round=3, catalog=catalog)
+        workers = [view(w, ("x", h), cap=2) for w, h in (("a", "h0"), ("b", "h1"), ("c", "h2"))]
+        actions = Planner(cfg, use, {}, {}).plan(workers, {}, now)
+        loads = [a for a in actions if isinstance(a, Load)]
+        gone = sum(a.evict.count("x") for a in loads)
+        gone += sum(1 for a in actions if isinstance(a, Unload) and a.model == "x")
+        assert 3 - gone >= keep, actions
+        assert len(loads) == 3 - keep  # the other loads found nothing that may leave
+
+
 # -- a pool over fake workers ------------------------------------------------------
 
 
@@ -301,6 +324,53 @@ def test_the_last_replica_of_a_min_model_stays_however_cold() -> None:
         pool.check_placement()
         pool.check_placement()
         assert worker.models == ["keep"] and worker.unloads == ["spare"]
+
+
+def test_a_round_of_two_loads_leaves_a_min_model_one_replica() -> None:
+    """Two workers full of x (min 1, the coldest) and a hot model each; two models
+    below their min: one round with loads_per_round 2 loads one of them, evicting x
+    once, and x keeps a replica."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("x", "h0"), cap=2)
+    w1 = ModelWorker(clock, ("x", "h1"), cap=2)
+    catalog = {m: ModelPolicy(1, None) for m in ("x", "h0", "h1", "n1", "n2")}
+    with fleet(
+        clock, w0, w1, hold=0, idle=86400, max_models=2, loads_per_round=2, catalog=catalog
+    ) as pool:
+        clock.advance(100)
+        pool.execute({"model_id": "h0"})
+        pool.execute({"model_id": "h1"})  # x is now the coldest everywhere
+        pool.check_placement()
+        assert sum("x" in w.models for w in (w0, w1)) == 1
+        assert w0.unloads + w1.unloads == ["x"]
+
+
+def test_a_second_try_after_a_507_counts_the_rounds_evictions_to_come() -> None:
+    """w0's cap is unknown, w1's is configured: the round loads one model on w0 (no
+    eviction planned) and one on w1 evicting x (min 1). w0 answers 507; trying again
+    there must not evict x too, since the round's w1 eviction is still to come."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("x", "h0"), cap=2)
+    w1 = ModelWorker(clock, ("x", "h1"), cap=2)
+    net = FakeNetwork()
+    net.route("w0", w0)
+    net.route("w1", w1)
+    catalog = {m: ModelPolicy(1, None) for m in ("x", "h0", "h1", "n1", "n2")}
+    cfg = dataclasses.replace(
+        config(2, hold=0, idle=86400, loads_per_round=2, catalog=catalog),
+        workers=(
+            worker_config("w0", "http://127.0.0.1:9500"),
+            worker_config("w1", "http://127.0.0.1:9501", max_models=2),
+        ),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        pool.check_health()
+        clock.advance(100)
+        pool.execute({"model_id": "h0"})
+        pool.execute({"model_id": "h1"})
+        pool.check_placement()
+        assert sum("x" in w.models for w in (w0, w1)) == 1
+        assert w0.unloads + w1.unloads == ["x"]
 
 
 def test_two_hot_sets_alternating_do_not_thrash() -> None:
