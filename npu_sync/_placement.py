@@ -44,7 +44,7 @@ from typing import Any
 
 from npu_sync._outage import down_reason
 from npu_sync._retry import Kind
-from npu_sync._state import PoolState
+from npu_sync._state import PlaceLater, PoolState
 from npu_sync._stats_types import ModelRowDict
 from npu_sync._stop import TaskStop
 from npu_sync._worker import Worker
@@ -81,6 +81,8 @@ class ModelUse:
         self._last: dict[tuple[str, str], float] = {}
         self._model_now: dict[str, int] = {}
         self._peak: dict[str, int] = {}
+        # Set when any attempt ends: loads waiting for a slot that a task holds.
+        self._wakers: list[threading.Event] = []
 
     def start(self, worker_id: str, model: str, now: float) -> None:
         """An attempt of a task for ``model`` starts on ``worker_id``."""
@@ -109,6 +111,19 @@ class ModelUse:
                 self._model_now[model] = left
             else:
                 self._model_now.pop(model, None)
+            if self._wakers:
+                for woken in self._wakers:
+                    woken.set()
+
+    def watch(self, woken: threading.Event) -> None:
+        """Set ``woken`` whenever an attempt ends, until :meth:`unwatch`."""
+        with self._lock:
+            self._wakers.append(woken)
+
+    def unwatch(self, woken: threading.Event) -> None:
+        with self._lock:
+            if woken in self._wakers:
+                self._wakers.remove(woken)
 
     def in_flight(self, worker_id: str, model: str) -> int:
         return self._in_flight.get((worker_id, model), 0)
@@ -333,6 +348,36 @@ class Planner:
                 best = (score, model)
         return None if best is None else best[1]
 
+    def frees(
+        self,
+        model: str,
+        workers: Iterable[WorkerView],
+        now: float,
+        skip: set[str] | frozenset[str] = frozenset(),
+    ) -> list[tuple[float, bool]]:
+        """Why no worker (outside ``skip``) may load ``model`` now, where waiting may
+        help: per model held on a full live worker that would be evicted but for its
+        hold time or a task in flight, when its hold ends and whether a task keeps it.
+        Empty when waiting cannot help (every such model is at its ``min``, or no
+        worker may hold models)."""
+        workers = list(workers)
+        replicas = self._replicas(workers, frozenset())
+        hold = self.config.hold
+        found: list[tuple[float, bool]] = []
+        for worker in workers:
+            if not worker.live or worker.models is None or model in worker.models:
+                continue
+            if worker.id in skip:
+                continue
+            if worker.cap is None or len(worker.models) < worker.cap:
+                continue  # room there, yet no load: not for a slot to free
+            for held in worker.models:
+                if replicas.get(held, 1) <= self.config.policy(held).min_replicas:
+                    continue  # stays whatever the wait
+                until = self.loaded_at.get((worker.id, held), now) + hold
+                found.append((until, self.use.in_flight(worker.id, held) > 0))
+        return found
+
     def cost(self, worker_id: str, model: str) -> float:
         """Learnt load seconds of ``model`` on ``worker_id``; else the worker's mean,
         else :data:`DEFAULT_LOAD_COST`."""
@@ -386,6 +431,7 @@ class Placer:
         self._last_status: dict[str, int] = {}
         self._last_look = state.clock.monotonic()  # when what workers hold was last seen
         self._cancels: set[Cancel] = set()  # requests under way, cut short by stop()
+        self._slot_waits: set[threading.Event] = set()  # tasks waiting for a slot
 
     # -- the thread ------------------------------------------------------------------
 
@@ -408,8 +454,11 @@ class Placer:
         self._stop.set()
         with self._pending_lock:
             cancels = list(self._cancels)
+            waits = list(self._slot_waits)
         for cancel in cancels:
             cancel.cancel()
+        for woken in waits:
+            woken.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -421,6 +470,7 @@ class Placer:
         self._pending_lock = threading.Lock()
         self._pending = {}
         self._cancels = set()
+        self._slot_waits = set()
         self.use = ModelUse()
         self._stop = threading.Event()
         self._thread = None
@@ -524,31 +574,66 @@ class Placer:
         worker), never on a worker in ``skip`` (those lacking what the tasks require);
         one load per model and ``skip`` at a time, the other tasks waiting for it
         within ``timeout``, or until their ``stop`` is stopped (the load goes on for the
-        others). None once loaded, else why not."""
+        others).
+
+        When every worker is full of models that may not leave yet (inside their hold
+        time, or serving tasks), the task waits for one to become free to leave, as
+        it waits for a worker: within ``pool.max_queue_wait`` and ``timeout``.
+
+        Returns:
+            None once loaded, else why it cannot be (the task is rejected).
+
+        Raises:
+            PlaceLater: a slot frees, but only after the task must stop waiting.
+        """
+        clock = self._state.clock
+        end = clock.monotonic() + timeout
         key = (model, skip)
-        with self._pending_lock:
-            pending = self._pending.get(key)
-            mine = pending is None
-            if pending is None:
-                pending = self._pending[key] = _Pending()
-        if not mine:
+        while True:
+            with self._pending_lock:
+                pending = self._pending.get(key)
+                mine = pending is None
+                if pending is None:
+                    pending = self._pending[key] = _Pending()
+            if mine:
+                return self._own(key, pending, end - clock.monotonic(), stop)
+            left = end - clock.monotonic()
             if stop is None:
-                ended = pending.done.wait(max(0.0, timeout))
+                ended = pending.done.wait(max(0.0, left))
             else:
-                ended = self._await_stoppable(pending, timeout, stop)
+                ended = self._await_stoppable(pending, left, stop)
             if not ended:
                 if stop is not None and stop.cancelled:
                     return "the task was stopped while the model loaded"
                 return "loading it did not end before the deadline"
-            return pending.error
+            if pending.late is None:
+                return pending.error
+            # The task that was placing it could wait no longer for a slot; this one
+            # may wait longer, placing it itself (or it ends the same way).
+
+    def _own(
+        self,
+        key: tuple[str, frozenset[str]],
+        pending: _Pending,
+        timeout: float,
+        stop: TaskStop | None,
+    ) -> str | None:
+        """:meth:`place` for the task that places the model of ``key``; the others
+        wait on ``pending``."""
         error: str | None = "loading it was interrupted"
+        late: str | None = None
         try:
-            error = self._place(model, timeout, skip)
+            error = self._place(key[0], timeout, stop, key[1])
+        except PlaceLater as exc:
+            error = late = exc.reason
+            raise
         finally:
             state = self._state
-            with state.lock:
-                state.model_counts["placements" if error is None else "placement_failures"] += 1
+            if late is None:
+                with state.lock:
+                    state.model_counts["placements" if error is None else "placement_failures"] += 1
             pending.error = error
+            pending.late = late
             with self._pending_lock:
                 del self._pending[key]
                 pending.done.set()
@@ -577,21 +662,74 @@ class Placer:
                     pending.wakers.remove(woken)
         return pending.done.is_set()
 
-    def _place(self, model: str, timeout: float, skip: frozenset[str]) -> str | None:
+    def _place(
+        self, model: str, timeout: float, stop: TaskStop | None, skip: frozenset[str]
+    ) -> str | None:
         state = self._state
-        # A round, or another model's load, may hold it for as long as a load takes
-        # (minutes on an NPU): the task waits for it only within its deadline.
         clock = state.clock
         start = clock.monotonic()
-        if not self._acting.acquire(timeout=max(0.0, timeout)):
-            return "another model was being loaded or placed until the task's deadline"
-        try:
-            return self._place_acting(model, timeout - (clock.monotonic() - start), skip)
-        finally:
-            self._acting.release()
+        end = start + timeout
+        # Waiting for a model slot is waiting for a worker: pool.max_queue_wait bounds
+        # it, within the task's deadline (docs/reliability.md, admission).
+        limit = min(end, start + state.config.pool.max_queue_wait)
+        while True:
+            # A round, or another model's load, may hold it for as long as a load takes
+            # (minutes on an NPU): the task waits for it only within its deadline.
+            if not self._acting.acquire(timeout=max(0.0, end - clock.monotonic())):
+                return "another model was being loaded or placed until the task's deadline"
+            try:
+                result = self._place_acting(model, end - clock.monotonic(), skip)
+            finally:
+                self._acting.release()
+            if not isinstance(result, _Full):
+                return result
+            error = self._await_slot(model, result, limit, stop)
+            if error is not None:
+                return error
 
-    def _place_acting(self, model: str, timeout: float, skip: frozenset[str]) -> str | None:
-        """:meth:`_place`'s work, under ``_acting``."""
+    def _await_slot(
+        self, model: str, full: _Full, limit: float, stop: TaskStop | None
+    ) -> str | None:
+        """Every worker is full of models that may not leave yet: wait until one may
+        (its hold ends, or a task in flight ends) if that can come by ``limit``. None
+        to look again; else why the task ends (rejected).
+
+        Raises:
+            PlaceLater: nothing may leave before ``limit``.
+        """
+        if not full.frees:
+            return full.reason  # every model stays, however long the task waits
+        now = self._state.clock.monotonic()
+        soonest = min((until for until, busy in full.frees if not busy), default=None)
+        busy = any(busy and until <= limit for until, busy in full.frees)
+        if now >= limit or (not busy and (soonest is None or soonest > limit)):
+            raise PlaceLater(_late_reason(model, now, limit, soonest))
+        wait = max((limit if soonest is None else min(soonest, limit)) - now, 0.001)
+        woken = threading.Event()
+        if busy:
+            self.use.watch(woken)
+        with self._pending_lock:
+            self._slot_waits.add(woken)
+        try:
+            if (stop is None or stop.on_cancel(woken.set)) and not self._stop.is_set():
+                try:
+                    self._state.clock.wait(woken, wait)
+                finally:
+                    if stop is not None:
+                        stop.forget(woken.set)
+        finally:
+            self.use.unwatch(woken)
+            with self._pending_lock:
+                self._slot_waits.discard(woken)
+        if stop is not None and stop.cancelled:
+            return "the task was stopped while it waited for a model slot"
+        if self._stop.is_set():
+            return "placement stopped"
+        return None
+
+    def _place_acting(self, model: str, timeout: float, skip: frozenset[str]) -> str | _Full | None:
+        """:meth:`_place`'s work, under ``_acting``: None once loaded, why not, or
+        :class:`_Full` when every worker is full of models that may not leave yet."""
         state = self._state
         now = state.clock.monotonic()
         views = self._views(now)
@@ -603,19 +741,22 @@ class Placer:
         planner = Planner(state.config.models, self.use, self._loaded_at, self._load_cost)
         load = planner.target(model, views, now, skip=skip)
         if load is None:
-            return (
-                f"no live worker{' meeting its requires' if skip else ''} can load it "
-                "(each is full and none of its models may leave yet: in flight, or held; "
-                "or it lists no models)"
+            return _Full(
+                planner.frees(model, views, now, skip),
+                "no live worker can load it (each is full and none of its models may "
+                "leave: at their min, or no model list)",
             )
         error = self._do_load(load, timeout)
         if error is None or not self._learnt_full(load, views):
             return error
         # The worker said it is full (507): its cap is now known; try again, once,
         # evicting where that is allowed.
-        load = planner.target(model, self._views(state.clock.monotonic()), now, skip=skip)
+        views = self._views(state.clock.monotonic())
+        load = planner.target(model, views, now, skip=skip)
         if load is None:
-            return f"{error}; none of its models may leave yet (in flight, or held)"
+            return _Full(
+                planner.frees(model, views, now, skip), f"{error}; none of its models may leave"
+            )
         return self._do_load(load, timeout)
 
     def _learnt_full(self, load: Load, views: list[WorkerView]) -> bool:
@@ -794,14 +935,39 @@ class Placer:
         return rows
 
 
+@dataclass(frozen=True, slots=True)
+class _Full:
+    """No worker may load a model now: each is full of models that may not leave.
+    ``frees``: see :meth:`Planner.frees`; ``reason``: why, when waiting cannot help."""
+
+    frees: list[tuple[float, bool]]
+    reason: str
+
+
+def _late_reason(model: str, now: float, limit: float, soonest: float | None) -> str:
+    """Why a task's model could not be placed before it had to stop waiting."""
+    shown = repr(model) if len(model) <= 100 else repr(model[:100]) + "..."
+    why = (
+        f"model {shown} could not be loaded in time: every worker is full of models "
+        "that may not leave yet"
+    )
+    if soonest is None:
+        why += " (they serve tasks"
+    else:
+        why += f" (the first may leave in {max(soonest - now, 0.0):.1f}s, past its hold time"
+    return why + f"; the task's wait for a worker ends in {max(limit - now, 0.0):.1f}s)"
+
+
 class _Pending:
     """A model being loaded for the tasks that wait for it."""
 
-    __slots__ = ("done", "error", "wakers")
+    __slots__ = ("done", "error", "late", "wakers")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: str | None = None
+        # Set when the placing task could not wait for a slot: why.
+        self.late: str | None = None
         # The events of stoppable tasks waiting for it (set once it is done).
         self.wakers: list[threading.Event] = []
 

@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from npu_sync import Task, TaskRejected, WorkerPool
+from npu_sync import NoWorkerAvailable, Task, TaskRejected, WorkerPool
 from npu_sync._placement import Load, ModelUse, Planner, Unload, WorkerView
+from npu_sync._stop import TaskStop
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -277,8 +278,9 @@ def test_a_full_worker_evicts_its_coldest_model_never_one_in_flight() -> None:
 
 
 def test_an_eviction_never_takes_a_model_with_a_task_in_flight() -> None:
-    """Both models of a full worker have tasks in flight: the load is refused with a
-    reason, nothing is unloaded, and both tasks end well."""
+    """Both models of a full worker keep tasks in flight past the new task's wait:
+    nothing is unloaded, the new task fails as no worker available (its dead letter
+    stored: it is not a bad task), and both tasks end well."""
     clock = FakeClock()
     worker = ModelWorker(clock, ("a", "b"), cap=2)
     with fleet(clock, worker, hold=0) as pool:
@@ -288,11 +290,90 @@ def test_an_eviction_never_takes_a_model_with_a_task_in_flight() -> None:
         worker.entered.clear()
         second = pool.submit({"model_id": "b", "hold": True})
         assert worker.entered.wait(10)
-        with pytest.raises(TaskRejected, match="may leave yet"):
+        with pytest.raises(NoWorkerAvailable, match="may not leave yet") as failed:
             pool.execute({"model_id": "c"})
+        assert failed.value.dead_letter_id is not None
+        assert [r.id for r in pool.dead_letters.list()] == [failed.value.dead_letter_id]
         assert worker.unloads == []
         worker.hold.set()
         assert first.result(10)["model_id"] == "a" and second.result(10)["model_id"] == "b"
+
+
+class WaitingClock(FakeClock):
+    """A fake clock whose ``wait`` blocks for real (10 s at most) until its event is
+    set, and says when a wait began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        if timeout is not None and timeout <= 0:
+            return event.is_set()
+        self.waiting.set()
+        return event.wait(10 if timeout is None else min(timeout, 10))
+
+
+def test_a_load_waits_for_a_task_in_flight_to_end_then_evicts() -> None:
+    """Both models of a full worker have a task in flight: a task for a third model
+    waits for a slot instead of being refused; once those tasks end, the coldest
+    model leaves and the waiting task is served."""
+    clock = WaitingClock()
+    worker = ModelWorker(clock, ("a", "b"), cap=2)
+    with fleet(clock, worker, hold=0) as pool:
+        worker.hold.clear()
+        first = pool.submit({"model_id": "a", "hold": True})
+        assert worker.entered.wait(10)
+        worker.entered.clear()
+        second = pool.submit({"model_id": "b", "hold": True})
+        assert worker.entered.wait(10)
+        third = pool.submit({"model_id": "c"})
+        assert clock.waiting.wait(10)  # its load waits for a slot
+        assert worker.unloads == [] and not third.done()
+        worker.hold.set()
+        assert third.result(10)["model_id"] == "c"
+        assert first.result(10)["model_id"] == "a" and second.result(10)["model_id"] == "b"
+        assert len(worker.unloads) == 1 and "c" in worker.models
+
+
+def test_a_task_waiting_for_a_slot_leaves_when_stopped() -> None:
+    """A task whose load waits for a slot held by a task in flight is woken by its
+    stop and leaves at once, nothing unloaded."""
+    clock = WaitingClock()
+    worker = ModelWorker(clock, ("a",), cap=1)
+    with fleet(clock, worker, hold=0, max_models=1) as pool:
+        placer = pool._placer
+        assert placer is not None
+        placer.started("w0", "a", clock.monotonic())  # a task of a's, in flight
+        stop = TaskStop()
+        answer: list[str | None] = []
+        waiting = threading.Thread(target=lambda: answer.append(placer.place("c", 60.0, stop)))
+        waiting.start()
+        assert clock.waiting.wait(10)
+        stop.cancel()
+        waiting.join(10)
+        assert answer == ["the task was stopped while it waited for a model slot"]
+        assert worker.unloads == [] and worker.loads == []
+        placer.ended("w0", "a", clock.monotonic())
+
+
+def test_a_load_waits_for_a_hold_that_ends_within_the_tasks_wait() -> None:
+    """Every slot is inside its hold time: a task whose wait for a worker (10 s) ends
+    before the first hold does fails at once as no worker available, nothing
+    unloaded; one arriving 5 s before a hold ends waits those 5 s, then evicts."""
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("a", "b"), cap=2, load_seconds=0.5)
+    with fleet(clock, worker, hold=30, max_models=2) as pool:
+        start = clock.monotonic()  # a and b count as loaded at the pool's first look
+        pool.check_placement()
+        clock.advance(19)
+        with pytest.raises(NoWorkerAvailable, match=r"may leave in 11\.0s"):
+            pool.execute({"model_id": "c"})
+        assert clock.monotonic() == start + 19 and worker.unloads == []
+        clock.advance(6)
+        assert pool.execute({"model_id": "c"})["model_id"] == "c"
+        assert len(worker.unloads) == 1
+        assert clock.monotonic() == start + 30 + 0.5  # its hold's end, then the load
 
 
 def test_a_round_never_unloads_a_model_whose_task_is_in_flight() -> None:
@@ -376,10 +457,12 @@ def test_a_second_try_after_a_507_counts_the_rounds_evictions_to_come() -> None:
 def test_two_hot_sets_alternating_do_not_thrash() -> None:
     """One worker, two model slots, hot sets {a, b} and {c, d} alternating every 20 s
     with a 60 s hold: a model stays at least its hold time, so loads are bounded by
-    the hold (at most two slots per 60 s), not by the switches (16 without it)."""
+    the hold (at most two slots per 60 s), not by the switches (18 without it). A task
+    that finds every slot held fails as no worker available, its dead letter stored
+    (replayable once a slot frees), never as a bad task."""
     clock = FakeClock()
     worker = ModelWorker(clock, (), cap=2, load_seconds=0.5)
-    served = refused = 0
+    served = failed = 0
     with fleet(clock, worker, hold=60) as pool:
         for phase in range(9):
             hot = ("a", "b") if phase % 2 == 0 else ("c", "d")
@@ -388,24 +471,30 @@ def test_two_hot_sets_alternating_do_not_thrash() -> None:
                     try:
                         pool.execute({"model_id": model})
                         served += 1
-                    except TaskRejected:
-                        refused += 1
+                    except NoWorkerAvailable:
+                        failed += 1
             clock.advance(20)
+        assert len(pool.dead_letters.list()) == failed
     assert len(worker.loads) <= 2 * (9 * 20 // 60 + 1)
-    assert len(worker.loads) < 16 and served > 0 and refused > 0
+    assert len(worker.loads) < 16 and served > 0 and failed > 0
     assert all(worker.loads.count(m) <= 4 for m in "abcd")
 
 
 def test_a_worker_refusing_a_load_fails_the_task_and_charges_nobody() -> None:
-    """507 and 500 to a load: the task is rejected naming the answer, a failed
-    placement event is sent, and the worker's breaker is untouched."""
-    for status in (507, 500):
+    """500 to a load: the task is rejected naming the answer; 507 (full, and x is
+    inside its hold time): the task fails as no worker available. Either way a failed
+    placement event is sent and the worker's breaker is untouched."""
+    ends: list[tuple[int, type[Exception], str]] = [
+        (507, NoWorkerAvailable, "may not leave yet"),
+        (500, TaskRejected, "HTTP 500"),
+    ]
+    for status, error, match in ends:
         clock = FakeClock()
         worker = ModelWorker(clock, ("x",))
         worker.load_status = status
         events: list[Event] = []
         with fleet(clock, worker, events=events) as pool:
-            with pytest.raises(TaskRejected, match=f"HTTP {status}"):
+            with pytest.raises(error, match=match):
                 pool.execute({"model_id": "m"})
             assert placements(events, "failed") == [("w0", "m")]
             assert pool.workers()[0]["breaker"]["failures"] == 0
