@@ -6,8 +6,10 @@ its own every ``models.interval`` seconds) looks at what the workers hold, what 
 pool's tasks use, and the targets of ``models.catalog``, and:
 
 1. adds a replica of a model below its ``min``;
-2. adds a replica of a model whose tasks in flight reached ``models.scale_up`` of its
-   replicas' capacity (up to its ``max``);
+2. adds a replica of a model whose load exceeded what its replicas serve since the
+   previous round (up to its ``max``): its tasks in flight reached ``models.scale_up``
+   of their capacity, or its tasks queued for a worker, or its latency rose above its
+   own normal (the rule: :mod:`npu_sync._demand`);
 3. removes a replica of a model above its ``max``, or one that went cold (no task for
    ``models.idle``), or one the model's load would not miss (its peak would fit in one
    fewer at ``models.scale_down``) — never the last replica of a model whose ``min``
@@ -33,6 +35,7 @@ in flight per worker and model, fed by the life of each task.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -42,6 +45,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from npu_sync._demand import Demand, Window
 from npu_sync._outage import down_reason
 from npu_sync._retry import Kind
 from npu_sync._state import PlaceLater, PoolState
@@ -72,8 +76,9 @@ _EWMA = 0.5  # weight of a new load time against the learnt one
 
 
 class ModelUse:
-    """Tasks in flight and last use per (worker, model), and per model the peak of
-    tasks in flight since the last round. Thread-safe (one small lock of its own)."""
+    """Tasks in flight and last use per (worker, model), and per model since the last
+    round: the peak of attempts in flight, the attempts ended and their seconds in
+    flight. Thread-safe (one small lock of its own)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -81,6 +86,12 @@ class ModelUse:
         self._last: dict[tuple[str, str], float] = {}
         self._model_now: dict[str, int] = {}
         self._peak: dict[str, int] = {}
+        # Per model since the last round: attempts ended, attempt-seconds in flight
+        # (the count in flight integrated over time: the sum of the attempts' times,
+        # without pairing each end with its start), and when the count last changed.
+        self._ended: dict[str, int] = {}
+        self._busy: dict[str, float] = {}
+        self._changed: dict[str, float] = {}
         # Set when any attempt ends: loads waiting for a slot that a task holds.
         self._wakers: list[threading.Event] = []
 
@@ -90,6 +101,7 @@ class ModelUse:
         with self._lock:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
             self._last[key] = now
+            self._add_busy_locked(model, now)
             count = self._model_now[model] = self._model_now.get(model, 0) + 1
             if count > self._peak.get(model, 0):
                 self._peak[model] = count
@@ -106,6 +118,8 @@ class ModelUse:
             else:
                 self._in_flight.pop(key, None)
             self._last[key] = now
+            self._add_busy_locked(model, now)
+            self._ended[model] = self._ended.get(model, 0) + 1
             left = self._model_now.get(model, 0) - 1
             if left > 0:
                 self._model_now[model] = left
@@ -131,13 +145,35 @@ class ModelUse:
     def last_used(self, worker_id: str, model: str) -> float | None:
         return self._last.get((worker_id, model))
 
-    def take_peaks(self) -> dict[str, int]:
-        """Per model, the most tasks in flight at once since the last call; the count
-        starts again from the tasks in flight now."""
+    def take_windows(self, now: float, seconds: float) -> dict[str, Window]:
+        """Per model, what its attempts did since the last call, a window of
+        ``seconds`` ending ``now`` (no queueing: the dispatcher counts that); the
+        counts start again, the peak from the attempts in flight now."""
         with self._lock:
-            peaks = dict(self._peak)
+            for model in self._model_now:
+                self._add_busy_locked(model, now)
+            windows = {
+                model: Window(
+                    seconds,
+                    self._peak.get(model, 0),
+                    self._ended.get(model, 0),
+                    self._busy.get(model, 0.0),
+                )
+                for model in self._peak.keys() | self._ended.keys()
+            }
             self._peak = dict(self._model_now)
-        return peaks
+            self._ended = {}
+            self._busy = {}
+            self._changed = {m: t for m, t in self._changed.items() if m in self._model_now}
+        return windows
+
+    def _add_busy_locked(self, model: str, now: float) -> None:
+        """Add the attempt-seconds of ``model`` since its count last changed."""
+        count = self._model_now.get(model, 0)
+        if count:
+            since = self._changed.get(model, now)
+            self._busy[model] = self._busy.get(model, 0.0) + count * max(now - since, 0.0)
+        self._changed[model] = now
 
     def forget(self, worker_id: str, model: str) -> None:
         with self._lock:
@@ -183,14 +219,17 @@ class Unload:
 
 
 class Planner:
-    """Decides a round's loads and unloads from views of the fleet. Pure and
-    stateless: thread-safe.
+    """Decides a round's loads and unloads from views of the fleet. Pure but for
+    ``demand``, which learns each model's normal latency as a round judges it; one
+    round at a time (the placer's lock), otherwise thread-safe.
 
     Args:
         config: the ``models`` section in force.
         use: tasks in flight and last use per (worker, model).
         loaded_at: when each (worker, model) was loaded, or first seen held.
         load_cost: learnt load seconds per (worker, model).
+        demand: the rule that says when a model's load exceeds its replicas
+            (:mod:`npu_sync._demand`); a new one (no normal latency learnt) if None.
     """
 
     def __init__(
@@ -199,30 +238,48 @@ class Planner:
         use: ModelUse,
         loaded_at: Mapping[tuple[str, str], float],
         load_cost: Mapping[tuple[str, str], float],
+        demand: Demand | None = None,
     ) -> None:
         self.config = config
         self.use = use
         self.loaded_at = loaded_at
         self.load_cost = load_cost
+        self.demand = Demand() if demand is None else demand
 
     # -- one round -------------------------------------------------------------------
 
     def plan(
-        self, workers: list[WorkerView], peaks: Mapping[str, int], now: float
+        self, workers: list[WorkerView], windows: Mapping[str, Window], now: float
     ) -> list[Load | Unload]:
-        """The actions of one round: loads first (at most ``loads_per_round``), then
-        unloads of replicas not needed."""
+        """The actions of one round, from what each model's tasks did since the last
+        (``windows``): loads first (at most ``loads_per_round``), then unloads of
+        replicas not needed."""
         config = self.config
         live = [w for w in workers if w.live and w.models is not None]
         holders: dict[str, list[WorkerView]] = {}
         for worker in live:
             for model in worker.models or ():
                 holders.setdefault(model, []).append(worker)
+        # Every held model is judged once a round, so its normal latency learns.
+        wanted: dict[str, str] = {}
+        for model, have in holders.items():
+            window = windows.get(model)
+            if window is not None:
+                capacity = sum(w.capacity for w in have)
+                why = self.demand.judge(model, window, capacity, config.scale_up, now)
+                if why is not None:
+                    wanted[model] = f"{why} ({len(have)} replica(s))"
+        peaks = {m: w.peak for m, w in windows.items()}
         models = set(holders) | set(config.catalog) | {m for m, n in peaks.items() if n}
         actions: list[Load | Unload] = []
         evicted: set[tuple[str, str]] = set()
         loading: set[str] = set()  # workers given a load this round
-        for model in sorted(models, key=lambda m: -peaks.get(m, 0)):
+
+        def rank(model: str) -> tuple[bool, bool, int, str]:
+            below = len(holders.get(model, ())) < config.policy(model).min_replicas
+            return (not below, model not in wanted, -peaks.get(model, 0), model)
+
+        for model in sorted(models, key=rank):
             if len(actions) >= config.loads_per_round:
                 break
             policy = config.policy(model)
@@ -232,10 +289,7 @@ class Planner:
             if len(have) < policy.min_replicas:
                 reason = f"below min ({len(have)} of {policy.min_replicas})"
             elif have and len(have) < ceiling:
-                capacity = sum(w.capacity for w in have)
-                peak = peaks.get(model, 0)
-                if peak >= config.scale_up * capacity:
-                    reason = f"load: {peak} in flight on {len(have)} replica(s) of {capacity} slots"
+                reason = wanted.get(model)
             if reason is None:
                 continue
             load = self.target(model, live, now, skip=loading, evicted=evicted, reason=reason)
@@ -244,7 +298,9 @@ class Planner:
                 loading.add(load.worker_id)
                 evicted.update((load.worker_id, m) for m in load.evict)
         for model, have in sorted(holders.items()):
-            unload = self._surplus(model, have, peaks.get(model, 0), now, evicted)
+            unload = self._surplus(
+                model, have, peaks.get(model, 0), now, evicted, wanted=model in wanted
+            )
             if unload is not None:
                 actions.append(unload)
                 evicted.add((unload.worker_id, model))
@@ -257,8 +313,10 @@ class Planner:
         peak: int,
         now: float,
         gone: set[tuple[str, str]],
+        wanted: bool = False,
     ) -> Unload | None:
-        """One replica of ``model`` to remove this round, if any."""
+        """One replica of ``model`` to remove this round, if any (``wanted``: its load
+        asks for more replicas, so none goes for being not needed)."""
         config = self.config
         policy = config.policy(model)
         have = [w for w in have if (w.id, model) not in gone]
@@ -274,7 +332,7 @@ class Planner:
         since = self.loaded_at.get((coldest.id, model), now)
         if now - max(last or since, since) >= config.idle:
             return Unload(coldest.id, model, f"cold: no task for {config.idle:g}s")
-        if len(have) > 1:
+        if len(have) > 1 and not wanted:
             fewer = sum(w.capacity for w in have) - coldest.capacity
             if peak <= config.scale_down * fewer:
                 return Unload(coldest.id, model, f"load fits one replica fewer ({peak} in flight)")
@@ -432,6 +490,8 @@ class Placer:
         self._last_look = state.clock.monotonic()  # when what workers hold was last seen
         self._cancels: set[Cancel] = set()  # requests under way, cut short by stop()
         self._slot_waits: set[threading.Event] = set()  # tasks waiting for a slot
+        self._demand = Demand()  # each model's normal latency, learnt round by round
+        self._last_round = state.clock.monotonic()
 
     # -- the thread ------------------------------------------------------------------
 
@@ -488,8 +548,8 @@ class Placer:
             config = state.config.models
             now = state.clock.monotonic()
             views = self._views(now)
-            planner = Planner(config, self.use, self._loaded_at, self._load_cost)
-            actions = planner.plan(views, self.use.take_peaks(), now)
+            planner = Planner(config, self.use, self._loaded_at, self._load_cost, self._demand)
+            actions = planner.plan(views, self._windows(now), now)
             self.counts["rounds"] += 1
             # Every replica the round decided to take away, done or not: a second try
             # after a 507 must leave each model its min, counting the actions to come.
@@ -517,6 +577,30 @@ class Placer:
                 else:
                     self._unload(action.worker_id, action.model, "unload", action.reason)
             return actions
+
+    def _windows(self, now: float) -> dict[str, Window]:
+        """What each model's tasks did since the previous round: attempts in flight,
+        their count and time (:class:`ModelUse`), and the seconds they queued for a
+        worker (the dispatcher's :class:`~npu_sync._demand.QueueMeter`). Under
+        ``_acting``."""
+        state = self._state
+        seconds = max(now - self._last_round, 0.0)
+        self._last_round = now
+        windows = self.use.take_windows(now, seconds)
+        with state.lock:
+            queued = state.dispatcher.queued.take(now)
+        for model, waited in queued.items():
+            found = windows.get(model) or Window(seconds)
+            windows[model] = dataclasses.replace(found, queued=waited)
+        self._demand.forget(set(windows) | set(state.config.models.catalog) | self._held())
+        return windows
+
+    def _held(self) -> set[str]:
+        """Every model some worker is known to hold."""
+        held: set[str] = set()
+        for worker in list(self._state.workers.values()):
+            held.update(worker.held.models or ())
+        return held
 
     def _views(self, now: float) -> list[WorkerView]:
         """Every worker as the planner sees it. Under ``_acting``."""

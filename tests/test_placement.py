@@ -48,6 +48,7 @@ class ModelWorker:
         self.reports = reports
         self.full = 0  # loads answered 507
         self.load_seconds = load_seconds
+        self.latency = 0.0  # fake seconds each task takes
         self.load_status: int | None = None
         self.loads: list[str] = []
         self.unloads: list[str] = []
@@ -96,6 +97,7 @@ class ModelWorker:
         if req.json().get("hold"):
             self.entered.set()
             self.hold.wait(10)
+        self.clock.advance(self.latency)
         return json_response(200, {"worker": req.worker_id, "model_id": model})
 
 
@@ -203,7 +205,7 @@ def test_a_round_adds_below_min_scales_up_and_removes_cold_and_surplus() -> None
     use.end("c", "capped", now)
     planner = Planner(cfg, use, {("b", "cold"): 0.0}, {})
     workers = [view("a", ("busy",)), view("b", ("capped", "cold")), view("c", ("capped",))]
-    actions = planner.plan(workers, use.take_peaks(), now)
+    actions = planner.plan(workers, use.take_windows(now, 10.0), now)
     loads = [a for a in actions if isinstance(a, Load)]
     unloads = {(a.worker_id, a.model) for a in actions if isinstance(a, Unload)}
     assert {load.model for load in loads} == {"busy", "need"} and len(loads) == 2
@@ -547,6 +549,66 @@ def test_load_on_a_model_outgrowing_its_replicas_adds_one() -> None:
             placer.started("w0", "m", clock.monotonic())
         (load,) = pool.check_placement()
         assert isinstance(load, Load) and load.worker_id == "w1" and "m" in workers[1].models
+
+
+def test_tasks_queueing_for_a_models_workers_add_a_replica() -> None:
+    """w0 holds m and x and takes one task at a time; x's task fills it and m's task
+    waits for a worker: the next round adds a replica of m on w1, though no task of
+    m's was ever in flight."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("m", "x"))
+    w1 = ModelWorker(clock)
+    net = FakeNetwork()
+    net.route("w0", w0)
+    net.route("w1", w1)
+    cfg = dataclasses.replace(
+        config(2, hold=0, catalog={"x": ModelPolicy(0, 1)}),
+        workers=(
+            worker_config("w0", "http://127.0.0.1:9500", max_concurrent=1),
+            worker_config("w1", "http://127.0.0.1:9501", max_concurrent=1),
+        ),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        pool.check_health()
+        assert pool.check_placement() == []
+        w0.hold.clear()
+        held = pool.submit({"model_id": "x", "hold": True})
+        assert w0.entered.wait(10)
+        queued = pool.submit({"model_id": "m"})
+        dispatcher = pool._state.dispatcher
+        for _ in range(5000):  # until m's task waits in the queue
+            if dispatcher.waiting:
+                break
+            threading.Event().wait(0.001)
+        assert dispatcher.waiting == 1
+        clock.advance(5)
+        (load,) = pool.check_placement()
+        assert isinstance(load, Load) and (load.worker_id, load.model) == ("w1", "m")
+        assert "waiting for a worker" in load.reason and "m" in w1.models
+        w0.hold.set()
+        assert held.result(10)["model_id"] == "x" and queued.result(10)["model_id"] == "m"
+
+
+def test_a_models_latency_rising_above_its_normal_adds_a_replica() -> None:
+    """m's tasks take 100 ms for a round (its normal), then 300 ms: the next round adds
+    a replica though its tasks in flight never came near its capacity."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("m",))
+    w1 = ModelWorker(clock)
+    with fleet(clock, w0, w1, hold=0) as pool:
+        assert pool.check_placement() == []
+        w0.latency = 0.100
+        for _ in range(5):
+            pool.execute({"model_id": "m"})
+        clock.advance(10)
+        assert pool.check_placement() == []  # 100 ms is its normal
+        w0.latency = 0.300
+        for _ in range(5):
+            pool.execute({"model_id": "m"})
+        clock.advance(10)
+        (load,) = pool.check_placement()
+        assert isinstance(load, Load) and (load.worker_id, load.model) == ("w1", "m")
+        assert "latency 300 ms against a normal 100 ms" in load.reason
 
 
 def test_placement_off_means_no_thread_and_a_clear_error() -> None:
