@@ -3,11 +3,20 @@ load-on-demand only (``models.placement`` without ``models.balance``) and a stat
 assignment (no loads at all).
 
 Six models with skewed popularity (weights 40/25/15/10/6/4 %) whose ranking rotates
-by two places every phase, over four reference workers capped at 2 models each
-(``--max-models``), each serving ``--slots`` tasks at once (4; the rest queue) and each
-load taking ``--load-delay-ms`` (1.5 s). Every mode starts from the
-same assignment (the static one: w0 m0+m1, w1 m2+m3, w2 m4+m5, w3 m0+m1) with fresh
-worker processes, and runs ``--threads`` callers in a closed loop::
+by two places every phase (``--phase``, 30 s), over four reference workers capped at
+2 models each (``--max-models``), each serving ``--slots`` tasks at once (4; the rest
+queue) at ``--latency-ms`` a task (100 ms), each load taking ``--load-delay-ms``
+(1.5 s). Each mode has fresh worker processes and ``--threads`` callers (32) in a
+closed loop. Where the models start is what each user would have:
+
+- **static** and **placement**: the assignment an operator made by hand (w0 m0+m1,
+  w1 m2+m3, w2 m4+m5, w3 m0+m1): every model held somewhere;
+- **on-demand** (``models.placement`` without ``models.balance``): nothing loaded;
+  each model is loaded by the first task that names it, on the least-loaded worker,
+  and stays there (load-on-demand never unloads, so a full worker refuses a further
+  load: 507, the task rejected).
+
+::
 
     python -m benchmarks.placement_bench                   # 4 phases of 30 s per mode
     python -m benchmarks.placement_bench --phase 10        # a quick run
@@ -57,7 +66,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     workers = [
         LocalWorker(
             worker_id=f"w{i}",
-            models=START[i],
+            models=() if mode == "on-demand" else START[i],
             max_models=2,
             load_delay_ms=args.load_delay_ms,
             latency_ms=args.latency_ms,
@@ -154,13 +163,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--phase", type=float, default=30.0, help="seconds per phase")
     parser.add_argument("--phases", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=32)
     parser.add_argument("--load-delay-ms", type=float, default=1500.0)
-    parser.add_argument("--latency-ms", type=float, default=20.0)
+    parser.add_argument("--latency-ms", type=float, default=100.0)
     parser.add_argument("--slots", type=int, default=4, help="tasks a worker serves at once")
     parser.add_argument("--interval", type=float, default=2.0, help="placement rounds")
-    parser.add_argument("--hold", type=float, default=10.0)
-    parser.add_argument("--idle", type=float, default=10.0)
+    parser.add_argument("--hold", type=float, default=20.0)
+    parser.add_argument("--idle", type=float, default=20.0)
     parser.add_argument(
         "--min-replicas",
         type=int,

@@ -32,6 +32,7 @@ from time import perf_counter as _perf_counter  # bound once: read twice per att
 from npu_sync._balancing.selector import Selector
 from npu_sync._clock import Clock
 from npu_sync._config_types import AdmissionConfig, PriorityConfig
+from npu_sync._demand import QueueMeter
 from npu_sync._foresight import Late, foresight_for
 from npu_sync._metrics import Window
 from npu_sync._priority import PriorityClasses
@@ -72,7 +73,7 @@ class Refusal(enum.Enum):
 
 
 class _Waiter:
-    __slots__ = ("cond", "deadline", "excluded", "lease", "priority", "queued", "since")
+    __slots__ = ("cond", "deadline", "excluded", "lease", "model", "priority", "queued", "since")
 
     def __init__(
         self,
@@ -81,6 +82,7 @@ class _Waiter:
         lock: threading.Lock,
         priority: str | None = None,
         since: float = 0.0,
+        model: str | None = None,
     ) -> None:
         self.excluded = excluded
         self.deadline = deadline
@@ -89,6 +91,7 @@ class _Waiter:
         self.queued = True
         self.priority = priority  # the task's class by name; None: the default
         self.since = since  # when it joined the queue (aging)
+        self.model = model  # the model the task names, for the queue per model
 
 
 class Dispatcher:
@@ -111,6 +114,8 @@ class Dispatcher:
         self._waiters: deque[_Waiter] = deque()
         # Waiting tasks that named a class: while there are none, the queue is FIFO.
         self._named = 0
+        # Task-seconds waited per model (placement's sign of queueing). Under lock.
+        self.queued = QueueMeter()
         self.classes = PriorityClasses()
         self.selection_time = Window(4096)
 
@@ -167,6 +172,7 @@ class Dispatcher:
         admission: AdmissionConfig | None = None,
         task_deadline: float | None = None,
         priority: str | None = None,
+        model: str | None = None,
     ) -> Lease | Refusal | Late:
         """Like :meth:`acquire`, but say why no lease was given.
 
@@ -182,6 +188,8 @@ class Dispatcher:
             task_deadline: when the task must be answered (``deadline`` is when it
                 must have a worker); ``deadline`` when None.
             priority: the task's class (:mod:`npu_sync._priority`); None: the default.
+            model: the model the task names, if any: its wait is counted per model
+                (:attr:`queued`).
 
         Returns:
             A Lease; or the Refusal: the deadline passed, every worker was tried,
@@ -214,8 +222,8 @@ class Dispatcher:
                 if late is not None:
                     return late
             if stop is None:
-                return self._wait(excluded, deadline, now, priority)
-            return self._wait_stoppable(excluded, deadline, now, stop, priority)
+                return self._wait(excluded, deadline, now, priority, model=model)
+            return self._wait_stoppable(excluded, deadline, now, stop, priority, model)
 
     def try_acquire(self, excluded: Collection[str], priority: str | None = None) -> Lease | None:
         """A lease on the best worker not in ``excluded`` if one has room now, else None.
@@ -267,10 +275,11 @@ class Dispatcher:
         now: float,
         stop: TaskStop,
         priority: str | None,
+        model: str | None = None,
     ) -> Lease | Refusal:
         """:meth:`_wait`, woken and ended early when ``stop`` is stopped. Called with
         ``lock`` held; the stop's callback takes it (a stop never runs under it)."""
-        waiter = _Waiter(excluded, deadline, self.lock, priority, now)
+        waiter = _Waiter(excluded, deadline, self.lock, priority, now, model)
 
         def wake() -> None:
             with self.lock:
@@ -322,12 +331,15 @@ class Dispatcher:
         priority: str | None = None,
         stop: TaskStop | None = None,
         waiter: _Waiter | None = None,
+        model: str | None = None,
     ) -> Lease | Refusal:
         if waiter is None:
-            waiter = _Waiter(excluded, deadline, self.lock, priority, now)
+            waiter = _Waiter(excluded, deadline, self.lock, priority, now, model)
         self._waiters.append(waiter)
         if priority is not None:
             self._named += 1
+        if waiter.model is not None:
+            self.queued.join(waiter.model, now)
         refusal: Refusal | None = None
         try:
             while True:
@@ -376,6 +388,8 @@ class Dispatcher:
         if waiter.queued:
             waiter.queued = False
             self._waiters.remove(waiter)
+            if waiter.model is not None:
+                self.queued.leave(waiter.model, self.clock.monotonic())
             if waiter.priority is not None:
                 self._named -= 1
 
@@ -432,6 +446,8 @@ class Dispatcher:
             if waiter.lease is not None:
                 del waiters[i]
                 waiter.queued = False
+                if waiter.model is not None:
+                    self.queued.leave(waiter.model, now)
                 waiter.cond.notify()
             elif not waiter.excluded:
                 break  # no worker has room for anyone
@@ -472,6 +488,8 @@ class Dispatcher:
             if waiter.lease is not None:
                 waiters.remove(waiter)
                 waiter.queued = False
+                if waiter.model is not None:
+                    self.queued.leave(waiter.model, now)
                 if waiter.priority is not None:
                     self._named -= 1
                 waiter.cond.notify()

@@ -6,8 +6,10 @@ its own every ``models.interval`` seconds) looks at what the workers hold, what 
 pool's tasks use, and the targets of ``models.catalog``, and:
 
 1. adds a replica of a model below its ``min``;
-2. adds a replica of a model whose tasks in flight reached ``models.scale_up`` of its
-   replicas' capacity (up to its ``max``);
+2. adds a replica of a model whose load exceeded what its replicas serve since the
+   previous round (up to its ``max``): its tasks in flight reached ``models.scale_up``
+   of their capacity, or its tasks queued for a worker, or its latency rose above its
+   own normal (the rule: :mod:`npu_sync._demand`);
 3. removes a replica of a model above its ``max``, or one that went cold (no task for
    ``models.idle``), or one the model's load would not miss (its peak would fit in one
    fewer at ``models.scale_down``) — never the last replica of a model whose ``min``
@@ -18,8 +20,9 @@ A load goes where loading is cheapest: the worker with the lowest learnt load ti
 for that model (else its mean load time), preferring one with a free model slot. On a
 worker at its cap (``max_models``), the coldest evictable model is unloaded first:
 the one with the most idle time per second of load cost (cheap to bring back and
-long unused goes first), never one with tasks in flight, within its hold time, or
-the last replica of a model with ``min >= 1``. At most ``models.loads_per_round``
+long unused goes first), never one with tasks in flight, within its hold time, or at
+its ``min`` (counting what the round already takes away: never the last replica of a
+model with ``min >= 1``, however many loads the round makes). At most ``models.loads_per_round``
 loads per round: each pool acts on what the workers report and on its own tasks, so
 many processes placing on their own are rate-limited rather than coordinated (see
 docs/placement.md).
@@ -32,6 +35,7 @@ in flight per worker and model, fed by the life of each task.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -41,9 +45,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from npu_sync._demand import Demand, Window
 from npu_sync._outage import down_reason
 from npu_sync._retry import Kind
-from npu_sync._state import PoolState
+from npu_sync._state import PlaceLater, PoolState
 from npu_sync._stats_types import ModelRowDict
 from npu_sync._stop import TaskStop
 from npu_sync._worker import Worker
@@ -71,8 +76,9 @@ _EWMA = 0.5  # weight of a new load time against the learnt one
 
 
 class ModelUse:
-    """Tasks in flight and last use per (worker, model), and per model the peak of
-    tasks in flight since the last round. Thread-safe (one small lock of its own)."""
+    """Tasks in flight and last use per (worker, model), and per model since the last
+    round: the peak of attempts in flight, the attempts ended and their seconds in
+    flight. Thread-safe (one small lock of its own)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -80,6 +86,14 @@ class ModelUse:
         self._last: dict[tuple[str, str], float] = {}
         self._model_now: dict[str, int] = {}
         self._peak: dict[str, int] = {}
+        # Per model since the last round: attempts ended, attempt-seconds in flight
+        # (the count in flight integrated over time: the sum of the attempts' times,
+        # without pairing each end with its start), and when the count last changed.
+        self._ended: dict[str, int] = {}
+        self._busy: dict[str, float] = {}
+        self._changed: dict[str, float] = {}
+        # Set when any attempt ends: loads waiting for a slot that a task holds.
+        self._wakers: list[threading.Event] = []
 
     def start(self, worker_id: str, model: str, now: float) -> None:
         """An attempt of a task for ``model`` starts on ``worker_id``."""
@@ -87,6 +101,7 @@ class ModelUse:
         with self._lock:
             self._in_flight[key] = self._in_flight.get(key, 0) + 1
             self._last[key] = now
+            self._add_busy_locked(model, now)
             count = self._model_now[model] = self._model_now.get(model, 0) + 1
             if count > self._peak.get(model, 0):
                 self._peak[model] = count
@@ -103,11 +118,26 @@ class ModelUse:
             else:
                 self._in_flight.pop(key, None)
             self._last[key] = now
+            self._add_busy_locked(model, now)
+            self._ended[model] = self._ended.get(model, 0) + 1
             left = self._model_now.get(model, 0) - 1
             if left > 0:
                 self._model_now[model] = left
             else:
                 self._model_now.pop(model, None)
+            if self._wakers:
+                for woken in self._wakers:
+                    woken.set()
+
+    def watch(self, woken: threading.Event) -> None:
+        """Set ``woken`` whenever an attempt ends, until :meth:`unwatch`."""
+        with self._lock:
+            self._wakers.append(woken)
+
+    def unwatch(self, woken: threading.Event) -> None:
+        with self._lock:
+            if woken in self._wakers:
+                self._wakers.remove(woken)
 
     def in_flight(self, worker_id: str, model: str) -> int:
         return self._in_flight.get((worker_id, model), 0)
@@ -115,13 +145,35 @@ class ModelUse:
     def last_used(self, worker_id: str, model: str) -> float | None:
         return self._last.get((worker_id, model))
 
-    def take_peaks(self) -> dict[str, int]:
-        """Per model, the most tasks in flight at once since the last call; the count
-        starts again from the tasks in flight now."""
+    def take_windows(self, now: float, seconds: float) -> dict[str, Window]:
+        """Per model, what its attempts did since the last call, a window of
+        ``seconds`` ending ``now`` (no queueing: the dispatcher counts that); the
+        counts start again, the peak from the attempts in flight now."""
         with self._lock:
-            peaks = dict(self._peak)
+            for model in self._model_now:
+                self._add_busy_locked(model, now)
+            windows = {
+                model: Window(
+                    seconds,
+                    self._peak.get(model, 0),
+                    self._ended.get(model, 0),
+                    self._busy.get(model, 0.0),
+                )
+                for model in self._peak.keys() | self._ended.keys()
+            }
             self._peak = dict(self._model_now)
-        return peaks
+            self._ended = {}
+            self._busy = {}
+            self._changed = {m: t for m, t in self._changed.items() if m in self._model_now}
+        return windows
+
+    def _add_busy_locked(self, model: str, now: float) -> None:
+        """Add the attempt-seconds of ``model`` since its count last changed."""
+        count = self._model_now.get(model, 0)
+        if count:
+            since = self._changed.get(model, now)
+            self._busy[model] = self._busy.get(model, 0.0) + count * max(now - since, 0.0)
+        self._changed[model] = now
 
     def forget(self, worker_id: str, model: str) -> None:
         with self._lock:
@@ -167,14 +219,17 @@ class Unload:
 
 
 class Planner:
-    """Decides a round's loads and unloads from views of the fleet. Pure and
-    stateless: thread-safe.
+    """Decides a round's loads and unloads from views of the fleet. Pure but for
+    ``demand``, which learns each model's normal latency as a round judges it; one
+    round at a time (the placer's lock), otherwise thread-safe.
 
     Args:
         config: the ``models`` section in force.
         use: tasks in flight and last use per (worker, model).
         loaded_at: when each (worker, model) was loaded, or first seen held.
         load_cost: learnt load seconds per (worker, model).
+        demand: the rule that says when a model's load exceeds its replicas
+            (:mod:`npu_sync._demand`); a new one (no normal latency learnt) if None.
     """
 
     def __init__(
@@ -183,30 +238,48 @@ class Planner:
         use: ModelUse,
         loaded_at: Mapping[tuple[str, str], float],
         load_cost: Mapping[tuple[str, str], float],
+        demand: Demand | None = None,
     ) -> None:
         self.config = config
         self.use = use
         self.loaded_at = loaded_at
         self.load_cost = load_cost
+        self.demand = Demand() if demand is None else demand
 
     # -- one round -------------------------------------------------------------------
 
     def plan(
-        self, workers: list[WorkerView], peaks: Mapping[str, int], now: float
+        self, workers: list[WorkerView], windows: Mapping[str, Window], now: float
     ) -> list[Load | Unload]:
-        """The actions of one round: loads first (at most ``loads_per_round``), then
-        unloads of replicas not needed."""
+        """The actions of one round, from what each model's tasks did since the last
+        (``windows``): loads first (at most ``loads_per_round``), then unloads of
+        replicas not needed."""
         config = self.config
         live = [w for w in workers if w.live and w.models is not None]
         holders: dict[str, list[WorkerView]] = {}
         for worker in live:
             for model in worker.models or ():
                 holders.setdefault(model, []).append(worker)
+        # Every held model is judged once a round, so its normal latency learns.
+        wanted: dict[str, str] = {}
+        for model, have in holders.items():
+            window = windows.get(model)
+            if window is not None:
+                capacity = sum(w.capacity for w in have)
+                why = self.demand.judge(model, window, capacity, config.scale_up, now)
+                if why is not None:
+                    wanted[model] = f"{why} ({len(have)} replica(s))"
+        peaks = {m: w.peak for m, w in windows.items()}
         models = set(holders) | set(config.catalog) | {m for m, n in peaks.items() if n}
         actions: list[Load | Unload] = []
         evicted: set[tuple[str, str]] = set()
         loading: set[str] = set()  # workers given a load this round
-        for model in sorted(models, key=lambda m: -peaks.get(m, 0)):
+
+        def rank(model: str) -> tuple[bool, bool, int, str]:
+            below = len(holders.get(model, ())) < config.policy(model).min_replicas
+            return (not below, model not in wanted, -peaks.get(model, 0), model)
+
+        for model in sorted(models, key=rank):
             if len(actions) >= config.loads_per_round:
                 break
             policy = config.policy(model)
@@ -216,10 +289,7 @@ class Planner:
             if len(have) < policy.min_replicas:
                 reason = f"below min ({len(have)} of {policy.min_replicas})"
             elif have and len(have) < ceiling:
-                capacity = sum(w.capacity for w in have)
-                peak = peaks.get(model, 0)
-                if peak >= config.scale_up * capacity:
-                    reason = f"load: {peak} in flight on {len(have)} replica(s) of {capacity} slots"
+                reason = wanted.get(model)
             if reason is None:
                 continue
             load = self.target(model, live, now, skip=loading, evicted=evicted, reason=reason)
@@ -228,7 +298,9 @@ class Planner:
                 loading.add(load.worker_id)
                 evicted.update((load.worker_id, m) for m in load.evict)
         for model, have in sorted(holders.items()):
-            unload = self._surplus(model, have, peaks.get(model, 0), now, evicted)
+            unload = self._surplus(
+                model, have, peaks.get(model, 0), now, evicted, wanted=model in wanted
+            )
             if unload is not None:
                 actions.append(unload)
                 evicted.add((unload.worker_id, model))
@@ -241,8 +313,10 @@ class Planner:
         peak: int,
         now: float,
         gone: set[tuple[str, str]],
+        wanted: bool = False,
     ) -> Unload | None:
-        """One replica of ``model`` to remove this round, if any."""
+        """One replica of ``model`` to remove this round, if any (``wanted``: its load
+        asks for more replicas, so none goes for being not needed)."""
         config = self.config
         policy = config.policy(model)
         have = [w for w in have if (w.id, model) not in gone]
@@ -258,7 +332,7 @@ class Planner:
         since = self.loaded_at.get((coldest.id, model), now)
         if now - max(last or since, since) >= config.idle:
             return Unload(coldest.id, model, f"cold: no task for {config.idle:g}s")
-        if len(have) > 1:
+        if len(have) > 1 and not wanted:
             fewer = sum(w.capacity for w in have) - coldest.capacity
             if peak <= config.scale_down * fewer:
                 return Unload(coldest.id, model, f"load fits one replica fewer ({peak} in flight)")
@@ -266,12 +340,14 @@ class Planner:
 
     def may_unload(self, worker_id: str, model: str, now: float, replicas: int) -> bool:
         """Whether ``model`` may leave ``worker_id`` now: no task in flight there, past
-        its hold time, and not the last replica of a model with ``min >= 1``."""
+        its hold time, and ``replicas`` (its live holders, less those this round
+        already takes away) above its ``min``: so never the last replica of a model
+        with ``min >= 1``."""
         if self.use.in_flight(worker_id, model):
             return False
         if now - self.loaded_at.get((worker_id, model), now) < self.config.hold:
             return False
-        return not (replicas <= 1 and self.config.policy(model).min_replicas >= 1)
+        return replicas > self.config.policy(model).min_replicas
 
     # -- where a replica goes --------------------------------------------------------
 
@@ -290,7 +366,10 @@ class Planner:
         worker, the coldest evictable model goes first. Never a worker in ``skip``
         (given a load this round already, or lacking what the task needing the model
         requires); replicas still count there. None when nowhere will do."""
-        replicas = self._replicas(model, workers)
+        workers = list(workers)
+        # What this round already takes away counts: two evictions on two full workers
+        # must not each take one of the same model's last two replicas.
+        replicas = self._replicas(workers, evicted)
         best: tuple[tuple[float, int, float], Load] | None = None
         for worker in workers:
             if not worker.live or worker.models is None or worker.id in skip:
@@ -327,6 +406,36 @@ class Planner:
                 best = (score, model)
         return None if best is None else best[1]
 
+    def frees(
+        self,
+        model: str,
+        workers: Iterable[WorkerView],
+        now: float,
+        skip: set[str] | frozenset[str] = frozenset(),
+    ) -> list[tuple[float, bool]]:
+        """Why no worker (outside ``skip``) may load ``model`` now, where waiting may
+        help: per model held on a full live worker that would be evicted but for its
+        hold time or a task in flight, when its hold ends and whether a task keeps it.
+        Empty when waiting cannot help (every such model is at its ``min``, or no
+        worker may hold models)."""
+        workers = list(workers)
+        replicas = self._replicas(workers, frozenset())
+        hold = self.config.hold
+        found: list[tuple[float, bool]] = []
+        for worker in workers:
+            if not worker.live or worker.models is None or model in worker.models:
+                continue
+            if worker.id in skip:
+                continue
+            if worker.cap is None or len(worker.models) < worker.cap:
+                continue  # room there, yet no load: not for a slot to free
+            for held in worker.models:
+                if replicas.get(held, 1) <= self.config.policy(held).min_replicas:
+                    continue  # stays whatever the wait
+                until = self.loaded_at.get((worker.id, held), now) + hold
+                found.append((until, self.use.in_flight(worker.id, held) > 0))
+        return found
+
     def cost(self, worker_id: str, model: str) -> float:
         """Learnt load seconds of ``model`` on ``worker_id``; else the worker's mean,
         else :data:`DEFAULT_LOAD_COST`."""
@@ -337,12 +446,16 @@ class Planner:
         return sum(mine) / len(mine) if mine else DEFAULT_LOAD_COST
 
     @staticmethod
-    def _replicas(model: str, workers: Iterable[WorkerView]) -> dict[str, int]:
+    def _replicas(
+        workers: Iterable[WorkerView], gone: set[tuple[str, str]] | frozenset[tuple[str, str]]
+    ) -> dict[str, int]:
+        """Live holders per model, less the replicas ``gone`` (decided to leave)."""
         counts: dict[str, int] = {}
         for worker in workers:
             if worker.live:
                 for held in worker.models or ():
-                    counts[held] = counts.get(held, 0) + 1
+                    if (worker.id, held) not in gone:
+                        counts[held] = counts.get(held, 0) + 1
         return counts
 
 
@@ -376,6 +489,9 @@ class Placer:
         self._last_status: dict[str, int] = {}
         self._last_look = state.clock.monotonic()  # when what workers hold was last seen
         self._cancels: set[Cancel] = set()  # requests under way, cut short by stop()
+        self._slot_waits: set[threading.Event] = set()  # tasks waiting for a slot
+        self._demand = Demand()  # each model's normal latency, learnt round by round
+        self._last_round = state.clock.monotonic()
 
     # -- the thread ------------------------------------------------------------------
 
@@ -398,8 +514,11 @@ class Placer:
         self._stop.set()
         with self._pending_lock:
             cancels = list(self._cancels)
+            waits = list(self._slot_waits)
         for cancel in cancels:
             cancel.cancel()
+        for woken in waits:
+            woken.set()
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
@@ -411,6 +530,7 @@ class Placer:
         self._pending_lock = threading.Lock()
         self._pending = {}
         self._cancels = set()
+        self._slot_waits = set()
         self.use = ModelUse()
         self._stop = threading.Event()
         self._thread = None
@@ -428,9 +548,16 @@ class Placer:
             config = state.config.models
             now = state.clock.monotonic()
             views = self._views(now)
-            planner = Planner(config, self.use, self._loaded_at, self._load_cost)
-            actions = planner.plan(views, self.use.take_peaks(), now)
+            planner = Planner(config, self.use, self._loaded_at, self._load_cost, self._demand)
+            actions = planner.plan(views, self._windows(now), now)
             self.counts["rounds"] += 1
+            # Every replica the round decided to take away, done or not: a second try
+            # after a 507 must leave each model its min, counting the actions to come.
+            leaving = {
+                (a.worker_id, m)
+                for a in actions
+                for m in (a.evict if isinstance(a, Load) else (a.model,))
+            }
             for action in actions:
                 if state.closed or self._stop.is_set():
                     break
@@ -441,13 +568,39 @@ class Placer:
                             action.model,
                             self._views(state.clock.monotonic()),
                             now,
+                            evicted=leaving,
                             reason=action.reason,
                         )
                         if again is not None:
+                            leaving.update((again.worker_id, m) for m in again.evict)
                             self._do_load(again)
                 else:
                     self._unload(action.worker_id, action.model, "unload", action.reason)
             return actions
+
+    def _windows(self, now: float) -> dict[str, Window]:
+        """What each model's tasks did since the previous round: attempts in flight,
+        their count and time (:class:`ModelUse`), and the seconds they queued for a
+        worker (the dispatcher's :class:`~npu_sync._demand.QueueMeter`). Under
+        ``_acting``."""
+        state = self._state
+        seconds = max(now - self._last_round, 0.0)
+        self._last_round = now
+        windows = self.use.take_windows(now, seconds)
+        with state.lock:
+            queued = state.dispatcher.queued.take(now)
+        for model, waited in queued.items():
+            found = windows.get(model) or Window(seconds)
+            windows[model] = dataclasses.replace(found, queued=waited)
+        self._demand.forget(set(windows) | set(state.config.models.catalog) | self._held())
+        return windows
+
+    def _held(self) -> set[str]:
+        """Every model some worker is known to hold."""
+        held: set[str] = set()
+        for worker in list(self._state.workers.values()):
+            held.update(worker.held.models or ())
+        return held
 
     def _views(self, now: float) -> list[WorkerView]:
         """Every worker as the planner sees it. Under ``_acting``."""
@@ -505,31 +658,66 @@ class Placer:
         worker), never on a worker in ``skip`` (those lacking what the tasks require);
         one load per model and ``skip`` at a time, the other tasks waiting for it
         within ``timeout``, or until their ``stop`` is stopped (the load goes on for the
-        others). None once loaded, else why not."""
+        others).
+
+        When every worker is full of models that may not leave yet (inside their hold
+        time, or serving tasks), the task waits for one to become free to leave, as
+        it waits for a worker: within ``pool.max_queue_wait`` and ``timeout``.
+
+        Returns:
+            None once loaded, else why it cannot be (the task is rejected).
+
+        Raises:
+            PlaceLater: a slot frees, but only after the task must stop waiting.
+        """
+        clock = self._state.clock
+        end = clock.monotonic() + timeout
         key = (model, skip)
-        with self._pending_lock:
-            pending = self._pending.get(key)
-            mine = pending is None
-            if pending is None:
-                pending = self._pending[key] = _Pending()
-        if not mine:
+        while True:
+            with self._pending_lock:
+                pending = self._pending.get(key)
+                mine = pending is None
+                if pending is None:
+                    pending = self._pending[key] = _Pending()
+            if mine:
+                return self._own(key, pending, end - clock.monotonic(), stop)
+            left = end - clock.monotonic()
             if stop is None:
-                ended = pending.done.wait(max(0.0, timeout))
+                ended = pending.done.wait(max(0.0, left))
             else:
-                ended = self._await_stoppable(pending, timeout, stop)
+                ended = self._await_stoppable(pending, left, stop)
             if not ended:
                 if stop is not None and stop.cancelled:
                     return "the task was stopped while the model loaded"
                 return "loading it did not end before the deadline"
-            return pending.error
+            if pending.late is None:
+                return pending.error
+            # The task that was placing it could wait no longer for a slot; this one
+            # may wait longer, placing it itself (or it ends the same way).
+
+    def _own(
+        self,
+        key: tuple[str, frozenset[str]],
+        pending: _Pending,
+        timeout: float,
+        stop: TaskStop | None,
+    ) -> str | None:
+        """:meth:`place` for the task that places the model of ``key``; the others
+        wait on ``pending``."""
         error: str | None = "loading it was interrupted"
+        late: str | None = None
         try:
-            error = self._place(model, timeout, skip)
+            error = self._place(key[0], timeout, stop, key[1])
+        except PlaceLater as exc:
+            error = late = exc.reason
+            raise
         finally:
             state = self._state
-            with state.lock:
-                state.model_counts["placements" if error is None else "placement_failures"] += 1
+            if late is None:
+                with state.lock:
+                    state.model_counts["placements" if error is None else "placement_failures"] += 1
             pending.error = error
+            pending.late = late
             with self._pending_lock:
                 del self._pending[key]
                 pending.done.set()
@@ -558,21 +746,74 @@ class Placer:
                     pending.wakers.remove(woken)
         return pending.done.is_set()
 
-    def _place(self, model: str, timeout: float, skip: frozenset[str]) -> str | None:
+    def _place(
+        self, model: str, timeout: float, stop: TaskStop | None, skip: frozenset[str]
+    ) -> str | None:
         state = self._state
-        # A round, or another model's load, may hold it for as long as a load takes
-        # (minutes on an NPU): the task waits for it only within its deadline.
         clock = state.clock
         start = clock.monotonic()
-        if not self._acting.acquire(timeout=max(0.0, timeout)):
-            return "another model was being loaded or placed until the task's deadline"
-        try:
-            return self._place_acting(model, timeout - (clock.monotonic() - start), skip)
-        finally:
-            self._acting.release()
+        end = start + timeout
+        # Waiting for a model slot is waiting for a worker: pool.max_queue_wait bounds
+        # it, within the task's deadline (docs/reliability.md, admission).
+        limit = min(end, start + state.config.pool.max_queue_wait)
+        while True:
+            # A round, or another model's load, may hold it for as long as a load takes
+            # (minutes on an NPU): the task waits for it only within its deadline.
+            if not self._acting.acquire(timeout=max(0.0, end - clock.monotonic())):
+                return "another model was being loaded or placed until the task's deadline"
+            try:
+                result = self._place_acting(model, end - clock.monotonic(), skip)
+            finally:
+                self._acting.release()
+            if not isinstance(result, _Full):
+                return result
+            error = self._await_slot(model, result, limit, stop)
+            if error is not None:
+                return error
 
-    def _place_acting(self, model: str, timeout: float, skip: frozenset[str]) -> str | None:
-        """:meth:`_place`'s work, under ``_acting``."""
+    def _await_slot(
+        self, model: str, full: _Full, limit: float, stop: TaskStop | None
+    ) -> str | None:
+        """Every worker is full of models that may not leave yet: wait until one may
+        (its hold ends, or a task in flight ends) if that can come by ``limit``. None
+        to look again; else why the task ends (rejected).
+
+        Raises:
+            PlaceLater: nothing may leave before ``limit``.
+        """
+        if not full.frees:
+            return full.reason  # every model stays, however long the task waits
+        now = self._state.clock.monotonic()
+        soonest = min((until for until, busy in full.frees if not busy), default=None)
+        busy = any(busy and until <= limit for until, busy in full.frees)
+        if now >= limit or (not busy and (soonest is None or soonest > limit)):
+            raise PlaceLater(_late_reason(model, now, limit, soonest))
+        wait = max((limit if soonest is None else min(soonest, limit)) - now, 0.001)
+        woken = threading.Event()
+        if busy:
+            self.use.watch(woken)
+        with self._pending_lock:
+            self._slot_waits.add(woken)
+        try:
+            if (stop is None or stop.on_cancel(woken.set)) and not self._stop.is_set():
+                try:
+                    self._state.clock.wait(woken, wait)
+                finally:
+                    if stop is not None:
+                        stop.forget(woken.set)
+        finally:
+            self.use.unwatch(woken)
+            with self._pending_lock:
+                self._slot_waits.discard(woken)
+        if stop is not None and stop.cancelled:
+            return "the task was stopped while it waited for a model slot"
+        if self._stop.is_set():
+            return "placement stopped"
+        return None
+
+    def _place_acting(self, model: str, timeout: float, skip: frozenset[str]) -> str | _Full | None:
+        """:meth:`_place`'s work, under ``_acting``: None once loaded, why not, or
+        :class:`_Full` when every worker is full of models that may not leave yet."""
         state = self._state
         now = state.clock.monotonic()
         views = self._views(now)
@@ -584,19 +825,22 @@ class Placer:
         planner = Planner(state.config.models, self.use, self._loaded_at, self._load_cost)
         load = planner.target(model, views, now, skip=skip)
         if load is None:
-            return (
-                f"no live worker{' meeting its requires' if skip else ''} can load it "
-                "(each is full and none of its models may leave yet: in flight, or held; "
-                "or it lists no models)"
+            return _Full(
+                planner.frees(model, views, now, skip),
+                "no live worker can load it (each is full and none of its models may "
+                "leave: at their min, or no model list)",
             )
         error = self._do_load(load, timeout)
         if error is None or not self._learnt_full(load, views):
             return error
         # The worker said it is full (507): its cap is now known; try again, once,
         # evicting where that is allowed.
-        load = planner.target(model, self._views(state.clock.monotonic()), now, skip=skip)
+        views = self._views(state.clock.monotonic())
+        load = planner.target(model, views, now, skip=skip)
         if load is None:
-            return f"{error}; none of its models may leave yet (in flight, or held)"
+            return _Full(
+                planner.frees(model, views, now, skip), f"{error}; none of its models may leave"
+            )
         return self._do_load(load, timeout)
 
     def _learnt_full(self, load: Load, views: list[WorkerView]) -> bool:
@@ -775,14 +1019,39 @@ class Placer:
         return rows
 
 
+@dataclass(frozen=True, slots=True)
+class _Full:
+    """No worker may load a model now: each is full of models that may not leave.
+    ``frees``: see :meth:`Planner.frees`; ``reason``: why, when waiting cannot help."""
+
+    frees: list[tuple[float, bool]]
+    reason: str
+
+
+def _late_reason(model: str, now: float, limit: float, soonest: float | None) -> str:
+    """Why a task's model could not be placed before it had to stop waiting."""
+    shown = repr(model) if len(model) <= 100 else repr(model[:100]) + "..."
+    why = (
+        f"model {shown} could not be loaded in time: every worker is full of models "
+        "that may not leave yet"
+    )
+    if soonest is None:
+        why += " (they serve tasks"
+    else:
+        why += f" (the first may leave in {max(soonest - now, 0.0):.1f}s, past its hold time"
+    return why + f"; the task's wait for a worker ends in {max(limit - now, 0.0):.1f}s)"
+
+
 class _Pending:
     """A model being loaded for the tasks that wait for it."""
 
-    __slots__ = ("done", "error", "wakers")
+    __slots__ = ("done", "error", "late", "wakers")
 
     def __init__(self) -> None:
         self.done = threading.Event()
         self.error: str | None = None
+        # Set when the placing task could not wait for a slot: why.
+        self.late: str | None = None
         # The events of stoppable tasks waiting for it (set once it is done).
         self.wakers: list[threading.Event] = []
 

@@ -56,10 +56,25 @@ _LACKING_LIMIT = 1024
 """Models whose lacking workers are remembered at once; tasks may name any number."""
 
 
+class PlaceLater(Exception):
+    """A model no live worker holds could be loaded, but not before the task must stop
+    waiting: every worker is full of models that may not leave yet (inside their
+    hold time, or serving tasks) until after then. Raised by
+    :meth:`ModelPlacer.place` through the steps of the task's life; the retry step
+    ends the task as one no worker could take (``NoWorkerAvailable``, its dead letter
+    stored first): the task is not bad, and a replay later may well succeed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class ModelPlacer(Protocol):
     """What the life of a task asks of placement (``models.balance``, see
     :mod:`npu_sync._placement`): counting tasks per worker and model, and loading a
-    model no live worker holds where it is cheapest, evicting if need be."""
+    model no live worker holds where it is cheapest, evicting if need be (waiting,
+    within the task's wait for a worker, for a slot to free; else
+    :class:`PlaceLater`)."""
 
     def started(self, worker_id: str, model: str, now: float) -> None: ...
 

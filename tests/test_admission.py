@@ -509,3 +509,38 @@ def test_a_worker_becoming_busy_starts_its_stall_clock(clock):
     clock.advance(0.5)
     dispatcher.acquire((), far(clock))
     assert balance.busy_since == now  # still busy since then: the second task changes nothing
+
+
+# -- the queue per model (placement's sign of queueing) ------------------------------------
+
+
+def test_a_waiting_task_is_counted_under_the_model_it_names(clock):
+    """A task naming m waits 3 s and is served: 3 task-seconds under m; a task naming
+    no model waits too and is counted nowhere."""
+    a = make_worker(clock, "a")
+    dispatcher = Dispatcher(clock, Selector([a]))
+    lease = dispatcher.acquire((), far(clock))
+    assert isinstance(lease, Lease)
+    got: dict[str, Any] = {}
+
+    def wait(name: str, model: str | None) -> None:
+        got[name] = dispatcher.acquire_or_reason((), far(clock), model=model)
+
+    named = threading.Thread(target=wait, args=("named", "m"))
+    named.start()
+    wait_until(lambda: dispatcher.waiting == 1)
+    plain = threading.Thread(target=wait, args=("plain", None))
+    plain.start()
+    wait_until(lambda: dispatcher.waiting == 2)
+    assert dispatcher.queued.waiting("m") == 1
+    clock.advance(3)
+    give_back(dispatcher, lease)
+    named.join(5)
+    assert isinstance(got["named"], Lease)
+    assert dispatcher.queued.take(clock.monotonic()) == {"m": pytest.approx(3.0)}
+    clock.advance(2)
+    give_back(dispatcher, got["named"])
+    plain.join(5)
+    assert isinstance(got["plain"], Lease)
+    assert dispatcher.queued.take(clock.monotonic()) == {}
+    give_back(dispatcher, got["plain"])

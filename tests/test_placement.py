@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from npu_sync import Task, TaskRejected, WorkerPool
+from npu_sync import NoWorkerAvailable, Task, TaskRejected, WorkerPool
 from npu_sync._placement import Load, ModelUse, Planner, Unload, WorkerView
+from npu_sync._stop import TaskStop
 from npu_sync.config import (
     BreakerConfig,
     HealthConfig,
@@ -47,6 +48,7 @@ class ModelWorker:
         self.reports = reports
         self.full = 0  # loads answered 507
         self.load_seconds = load_seconds
+        self.latency = 0.0  # fake seconds each task takes
         self.load_status: int | None = None
         self.loads: list[str] = []
         self.unloads: list[str] = []
@@ -95,6 +97,7 @@ class ModelWorker:
         if req.json().get("hold"):
             self.entered.set()
             self.hold.wait(10)
+        self.clock.advance(self.latency)
         return json_response(200, {"worker": req.worker_id, "model_id": model})
 
 
@@ -202,12 +205,35 @@ def test_a_round_adds_below_min_scales_up_and_removes_cold_and_surplus() -> None
     use.end("c", "capped", now)
     planner = Planner(cfg, use, {("b", "cold"): 0.0}, {})
     workers = [view("a", ("busy",)), view("b", ("capped", "cold")), view("c", ("capped",))]
-    actions = planner.plan(workers, use.take_peaks(), now)
+    actions = planner.plan(workers, use.take_windows(now, 10.0), now)
     loads = [a for a in actions if isinstance(a, Load)]
     unloads = {(a.worker_id, a.model) for a in actions if isinstance(a, Unload)}
     assert {load.model for load in loads} == {"busy", "need"} and len(loads) == 2
     assert ("b", "cold") in unloads
     assert len([u for u in unloads if u[1] == "capped"]) == 1
+
+
+def test_one_round_never_evicts_a_min_models_replicas_below_its_min() -> None:
+    """loads_per_round 3 on three full workers, each holding the coldest model x: the
+    round's evictions count each other, so x (min 1, then min 2) keeps its min."""
+    now = 1000.0
+    for keep in (1, 2):
+        use = ModelUse()
+        for wid, hot in (("a", "h0"), ("b", "h1"), ("c", "h2")):
+            use.start(wid, hot, now - 1)
+            use.end(wid, hot, now - 1)
+            use.start(wid, "x", 10.0)
+            use.end(wid, "x", 10.0)
+        catalog = {m: ModelPolicy(1, None) for m in ("h0", "h1", "h2", "n0", "n1", "n2")}
+        catalog["x"] = ModelPolicy(keep, None)
+        cfg = ModelsConfig(hold=0, idle=86400, loads_per_round=3, catalog=catalog)
+        workers = [view(w, ("x", h), cap=2) for w, h in (("a", "h0"), ("b", "h1"), ("c", "h2"))]
+        actions = Planner(cfg, use, {}, {}).plan(workers, {}, now)
+        loads = [a for a in actions if isinstance(a, Load)]
+        gone = sum(a.evict.count("x") for a in loads)
+        gone += sum(1 for a in actions if isinstance(a, Unload) and a.model == "x")
+        assert 3 - gone >= keep, actions
+        assert len(loads) == 3 - keep  # the other loads found nothing that may leave
 
 
 # -- a pool over fake workers ------------------------------------------------------
@@ -254,8 +280,9 @@ def test_a_full_worker_evicts_its_coldest_model_never_one_in_flight() -> None:
 
 
 def test_an_eviction_never_takes_a_model_with_a_task_in_flight() -> None:
-    """Both models of a full worker have tasks in flight: the load is refused with a
-    reason, nothing is unloaded, and both tasks end well."""
+    """Both models of a full worker keep tasks in flight past the new task's wait:
+    nothing is unloaded, the new task fails as no worker available (its dead letter
+    stored: it is not a bad task), and both tasks end well."""
     clock = FakeClock()
     worker = ModelWorker(clock, ("a", "b"), cap=2)
     with fleet(clock, worker, hold=0) as pool:
@@ -265,30 +292,110 @@ def test_an_eviction_never_takes_a_model_with_a_task_in_flight() -> None:
         worker.entered.clear()
         second = pool.submit({"model_id": "b", "hold": True})
         assert worker.entered.wait(10)
-        with pytest.raises(TaskRejected, match="may leave yet"):
+        with pytest.raises(NoWorkerAvailable, match="may not leave yet") as failed:
             pool.execute({"model_id": "c"})
+        assert failed.value.dead_letter_id is not None
+        assert [r.id for r in pool.dead_letters.list()] == [failed.value.dead_letter_id]
         assert worker.unloads == []
         worker.hold.set()
         assert first.result(10)["model_id"] == "a" and second.result(10)["model_id"] == "b"
 
 
-def test_a_round_never_unloads_a_model_whose_task_is_in_flight() -> None:
-    """A cold-looking replica with a task just started is not unloaded by a round."""
+class WaitingClock(FakeClock):
+    """A fake clock whose ``wait`` blocks for real (10 s at most) until its event is
+    set, and says when a wait began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        if timeout is not None and timeout <= 0:
+            return event.is_set()
+        self.waiting.set()
+        return event.wait(10 if timeout is None else min(timeout, 10))
+
+
+def test_a_load_waits_for_a_task_in_flight_to_end_then_evicts() -> None:
+    """Both models of a full worker have a task in flight: a task for a third model
+    waits for a slot instead of being refused; once those tasks end, the coldest
+    model leaves and the waiting task is served."""
+    clock = WaitingClock()
+    worker = ModelWorker(clock, ("a", "b"), cap=2)
+    with fleet(clock, worker, hold=0) as pool:
+        worker.hold.clear()
+        first = pool.submit({"model_id": "a", "hold": True})
+        assert worker.entered.wait(10)
+        worker.entered.clear()
+        second = pool.submit({"model_id": "b", "hold": True})
+        assert worker.entered.wait(10)
+        third = pool.submit({"model_id": "c"})
+        assert clock.waiting.wait(10)  # its load waits for a slot
+        assert worker.unloads == [] and not third.done()
+        worker.hold.set()
+        assert third.result(10)["model_id"] == "c"
+        assert first.result(10)["model_id"] == "a" and second.result(10)["model_id"] == "b"
+        assert len(worker.unloads) == 1 and "c" in worker.models
+
+
+def test_a_task_waiting_for_a_slot_leaves_when_stopped() -> None:
+    """A task whose load waits for a slot held by a task in flight is woken by its
+    stop and leaves at once, nothing unloaded."""
+    clock = WaitingClock()
+    worker = ModelWorker(clock, ("a",), cap=1)
+    with fleet(clock, worker, hold=0, max_models=1) as pool:
+        placer = pool._placer
+        assert placer is not None
+        placer.started("w0", "a", clock.monotonic())  # a task of a's, in flight
+        stop = TaskStop()
+        answer: list[str | None] = []
+        waiting = threading.Thread(target=lambda: answer.append(placer.place("c", 60.0, stop)))
+        waiting.start()
+        assert clock.waiting.wait(10)
+        stop.cancel()
+        waiting.join(10)
+        assert answer == ["the task was stopped while it waited for a model slot"]
+        assert worker.unloads == [] and worker.loads == []
+        placer.ended("w0", "a", clock.monotonic())
+
+
+def test_a_load_waits_for_a_hold_that_ends_within_the_tasks_wait() -> None:
+    """Every slot is inside its hold time: a task whose wait for a worker (10 s) ends
+    before the first hold does fails at once as no worker available, nothing
+    unloaded; one arriving 5 s before a hold ends waits those 5 s, then evicts."""
     clock = FakeClock()
-    workers = [ModelWorker(clock, ("m",)), ModelWorker(clock, ("m",))]
-    with fleet(clock, *workers, hold=0, idle=5) as pool:
+    worker = ModelWorker(clock, ("a", "b"), cap=2, load_seconds=0.5)
+    with fleet(clock, worker, hold=30, max_models=2) as pool:
+        start = clock.monotonic()  # a and b count as loaded at the pool's first look
         pool.check_placement()
-        clock.advance(100)
-        workers[0].hold.clear()
-        workers[1].hold.clear()
+        clock.advance(19)
+        with pytest.raises(NoWorkerAvailable, match=r"may leave in 11\.0s"):
+            pool.execute({"model_id": "c"})
+        assert clock.monotonic() == start + 19 and worker.unloads == []
+        clock.advance(6)
+        assert pool.execute({"model_id": "c"})["model_id"] == "c"
+        assert len(worker.unloads) == 1
+        assert clock.monotonic() == start + 30 + 0.5  # its hold's end, then the load
+
+
+def test_a_round_never_unloads_a_model_whose_task_is_in_flight() -> None:
+    """A replica whose one task has been in flight for longer than idle looks cold by
+    its last use: a round leaves it; once the task ended and idle passed, it goes."""
+    clock = FakeClock()
+    worker = ModelWorker(clock, ("m",))
+    with fleet(clock, worker, hold=0, idle=5) as pool:
+        pool.check_placement()
+        worker.hold.clear()
         held = pool.submit({"model_id": "m", "hold": True})
-        assert workers[0].entered.wait(10) or workers[1].entered.wait(10)
+        assert worker.entered.wait(10)
+        clock.advance(100)
         pool.check_placement()
-        busy = 0 if workers[0].entered.is_set() else 1
-        assert "m" in workers[busy].models
-        workers[0].hold.set()
-        workers[1].hold.set()
+        assert worker.models == ["m"] and worker.unloads == []
+        worker.hold.set()
         assert held.result(10)["model_id"] == "m"
+        clock.advance(100)
+        pool.check_placement()
+        assert worker.unloads == ["m"]
 
 
 def test_the_last_replica_of_a_min_model_stays_however_cold() -> None:
@@ -303,13 +410,62 @@ def test_the_last_replica_of_a_min_model_stays_however_cold() -> None:
         assert worker.models == ["keep"] and worker.unloads == ["spare"]
 
 
+def test_a_round_of_two_loads_leaves_a_min_model_one_replica() -> None:
+    """Two workers full of x (min 1, the coldest) and a hot model each; two models
+    below their min: one round with loads_per_round 2 loads one of them, evicting x
+    once, and x keeps a replica."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("x", "h0"), cap=2)
+    w1 = ModelWorker(clock, ("x", "h1"), cap=2)
+    catalog = {m: ModelPolicy(1, None) for m in ("x", "h0", "h1", "n1", "n2")}
+    with fleet(
+        clock, w0, w1, hold=0, idle=86400, max_models=2, loads_per_round=2, catalog=catalog
+    ) as pool:
+        clock.advance(100)
+        pool.execute({"model_id": "h0"})
+        pool.execute({"model_id": "h1"})  # x is now the coldest everywhere
+        pool.check_placement()
+        assert sum("x" in w.models for w in (w0, w1)) == 1
+        assert w0.unloads + w1.unloads == ["x"]
+
+
+def test_a_second_try_after_a_507_counts_the_rounds_evictions_to_come() -> None:
+    """w0's cap is unknown, w1's is configured: the round loads one model on w0 (no
+    eviction planned) and one on w1 evicting x (min 1). w0 answers 507; trying again
+    there must not evict x too, since the round's w1 eviction is still to come."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("x", "h0"), cap=2)
+    w1 = ModelWorker(clock, ("x", "h1"), cap=2)
+    net = FakeNetwork()
+    net.route("w0", w0)
+    net.route("w1", w1)
+    catalog = {m: ModelPolicy(1, None) for m in ("x", "h0", "h1", "n1", "n2")}
+    cfg = dataclasses.replace(
+        config(2, hold=0, idle=86400, loads_per_round=2, catalog=catalog),
+        workers=(
+            worker_config("w0", "http://127.0.0.1:9500"),
+            worker_config("w1", "http://127.0.0.1:9501", max_models=2),
+        ),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        pool.check_health()
+        clock.advance(100)
+        pool.execute({"model_id": "h0"})
+        pool.execute({"model_id": "h1"})
+        pool.check_placement()
+        assert sum("x" in w.models for w in (w0, w1)) == 1
+        assert w0.unloads + w1.unloads == ["x"]
+
+
 def test_two_hot_sets_alternating_do_not_thrash() -> None:
     """One worker, two model slots, hot sets {a, b} and {c, d} alternating every 20 s
     with a 60 s hold: a model stays at least its hold time, so loads are bounded by
-    the hold (at most two slots per 60 s), not by the switches (16 without it)."""
+    the hold (at most two slots per 60 s), not by the switches (18 without it). A task
+    that finds every slot held fails as no worker available, its dead letter stored
+    (replayable once a slot frees), never as a bad task."""
     clock = FakeClock()
     worker = ModelWorker(clock, (), cap=2, load_seconds=0.5)
-    served = refused = 0
+    served = failed = 0
     with fleet(clock, worker, hold=60) as pool:
         for phase in range(9):
             hot = ("a", "b") if phase % 2 == 0 else ("c", "d")
@@ -318,24 +474,30 @@ def test_two_hot_sets_alternating_do_not_thrash() -> None:
                     try:
                         pool.execute({"model_id": model})
                         served += 1
-                    except TaskRejected:
-                        refused += 1
+                    except NoWorkerAvailable:
+                        failed += 1
             clock.advance(20)
+        assert len(pool.dead_letters.list()) == failed
     assert len(worker.loads) <= 2 * (9 * 20 // 60 + 1)
-    assert len(worker.loads) < 16 and served > 0 and refused > 0
+    assert len(worker.loads) < 16 and served > 0 and failed > 0
     assert all(worker.loads.count(m) <= 4 for m in "abcd")
 
 
 def test_a_worker_refusing_a_load_fails_the_task_and_charges_nobody() -> None:
-    """507 and 500 to a load: the task is rejected naming the answer, a failed
-    placement event is sent, and the worker's breaker is untouched."""
-    for status in (507, 500):
+    """500 to a load: the task is rejected naming the answer; 507 (full, and x is
+    inside its hold time): the task fails as no worker available. Either way a failed
+    placement event is sent and the worker's breaker is untouched."""
+    ends: list[tuple[int, type[Exception], str]] = [
+        (507, NoWorkerAvailable, "may not leave yet"),
+        (500, TaskRejected, "HTTP 500"),
+    ]
+    for status, error, match in ends:
         clock = FakeClock()
         worker = ModelWorker(clock, ("x",))
         worker.load_status = status
         events: list[Event] = []
         with fleet(clock, worker, events=events) as pool:
-            with pytest.raises(TaskRejected, match=f"HTTP {status}"):
+            with pytest.raises(error, match=match):
                 pool.execute({"model_id": "m"})
             assert placements(events, "failed") == [("w0", "m")]
             assert pool.workers()[0]["breaker"]["failures"] == 0
@@ -388,6 +550,66 @@ def test_load_on_a_model_outgrowing_its_replicas_adds_one() -> None:
             placer.started("w0", "m", clock.monotonic())
         (load,) = pool.check_placement()
         assert isinstance(load, Load) and load.worker_id == "w1" and "m" in workers[1].models
+
+
+def test_tasks_queueing_for_a_models_workers_add_a_replica() -> None:
+    """w0 holds m and x and takes one task at a time; x's task fills it and m's task
+    waits for a worker: the next round adds a replica of m on w1, though no task of
+    m's was ever in flight."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("m", "x"))
+    w1 = ModelWorker(clock)
+    net = FakeNetwork()
+    net.route("w0", w0)
+    net.route("w1", w1)
+    cfg = dataclasses.replace(
+        config(2, hold=0, catalog={"x": ModelPolicy(0, 1)}),
+        workers=(
+            worker_config("w0", "http://127.0.0.1:9500", max_concurrent=1),
+            worker_config("w1", "http://127.0.0.1:9501", max_concurrent=1),
+        ),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        pool.check_health()
+        assert pool.check_placement() == []
+        w0.hold.clear()
+        held = pool.submit({"model_id": "x", "hold": True})
+        assert w0.entered.wait(10)
+        queued = pool.submit({"model_id": "m"})
+        dispatcher = pool._state.dispatcher
+        for _ in range(5000):  # until m's task waits in the queue
+            if dispatcher.waiting:
+                break
+            threading.Event().wait(0.001)
+        assert dispatcher.waiting == 1
+        clock.advance(5)
+        (load,) = pool.check_placement()
+        assert isinstance(load, Load) and (load.worker_id, load.model) == ("w1", "m")
+        assert "waiting for a worker" in load.reason and "m" in w1.models
+        w0.hold.set()
+        assert held.result(10)["model_id"] == "x" and queued.result(10)["model_id"] == "m"
+
+
+def test_a_models_latency_rising_above_its_normal_adds_a_replica() -> None:
+    """m's tasks take 100 ms for a round (its normal), then 300 ms: the next round adds
+    a replica though its tasks in flight never came near its capacity."""
+    clock = FakeClock()
+    w0 = ModelWorker(clock, ("m",))
+    w1 = ModelWorker(clock)
+    with fleet(clock, w0, w1, hold=0) as pool:
+        assert pool.check_placement() == []
+        w0.latency = 0.100
+        for _ in range(5):
+            pool.execute({"model_id": "m"})
+        clock.advance(10)
+        assert pool.check_placement() == []  # 100 ms is its normal
+        w0.latency = 0.300
+        for _ in range(5):
+            pool.execute({"model_id": "m"})
+        clock.advance(10)
+        (load,) = pool.check_placement()
+        assert isinstance(load, Load) and (load.worker_id, load.model) == ("w1", "m")
+        assert "latency 300 ms against a normal 100 ms" in load.reason
 
 
 def test_placement_off_means_no_thread_and_a_clear_error() -> None:

@@ -131,6 +131,7 @@ class Admit:
             admission=self.admission,
             task_deadline=deadline,
             priority=ctx.task.priority,
+            model=ctx.model,
         )
         if isinstance(got, Lease):
             if ctx.trace is not None:

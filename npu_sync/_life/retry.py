@@ -21,7 +21,7 @@ from npu_sync._life.ledger import charge, untried_left
 from npu_sync._life.models import named_model
 from npu_sync._life.outcomes import Outcomes
 from npu_sync._retry import Kind, Outcome, RetryPolicy
-from npu_sync._state import PoolState
+from npu_sync._state import PlaceLater, PoolState
 from npu_sync._stop import Stopped
 from npu_sync._worker import Worker
 from npu_sync.config import PoolConfig
@@ -58,7 +58,13 @@ class Retry:
         """
         state = self.state
         while True:
-            at = next(ctx)
+            try:
+                at = next(ctx)
+            except PlaceLater as late:
+                # Its model's load waits for a slot past the task's wait: no worker
+                # could take it in time (a dead letter; a replay may succeed).
+                ctx.reason = late.reason
+                break
             if type(at) is not Try:
                 if at is AGAIN:
                     continue
