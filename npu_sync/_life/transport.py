@@ -186,7 +186,9 @@ class Send:
             return failed
         remaining = ctx.deadline - self.state.clock.monotonic()
         if remaining <= MIN_ATTEMPT:
-            return Outcome(Kind.ABANDONED, error="deadline passed during the trial's check")
+            return Outcome(
+                Kind.ABANDONED, error="deadline passed during the trial's check", processed=False
+            )
         at.remaining = remaining
         return Send.__call__(self, ctx, at, self.read_timeout)
 
