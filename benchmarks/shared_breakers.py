@@ -1,6 +1,6 @@
 """Shared breakers across 16 processes, two trees side by side: how long a worker that
-fails one task in five is kept out, and how many half-open trials a down worker gets
-per reset period.
+fails one task in five is kept out, how many half-open trials a down worker gets per
+reset period, and how long a frozen worker's trials hold the fleet.
 
 Usage, from a clone, with the tree to compare against checked out beside it::
 
@@ -19,6 +19,12 @@ tree. Two scenarios, each ``--seconds`` long:
   in all 16 processes at once.
 - ``down``: w0 fails every task. Reported: the attempts w0 got until every process had
   it open (what finding a dead worker costs the fleet), then trials per reset period.
+- ``frozen`` (``--frozen``, ``--seconds`` + 10 s): w0 answers until every process has
+  learnt its latency, then is frozen (SIGSTOP); each process sends idempotent tasks
+  until it has w0 open, then idempotent and non-idempotent tasks in turn, so that
+  either kind may meet w0's trial (``timeouts.read`` 20 s). Reported, from the moment
+  w0 was open in every process: trials per reset period, the longest trial, the
+  longest task, non-idempotent tasks sent to the frozen w0 and tasks failed.
 
 Timings are ratios and counts of one run; the machine's load moves them a little.
 """
@@ -46,25 +52,43 @@ RESET = 1.0
 # -- one process of the fleet -----------------------------------------------------------
 
 
-def client(config: str, seconds: float) -> None:
+def client(config: str, seconds: float, mixed: bool) -> None:
     """Run tasks for ``seconds`` after reading ``go``; print what w0's breaker and
-    attempts did, as one JSON line."""
-    from npu_sync import TaskFailed, WorkerPool
+    attempts did, as one JSON line. With ``mixed`` (the frozen scenario): a few tasks to
+    learn w0's latency before ``ready``, then idempotent tasks until w0 opens here, then
+    idempotent and non-idempotent ones in turn."""
+    from npu_sync import Task, TaskFailed, WorkerPool
     from npu_sync.events import AttemptFinished, BreakerStateChanged
 
     lock = threading.Lock()
     changes: list[tuple[float, str]] = []
-    attempts: list[tuple[float, float, str]] = []
+    attempts: list[tuple[float, float, str, str, str]] = []
+    once: set[str] = set()  # ids of the non-idempotent tasks
+    spans: list[tuple[float, float, bool, bool]] = []  # start, end, once, failed
+    opened = threading.Event()
 
     def hook(event: object) -> None:
         if isinstance(event, BreakerStateChanged) and event.worker_id == "w0":
             with lock:
                 changes.append((event.at, event.new))
+            if event.new == "open":
+                opened.set()
         elif isinstance(event, AttemptFinished) and event.worker_id == "w0":
             with lock:
-                attempts.append((event.at - event.duration, event.at, event.outcome))
+                attempts.append(
+                    (
+                        event.at - event.duration,
+                        event.at,
+                        event.outcome,
+                        event.task_id,
+                        event.error or "",
+                    )
+                )
 
     with WorkerPool.from_yaml(config, watch=False, hooks=[hook]) as pool:
+        if mixed:
+            for _ in range(20):
+                pool.execute({"input_text": "warm"})
         outages = pool.stats()["shared_state"].get("outages", 0)
         print("ready", flush=True)
         sys.stdin.readline()
@@ -73,10 +97,18 @@ def client(config: str, seconds: float) -> None:
         tasks = failed = 0
         while time.monotonic() < until:
             tasks += 1
+            kind_once = mixed and opened.is_set() and tasks % 2 == 0
+            task = Task({"input_text": "bench"}, idempotent=not kind_once)
+            if kind_once:
+                once.add(task.task_id)
+            began = time.time()
             try:
-                pool.execute({"input_text": "bench"})
+                pool.execute(task)
+                lost = False
             except TaskFailed:
                 failed += 1
+                lost = True
+            spans.append((began, time.time(), kind_once, lost))
         end = time.time()
         outages = pool.stats()["shared_state"].get("outages", 0) - outages
     with lock:
@@ -89,7 +121,11 @@ def client(config: str, seconds: float) -> None:
                     "failed": failed,
                     "outages": outages,
                     "changes": changes,
-                    "attempts": attempts,
+                    "attempts": [
+                        (a, b, outcome, task_id in once, error)
+                        for a, b, outcome, task_id, error in attempts
+                    ],
+                    "spans": spans if mixed else [],
                 }
             ),
             flush=True,
@@ -173,6 +209,36 @@ def down_figures(results: list[dict[str, Any]]) -> tuple[int, float, int]:
     return finding, sum(periods) / len(periods), max(periods)
 
 
+def frozen_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """What w0's trials cost once it was open in every process: trials per reset period
+    (all, mean, most), the longest trial and the longest task (seconds), the non-idempotent
+    tasks sent to w0 (a trial that was its health check sent none) and tasks failed."""
+    opened = [min((at for at, new in r["changes"] if new == "open"), default=None) for r in results]
+    if any(t is None for t in opened):
+        return {}
+    all_open = max(t for t in opened if t is not None)
+    trials = sorted(a for r in results for a in r["attempts"] if a[0] >= all_open)
+    periods: list[int] = []
+    first = -1.0
+    for start, *_ in trials:
+        if periods and start - first < RESET / 2:
+            periods[-1] += 1
+        else:
+            periods.append(1)
+            first = start
+    spans = [s for r in results for s in r["spans"] if s[0] >= all_open]
+    return {
+        "trials": len(trials),
+        "per_period": sum(periods) / len(periods) if periods else 0.0,
+        "most": max(periods, default=0),
+        "longest_trial": max((b - a for a, b, *_ in trials), default=0.0),
+        "longest_task": max((b - a for a, b, *_ in spans), default=0.0),
+        "once_sent": sum(1 for t in trials if t[3] and "health check" not in t[4]),
+        "failed": sum(1 for s in spans if s[3]),
+        "tasks": len(spans),
+    }
+
+
 def run_side(
     tree: Path, scenario: str, seconds: float, work: str, *, shared: bool = True
 ) -> list[dict[str, Any]]:
@@ -181,7 +247,7 @@ def run_side(
     from npu_sync.worker_server import LocalWorker
 
     redis_proc, url = start_redis(work)
-    rate = 0.2 if scenario == "flaky" else 1.0
+    rate = {"flaky": 0.2, "down": 1.0}.get(scenario, 0.0)
     w0 = LocalWorker(worker_id="w0", latency_ms=10, failure_rate=rate).start()
     w1 = LocalWorker(worker_id="w1", latency_ms=10).start()
     procs: list[subprocess.Popen[str]] = []
@@ -196,6 +262,7 @@ def run_side(
             f"max_reset_timeout: {RESET}}}\n"
             "  retry: {max_retries: 2, backoff_initial: 0.01, backoff_max: 0.02}\n"
             "  balancing: {latency_aware: false}\n"
+            "  timeouts: {read: 20, task: 25}\n"
             # A timeout the loaded machine keeps to, so that the figures are the rules'
             # and not Redis outages (which are counted, and should be 0).
             + (
@@ -207,7 +274,14 @@ def run_side(
         )
         procs = [
             subprocess.Popen(
-                [sys.executable, __file__, "client", str(config), str(seconds)],
+                [
+                    sys.executable,
+                    __file__,
+                    "client",
+                    str(config),
+                    str(seconds),
+                    str(scenario == "frozen"),
+                ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 text=True,
@@ -217,6 +291,8 @@ def run_side(
         ]
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
+        if scenario == "frozen":
+            w0.pause()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write("go\n")
@@ -244,7 +320,7 @@ def run_side(
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "client":
-        client(sys.argv[2], float(sys.argv[3]))
+        client(sys.argv[2], float(sys.argv[3]), sys.argv[4] == "True")
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--before", type=Path, required=True, help="the tree to compare with")
@@ -253,11 +329,35 @@ def main() -> None:
     parser.add_argument(
         "--alone", action="store_true", help="also run --after without shared state"
     )
+    parser.add_argument(
+        "--frozen", action="store_true", help="run only the frozen scenario, both trees"
+    )
     args = parser.parse_args()
     rows = []
     sides = (("before", args.before, True), ("after", args.after, True))
     if args.alone:
         sides += (("alone", args.after, False),)
+    if args.frozen:
+        frozen_rows = []
+        for label, tree, shared in sides:
+            with tempfile.TemporaryDirectory() as work:
+                frozen = run_side(tree, "frozen", args.seconds + 10, work, shared=shared)
+            frozen_rows.append((label, frozen_figures(frozen)))
+        print(f"\n{PROCESSES} processes, w0 frozen, reset_timeout {RESET} s, read 20 s")
+        print(
+            f"{'':8} {'trials':>7} {'trials/period':>14} {'most':>5} {'longest trial (s)':>18} "
+            f"{'longest task (s)':>17} {'non-idempotent sent to w0':>26} {'tasks failed':>13}"
+        )
+        for label, f in frozen_rows:
+            if not f:
+                print(f"{label:8} w0 was not open in every process")
+                continue
+            print(
+                f"{label:8} {f['trials']:>7} {f['per_period']:>14.2f} {f['most']:>5} "
+                f"{f['longest_trial']:>18.2f} {f['longest_task']:>17.2f} "
+                f"{f['once_sent']:>26} {f['failed']:>8} of {f['tasks']}"
+            )
+        return
     for label, tree, shared in sides:
         with tempfile.TemporaryDirectory() as work:
             flaky = run_side(tree, "flaky", args.seconds, work, shared=shared)

@@ -473,6 +473,40 @@ class HealthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TrialConfig:
+    """How long a half-open breaker's trial may take: the trial deadline (see
+    :class:`npu_sync._stall.TrialDeadline`). Immutable, so thread-safe."""
+
+    multiplier: float = number(
+        5.0,
+        1,
+        1000,
+        "the trial deadline, as a multiple of the worker's p99 latency before it opened",
+    )
+    floor: float = number(
+        1.0,
+        0,
+        3600,
+        "the shortest trial deadline",
+        above=True,
+        unit="s",
+    )
+    cap: float = number(
+        10.0,
+        0,
+        3600,
+        "the longest trial deadline (never more than `timeouts.read`), and the deadline "
+        "of a worker whose latency is not known, nor its tier's",
+        above=True,
+        unit="s",
+        at_least="floor",
+    )
+
+    def __post_init__(self) -> None:
+        check_fields(self, "circuit_breaker.trial")
+
+
+@dataclass(frozen=True, slots=True)
 class BreakerConfig:
     """Per-worker circuit breaker settings. Immutable, so thread-safe."""
 
@@ -506,6 +540,9 @@ class BreakerConfig:
         above=True,
         unit="s",
         at_least="reset_timeout",
+    )
+    trial: TrialConfig = section(
+        TrialConfig, "the deadline of the one trial a half-open worker gets"
     )
 
     def __post_init__(self) -> None:

@@ -108,20 +108,32 @@ def sentinel_of(client: Any) -> tuple[Sentinel, str] | None:
     return found if isinstance(found, tuple) else None
 
 
-def primary_moved(client: Any) -> bool:
+def primary_moved(client: Any, pubsub: Any = None) -> bool:
     """Behind Sentinel: whether the sentinels name another primary than the one this
     client's connections go to (a failover, which a client that only reads would not
-    notice until the old primary is turned into a replica, seconds later). One question
-    to a sentinel; False for other clients, and before any connection was made."""
+    notice until the old primary is turned into a replica, seconds later), or than the
+    one ``pubsub`` is subscribed on. One question to a sentinel; False for other
+    clients, and before any connection was made.
+
+    The pool's own address is not enough: any connection made after the failover (a
+    task's write, the replication check) moves it to the new primary, while a
+    subscription made before stays on the old one, hearing nothing published since,
+    until the sentinels demote that server about ten seconds later."""
     found = sentinel_of(client)
     if found is None:
         return False
+    addresses = []
     current = client.connection_pool.master_address
-    if current is None:
+    if current is not None:
+        addresses.append((str(current[0]), int(current[1])))
+    connection = getattr(pubsub, "connection", None)
+    if connection is not None and getattr(connection, "host", None):
+        addresses.append((str(connection.host), int(connection.port)))
+    if not addresses:
         return False
     sentinels, service = found
     named = _untyped(sentinels.discover_master)(service)
-    return bool((str(named[0]), int(named[1])) != (str(current[0]), int(current[1])))
+    return any(address != (str(named[0]), int(named[1])) for address in addresses)
 
 
 def reconnect(client: Any) -> None:

@@ -593,7 +593,7 @@ class SharedState:
                 if message is not None:
                     self._handle(message)
                 if time.monotonic() >= next_sync:
-                    if primary_moved(self._client):
+                    if primary_moved(self._client, pubsub):
                         # Reads and pub/sub would go on with the old primary unnoticed.
                         self.lost(None, "the sentinels name another primary (a failover)")
                         continue

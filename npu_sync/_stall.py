@@ -33,8 +33,14 @@ only when the task then succeeds elsewhere in less time than the cut attempt was
 given (the worker was slow, not the task heavy). One heavy task thus costs a worker
 one count, which a success in between clears: it does not open the breaker.
 
-Thread-safety: :class:`StallLimit` is immutable. :class:`Pace` is fed under the pool's
-lock and read at an attempt's start without it (it reads a copy).
+The same durations set the *trial deadline* (:class:`TrialDeadline`): how long the one
+trial a half-open worker gets may take, whatever the task. A worker that opened and
+is still frozen must not hold the trial's task (nor, with shared breakers, the whole
+fleet's trial lease) for ``timeouts.read``.
+
+Thread-safety: :class:`StallLimit` and :class:`TrialDeadline` are immutable.
+:class:`Pace` is fed under the pool's lock and read at an attempt's start without it
+(it reads a copy).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from npu_sync._metrics import percentile
-from npu_sync.config import StallConfig
+from npu_sync.config import StallConfig, TrialConfig
 
 WINDOW = 64
 """Successful attempt durations kept per worker."""
@@ -171,3 +177,51 @@ class StallLimit:
         if cut_before:
             limit = max(limit, 2.0 * cut_before)
         return limit if limit < ceiling else None
+
+
+TRIAL_PERCENTILE = 0.99
+"""The percentile of a worker's recent successful attempts its trial deadline is a
+multiple of."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrialDeadline:
+    """How long the trial of a half-open worker may take, end to end. Immutable, so
+    thread-safe.
+
+        clamp(multiplier x p99 of the worker's successful attempts, floor, cap)
+
+    and never more than the attempt's own budget (``timeouts.read``). The durations are
+    those from before the worker opened: failures add none, so an opening does not
+    stretch its own trial. A worker with too few answers of its own takes its tier's
+    highest figure (as the stall limit does); with none known anywhere, the cap.
+
+    Args:
+        multiplier: the deadline as a multiple of the worker's p99.
+        floor: the shortest deadline, seconds.
+        cap: the longest deadline, and the deadline when nothing is known, seconds.
+    """
+
+    multiplier: float = 5.0
+    floor: float = 1.0
+    cap: float = 10.0
+
+    @classmethod
+    def from_config(cls, config: TrialConfig) -> TrialDeadline:
+        return cls(config.multiplier, config.floor, config.cap)
+
+    def known(self, pace: Pace, peers: Iterable[Pace] = ()) -> float | None:
+        """The worker's p99, else the highest of its ``peers``' (its tier's), else None."""
+        high = pace.high(TRIAL_PERCENTILE)
+        if high is not None:
+            return high
+        figures = [
+            h for p in peers if p is not pace and (h := p.high(TRIAL_PERCENTILE)) is not None
+        ]
+        return max(figures) if figures else None
+
+    def seconds(self, high: float | None, ceiling: float) -> float:
+        """The trial deadline for a worker whose figure is ``high`` (None: unknown),
+        within ``ceiling`` (the attempt's own budget, ``timeouts.read``)."""
+        limit = self.cap if high is None else min(max(self.multiplier * high, self.floor), self.cap)
+        return limit if limit < ceiling else ceiling

@@ -56,6 +56,7 @@ from npu_sync._config_types import (
     TLSConfig,
     TracingConfig,
     TransportConfig,
+    TrialConfig,
     WorkerConfig,
     default_protocol,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "TimeoutConfig",
     "TracingConfig",
     "TransportConfig",
+    "TrialConfig",
     "WorkerConfig",
     "check_reload",
     "config_for_url",

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from npu_sync import WorkerPool
+from npu_sync import Task, WorkerPool
 from npu_sync.config import (
     BalancingConfig,
     BreakerConfig,
@@ -25,8 +25,8 @@ from npu_sync.config import (
     worker_config,
 )
 from npu_sync.testing import FakeClock, FakeNetwork, FakeRequest, json_response
-from npu_sync.transport import Response
-from tests.fleetkit import clock, manual, redis_server  # noqa: F401
+from npu_sync.transport import Response, TransportError
+from tests.fleetkit import client, clock, manual, redis_server  # noqa: F401
 
 redis = pytest.importorskip("redis")
 
@@ -207,6 +207,43 @@ def test_a_failed_trial_reopens_everywhere_and_the_next_period_has_one_trial_aga
         )
         second.execute({"input_text": f"after {period}"})
         assert inferences(net_one) + inferences(net_two) == before + 1
+
+
+def test_the_fleets_trial_lease_lasts_the_trial_deadline_not_the_read_timeout(
+    pools, clock, redis_server
+):
+    """w0 answered at once before it opened, then froze: its trial is sent with the
+    trial deadline (the 1 s floor), and the fleet's lease on it ends that plus the
+    margin from now, not after the 20 s read timeout. A non-idempotent task's trial is
+    w0's health check within the deadline, its lease long enough for the check and
+    then the task's own read timeout."""
+    (one, net_one), (two, _) = pools(), pools()
+    for i in range(10):
+        one.execute({"input_text": f"warm {i}"})
+    open_everywhere(one, net_one, two)
+    margin = one._state.shared.lease_margin
+    redis = client(redis_server)
+    seen: list[tuple[str, float, int]] = []
+
+    def frozen(req: FakeRequest) -> TransportError:
+        seen.append((req.method, req.timeout, int(redis.pttl("{sb}:worker:w0:trial"))))
+        return TransportError("timeout", "w0: timed out", sent=True)
+
+    net_one.route("w0", frozen)
+    clock.advance(RESET + 1)
+    one.execute({"input_text": "trial"})  # cut on w0, then run on w1
+    ((method, timeout, lease_ms),) = seen
+    assert (method, timeout) == ("POST", 1.0)
+    assert 1000 < lease_ms <= (1.0 + margin) * 1000
+    assert breaker(one) == "open"
+    seen.clear()
+    clock.advance(2 * RESET + 1)  # the failed trial doubled the open time
+    one.execute(Task({"input_text": "once"}, idempotent=False))
+    ((method, timeout, lease_ms),) = seen
+    assert (method, timeout) == ("GET", 1.0)
+    read = one.config.timeouts.read
+    assert (read + 1.0) * 1000 < lease_ms <= (read + 1.0 + margin) * 1000
+    assert breaker(one) == "open"
 
 
 def test_without_redis_each_process_sends_its_own_trial(pools, clock, redis_server):

@@ -223,6 +223,62 @@ def test_a_process_that_only_reads_notices_a_failover_at_its_next_sync():
         shared.stop()
 
 
+def test_a_subscription_left_on_the_old_primary_is_noticed_though_the_pool_moved():
+    """Any connection made after a failover (a task's write, the replication check)
+    moves the pool's own address to the new primary at once, while the subscription
+    made before stays on the old one, deaf to every message, until the sentinels demote
+    that server some 10 s later. The next re-read notices the subscription: an outage,
+    after which the state resubscribes on the new primary."""
+    import threading
+    import time
+
+    server = fakeredis.FakeServer()
+    client = fakeredis.FakeRedis(server=server)
+    old, new = ("10.0.0.1", 6379), ("10.0.0.2", 6379)
+    named = NamedPrimary(old)
+    client.npu_sync_sentinel = (named, "mymaster")
+    client.connection_pool.master_address = old
+    client.connection_pool.get_master_address = lambda: named.address
+    subscribed = threading.Event()
+    real_pubsub = client.pubsub
+
+    def pubsub(**kwargs: object) -> object:
+        made = real_pubsub(**kwargs)
+        real_subscribe = made.subscribe
+
+        def subscribe(*args: object) -> object:
+            done = real_subscribe(*args)
+            # A subscription's connection is made to the primary the pool names then.
+            address = client.connection_pool.master_address
+            made.connection.host, made.connection.port = address
+            subscribed.set()
+            return done
+
+        made.subscribe = subscribe
+        return made
+
+    client.pubsub = pubsub
+    config = SharedStateConfig(backend="redis", namespace="app", sync_interval=0.05)
+    shared = SharedState(config, lambda *a: None, client=client)
+    shared.available, shared.outages = True, 0
+    shared.replication._stale, shared.replication._checked_at = False, time.monotonic()
+    shared.set_workers(["w1"])
+    shared.start()
+    try:
+        assert subscribed.wait(10), "the sync thread did not subscribe"
+        # The failover, and at once a new connection that moves the pool to the new one.
+        named.address = new
+        client.connection_pool.master_address = new
+        # Well within the replication check's 10 s recheck, which would find it too.
+        deadline = time.monotonic() + 5
+        while shared.outages == 0:
+            threading.Event().wait(0.02)
+            assert time.monotonic() < deadline, "the subscription on the old primary was kept"
+        assert "another primary" in (shared.last_error or "")
+    finally:
+        shared.stop()
+
+
 def test_a_tasks_write_never_waits_for_the_replication_check(monkeypatch):
     """Reading whether a replica must confirm a record takes a round trip or two (INFO,
     the sentinels): a task out of time cannot spare them. Its write never checks; the

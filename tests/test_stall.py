@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from npu_sync import Task, TaskFailed, WorkerPool
-from npu_sync._stall import MIN_SAMPLES, WINDOW, Pace, StallLimit
+from npu_sync._stall import MIN_SAMPLES, WINDOW, Pace, StallLimit, TrialDeadline
 from npu_sync.config import (
     BalancingConfig,
     BreakerConfig,
@@ -15,6 +15,7 @@ from npu_sync.config import (
     PoolConfig,
     RetryConfig,
     StallConfig,
+    TrialConfig,
     worker_config,
 )
 from npu_sync.errors import ConfigError
@@ -150,7 +151,9 @@ def pool_of(ids: tuple[str, ...], clock: FakeClock, fleet: Fleet, **kw: object) 
         ),
         health=HealthConfig(enabled=False),
         balancing=BalancingConfig(strategy="round-robin"),
-        retry=RetryConfig(backoff_initial=0.01, backoff_max=0.02),
+        retry=kw.pop(  # type: ignore[arg-type]
+            "retry", RetryConfig(backoff_initial=0.01, backoff_max=0.02)
+        ),
         circuit_breaker=kw.pop(  # type: ignore[arg-type]
             "breaker", BreakerConfig(fail_max=5, reset_timeout=30)
         ),
@@ -299,6 +302,179 @@ def test_a_half_open_trial_is_bounded_by_the_rule():
         assert ("a", 1.0) in fleet.budgets
         assert all(budget <= 1.0 for wid, budget in fleet.budgets if wid == "a")
         assert rows(pool)["a"]["breaker"]["state"] == "open"
+
+
+# -- the trial deadline: how long a half-open worker's one trial may take -----------------
+
+
+def test_the_trial_deadline_is_a_multiple_of_the_p99_clamped_to_floor_and_cap():
+    """5 x p99, at least 1 s, at most 10 s and never beyond the read timeout; the cap
+    when nothing is known."""
+    rule = TrialDeadline()
+    assert rule.seconds(0.02, READ) == 1.0
+    assert rule.seconds(0.5, READ) == pytest.approx(2.5)
+    assert rule.seconds(4.0, READ) == 10.0
+    assert rule.seconds(0.5, 2.0) == 2.0
+    assert rule.seconds(None, READ) == 10.0
+    assert rule.seconds(None, 3.0) == 3.0
+    assert TrialDeadline(multiplier=3.0, floor=0.5, cap=4.0).seconds(0.1, READ) == 0.5
+
+
+def test_the_trial_deadline_takes_the_workers_own_figure_else_its_tiers():
+    """Its own p99 first; with too few answers, the slowest of its tier's; else None."""
+    rule = TrialDeadline()
+    fresh = Pace()
+    peers = [paced(*[0.02] * 16), paced(*[0.4] * 16), fresh]
+    assert rule.known(paced(*[0.1] * 16), peers) == 0.1
+    assert rule.known(fresh, peers) == 0.4
+    assert rule.known(fresh, [fresh]) is None
+
+
+def test_the_trial_settings_load_from_yaml_and_bad_values_name_the_key():
+    """``circuit_breaker.trial`` reads from YAML; a cap under the floor names its key."""
+    from npu_sync.config import parse_config
+
+    def parsed(trial: dict[str, float]) -> object:
+        return parse_config({"npu_workers": {"workers": [], "circuit_breaker": {"trial": trial}}})
+
+    cfg = parsed({"multiplier": 3, "floor": 0.5, "cap": 4})
+    assert cfg.circuit_breaker.trial == TrialConfig(multiplier=3.0, floor=0.5, cap=4.0)
+    with pytest.raises(ConfigError, match=r"circuit_breaker\.trial\.cap: must be >= floor"):
+        parsed({"floor": 2, "cap": 1})
+
+
+class TrialFleet(Fleet):
+    """Fleet that also answers health checks (healthy unless frozen) and records every
+    request as (worker, method, timeout)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.requests: list[tuple[str, str, float]] = []
+
+    def __call__(self, req: FakeRequest) -> object:
+        self.requests.append((req.worker_id, req.method, req.timeout))
+        if req.path != "/health":
+            return super().__call__(req)
+        if req.worker_id in self.frozen:
+            self.clock.advance(req.timeout)
+            return TransportError("timeout", f"{req.worker_id}: timed out", sent=True)
+        return json_response(200, {"status": "healthy"})
+
+    def to(self, worker_id: str) -> list[tuple[str, float]]:
+        return [(method, timeout) for wid, method, timeout in self.requests if wid == worker_id]
+
+
+def trial_pool(clock: FakeClock, fleet: Fleet, **kw: object) -> WorkerPool:
+    """Workers a and b; a opens at its first failure and tries again after 5 s."""
+    breaker = BreakerConfig(fail_max=1, reset_timeout=5, trial=kw.pop("trial", TrialConfig()))  # type: ignore[arg-type]
+    return pool_of(("a", "b"), clock, fleet, breaker=breaker, **kw)
+
+
+def open_a(pool: WorkerPool, clock: FakeClock, fleet: TrialFleet) -> None:
+    """Freeze a, let a task open it, then let its reset timeout pass: a's trial is due."""
+    fleet.frozen.add("a")
+    while rows(pool)["a"]["breaker"]["state"] != "open":
+        pool.execute({"input_text": "x"})
+    clock.advance(6.0)
+    fleet.requests.clear()
+
+
+def run_until_tried(pool: WorkerPool, fleet: TrialFleet, task: Task) -> float:
+    """Tasks until one meets a's trial; the fake seconds that task took."""
+    for _ in range(4):
+        start = fleet.clock.monotonic()
+        assert pool.execute(task) == {"by": "b"}
+        if fleet.to("a"):
+            return fleet.clock.monotonic() - start
+    raise AssertionError("a's trial never came")
+
+
+def test_a_trial_is_cut_at_the_workers_latency_not_the_read_timeout_with_no_stall_rule():
+    """The stall rule off, a worker that answered in 0.4 s before it froze: its trial
+    ends at 5 x 0.4 = 2 s, not the 20 s read timeout, and the task runs on b."""
+    clock = FakeClock()
+    fleet = TrialFleet(clock)
+    fleet.latency["a"] = 0.4
+    retry = RetryConfig(backoff_initial=0.01, backoff_max=0.02, stall=StallConfig(enabled=False))
+    with trial_pool(clock, fleet, retry=retry) as pool:
+        warm(pool, 2 * MIN_SAMPLES)
+        fleet.frozen.add("a")
+        while rows(pool)["a"]["breaker"]["state"] != "open":  # the read timeout, once
+            pool.execute({"input_text": "x"})
+        clock.advance(6.0)
+        fleet.requests.clear()
+        took = run_until_tried(pool, fleet, Task({"input_text": "x"}))
+        assert fleet.to("a") == [("POST", pytest.approx(2.0))]
+        assert took == pytest.approx(2.0, abs=0.1)
+        row = rows(pool)["a"]
+        assert row["breaker"]["state"] == "open"
+        assert "trial: no answer within 2s" in row["last_error"]
+
+
+def test_a_trial_on_a_worker_with_no_latency_known_is_cut_at_the_cap():
+    """A worker that never answered, alone in its tier (so no figure anywhere): its
+    trial gets the cap (10 s), not the read timeout (20 s)."""
+    clock = FakeClock()
+    fleet = TrialFleet(clock)
+    net = FakeNetwork(fleet)
+    cfg = PoolConfig(
+        workers=(
+            worker_config("a", "http://127.0.0.1:9401", priority=1, max_concurrent=8),
+            worker_config("b", "http://127.0.0.1:9402", priority=2, max_concurrent=8),
+        ),
+        health=HealthConfig(enabled=False),
+        retry=RetryConfig(backoff_initial=0.01, backoff_max=0.02),
+        circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=5),
+    )
+    with WorkerPool(cfg, transport_factory=net.factory, clock=clock) as pool:
+        open_a(pool, clock, fleet)
+        assert pool.execute({"input_text": "x"}) == {"by": "b"}  # a first: its trial
+        assert fleet.to("a") == [("POST", 10.0)]
+
+
+def test_a_non_idempotent_task_is_never_sent_to_a_frozen_worker_on_trial():
+    """A non-idempotent task meeting a's trial: a's health check is the trial, cut at
+    the deadline (1 s); the task itself never reaches a and runs on b, and a opens
+    again."""
+    clock = FakeClock()
+    fleet = TrialFleet(clock)
+    with trial_pool(clock, fleet) as pool:
+        warm(pool, 2 * MIN_SAMPLES)
+        open_a(pool, clock, fleet)
+        took = run_until_tried(pool, fleet, Task({"input_text": "x"}, idempotent=False))
+        assert fleet.to("a") == [("GET", 1.0)]
+        assert took == pytest.approx(1.0, abs=0.1)
+        row = rows(pool)["a"]
+        assert row["breaker"]["state"] == "open"
+        assert "trial: health check failed within 1s" in row["last_error"]
+
+
+def test_a_non_idempotent_trial_on_a_worker_that_answers_is_sent_once_and_closes_it():
+    """a answers again: its health check passes within the deadline, then the task is
+    sent once, with the read timeout, and its success closes a's breaker."""
+    clock = FakeClock()
+    fleet = TrialFleet(clock)
+    with trial_pool(clock, fleet) as pool:
+        warm(pool, 2 * MIN_SAMPLES)
+        open_a(pool, clock, fleet)
+        fleet.frozen.clear()
+        for _ in range(4):
+            by = pool.execute(Task({"input_text": "x"}, idempotent=False))["by"]
+            if by == "a":
+                break
+        assert fleet.to("a") == [("GET", 1.0), ("POST", READ)]
+        assert rows(pool)["a"]["breaker"]["state"] == "closed"
+
+
+def test_the_trial_deadline_follows_its_settings():
+    """``circuit_breaker.trial``: a floor of 3 s makes the trial of a fast worker 3 s."""
+    clock = FakeClock()
+    fleet = TrialFleet(clock)
+    with trial_pool(clock, fleet, trial=TrialConfig(floor=3.0)) as pool:
+        warm(pool, 2 * MIN_SAMPLES)
+        open_a(pool, clock, fleet)
+        run_until_tried(pool, fleet, Task({"input_text": "x"}, idempotent=False))
+        assert fleet.to("a") == [("GET", 3.0)]
 
 
 def test_a_hook_that_calls_back_into_the_pool_on_a_cut_attempt():

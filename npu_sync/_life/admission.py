@@ -26,8 +26,10 @@ from npu_sync._life.context import AGAIN, FIRST, HEDGE, MIN_ATTEMPT, TaskContext
 from npu_sync._life.ledger import UNUSED, record, take_fleet_trial, untried_left
 from npu_sync._life.models import named_model, not_loaded
 from npu_sync._life.outcomes import Outcomes
+from npu_sync._life.transport import trial_deadline
 from npu_sync._outage import describe
 from npu_sync._retry import Kind, Outcome
+from npu_sync._stall import TrialDeadline
 from npu_sync._state import PoolState
 from npu_sync._stop import Stopped
 from npu_sync.config import AdmissionConfig, PoolConfig
@@ -194,20 +196,30 @@ class FleetTrial:
     """With breakers shared between processes: a lease holding a half-open trial may
     send it only with the fleet's lease on it (see
     :func:`~npu_sync._life.ledger.take_fleet_trial`); else the lease is given back and
-    the task picks again. Thread-safe."""
+    the task picks again. Thread-safe.
 
-    __slots__ = ("read_timeout", "state")
+    The fleet's lease lasts as long as the trial may: the trial deadline for an
+    idempotent task (:func:`~npu_sync._life.transport.trial_deadline`), the deadline
+    of the health check and then the task's own budget for a non-idempotent one (see
+    :class:`~npu_sync._life.transport.Send`); never beyond the task's deadline."""
+
+    __slots__ = ("read_timeout", "rule", "state")
 
     def __init__(self, state: PoolState, config: PoolConfig) -> None:
         self.state = state
         self.read_timeout = config.timeouts.read
+        self.rule = TrialDeadline.from_config(config.circuit_breaker.trial)
 
     def __call__(self, ctx: TaskContext, at: Try, next: Lower) -> object:
         lease = at.lease
         if lease.trial:
-            remaining = ctx.deadline - self.state.clock.monotonic()
+            state = self.state
+            remaining = ctx.deadline - state.clock.monotonic()
             read = self.read_timeout
-            if not take_fleet_trial(self.state, lease, read if read < remaining else remaining):
+            budget = trial_deadline(state, lease.worker, self.rule, read)
+            if not ctx.task.idempotent:
+                budget += read  # the health check, then the task
+            if not take_fleet_trial(state, lease, budget if budget < remaining else remaining):
                 return AGAIN
         return next(ctx, at)
 

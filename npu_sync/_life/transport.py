@@ -6,24 +6,35 @@ one budget for the whole exchange and by the stall limit (:mod:`npu_sync._stall`
 classifies the answer or the error in the worker's protocol. What the worker said enters
 the pool here: scrubbed of the configuration's secrets and bounded before anything
 stores or shows it.
+
+A half-open worker's trial is bounded by the trial deadline (:func:`trial_deadline`)
+instead of ``timeouts.read``, whatever the task. An idempotent task is the trial
+itself: cut at the deadline, it is retried elsewhere. A non-idempotent task is never
+sent to a worker that may be frozen, since cutting it there could run it twice (once
+there, once elsewhere) or lose an answer: the worker's health check, bounded by the
+deadline, is the trial's first step. No answer in time fails the trial (the task, never
+sent, goes elsewhere); an answer lets the task go, with its usual timeouts, and its
+outcome decides the trial.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from npu_sync._blame import misrouted, proven_route
-from npu_sync._life.context import TaskContext, Try
+from npu_sync._health import probe
+from npu_sync._life.context import MIN_ATTEMPT, TaskContext, Try
 from npu_sync._redact import Scrubber
 from npu_sync._retry import Kind, Outcome, RetryPolicy, classify_error
-from npu_sync._stall import Pace
+from npu_sync._stall import Pace, TrialDeadline
 from npu_sync._state import PoolState
 from npu_sync._worker import Worker
-from npu_sync.config import PoolConfig
+from npu_sync.config import HealthConfig, PoolConfig
 from npu_sync.errors import InvalidTask
-from npu_sync.transport import TransportError, TransportFeatures, features_of
+from npu_sync.transport import Cancel, TransportError, TransportFeatures, features_of
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +50,11 @@ class Send:
         "connect_timeout",
         "default_endpoint",
         "features",
+        "health",
         "read_timeout",
         "stall",
         "state",
+        "trial_rule",
     )
 
     def __init__(
@@ -56,23 +69,33 @@ class Send:
         self.read_timeout = config.timeouts.read
         self.default_endpoint = config.pool.default_endpoint
         self.stall = policy.stall if policy.stall.enabled else None
+        self.trial_rule = TrialDeadline.from_config(config.circuit_breaker.trial)
+        self.health: HealthConfig = config.health
         self.check = check
         # What each worker's transport declares (features_of), read once per transport:
         # a transport is replaced only with the configuration, and so is this step.
         self.features: dict[object, TransportFeatures] = {}
 
-    def __call__(self, ctx: TaskContext, at: Try) -> Outcome:
+    def __call__(self, ctx: TaskContext, at: Try, own: float | None = None) -> Outcome:
         """The attempt's outcome, within ``at.remaining`` seconds of the deadline.
+
+        ``own`` is the worker's own budget for the attempt: ``timeouts.read`` (None), or
+        a trial's deadline.
 
         Raises:
             InvalidTask: refused before anything was sent (a header that cannot be
                 encoded): the task's fault, so no worker is charged and nothing is
                 retried.
         """
-        worker = at.lease.worker
+        lease = at.lease
+        if own is None:
+            if lease.trial:
+                return self.trial(ctx, at)
+            own = self.read_timeout
+        worker = lease.worker
         remaining = at.remaining
         connect_timeout = self.connect_timeout
-        read_timeout = self.read_timeout
+        read_timeout = own
         transport = worker.transport
         timeout = read_timeout if read_timeout < remaining else remaining
         extra: dict[str, Any] = {}
@@ -128,10 +151,17 @@ class Send:
             # A timeout is the worker's only when its own timeout ran out: one cut
             # short by the task's deadline says nothing about the worker. Connecting
             # gets at most the smaller of the two timeouts.
-            own = read_timeout if exc.sent else min(connect_timeout, read_timeout)
-            return _scrubbed(
-                classify_error(exc, cut_by_caller=remaining < own), self.state.scrubber
-            )
+            limit = read_timeout if exc.sent else min(connect_timeout, read_timeout)
+            cut_by_caller = remaining < limit
+            if (
+                exc.kind == "timeout"
+                and not cut_by_caller
+                and read_timeout < self.read_timeout
+                and lease.trial
+            ):
+                happened = f"{worker.id}: trial: no answer within {read_timeout:g}s"
+                exc = TransportError("timeout", happened, sent=exc.sent)
+            return _scrubbed(classify_error(exc, cut_by_caller=cut_by_caller), self.state.scrubber)
         except InvalidTask:
             raise
         except Exception as exc:  # a bug of ours, or of a custom transport
@@ -142,6 +172,51 @@ class Send:
         if outcome.error is None and outcome.model is None and outcome.kind is not _REJECTED:
             return outcome  # nothing the worker said is kept: nothing to scrub
         return _scrubbed(outcome, self.state.scrubber)
+
+    def trial(self, ctx: TaskContext, at: Try) -> Outcome:
+        """A half-open worker's trial, bounded by its trial deadline: the task itself
+        when it is idempotent, else the worker's health check first (see the module's
+        docstring)."""
+        worker = at.lease.worker
+        limit = trial_deadline(self.state, worker, self.trial_rule, self.read_timeout)
+        if ctx.task.idempotent:
+            return Send.__call__(self, ctx, at, limit)
+        failed = self.probe(at, worker, limit)
+        if failed is not None:
+            return failed
+        remaining = ctx.deadline - self.state.clock.monotonic()
+        if remaining <= MIN_ATTEMPT:
+            return Outcome(
+                Kind.ABANDONED, error="deadline passed during the trial's check", processed=False
+            )
+        at.remaining = remaining
+        return Send.__call__(self, ctx, at, self.read_timeout)
+
+    def probe(self, at: Try, worker: Worker, limit: float) -> Outcome | None:
+        """The health check that opens a non-idempotent task's trial, within ``limit``:
+        None when the worker answered healthy, else the trial's failed outcome (the
+        task was not sent: ``processed`` is False, so it may go elsewhere)."""
+        remaining = at.remaining
+        budget = limit if limit < remaining else remaining
+        cancel = at.cancel
+        result = probe(
+            worker.id,
+            worker.health_transport,
+            dataclasses.replace(self.health, timeout=budget),
+            self.state.clock,
+            protocol=worker.protocol,
+            auth=worker.auth,
+            base_path=worker.base_path,
+            scrubber=self.state.scrubber,
+            cancel=cancel if isinstance(cancel, Cancel) else None,
+        )
+        if result.ok:
+            return None
+        error = f"{worker.id}: trial: health check failed within {budget:g}s ({result.error})"
+        if budget < limit and result.error is not None and result.error.startswith("timeout"):
+            # Cut by the task's deadline, not the trial's: says nothing of the worker.
+            return Outcome(Kind.ABANDONED, error=error, processed=False)
+        return Outcome(Kind.FAILURE, status=result.status, error=error, processed=False)
 
     def features_of(self, transport: object) -> TransportFeatures:
         """What ``transport`` declares it can do (:func:`features_of`), kept."""
@@ -164,6 +239,14 @@ class Send:
         return stall.silence(
             stall.known(pace, peers), budget, declared=ctx.task.timeout, cut_before=ctx.cut_at
         )
+
+
+def trial_deadline(state: PoolState, worker: Worker, rule: TrialDeadline, read: float) -> float:
+    """How long ``worker``'s half-open trial may take (:class:`TrialDeadline`): from its
+    own latency, else its tier's, else the rule's cap; never more than ``read``."""
+    pace = worker.pace
+    peers = () if pace.enough else _peers(state, worker)
+    return rule.seconds(rule.known(pace, peers), read)
 
 
 def _peers(state: PoolState, worker: Worker) -> list[Pace]:

@@ -4,7 +4,8 @@ Prints ``ready`` once the pool is built, then answers each command on stdin with
 JSON line:
 
 - ``run N PREFIX``: N tasks one after another, inputs ``PREFIX0``, ``PREFIX1`` ...;
-- ``loop SECONDS``: tasks from two threads, without pause, for that long;
+- ``loop SECONDS [once]``: tasks from two threads, without pause, for that long
+  (with ``once``, non-idempotent tasks);
 - ``state WORKER``: that worker's breaker state here;
 - ``attempts``: every attempt since the last asked, ``[worker, start, end, outcome]``
   in wall-clock seconds;
@@ -19,15 +20,18 @@ import threading
 import time
 from typing import Any
 
-from npu_sync import TaskFailed, WorkerPool
+from npu_sync import Task, TaskFailed, WorkerPool
 from npu_sync.events import AttemptFinished
 
 
-def work(pool: WorkerPool, lock: threading.Lock, done: dict[str, int], until: float) -> None:
-    """Tasks without pause until ``until`` (monotonic), counted into ``done``."""
+def work(
+    pool: WorkerPool, lock: threading.Lock, done: dict[str, int], until: float, once: bool
+) -> None:
+    """Tasks without pause until ``until`` (monotonic), counted into ``done``; with
+    ``once``, non-idempotent ones."""
     while time.monotonic() < until:
         try:
-            pool.execute({"input_text": "loop"})
+            pool.execute(Task({"input_text": "loop"}, idempotent=not once))
             key = "succeeded"
         except TaskFailed:
             key = "failed"
@@ -64,7 +68,14 @@ def main() -> None:
                 done = {"succeeded": 0, "failed": 0}
                 threads = [
                     threading.Thread(
-                        target=work, args=(pool, lock, done, time.monotonic() + float(args[0]))
+                        target=work,
+                        args=(
+                            pool,
+                            lock,
+                            done,
+                            time.monotonic() + float(args[0]),
+                            args[1:] == ["once"],
+                        ),
                     )
                     for _ in range(2)
                 ]

@@ -133,6 +133,33 @@ def test_a_dead_letter_no_replica_confirms_stays_spooled_until_one_does(start_wo
         assert pool.stats()["shared_state"]["outages"] == 0
 
 
+def test_a_subscription_on_the_demoted_primary_is_a_move_though_the_pool_followed(sentinel):
+    """After SENTINEL FAILOVER, one new connection (a task's write, the replication
+    check) takes the client's pool to the new primary, while a subscription made before
+    stays on the old one, which still says it is a primary until the sentinels demote
+    it. The pool's address alone no longer shows the move; the subscription's does."""
+    from npu_sync._redis_client import build_client, primary_moved
+
+    client = build_client(SharedStateConfig(backend="redis", url=sentinel.url, timeout=2.0))
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    try:
+        pubsub.subscribe("channel")
+        old = sentinel.primary_port()
+        assert pubsub.connection.port == old
+        assert not primary_moved(client, pubsub)
+        sentinel.failover()
+        new, _ = sentinel.wait_promoted(old)
+        client.connection_pool.disconnect(inuse_connections=False)
+        client.ping()  # a new connection: made to the primary the sentinels name now
+        assert client.connection_pool.master_address[1] == new
+        assert pubsub.connection.port == old
+        assert not primary_moved(client)  # what the re-read asked before
+        assert primary_moved(client, pubsub)
+    finally:
+        pubsub.close()
+        client.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["failover", "kill"])
 def test_a_failover_under_load_from_eight_processes_loses_no_dead_letter(

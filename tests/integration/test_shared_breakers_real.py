@@ -1,7 +1,7 @@
 """Breakers shared by several real processes through a real redis-server: failures are
 counted per process, openings are adopted everywhere, and one half-open trial per
 opening reaches the worker for the whole fleet, even when its holder is killed or the
-worker is frozen."""
+worker is frozen, each trial ended at the trial deadline."""
 
 from __future__ import annotations
 
@@ -143,7 +143,9 @@ def fleet(tmp_path, start_worker, redis_server, pattern_worker) -> Iterator[Call
     started: list[Fleet] = []
     spare = start_worker(worker_id="w1")
 
-    def start(n: int, *, fail_max: int = 3, reset: float = 60.0, read: float = 10.0) -> Fleet:
+    def start(
+        n: int, *, fail_max: int = 3, reset: float = 60.0, read: float = 10.0, stall: bool = True
+    ) -> Fleet:
         path = tmp_path / "pool.yaml"
         path.write_text(
             "npu_workers:\n  workers:\n"
@@ -152,7 +154,8 @@ def fleet(tmp_path, start_worker, redis_server, pattern_worker) -> Iterator[Call
             "  health: {enabled: false}\n"
             f"  circuit_breaker: {{fail_max: {fail_max}, reset_timeout: {reset}, "
             f"max_reset_timeout: {reset}}}\n"
-            "  retry: {max_retries: 1, backoff_initial: 0.01, backoff_max: 0.02}\n"
+            "  retry: {max_retries: 1, backoff_initial: 0.01, backoff_max: 0.02, "
+            f"stall: {{enabled: {str(stall).lower()}}}}}\n"
             f"  timeouts: {{connect: 1, read: {read}}}\n"
             "  balancing: {latency_aware: false}\n"
             f"  shared_state: {{backend: redis, url: '{redis_server.url}', "
@@ -268,27 +271,41 @@ def test_a_lease_whose_holder_is_killed_mid_trial_expires_and_another_process_tr
 
 
 @pytest.mark.slow
-def test_a_frozen_worker_gets_one_trial_at_a_time_from_the_whole_fleet(fleet, pattern_worker):
-    """w0 SIGSTOPped: each trial waits out the read timeout; while it does, no other
-    process sends w0 anything, and once resumed w0 counts exactly the trials sent."""
-    reset, read, seconds = 0.5, 1.5, 5.0
-    f = fleet(4, reset=reset, read=read)
+@pytest.mark.parametrize("kind", ["idempotent", "once"])
+def test_a_frozen_worker_gets_one_trial_per_period_each_ended_at_the_trial_deadline(
+    fleet, pattern_worker, kind
+):
+    """w0, which answered at once before it opened, SIGSTOPped under four busy processes
+    (read timeout 10 s, the stall rule off): its trials come one at a time, never two in
+    one reset period, and each ends at the trial deadline (the 1 s floor), not the read
+    timeout; no task fails. An idempotent task is the trial itself (once resumed, w0
+    counts exactly the trials sent); a non-idempotent one never reaches w0, its health
+    check being the trial."""
+    reset, read, seconds = 0.5, 10.0, 6.0
+    f = fleet(4, reset=reset, read=read, stall=False)
+    f.all("run 10 warm")  # w0's latency, learnt in every process
     open_everywhere(f, pattern_worker, 3)
     f.all("attempts")
     started = time.time()
     pattern_worker.signal(signal.SIGSTOP)
     try:
-        results = f.all(f"loop {seconds}")
+        loop = f"loop {seconds}" + (" once" if kind == "once" else "")
+        results = f.all(loop)
     finally:
         pattern_worker.signal(signal.SIGCONT)
     assert all(r["failed"] == 0 for r in results)
     trials = sorted(a for p in range(4) for a in f.ask(p, "attempts") if a[0] == "w0")
-    assert trials and all(a[3] == "failure" for a in trials)
-    # One at a time: each trial starts after the previous one ended.
+    assert all(a[3] == "failure" for a in trials)
+    durations = [end - start for _, start, end, _ in trials]
+    assert len(trials) >= 2 and max(durations) < read / 4, durations
+    # One at a time, each after the reset period its predecessor's failure began.
     for earlier, later in itertools.pairwise(trials):
-        assert later[1] >= earlier[2], f"overlapping trials: {earlier} and {later}"
-    assert len(trials) <= math.ceil(seconds / (read + reset)) + 1
-    until(
-        lambda: pattern_worker.arrivals(since=started) == len(trials),
-        "w0 did not count the trials it was sent",
-    )
+        assert later[1] >= earlier[2] + reset / 2, f"two trials in one period: {earlier}, {later}"
+    assert len(trials) <= math.ceil(seconds / reset) + 1
+    if kind == "idempotent":
+        until(
+            lambda: pattern_worker.arrivals(since=started) == len(trials),
+            "w0 did not count the trials it was sent",
+        )
+    else:
+        assert pattern_worker.arrivals(since=started) == 0

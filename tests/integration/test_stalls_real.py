@@ -4,6 +4,7 @@ processes on 127.0.0.1; the dripping worker is a raw-socket server."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -15,12 +16,17 @@ from npu_sync import Task, WorkerPool
 from npu_sync._stall import MIN_SAMPLES
 from npu_sync.config import (
     BalancingConfig,
+    BreakerConfig,
     HealthConfig,
     PoolConfig,
+    RetryConfig,
+    StallConfig,
     TimeoutConfig,
     TransportConfig,
     worker_config,
 )
+from npu_sync.events import AttemptFinished
+from npu_sync.testing import FakeClock
 from tests.hostile import Peer, answer, serve
 
 pytestmark = pytest.mark.integration
@@ -190,4 +196,54 @@ def test_a_worker_that_stops_in_the_middle_of_its_answer_is_cut(servers):
         row = rows(pool)["w0"]
         assert "stalled" in row["last_error"]
     finally:
+        pool.close()
+
+
+def test_a_trial_on_a_frozen_worker_ends_at_the_trial_deadline_whatever_the_task(start_worker):
+    """A worker that answered in milliseconds opens, then is frozen with SIGSTOP; the
+    stall rule is off and the read timeout 8 s. Each time its trial comes (a fake clock
+    moves past the reset timeout), the task that meets it returns from the other worker
+    within a few seconds, not 8: an idempotent one is cut on the frozen worker at the
+    1 s trial deadline; a non-idempotent one is never sent there, the worker's health
+    check, cut at the deadline, being the trial."""
+    read = 8.0
+    clock = FakeClock()  # the breaker's time; the sockets keep real time
+    frozen, live = start_worker(worker_id="frozen"), start_worker(worker_id="live")
+    cfg = dataclasses.replace(
+        config(frozen.url, live.url, strategy="round-robin", read=read, task=60.0),
+        retry=RetryConfig(backoff_initial=0.0, backoff_max=0.0, stall=StallConfig(enabled=False)),
+        circuit_breaker=BreakerConfig(fail_max=1, reset_timeout=30, max_reset_timeout=30),
+    )
+    attempts: list[tuple[str, str | None]] = []
+
+    def hook(event: object) -> None:
+        if isinstance(event, AttemptFinished):
+            attempts.append((event.worker_id, event.error))
+
+    pool = WorkerPool(cfg, clock=clock, hooks=[hook])
+    try:
+        warm(pool, ["w0", "w1"])
+        frozen.control(failure_rate=1.0)
+        while rows(pool)["w0"]["breaker"]["state"] != "open":
+            pool.execute(PAYLOAD)
+        frozen.control(failure_rate=0.0)
+        frozen.pause()
+        for task, trial in (
+            (Task(PAYLOAD), "trial: no answer within 1s"),
+            (Task(PAYLOAD, idempotent=False), "trial: health check failed within 1s"),
+        ):
+            clock.advance(31.0)  # w0's trial is due
+            attempts.clear()
+            for _ in range(4):
+                started = time.monotonic()
+                assert pool.execute(task)["worker_id"] == "live"
+                took = time.monotonic() - started
+                if any(wid == "w0" for wid, _ in attempts):
+                    break
+            [(_, error)] = [a for a in attempts if a[0] == "w0"]
+            assert error is not None and trial in error
+            assert took < read / 2, took
+            assert rows(pool)["w0"]["breaker"]["state"] == "open"
+    finally:
+        frozen.resume()
         pool.close()
