@@ -247,9 +247,10 @@ class SlotPipeline:
         self._pipe.reset()
 
 
-def _live_replicas(sentinels: Sentinel, service: str, *, settled: bool) -> int:
+def _live_replicas(sentinels: Sentinel, service: str, *, settled: bool) -> int | None:
     """Replicas the first sentinel that answers sees up; with ``settled``, only those
-    reporting ``role:slave`` with their link to the primary ok."""
+    reporting ``role:slave`` with their link to the primary ok. None when no sentinel
+    answers: not knowing is not the same as none."""
     for one in sentinels.sentinels:
         try:
             found: list[dict[str, Any]] = _untyped(one.sentinel_slaves)(service)
@@ -263,7 +264,7 @@ def _live_replicas(sentinels: Sentinel, service: str, *, settled: bool) -> int:
                 if r.get("role-reported") == "slave" and r.get("master-link-status") == "ok"
             ]
         return len(up)
-    return 0
+    return None
 
 
 RECHECK = 10.0
@@ -355,7 +356,13 @@ class ReplicatedWriter:
             # A replica that vanished from the primary we already wrote to may be one a
             # failover is promoting: it counts until the sentinels find it down. On a
             # new primary only replicas replicating from it count.
-            replicas = _live_replicas(sentinels, service, settled=where != self._primary)
+            live = _live_replicas(sentinels, service, settled=where != self._primary)
+            if live is None:
+                # No sentinel answered (busy, failing over): keep waiting for a replica
+                # if one was expected, or if the primary itself has one. Taking silence
+                # for "no replica" acknowledged records a failover then lost.
+                live = max(self.replicas, int(info.get("connected_slaves") or 0))
+            replicas = live
             self._primary = where
         else:
             replicas = int(info.get("connected_slaves") or 0)

@@ -190,6 +190,51 @@ class NamedPrimary:
         return self.address
 
 
+class Sentinels(NamedPrimary):
+    """Sentinels naming one primary and listing its replicas; ``silent`` makes every
+    one of them fail to answer (busy, or failing over)."""
+
+    def __init__(self, address: tuple[str, int], replicas: int) -> None:
+        super().__init__(address)
+        self.silent = False
+        outer = self
+
+        class One:
+            def sentinel_slaves(self, service: str) -> list[dict[str, object]]:
+                if outer.silent:
+                    raise redis.exceptions.TimeoutError("Timeout reading from socket")
+                return [
+                    {"is_sdown": False, "role-reported": "slave", "master-link-status": "ok"}
+                ] * replicas
+
+        self.sentinels = [One(), One(), One()]
+
+
+@pytest.mark.parametrize("connected", [0, 1])
+def test_sentinels_that_do_not_answer_never_turn_an_expected_replica_into_none(
+    monkeypatch, connected
+):
+    """The writer expected a replica; at its next check no sentinel answers. It must go
+    on waiting for a replica (a write WAIT does not confirm stays spooled), whatever
+    the old primary's own count says: before, silence read as "no replica", so records
+    were acknowledged on the primary alone just as a failover was replacing it."""
+    address = ("10.0.0.1", 6379)
+    sentinels = Sentinels(address, replicas=1)
+    client = fakeredis.FakeRedis()
+    client.npu_sync_sentinel = (sentinels, "mymaster")
+    info = {"role": "master", "connected_slaves": str(connected)}
+    monkeypatch.setattr(
+        ReplicatedWriter, "_info_of_connection", staticmethod(lambda pool: (info, address))
+    )
+    writer = ReplicatedWriter(client, "{app}:breakers", 0.1)
+    assert writer.check() and writer.replicas == 1
+    sentinels.silent = True
+    assert writer.check() and writer.replicas == 1
+    # With nothing expected before, the primary's own count decides.
+    fresh = ReplicatedWriter(client, "{app}:breakers", 0.1)
+    assert fresh.check() and fresh.replicas == connected
+
+
 def test_a_process_that_only_reads_notices_a_failover_at_its_next_sync():
     """The sentinels naming another primary is an outage at the next re-read, so the
     sync thread reconnects instead of reading the old primary until it is demoted."""
