@@ -624,6 +624,9 @@ NESTED_BOUNDS: dict[str, str] = {
     "retry.stall.floor": "> 0 and <= 3600",
     "retry.stall.unknown": "> 0 and <= 86400",
     "retry.stall.declared_share": ">= 0 and <= 1",
+    "circuit_breaker.trial.multiplier": ">= 1 and <= 1000",
+    "circuit_breaker.trial.floor": "> 0 and <= 3600",
+    "circuit_breaker.trial.cap": "> 0 and <= 3600",
 }
 SECTION_CLASSES: dict[str, Any] = {
     "models": ModelsConfig,
