@@ -432,15 +432,17 @@ class SQLiteDeadLetterStore:
     connection makes ``close`` deterministic.
 
     Records are committed in groups: threads calling :meth:`add` while another thread
-    writes do not queue for the connection one commit (one ``fsync``) each. They leave
-    their record in a list and wait on a condition; the next thread to get the
-    connection writes every record waiting at that moment in one transaction, and
-    wakes their threads once it is committed. So a record waits for at most the commit
-    under way and its own group's, however many threads fail tasks at once. A thread
-    whose deadline comes while its record still waits takes it back, unwritten (and
-    raises); one whose record is already in a transaction waits for that transaction's
-    outcome, even when interrupted, so every record is either committed and
-    acknowledged or not written.
+    uses the connection do not queue for it one commit (one ``fsync``) each. They leave
+    their record in a list and wait on a condition; the next thread to hold the
+    connection (a thread adding, or any other call) first writes every record waiting
+    at that moment in one transaction, and wakes their threads once it is committed. A
+    record thus waits for the I/O under way in this process and its own group's commit,
+    however many threads store at once, and is never given up for that: a deadline
+    ends only a wait for *another connection's* write lock (another process). A thread
+    whose deadline has come while that lock keeps its record waiting takes it back,
+    unwritten (and raises); one whose record is already in a transaction waits for that
+    transaction's outcome, even when interrupted, so every record is either committed
+    and acknowledged or not written.
 
     ``dropped`` is kept in the file, so it counts evictions by every process that used it.
 
@@ -482,6 +484,9 @@ class SQLiteDeadLetterStore:
         self._lock = threading.Lock()
         self._turn = threading.Condition(threading.Lock())
         self._waiting: builtins.list[_Waiting] = []
+        # Whether the connection's holder is waiting for another connection's write
+        # lock (under _turn): the one wait a record's deadline may cut short.
+        self._held_off = False
         self._in_memory = self._path == ":memory:"
         if not self._in_memory:
             directory = os.path.dirname(os.path.abspath(self._path))
@@ -528,6 +533,7 @@ class SQLiteDeadLetterStore:
         self._owner = _owner_id()  # the parent's claims stay the parent's
         self._turn = threading.Condition(threading.Lock())
         self._waiting = []  # the parent's waiting threads are not in this process
+        self._held_off = False
         if self._closed or self._in_memory:
             self._lock = threading.Lock()
             return
@@ -589,25 +595,34 @@ class SQLiteDeadLetterStore:
 
         BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that
         reads first and then writes can fail at once with SQLITE_BUSY in WAL mode,
-        without the busy handler ever waiting. With ``until`` (a ``time.monotonic()``
-        value) the wait for another connection's lock ends then, not after
-        ``busy_timeout``.
+        without the busy handler ever waiting. When another connection holds the lock,
+        the wait for it ends at ``until`` (a ``time.monotonic()`` value) if given, else
+        after ``busy_timeout``; meanwhile threads whose records wait for this store
+        may give up at their own deadline (see :meth:`_join`).
         """
-        if until is not None:
-            wait_ms = max(0, int((until - time.monotonic()) * 1000))
-            self._conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
+        self._conn.execute("PRAGMA busy_timeout = 0")
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if until is not None and "locked" in str(exc):
-                raise _StayedLocked(
-                    f"dead-letter store {self._path} stayed locked by another connection "
-                    f"until the task's deadline: {exc}"
-                ) from exc
-            raise
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc):
+                    raise
+                wait = self._busy_timeout if until is None else until - time.monotonic()
+                self._conn.execute(f"PRAGMA busy_timeout = {max(0, int(wait * 1000))}")
+                self._hold_off(True)
+                try:
+                    self._conn.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as again:
+                    if until is not None and "locked" in str(again):
+                        raise _StayedLocked(
+                            f"dead-letter store {self._path} stayed locked by another "
+                            f"connection until the task's deadline: {again}"
+                        ) from again
+                    raise
+                finally:
+                    self._hold_off(False)
         finally:
-            if until is not None:
-                self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
+            self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
         try:
             yield self._conn
         except BaseException:
@@ -626,13 +641,26 @@ class SQLiteDeadLetterStore:
 
     @contextmanager
     def _locked(self) -> Iterator[sqlite3.Connection]:
-        """The connection, under this store's lock."""
+        """The connection, under this store's lock, once the records other threads
+        left waiting for it are written."""
+        evicted: builtins.list[tuple[str, str]] = []
         self._lock.acquire()
         try:
+            if self._waiting:
+                evicted = self._write_waiting(None)
             self._check_open()
             yield self._conn
         finally:
             self._release()
+            self._log_evicted(evicted)
+
+    def _hold_off(self, waiting: bool) -> None:
+        """Say whether the connection's holder waits for another connection's lock;
+        the threads whose records wait are woken to look at their deadline."""
+        with self._turn:
+            self._held_off = waiting
+            if waiting and self._waiting:
+                self._turn.notify_all()
 
     def _check_open(self) -> None:
         """Called with ``self._lock`` held."""
@@ -713,28 +741,34 @@ class SQLiteDeadLetterStore:
         entry = _Waiting(self._row(record), until)
         with self._turn:
             self._waiting.append(entry)
-        # Written by another thread, or by this one; again when the file's lock held
-        # this thread's group back for an earlier deadline than its own.
+        # Written by another thread, or by this one; again when another connection's
+        # lock held this thread's group back for an earlier deadline than its own.
         while not entry.done and self._join(entry):
-            evicted = self._write_waiting(entry)
-            for record_id, task_id in evicted:
-                logger.warning(
-                    "dead-letter store %s full (%d records): evicted record %s of task %s",
-                    self._path,
-                    self._max_records,
-                    record_id,
-                    task_id,
-                )
+            try:
+                evicted = self._write_waiting(entry)
+            finally:
+                self._release()
+            self._log_evicted(evicted)
         if entry.error is not None:
             raise entry.error
+
+    def _log_evicted(self, evicted: builtins.list[tuple[str, str]]) -> None:
+        for record_id, task_id in evicted:
+            logger.warning(
+                "dead-letter store %s full (%d records): evicted record %s of task %s",
+                self._path,
+                self._max_records,
+                record_id,
+                task_id,
+            )
 
     def _join(self, entry: _Waiting) -> bool:
         """Wait with the records waiting until another thread wrote ``entry`` (False)
         or this one got the connection to write them all (True, lock held).
 
         Raises:
-            NpuSyncError: the deadline came while the record still waited (it is taken
-                back, not written).
+            NpuSyncError: the deadline came while another connection's write lock kept
+                the record waiting (it is taken back, not written).
             BaseException: an interrupt while waiting; raised once the record is taken
                 back or, if a transaction already holds it, once that one ended.
         """
@@ -743,16 +777,18 @@ class SQLiteDeadLetterStore:
                 if not entry.taken and self._lock.acquire(blocking=False):
                     return True
                 left = None if entry.until is None else entry.until - time.monotonic()
-                if not entry.taken and left is not None and left <= 0:
+                late = left is not None and left <= 0
+                if late and not entry.taken and self._held_off:
                     self._waiting.remove(entry)
-                    raise NpuSyncError(
-                        f"dead-letter store {self._path} was busy (used by another thread) "
-                        "until the task's deadline"
+                    raise _StayedLocked(
+                        f"dead-letter store {self._path} stayed locked by another "
+                        "connection until the task's deadline"
                     )
                 try:
-                    # A record in a transaction under way waits for its outcome: the
-                    # commit is not cut short, and the caller must know which it was.
-                    self._turn.wait(None if entry.taken else left)
+                    # Past its deadline a record still waits for this process's own I/O
+                    # (woken when it ends, or when the holder starts waiting for another
+                    # connection), and one in a transaction for that one's outcome.
+                    self._turn.wait(None if entry.taken or late else left)
                 except BaseException:
                     if not entry.taken and not entry.done:
                         self._waiting.remove(entry)
@@ -762,10 +798,11 @@ class SQLiteDeadLetterStore:
                     raise
             return False
 
-    def _write_waiting(self, own: _Waiting) -> builtins.list[tuple[str, str]]:
+    def _write_waiting(self, own: _Waiting | None) -> builtins.list[tuple[str, str]]:
         """Write every waiting record in one transaction; called holding ``self._lock``
-        (from :meth:`_join`), which it releases. Each record's outcome is set on its
-        entry. Returns the ``(record id, task id)`` of records evicted to make room.
+        and leaving it held. Each record's outcome is set on its entry (``own`` is the
+        calling thread's, if any). Returns the ``(record id, task id)`` of records
+        evicted to make room.
 
         Raises:
             BaseException: an interrupt of this thread, once the others' records are
@@ -789,7 +826,6 @@ class SQLiteDeadLetterStore:
             again = self._after_interrupt(group, own, interrupt)
             raise
         finally:
-            self._lock.release()
             with self._turn:
                 for entry in group:
                     if entry in again:
@@ -851,7 +887,7 @@ class SQLiteDeadLetterStore:
         return [(row[1], row[2]) for row in rows]
 
     def _after_interrupt(
-        self, group: builtins.list[_Waiting], own: _Waiting, interrupt: BaseException
+        self, group: builtins.list[_Waiting], own: _Waiting | None, interrupt: BaseException
     ) -> builtins.list[_Waiting]:
         """This thread was interrupted while writing ``group`` (the transaction is
         rolled back unless COMMIT had returned). Look in the file: when the records
@@ -878,7 +914,8 @@ class SQLiteDeadLetterStore:
             return []
         if committed:
             return []
-        own.error = NpuSyncError(f"dead-letter store {self._path}: interrupted, not stored")
+        if own is not None:
+            own.error = NpuSyncError(f"dead-letter store {self._path}: interrupted, not stored")
         return [entry for entry in group if entry is not own and entry.error is None]
 
     def _copy(self, exc: Exception) -> Exception:
@@ -1014,14 +1051,19 @@ class SQLiteDeadLetterStore:
             )
 
     def close(self) -> None:
-        """Close the connection; later calls raise NpuSyncError. Idempotent."""
+        """Close the connection, once the records waiting for it are written; later
+        calls raise NpuSyncError. Idempotent."""
+        evicted: builtins.list[tuple[str, str]] = []
         self._lock.acquire()
         try:
+            if self._waiting and not self._closed:
+                evicted = self._write_waiting(None)
             if not self._closed:
                 self._closed = True
                 self._conn.close()
         finally:
             self._release()
+            self._log_evicted(evicted)
 
     def _row(self, record: DeadLetter) -> tuple[Any, ...]:
         try:

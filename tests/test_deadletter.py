@@ -1003,12 +1003,17 @@ def test_threads_storing_while_a_commit_is_slow_are_committed_together_in_time(
     commits = SlowCommits(store, slow_disk)
     errors: list[BaseException] = []
 
+    late: list[float] = []
+
     def fail_a_task(n: int) -> None:
         started.release()
+        deadline = time.monotonic() + 1.0
         try:
             store.add(make_record(n), timeout=1.0)
         except BaseException as exc:
             errors.append(exc)
+        if time.monotonic() > deadline:
+            late.append(time.monotonic() - deadline)
 
     runners = [threading.Thread(target=fail_a_task, args=(n,)) for n in range(threads)]
     for runner in runners:
@@ -1016,31 +1021,80 @@ def test_threads_storing_while_a_commit_is_slow_are_committed_together_in_time(
     for runner in runners:
         runner.join(30)
     assert everyone.is_set()
-    assert errors == []
+    assert errors == [] and late == []
     assert len(store) == threads
     assert sum(commits.groups) == threads and len(commits.groups) <= 4, commits.groups
     store.close()
 
 
-def test_a_record_whose_deadline_comes_while_it_waits_is_taken_back_unwritten(
+def test_a_record_kept_waiting_by_another_connection_past_its_deadline_is_taken_back(
     tmp_path: Path,
 ) -> None:
-    """A thread out of time while another's commit holds the store leaves with an
-    error, and its record is never written later by anyone."""
-    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
-    release = threading.Event()
-    SlowCommits(store, lambda n: n == 1 and release.wait(30))
-    first, first_outcome = adding(store, 1)
+    """Another connection (another process) holds the file's lock while this process's
+    writer waits for it: a thread out of time meanwhile leaves with an error, and its
+    record is never written later by anyone."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)
+    blocker = hold_write_lock(path)
     try:
+        first, first_outcome = adding(store, 1)  # waits for the file's lock
         store_in_use(store)
-        with pytest.raises(NpuSyncError, match=r"busy .* until the task's deadline"):
+        with pytest.raises(NpuSyncError, match="stayed locked by another connection"):
             store.add(make_record(2), timeout=0.05)
+        assert first.is_alive()
     finally:
-        release.set()
-        first.join(30)
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    first.join(30)
     assert first_outcome == [None]
     store.add(make_record(3), timeout=1.0)  # nor does a later commit carry it
     assert stored(store) == ["task-1", "task-3"]
+    store.close()
+
+
+def test_a_record_past_its_deadline_behind_this_process_own_commit_is_stored(
+    tmp_path: Path,
+) -> None:
+    """A thread whose deadline passes while another thread's commit (a slow disk)
+    holds the store keeps waiting: its record goes in the next commit and is
+    acknowledged, never given up to this process's own I/O."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    deadline: list[float] = []
+    second_waits = threading.Event()
+
+    def slow_first_commit(n: int) -> None:
+        if n == 1:
+            second_waits.wait(30)
+            # The disk's time: past the waiting record's deadline.
+            threading.Event().wait(max(0.0, deadline[0] - time.monotonic()) + 0.1)
+
+    commits = SlowCommits(store, slow_first_commit)
+    first, first_outcome = adding(store, 1)
+    store_in_use(store)
+    deadline.append(time.monotonic() + 0.05)
+    second, second_outcome = adding(store, 2, timeout=0.05)
+    waiting_records(store, 1)
+    second_waits.set()
+    for thread in (first, second):
+        thread.join(30)
+    assert time.monotonic() > deadline[0]
+    assert (first_outcome, second_outcome) == ([None], [None])
+    assert commits.groups == [1, 1]
+    assert stored(store) == ["task-1", "task-2"]
+    store.close()
+
+
+def test_other_calls_on_the_store_write_the_waiting_records_first(tmp_path: Path) -> None:
+    """A record waiting while another call (a listing, a removal) holds the store is
+    written by that call's thread before its own work, not after it."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    store._lock.acquire()  # another thread's I/O: the next record waits
+    waiter, outcome = adding(store, 1)
+    waiting_records(store, 1)
+    store._lock.release()  # without waking it: the listing below comes first
+    assert [r.task_id for r in store.list()] == ["task-1"]
+    waiter.join(30)
+    assert outcome == [None]
     store.close()
 
 
