@@ -400,6 +400,24 @@ _INHERITED: list[sqlite3.Connection] = []
 """SQLite connections inherited through fork(): never used, never closed."""
 
 
+class _StayedLocked(NpuSyncError):
+    """The file's write lock stayed with another connection until a deadline."""
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A record waiting to be committed by whichever thread writes next. Its fields
+    change under the store's ``_turn`` condition only."""
+
+    row: tuple[Any, ...]
+    until: float | None
+    """Its thread's deadline (``time.monotonic()``), None for no deadline."""
+    taken: bool = False
+    """In a transaction under way: its thread waits for that transaction's outcome."""
+    done: bool = False
+    error: BaseException | None = None
+
+
 class SQLiteDeadLetterStore:
     """Dead letters in a SQLite file that survives restarts and process kills. Thread-safe.
 
@@ -412,6 +430,19 @@ class SQLiteDeadLetterStore:
     runs one writer at a time anyway, pool threads come and go (per-thread connections
     would outlive them and could not be closed from :meth:`close`), and a single
     connection makes ``close`` deterministic.
+
+    Records are committed in groups: threads calling :meth:`add` while another thread
+    uses the connection do not queue for it one commit (one ``fsync``) each. They leave
+    their record in a list and wait on a condition; the next thread to hold the
+    connection (a thread adding, or any other call) first writes every record waiting
+    at that moment in one transaction, and wakes their threads once it is committed. A
+    record thus waits for the I/O under way in this process and its own group's commit,
+    however many threads store at once, and is never given up for that: a deadline
+    ends only a wait for *another connection's* write lock (another process). A thread
+    whose deadline has come while that lock keeps its record waiting takes it back,
+    unwritten (and raises); one whose record is already in a transaction waits for that
+    transaction's outcome, even when interrupted, so every record is either committed
+    and acknowledged or not written.
 
     ``dropped`` is kept in the file, so it counts evictions by every process that used it.
 
@@ -448,7 +479,14 @@ class SQLiteDeadLetterStore:
         _check_max_records(max_records, allow_none=True)
         self._path = os.fspath(path)
         self._max_records = max_records
+        # The connection: held by one thread at a time, for its own I/O (the store's
+        # single writer); records to add wait on _turn, never on this lock.
         self._lock = threading.Lock()
+        self._turn = threading.Condition(threading.Lock())
+        self._waiting: builtins.list[_Waiting] = []
+        # Whether the connection's holder is waiting for another connection's write
+        # lock (under _turn): the one wait a record's deadline may cut short.
+        self._held_off = False
         self._in_memory = self._path == ":memory:"
         if not self._in_memory:
             directory = os.path.dirname(os.path.abspath(self._path))
@@ -493,6 +531,9 @@ class SQLiteDeadLetterStore:
         unused, for the child's lifetime.
         """
         self._owner = _owner_id()  # the parent's claims stay the parent's
+        self._turn = threading.Condition(threading.Lock())
+        self._waiting = []  # the parent's waiting threads are not in this process
+        self._held_off = False
         if self._closed or self._in_memory:
             self._lock = threading.Lock()
             return
@@ -554,25 +595,34 @@ class SQLiteDeadLetterStore:
 
         BEGIN IMMEDIATE takes the write lock up front: a deferred transaction that
         reads first and then writes can fail at once with SQLITE_BUSY in WAL mode,
-        without the busy handler ever waiting. With ``until`` (a ``time.monotonic()``
-        value) the wait for another connection's lock ends then, not after
-        ``busy_timeout``.
+        without the busy handler ever waiting. When another connection holds the lock,
+        the wait for it ends at ``until`` (a ``time.monotonic()`` value) if given, else
+        after ``busy_timeout``; meanwhile threads whose records wait for this store
+        may give up at their own deadline (see :meth:`_join`).
         """
-        if until is not None:
-            wait_ms = max(0, int((until - time.monotonic()) * 1000))
-            self._conn.execute(f"PRAGMA busy_timeout = {wait_ms}")
+        self._conn.execute("PRAGMA busy_timeout = 0")
         try:
-            self._conn.execute("BEGIN IMMEDIATE")
-        except sqlite3.OperationalError as exc:
-            if until is not None and "locked" in str(exc):
-                raise NpuSyncError(
-                    f"dead-letter store {self._path} stayed locked by another connection "
-                    f"until the task's deadline: {exc}"
-                ) from exc
-            raise
+            try:
+                self._conn.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc):
+                    raise
+                wait = self._busy_timeout if until is None else until - time.monotonic()
+                self._conn.execute(f"PRAGMA busy_timeout = {max(0, int(wait * 1000))}")
+                self._hold_off(True)
+                try:
+                    self._conn.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as again:
+                    if until is not None and "locked" in str(again):
+                        raise _StayedLocked(
+                            f"dead-letter store {self._path} stayed locked by another "
+                            f"connection until the task's deadline: {again}"
+                        ) from again
+                    raise
+                finally:
+                    self._hold_off(False)
         finally:
-            if until is not None:
-                self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
+            self._conn.execute(f"PRAGMA busy_timeout = {int(self._busy_timeout * 1000)}")
         try:
             yield self._conn
         except BaseException:
@@ -580,25 +630,51 @@ class SQLiteDeadLetterStore:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
             raise
-        self._conn.execute("COMMIT")
+        try:
+            self._conn.execute("COMMIT")
+        except BaseException:
+            # A COMMIT that failed (or was interrupted before it ran) leaves the
+            # transaction open, and the next BEGIN would fail.
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            raise
 
     @contextmanager
-    def _locked(self, until: float | None = None) -> Iterator[sqlite3.Connection]:
-        """The connection, under this store's lock; waits for the lock until ``until``
-        (a ``time.monotonic()`` value) when given."""
-        wait = -1.0 if until is None else max(0.0, until - time.monotonic())
-        if not self._lock.acquire(timeout=wait):
-            raise NpuSyncError(
-                f"dead-letter store {self._path} was busy (used by another thread) until "
-                "the task's deadline"
-            )
+    def _locked(self) -> Iterator[sqlite3.Connection]:
+        """The connection, under this store's lock, once the records other threads
+        left waiting for it are written."""
+        evicted: builtins.list[tuple[str, str]] = []
+        self._lock.acquire()
         try:
-            if self._closed:
-                raise NpuSyncError(f"dead-letter store {self._path} is closed")
-            self._check_file()
+            if self._waiting:
+                evicted = self._write_waiting(None)
+            self._check_open()
             yield self._conn
         finally:
-            self._lock.release()
+            self._release()
+            self._log_evicted(evicted)
+
+    def _hold_off(self, waiting: bool) -> None:
+        """Say whether the connection's holder waits for another connection's lock;
+        the threads whose records wait are woken to look at their deadline."""
+        with self._turn:
+            self._held_off = waiting
+            if waiting and self._waiting:
+                self._turn.notify_all()
+
+    def _check_open(self) -> None:
+        """Called with ``self._lock`` held."""
+        if self._closed:
+            raise NpuSyncError(f"dead-letter store {self._path} is closed")
+        self._check_file()
+
+    def _release(self) -> None:
+        """Let go of the connection, and wake the records waiting for it: one of their
+        threads writes them all."""
+        self._lock.release()
+        with self._turn:
+            if self._waiting:
+                self._turn.notify_all()
 
     def _check_file(self) -> None:
         """Refuse to go on once the file was deleted or replaced under the store.
@@ -645,11 +721,15 @@ class SQLiteDeadLetterStore:
     def add(self, record: DeadLetter, *, timeout: float | None = None) -> None:
         """Store ``record`` and commit it, evicting the oldest records when full.
 
+        The record is committed with every other record added meanwhile, by whichever
+        of their threads gets the connection first (see the class docstring).
+
         Args:
             record: the record.
-            timeout: the most seconds to wait for this store's lock and then the
-                file's write lock (``busy_timeout`` when None). The commit itself, once
-                the lock is held, is not cut short.
+            timeout: the most seconds to wait for the connection (other threads' I/O)
+                and then the file's write lock (another connection's transaction);
+                ``busy_timeout`` for the file's lock when None. A commit the record is
+                part of is not cut short.
 
         Raises:
             ValueError: a record with the same id is already stored.
@@ -657,31 +737,22 @@ class SQLiteDeadLetterStore:
             NpuSyncError: the store stayed busy for ``timeout``, is closed, or its
                 file was deleted.
         """
-        values = self._row(record)
-        evicted: builtins.list[tuple[str, str]] = []
         until = None if timeout is None else time.monotonic() + timeout
-        with self._locked(until) as conn, self._write(until):
+        entry = _Waiting(self._row(record), until)
+        with self._turn:
+            self._waiting.append(entry)
+        # Written by another thread, or by this one; again when another connection's
+        # lock held this thread's group back for an earlier deadline than its own.
+        while not entry.done and self._join(entry):
             try:
-                conn.execute(
-                    f"INSERT INTO dead_letters ({_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    values,
-                )
-            except sqlite3.IntegrityError:
-                raise ValueError(f"dead letter {record.id} is already stored") from None
-            if self._max_records is not None:
-                (count,) = conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
-                excess = count - self._max_records
-                if excess > 0:
-                    rows = conn.execute(
-                        "SELECT seq, id, task_id FROM dead_letters ORDER BY seq LIMIT ?",
-                        (excess,),
-                    ).fetchall()
-                    conn.execute("DELETE FROM dead_letters WHERE seq <= ?", (rows[-1][0],))
-                    conn.execute(
-                        "UPDATE dead_letter_meta SET value = value + ? WHERE key = 'dropped'",
-                        (len(rows),),
-                    )
-                    evicted = [(row[1], row[2]) for row in rows]
+                evicted = self._write_waiting(entry)
+            finally:
+                self._release()
+            self._log_evicted(evicted)
+        if entry.error is not None:
+            raise entry.error
+
+    def _log_evicted(self, evicted: builtins.list[tuple[str, str]]) -> None:
         for record_id, task_id in evicted:
             logger.warning(
                 "dead-letter store %s full (%d records): evicted record %s of task %s",
@@ -690,6 +761,174 @@ class SQLiteDeadLetterStore:
                 record_id,
                 task_id,
             )
+
+    def _join(self, entry: _Waiting) -> bool:
+        """Wait with the records waiting until another thread wrote ``entry`` (False)
+        or this one got the connection to write them all (True, lock held).
+
+        Raises:
+            NpuSyncError: the deadline came while another connection's write lock kept
+                the record waiting (it is taken back, not written).
+            BaseException: an interrupt while waiting; raised once the record is taken
+                back or, if a transaction already holds it, once that one ended.
+        """
+        with self._turn:
+            while not entry.done:
+                if not entry.taken and self._lock.acquire(blocking=False):
+                    return True
+                left = None if entry.until is None else entry.until - time.monotonic()
+                late = left is not None and left <= 0
+                if late and not entry.taken and self._held_off:
+                    self._waiting.remove(entry)
+                    raise _StayedLocked(
+                        f"dead-letter store {self._path} stayed locked by another "
+                        "connection until the task's deadline"
+                    )
+                try:
+                    # Past its deadline a record still waits for this process's own I/O
+                    # (woken when it ends, or when the holder starts waiting for another
+                    # connection), and one in a transaction for that one's outcome.
+                    self._turn.wait(None if entry.taken or late else left)
+                except BaseException:
+                    if not entry.taken and not entry.done:
+                        self._waiting.remove(entry)
+                        raise
+                    while not entry.done:
+                        self._turn.wait()
+                    raise
+            return False
+
+    def _write_waiting(self, own: _Waiting | None) -> builtins.list[tuple[str, str]]:
+        """Write every waiting record in one transaction; called holding ``self._lock``
+        and leaving it held. Each record's outcome is set on its entry (``own`` is the
+        calling thread's, if any). Returns the ``(record id, task id)`` of records
+        evicted to make room.
+
+        Raises:
+            BaseException: an interrupt of this thread, once the others' records are
+                settled: committed, or waiting again for another thread to write them.
+        """
+        with self._turn:
+            group, self._waiting = self._waiting, []
+            for entry in group:
+                entry.taken = True
+        again: builtins.list[_Waiting] = []
+        evicted: builtins.list[tuple[str, str]] = []
+        try:
+            try:
+                self._check_open()
+                again, evicted = self._insert(group)
+            except Exception as exc:
+                for entry in group:
+                    if entry.error is None:
+                        entry.error = exc if entry is own else self._copy(exc)
+        except BaseException as interrupt:
+            again = self._after_interrupt(group, own, interrupt)
+            raise
+        finally:
+            with self._turn:
+                for entry in group:
+                    if entry in again:
+                        entry.taken = False
+                    else:
+                        entry.done = True
+                self._waiting[:0] = again
+                self._turn.notify_all()
+        return evicted
+
+    def _insert(
+        self, group: builtins.list[_Waiting]
+    ) -> tuple[builtins.list[_Waiting], builtins.list[tuple[str, str]]]:
+        """The transaction of one group. The file's write lock (held by another
+        connection) is waited for until the earliest deadline in the group: then those
+        records fail, and the others are handed back to wait again. Returns the records
+        handed back and the ``(record id, task id)`` of those evicted."""
+        deadlines = [entry.until for entry in group if entry.until is not None]
+        until = min(deadlines) if deadlines else None
+        evicted: builtins.list[tuple[str, str]] = []
+        try:
+            with self._write(until) as conn:
+                for entry in group:
+                    try:
+                        conn.execute(
+                            f"INSERT INTO dead_letters ({_COLUMNS}) "
+                            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                            entry.row,
+                        )
+                    except sqlite3.IntegrityError:
+                        # Only this statement is undone; the group's others stand.
+                        entry.error = ValueError(f"dead letter {entry.row[0]} is already stored")
+                if self._max_records is not None:
+                    evicted = self._evict(conn, self._max_records)
+        except _StayedLocked as exc:
+            assert until is not None  # only a wait with a deadline stops short
+            again = []
+            for entry in group:
+                if entry.until is not None and entry.until <= until:
+                    entry.error = _StayedLocked(str(exc))
+                else:
+                    again.append(entry)
+            return again, []
+        return [], evicted
+
+    @staticmethod
+    def _evict(conn: sqlite3.Connection, bound: int) -> builtins.list[tuple[str, str]]:
+        (count,) = conn.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+        excess = count - bound
+        if excess <= 0:
+            return []
+        rows = conn.execute(
+            "SELECT seq, id, task_id FROM dead_letters ORDER BY seq LIMIT ?", (excess,)
+        ).fetchall()
+        conn.execute("DELETE FROM dead_letters WHERE seq <= ?", (rows[-1][0],))
+        conn.execute(
+            "UPDATE dead_letter_meta SET value = value + ? WHERE key = 'dropped'", (len(rows),)
+        )
+        return [(row[1], row[2]) for row in rows]
+
+    def _after_interrupt(
+        self, group: builtins.list[_Waiting], own: _Waiting | None, interrupt: BaseException
+    ) -> builtins.list[_Waiting]:
+        """This thread was interrupted while writing ``group`` (the transaction is
+        rolled back unless COMMIT had returned). Look in the file: when the records
+        are there they stand, acknowledged; when not, the other threads' records are
+        handed back to wait for the next writer. Returns those handed back."""
+        probe = next((entry for entry in group if entry.error is None), None)
+        try:
+            if self._conn.in_transaction:
+                self._conn.execute("ROLLBACK")
+            committed = probe is not None and (
+                self._conn.execute(
+                    "SELECT 1 FROM dead_letters WHERE id = ?", (probe.row[0],)
+                ).fetchone()
+                is not None
+            )
+        except BaseException as exc:  # not knowing: no thread may say it is stored
+            for entry in group:
+                if entry.error is None:
+                    entry.error = NpuSyncError(
+                        f"dead-letter store {self._path}: the thread writing this record "
+                        f"was interrupted ({type(interrupt).__name__}) and whether it was "
+                        f"committed cannot be read ({type(exc).__name__}: {exc})"
+                    )
+            return []
+        if committed:
+            return []
+        if own is not None:
+            own.error = NpuSyncError(f"dead-letter store {self._path}: interrupted, not stored")
+        return [entry for entry in group if entry is not own and entry.error is None]
+
+    def _copy(self, exc: Exception) -> Exception:
+        """The error of a group's transaction, for each of the group's other threads:
+        an exception object of its own (a traceback belongs to one thread)."""
+        if type(exc) is NpuSyncError:
+            copy = NpuSyncError(*exc.args)
+        else:
+            copy = NpuSyncError(
+                f"dead-letter store {self._path}: the commit failed: {type(exc).__name__}: {exc}"
+            )
+        copy.__cause__ = exc
+        return copy
 
     def get(self, record_id: str) -> DeadLetter | None:
         with self._locked() as conn:
@@ -729,6 +968,17 @@ class SQLiteDeadLetterStore:
             cursor = conn.execute("DELETE FROM dead_letters WHERE id = ?", (record_id,))
         return cursor.rowcount > 0
 
+    def remove_many(self, record_ids: Sequence[str]) -> int:
+        """Delete several records in one transaction (one commit for all); returns how
+        many were stored."""
+        if not record_ids:
+            return 0
+        with self._locked() as conn, self._write():
+            cursor = conn.executemany(
+                "DELETE FROM dead_letters WHERE id = ?", [(rid,) for rid in record_ids]
+            )
+        return cursor.rowcount
+
     def purge(self) -> int:
         with self._locked() as conn, self._write():
             cursor = conn.execute("DELETE FROM dead_letters")
@@ -765,7 +1015,7 @@ class SQLiteDeadLetterStore:
             self._counts = (int(records), int(row[0]) if row else 0)
             return self._counts
         finally:
-            self._lock.release()
+            self._release()
 
     def claim(self, record_id: str, *, run_time: float = 0.0) -> bool:
         """Claim a record for one replay, across every process using this file.
@@ -801,11 +1051,19 @@ class SQLiteDeadLetterStore:
             )
 
     def close(self) -> None:
-        """Close the connection; later calls raise NpuSyncError. Idempotent."""
-        with self._lock:
+        """Close the connection, once the records waiting for it are written; later
+        calls raise NpuSyncError. Idempotent."""
+        evicted: builtins.list[tuple[str, str]] = []
+        self._lock.acquire()
+        try:
+            if self._waiting and not self._closed:
+                evicted = self._write_waiting(None)
             if not self._closed:
                 self._closed = True
                 self._conn.close()
+        finally:
+            self._release()
+            self._log_evicted(evicted)
 
     def _row(self, record: DeadLetter) -> tuple[Any, ...]:
         try:

@@ -1097,6 +1097,10 @@ class RedisDeadLetterStore:
     def _move_all(self, spool: SQLiteDeadLetterStore, batch: int) -> bool:
         """Move every record of a spool only this process uses; False when Redis failed.
 
+        The records Redis took are removed from the spool together, in one transaction
+        per batch: a commit for each would hold the spool, one ``fsync`` after another,
+        while tasks failing meanwhile wait to spool their own records.
+
         A spool that cannot be read (a corrupt file an ended process left) is named in
         an ERROR and left where it is; it does not stop the moving of the others."""
         while self._keeps_records():
@@ -1107,20 +1111,27 @@ class RedisDeadLetterStore:
                 return True
             if not waiting:
                 return True
+            moved: list[str] = []
+            redis_up = True
             for record in waiting:
                 try:
                     self._write(record)
                 except NotReplicated:
-                    return False  # tried again at the next flush
+                    redis_up = False  # tried again at the next flush
+                    break
                 except RedisError as exc:
                     self._shared.lost(exc)
-                    return False
-                try:
-                    spool.remove(record.id)
-                except (NpuSyncError, sqlite3.Error):
-                    # Redis has it; written again, under the same id, by a later move.
-                    log.exception("cannot remove a moved record from spool %s", spool.path)
-                    return True
+                    redis_up = False
+                    break
+                moved.append(record.id)
+            try:
+                spool.remove_many(moved)
+            except (NpuSyncError, sqlite3.Error):
+                # Redis has them; written again, under the same ids, by a later move.
+                log.exception("cannot remove moved records from spool %s", spool.path)
+                return True
+            if not redis_up:
+                return False
         return False
 
     def _flush_shared(self, spool: SQLiteDeadLetterStore, batch: int) -> None:

@@ -51,6 +51,9 @@ EXIT_INTERRUPTED = 130
 DEFAULT_CONFIG = "npu_workers.yaml"
 """The configuration ``dlq`` reads when neither ``--config`` nor ``$NPU_SYNC_CONFIG`` is set."""
 
+DLQ_REDIS_TIMEOUT = 5.0
+"""The least connect and socket timeout of ``dlq``'s Redis calls, in seconds."""
+
 _WATCH_INTERVAL = 2.0
 _ERROR_WIDTH = 60
 # An ambiguous id prefix names at most this many of the records it matches.
@@ -1023,7 +1026,12 @@ def _open_dlq(config: PoolConfig) -> DeadLetterStore:
     if settings.backend == "redis":
         from npu_sync._shared import SharedState
 
-        shared = SharedState(config.shared_state, lambda *changes: None)
+        # The pool's short timeout is for task threads that must not wait on Redis; an
+        # operator's command may, and on a busy host Redis can answer later than 50 ms.
+        patient = dataclasses.replace(
+            config.shared_state, timeout=max(config.shared_state.timeout, DLQ_REDIS_TIMEOUT)
+        )
+        shared = SharedState(patient, lambda *changes: None)
         return shared.dead_letter_store(settings.max_records, spool_path=settings.spool_path)
     return open_store(settings)
 

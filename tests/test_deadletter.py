@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -867,6 +868,384 @@ def test_sqlite_a_file_replaced_under_the_store_is_refused(tmp_path: Path) -> No
     os.replace(SQLiteDeadLetterStore(tmp_path / "other.sqlite3").path, path)
     with pytest.raises(NpuSyncError, match="replaced by another one"):
         store.get("x")
+    store.close()
+
+
+# --- many threads storing at once: one commit for all that wait ------------------------
+# Attacks on "TaskFailed only once its record is durable, within the task's deadline":
+# many threads of one process fail tasks at once while each commit (the fsync) is slow,
+# and threads are interrupted or run out of time while their record waits or is being
+# committed.
+
+
+class SlowCommits:
+    """A store's connection whose every COMMIT is first held by ``hold(n)`` (n counts
+    the commits from 1) and then followed by ``after(n)``: a slow disk, or a commit
+    stopped where a test wants it. ``groups`` has how many records each commit wrote."""
+
+    def __init__(
+        self,
+        store: SQLiteDeadLetterStore,
+        hold: Callable[[int], object] = lambda n: None,
+        after: Callable[[int], object] = lambda n: None,
+    ) -> None:
+        self._real = store._conn
+        self._hold = hold
+        self._after = after
+        self._stored = len(store)
+        self.groups: list[int] = []
+        store._conn = self  # type: ignore[assignment]
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql != "COMMIT":
+            return self._real.execute(sql, *args)
+        (count,) = self._real.execute("SELECT COUNT(*) FROM dead_letters").fetchone()
+        self.groups.append(count - self._stored)
+        n = len(self.groups)
+        self._hold(n)
+        result = self._real.execute(sql, *args)
+        self._stored = count
+        self._after(n)
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class Interrupted(BaseException):
+    """What a signal handler raises in the thread it interrupts (as KeyboardInterrupt)."""
+
+
+class Turn(threading.Condition):
+    """A store's condition through which a test interrupts a thread waiting on it: the
+    thread raises Interrupted on waking, holding the condition's lock, as it does when
+    a signal's handler raises during ``wait()``."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.target: str | None = None
+        self.raised = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        woken = super().wait(timeout)
+        if self.target is not None and self.target == threading.current_thread().name:
+            self.target = None
+            self.raised.set()
+            raise Interrupted
+        return woken
+
+    def interrupt(self, name: str) -> None:
+        with self:
+            self.target = name
+            self.notify_all()
+
+
+def waiting_records(store: SQLiteDeadLetterStore, count: int) -> None:
+    """Until ``count`` records wait for the connection (their threads have queued)."""
+    pause = threading.Event()
+    for _ in range(3000):
+        with store._turn:
+            if len(store._waiting) >= count:
+                return
+        pause.wait(0.01)
+    raise AssertionError(f"{count} records never waited for the store")
+
+
+def store_in_use(store: SQLiteDeadLetterStore) -> None:
+    """Until some thread holds the store's connection."""
+    pause = threading.Event()
+    for _ in range(3000):
+        if store._lock.locked():
+            return
+        pause.wait(0.01)
+    raise AssertionError("no thread took the store")
+
+
+def adding(
+    store: SQLiteDeadLetterStore, n: int, timeout: float = 30.0
+) -> tuple[threading.Thread, list[Any]]:
+    """A thread named ``task-<n>`` adding record n: its outcome (None or the exception)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(store.add(make_record(n), timeout=timeout))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=f"task-{n}", daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def stored(store: SQLiteDeadLetterStore) -> list[str]:
+    return sorted(record.task_id for record in store.list())
+
+
+def test_threads_storing_while_a_commit_is_slow_are_committed_together_in_time(
+    tmp_path: Path,
+) -> None:
+    """16 threads store a record at once and each commit takes 0.15 s: every record is
+    stored within its 1 s deadline, in a few commits (one commit each, one after
+    another, would take 2.4 s and leave most threads out of time)."""
+    threads = 16
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    started = threading.Semaphore(0)
+    everyone = threading.Event()
+
+    def slow_disk(n: int) -> None:
+        if n == 1:  # the first commit begins once every thread has called add()
+            for _ in range(threads):
+                started.acquire()
+            everyone.set()
+        threading.Event().wait(0.15)  # the disk's time, not a synchronisation
+
+    commits = SlowCommits(store, slow_disk)
+    errors: list[BaseException] = []
+
+    late: list[float] = []
+
+    def fail_a_task(n: int) -> None:
+        started.release()
+        deadline = time.monotonic() + 1.0
+        try:
+            store.add(make_record(n), timeout=1.0)
+        except BaseException as exc:
+            errors.append(exc)
+        if time.monotonic() > deadline:
+            late.append(time.monotonic() - deadline)
+
+    runners = [threading.Thread(target=fail_a_task, args=(n,)) for n in range(threads)]
+    for runner in runners:
+        runner.start()
+    for runner in runners:
+        runner.join(30)
+    assert everyone.is_set()
+    assert errors == [] and late == []
+    assert len(store) == threads
+    assert sum(commits.groups) == threads and len(commits.groups) <= 4, commits.groups
+    store.close()
+
+
+def test_a_record_kept_waiting_by_another_connection_past_its_deadline_is_taken_back(
+    tmp_path: Path,
+) -> None:
+    """Another connection (another process) holds the file's lock while this process's
+    writer waits for it: a thread out of time meanwhile leaves with an error, and its
+    record is never written later by anyone."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)
+    blocker = hold_write_lock(path)
+    try:
+        first, first_outcome = adding(store, 1)  # waits for the file's lock
+        store_in_use(store)
+        with pytest.raises(NpuSyncError, match="stayed locked by another connection"):
+            store.add(make_record(2), timeout=0.05)
+        assert first.is_alive()
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    first.join(30)
+    assert first_outcome == [None]
+    store.add(make_record(3), timeout=1.0)  # nor does a later commit carry it
+    assert stored(store) == ["task-1", "task-3"]
+    store.close()
+
+
+def test_a_record_past_its_deadline_behind_this_process_own_commit_is_stored(
+    tmp_path: Path,
+) -> None:
+    """A thread whose deadline passes while another thread's commit (a slow disk)
+    holds the store keeps waiting: its record goes in the next commit and is
+    acknowledged, never given up to this process's own I/O."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    deadline: list[float] = []
+    second_waits = threading.Event()
+
+    def slow_first_commit(n: int) -> None:
+        if n == 1:
+            second_waits.wait(30)
+            # The disk's time: past the waiting record's deadline.
+            threading.Event().wait(max(0.0, deadline[0] - time.monotonic()) + 0.1)
+
+    commits = SlowCommits(store, slow_first_commit)
+    first, first_outcome = adding(store, 1)
+    store_in_use(store)
+    deadline.append(time.monotonic() + 0.05)
+    second, second_outcome = adding(store, 2, timeout=0.05)
+    waiting_records(store, 1)
+    second_waits.set()
+    for thread in (first, second):
+        thread.join(30)
+    assert time.monotonic() > deadline[0]
+    assert (first_outcome, second_outcome) == ([None], [None])
+    assert commits.groups == [1, 1]
+    assert stored(store) == ["task-1", "task-2"]
+    store.close()
+
+
+def test_other_calls_on_the_store_write_the_waiting_records_first(tmp_path: Path) -> None:
+    """A record waiting while another call (a listing, a removal) holds the store is
+    written by that call's thread before its own work, not after it."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    store._lock.acquire()  # another thread's I/O: the next record waits
+    waiter, outcome = adding(store, 1)
+    waiting_records(store, 1)
+    store._lock.release()  # without waking it: the listing below comes first
+    assert [r.task_id for r in store.list()] == ["task-1"]
+    waiter.join(30)
+    assert outcome == [None]
+    store.close()
+
+
+def test_a_record_in_a_commit_under_way_is_acknowledged_even_past_its_deadline(
+    tmp_path: Path,
+) -> None:
+    """A thread whose record another thread is committing waits for that commit, slow
+    as it is, then returns: stored and acknowledged, never stored and called lost."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    late: list[float] = []
+    commits = SlowCommits(
+        store, lambda n: threading.Event().wait(max(0.0, late[0] - time.monotonic()))
+    )
+    store._lock.acquire()  # another thread's I/O: the next record waits
+    short, short_outcome = adding(store, 1, timeout=1.0)
+    waiting_records(store, 1)
+    late.append(time.monotonic() + 1.2)  # a commit slower than that record's deadline
+    # Let go without waking it: the next thread to come writes both records.
+    store._lock.release()
+    writer, writer_outcome = adding(store, 2)
+    for thread in (short, writer):
+        thread.join(30)
+    assert time.monotonic() >= late[0]
+    assert (short_outcome, writer_outcome) == ([None], [None])
+    assert commits.groups == [2]
+    assert stored(store) == ["task-1", "task-2"]
+    store.close()
+
+
+def test_a_locked_file_fails_only_the_records_out_of_time_and_the_others_wait_on(
+    tmp_path: Path,
+) -> None:
+    """Another connection holds the file's lock while a group is written: the group
+    waits until its earliest deadline, that record fails, and the others (the writing
+    thread's own too) wait on for the lock up to their own deadline, and are stored."""
+    path = tmp_path / "dlq.sqlite3"
+    store = SQLiteDeadLetterStore(path)
+    blocker = hold_write_lock(path)
+    try:
+        store._lock.acquire()  # another thread's I/O: the next record waits
+        short, short_outcome = adding(store, 1, timeout=0.3)
+        waiting_records(store, 1)
+        store._lock.release()  # without waking it: the next thread writes both
+        long, long_outcome = adding(store, 2)
+        short.join(30)
+        assert isinstance(short_outcome[0], NpuSyncError)
+        assert "stayed locked by another connection" in str(short_outcome[0])
+        long.join(0.2)
+        assert long.is_alive()  # still waiting for the file's lock
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    long.join(30)
+    assert long_outcome == [None]
+    assert stored(store) == ["task-2"]
+    store.close()
+
+
+def test_a_thread_interrupted_while_its_record_waits_leaves_it_unwritten(
+    tmp_path: Path,
+) -> None:
+    """Interrupted while waiting behind another thread's commit: the interrupt is
+    raised at once, and the record is taken back, never written."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    store._turn = turn = Turn()
+    release = threading.Event()
+    SlowCommits(store, lambda n: n == 1 and release.wait(30))
+    first, first_outcome = adding(store, 1)
+    try:
+        store_in_use(store)
+        second, second_outcome = adding(store, 2)
+        waiting_records(store, 1)
+        turn.interrupt("task-2")
+        second.join(30)
+        assert isinstance(second_outcome[0], Interrupted)
+        assert first.is_alive()  # raised while the other commit still held the store
+    finally:
+        release.set()
+        first.join(30)
+    assert first_outcome == [None]
+    store.add(make_record(3), timeout=1.0)
+    assert stored(store) == ["task-1", "task-3"]
+    store.close()
+
+
+def test_a_thread_interrupted_while_its_record_is_committed_waits_for_the_commit(
+    tmp_path: Path,
+) -> None:
+    """Interrupted while another thread commits its record: the interrupt is raised
+    only once that commit ended (before, it could not say whether the record is
+    stored), and the record is stored."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+    store._turn = turn = Turn()
+    finish = threading.Event()
+
+    def interrupt_the_other(n: int) -> None:
+        turn.interrupt("task-1")
+        turn.raised.wait(30)
+        finish.wait(30)
+
+    SlowCommits(store, interrupt_the_other)
+    store._lock.acquire()  # another thread's I/O: the next record waits
+    waiter, waiter_outcome = adding(store, 1)
+    waiting_records(store, 1)
+    store._lock.release()  # without waking it: the next thread writes both
+    writer, writer_outcome = adding(store, 2)
+    try:
+        assert turn.raised.wait(30)
+        waiter.join(0.3)  # it would end here if the interrupt did not wait
+        still_waiting = waiter.is_alive()
+    finally:
+        finish.set()
+        for thread in (waiter, writer):
+            thread.join(30)
+    assert still_waiting
+    assert isinstance(waiter_outcome[0], Interrupted)
+    assert writer_outcome == [None]
+    assert stored(store) == ["task-1", "task-2"]
+    store.close()
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_thread_interrupted_while_committing_others_records_leaves_them_settled(
+    tmp_path: Path, when: str
+) -> None:
+    """The thread writing a group is interrupted before or after its COMMIT: the other
+    thread's record is stored either way (by that commit, or written again by its own
+    thread) and acknowledged; the interrupted thread's own is stored only if the
+    commit ran."""
+    store = SQLiteDeadLetterStore(tmp_path / "spool.sqlite3")
+
+    def interrupt(n: int) -> None:
+        if n == 1:
+            raise Interrupted
+
+    SlowCommits(
+        store,
+        interrupt if when == "before" else lambda n: None,
+        after=interrupt if when == "after" else lambda n: None,
+    )
+    store._lock.acquire()
+    waiter, waiter_outcome = adding(store, 1)
+    waiting_records(store, 1)
+    store._lock.release()
+    writer, writer_outcome = adding(store, 2)
+    for thread in (waiter, writer):
+        thread.join(30)
+    assert isinstance(writer_outcome[0], Interrupted)
+    assert waiter_outcome == [None]
+    assert stored(store) == (["task-1"] if when == "before" else ["task-1", "task-2"])
+    store.add(make_record(3), timeout=1.0)  # and the store goes on
     store.close()
 
 

@@ -384,6 +384,41 @@ def test_a_live_processs_spool_is_never_taken_over(tmp_path):
     assert store_one.held_count() == 0 and [r.task_id for r in store_two.list()] == ["task-1"]
 
 
+class CountedCommits:
+    """A spool store's connection that counts its COMMITs (each one an fsync)."""
+
+    def __init__(self, store) -> None:
+        self._real = store._conn
+        self.commits = 0
+        store._conn = self
+
+    def execute(self, sql, *args):
+        self.commits += sql == "COMMIT"
+        return self._real.execute(sql, *args)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def test_records_moved_to_redis_leave_the_spool_in_one_commit_per_batch():
+    """30 held records moved back to Redis leave the spool in one commit, not 30: a
+    commit each would hold the spool, one fsync after another, while tasks failing
+    meanwhile wait to spool theirs."""
+    server = fakeredis.FakeServer()
+    one, two, _, _ = pair(server)
+    store = one.dead_letter_store(100)
+    server.connected = False
+    for n in range(30):
+        store.add(record(n))
+    server.connected = True
+    assert one._probe()
+    counted = CountedCommits(store._spool.own.store)
+    store.flush()
+    assert store.held_count() == 0
+    assert len(two.dead_letter_store(100).list()) == 30
+    assert counted.commits == 1
+
+
 def test_a_record_another_process_is_flushing_from_the_old_shared_spool_is_left_to_it(
     tmp_path,
 ):

@@ -5,6 +5,7 @@ processes, and breakers and dead letters shared on a Cluster."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import threading
 import time
@@ -97,16 +98,48 @@ def replica_has(topology: Sentinel, port: int, record_id: str, namespace: str = 
         client.close()
 
 
+def waiting_for_a_replica(port: int) -> bool:
+    """Whether a client of the server on ``port`` is blocked in WAIT."""
+    import redis
+
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+    try:
+        return any(c.get("cmd") == "wait" for c in client.client_list())
+    finally:
+        client.close()
+
+
 def test_a_dead_letter_is_on_the_replica_when_task_failed_is_raised(start_worker, sentinel):
-    """Through Sentinel, TaskFailed names a record the replica already holds."""
+    """Through Sentinel, TaskFailed comes only once the replica holds the record: with
+    the replica held still, the failing task waits (on the primary's WAIT); when it
+    moves again, the task is told, and the replica has the record."""
     worker = start_worker(worker_id="w0", latency_ms=50)
     (replica,) = sentinel.replica_ports()
-    with WorkerPool(config_for([worker], sentinel.url)) as pool:
-        record_id = doomed(pool)
+    config = config_for([worker], sentinel.url)
+    # WAIT waits half of this: far longer than the test needs to see the task held.
+    config = dataclasses.replace(
+        config, shared_state=dataclasses.replace(config.shared_state, timeout=10.0)
+    )
+    with WorkerPool(config) as pool:
+        first = doomed(pool)  # the replica is known and linked
+        told: list[str] = []
+        sentinel.pause(replica)
+        try:
+            failing = threading.Thread(target=lambda: told.append(doomed(pool)))
+            failing.start()
+            until(
+                "the record's write to wait for the replica, or the task to be told",
+                lambda: told or waiting_for_a_replica(sentinel.primary_port()),
+            )
+            assert told == []  # not acknowledged while the primary alone has it
+        finally:
+            sentinel.resume(replica)
+        failing.join(30)
+        (record_id,) = told
         # Read at once, no waiting: WAIT 1 ran before the record was acknowledged.
         assert replica_has(sentinel, replica, record_id)
         assert pool.stats()["shared_state"]["dead_letters_held_locally"] == 0
-        assert [r.id for r in pool.dead_letters.list()] == [record_id]
+        assert [r.id for r in pool.dead_letters.list()] == [first, record_id]
 
 
 def test_a_dead_letter_no_replica_confirms_stays_spooled_until_one_does(start_worker, sentinel):

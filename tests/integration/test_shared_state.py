@@ -391,6 +391,35 @@ def test_the_cli_lists_dead_letters_kept_in_redis(start_worker, redis_server, tm
     assert [r["task_id"] for r in json.loads(out.stdout)] == ["from-cli"]
 
 
+def test_the_cli_waits_for_a_redis_slower_than_the_pools_timeout(
+    start_worker, redis_server, tmp_path, capsys
+):
+    """npu-sync dlq list on a Redis that answers 0.5 s late (a busy host) lists the
+    records rather than calling Redis unavailable: the pool's 50 ms is a task's limit,
+    not an operator's."""
+    from npu_sync.cli import main
+
+    worker = start_worker(worker_id="w0")
+    path = tmp_path / "pool.yaml"
+    path.write_text(
+        "npu_workers:\n  workers:\n"
+        f"    - {{id: w0, url: '{worker.url}'}}\n"
+        "  health: {enabled: false}\n"
+        "  retry: {max_retries: 0}\n"
+        f"  shared_state: {{backend: redis, url: '{redis_server.url}', namespace: slow}}\n"
+        "  dead_letter: {backend: redis}\n"
+    )
+    worker.kill()
+    with WorkerPool.from_yaml(path, watch=False) as pool, pytest.raises(TaskFailed):
+        pool.execute(Task({"input_text": "x"}, task_id="listed-late"))
+    capsys.readouterr()
+    client = redis.Redis.from_url(redis_server.url)
+    client.execute_command("CLIENT", "PAUSE", "500", "ALL")  # every other client waits
+    client.close()
+    assert main(["dlq", "list", "--config", str(path), "--json"]) == 0
+    assert [r["task_id"] for r in json.loads(capsys.readouterr().out)] == ["listed-late"]
+
+
 def test_a_wrong_redis_password_is_a_config_error_at_start(start_worker, redis_server):
     """Redis refusing the credentials fails the pool's start with shared_state.url named,
     the password masked; it is not taken for an outage to wait out."""
