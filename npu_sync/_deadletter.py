@@ -54,9 +54,10 @@ CLAIM_SECONDS = 120.0
 """How long a replay's claim on a record lasts if its process dies before releasing it."""
 
 STORE_WAIT_FLOOR = 0.25
-"""The least time storing a dead letter may wait for the store, even for a task whose
-deadline has already passed: without it, a record would be lost to a momentary lock
-held by another thread's commit. See docs/reliability.md."""
+"""The least time storing a dead letter may wait for a store another process holds
+(the SQLite file's write lock), even for a task whose deadline has already passed:
+without it, a record would be lost to a momentary lock held by another process's
+commit. This process's own commits are always waited for. See docs/reliability.md."""
 
 
 def _one_line(text: str) -> str:
@@ -721,21 +722,21 @@ class SQLiteDeadLetterStore:
     def add(self, record: DeadLetter, *, timeout: float | None = None) -> None:
         """Store ``record`` and commit it, evicting the oldest records when full.
 
-        The record is committed with every other record added meanwhile, by whichever
-        of their threads gets the connection first (see the class docstring).
+        The record is committed with every other record added meanwhile, by the
+        next thread to hold the connection (see the class docstring).
 
         Args:
             record: the record.
-            timeout: the most seconds to wait for the connection (other threads' I/O)
-                and then the file's write lock (another connection's transaction);
-                ``busy_timeout`` for the file's lock when None. A commit the record is
-                part of is not cut short.
+            timeout: the most seconds to wait for the file's write lock while another
+                connection holds it (``busy_timeout`` when None). The I/O of this
+                store's other threads, and the commit the record is part of, are
+                waited for whatever the time.
 
         Raises:
             ValueError: a record with the same id is already stored.
             InvalidTask: the payload is not JSON-serialisable.
-            NpuSyncError: the store stayed busy for ``timeout``, is closed, or its
-                file was deleted.
+            NpuSyncError: another connection kept the file locked for ``timeout``,
+                the store is closed, or its file was deleted.
         """
         until = None if timeout is None else time.monotonic() + timeout
         entry = _Waiting(self._row(record), until)
@@ -1377,8 +1378,9 @@ class DeadLetterQueue:
         Args:
             record: the record.
             timeout: the task's remaining time: the most the store may wait for a lock
-                (never less than :data:`STORE_WAIT_FLOOR`). None waits as the store
-                does by default. Ignored by a store whose ``add`` takes no timeout.
+                another process holds (never less than :data:`STORE_WAIT_FLOOR`). None
+                waits as the store does by default. Ignored by a store whose ``add``
+                takes no timeout.
 
         Raises:
             NpuSyncError: the store could not take the record within that time.

@@ -4,7 +4,9 @@ per process, and the taking over of files whose process is gone.
 A spool shared by every process of a host made a task wait behind other processes'
 commits (and their moves to Redis) for the write lock, past the little time a task
 that ran out of time has left, and the record was lost. Here each process writes only
-its own file, so a record waits at most for this process's own flush of one record.
+its own file, and the records its threads store at once are committed together (see
+:class:`~npu_sync._deadletter.SQLiteDeadLetterStore`): a record waits for this
+process's own I/O, never for another process, and is never given up for the former.
 
 Each file has a lock file beside it, held (``flock``) by its process for as long as
 the file is in use. The lock is released by the kernel when the process ends, however
