@@ -89,9 +89,12 @@ class FloorPool:
         with self.lock:
             best = None
             for slot in self.slots:
-                if slot.in_flight < slot.limit and slot.open_until <= now:
-                    if best is None or slot.in_flight < best.in_flight:
-                        best = slot
+                if (
+                    slot.in_flight < slot.limit
+                    and slot.open_until <= now
+                    and (best is None or slot.in_flight < best.in_flight)
+                ):
+                    best = slot
             if best is None:
                 raise RuntimeError("no worker free (the benchmark never queues)")
             best.in_flight += 1
