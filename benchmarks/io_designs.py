@@ -40,8 +40,8 @@ parser (the built-in transport uses its own), then decodes the JSON body.
 * ``d: a + N µs Python`` (``--extra-us N``, repeatable as ``25,75``): design a with N µs
   of pure Python a task on the caller's thread (a busy loop calibrated at start-up,
   half before sending, half after the answer), to see how switches and CPU grow with
-  the Python a task runs while holding the GIL; ``d: b + N µs Python`` the same on
-  design b.
+  the Python a task runs while holding the GIL; ``d: b + N µs Python`` and
+  ``d: b, caller sends + N µs Python`` the same on design b and its variant.
 * ``--io-threads 1,2`` adds design b with two I/O threads (connection ``i`` on thread
   ``i % 2``).
 
@@ -586,7 +586,8 @@ class SelectorThread:
         self.before = extra_turns // 2
         self.after = extra_turns - self.before
         if extra_us:
-            self.name = f"d: b + {extra_us:g} µs Python"
+            how = ", caller sends" if caller_sends else ""
+            self.name = f"d: b{how} + {extra_us:g} µs Python"
         elif decode:
             self.name = "c: selector thread decodes JSON, Lock"
         elif caller_sends:
@@ -833,6 +834,7 @@ def contenders_for(
     for micros, turns in extras:
         out.append(BlockingSockets(conns, turns, micros))
         out.append(SelectorThread(conns, extra_turns=turns, extra_us=micros))
+        out.append(SelectorThread(conns, caller_sends=True, extra_turns=turns, extra_us=micros))
     return out
 
 
