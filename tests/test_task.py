@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import uuid
@@ -55,6 +56,36 @@ def test_as_task_wraps_payloads_and_passes_tasks_through():
     assert as_task(task) is task
     wrapped = as_task({"y": 2})
     assert wrapped.payload == {"y": 2} and wrapped.endpoint is None and wrapped.idempotent
+
+
+@pytest.mark.parametrize("payload", [{"input_text": "hi"}, [1, 2], "text", None, 0])
+def test_a_bare_payloads_task_is_the_checked_constructors_field_by_field(payload):
+    made = as_task(payload)
+    assert type(made) is Task
+    checked = Task(payload=payload, task_id=made.task_id)
+    for f in dataclasses.fields(Task):
+        assert getattr(made, f.name) is getattr(checked, f.name) or (
+            getattr(made, f.name) == getattr(checked, f.name)
+        ), f.name
+    assert made == checked and repr(made) == repr(checked)
+    if not isinstance(payload, (dict, list)):
+        assert hash(made) == hash(checked)
+    assert made.body() == checked.body()
+    assert uuid.UUID(made.task_id).version == 4
+    assert as_task(payload).task_id != made.task_id
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        made.payload = "changed"  # type: ignore[misc]
+
+
+def test_the_fast_constructor_refuses_a_task_field_without_a_default(monkeypatch):
+    from npu_sync import task as task_module
+
+    fields = dataclasses.fields(Task)
+    needed = dataclasses.field()
+    needed.name = "needed"
+    monkeypatch.setattr(task_module.dataclasses, "fields", lambda cls: (*fields, needed))
+    with pytest.raises(TypeError, match=r"Task\.needed has no default"):
+        task_module._plain_task_maker()
 
 
 def test_attempt_round_trips_through_a_dict():
