@@ -22,6 +22,7 @@ frame of each caller, counted.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -269,6 +270,19 @@ def main() -> None:
                 f"{tree} | {n} | {statistics.median(cpu):.0f} ({min(cpu):.0f}-{max(cpu):.0f}) | "
                 f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
                 f"{statistics.median(sw):.1f} ({min(sw):.1f}-{max(sw):.1f})"
+            )
+    # Growth within a round (the same minute of the machine's load): CPU per task at
+    # each caller count over the next smaller count's, per tree.
+    for tree in args.trees:
+        for small, large in itertools.pairwise(counts):
+            growth = [
+                b["cpu_us"] / a["cpu_us"]
+                for a, b in zip(figures[(tree, small)], figures[(tree, large)], strict=True)
+            ]
+            print(
+                f"{tree}: CPU at {large} callers ÷ at {small}, per round: median "
+                f"{statistics.median(growth):.2f} ({min(growth):.2f}-{max(growth):.2f}); "
+                + ", ".join(f"{g:.2f}" for g in growth)
             )
     if args.locks:
         for tree in args.trees:
