@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -99,6 +99,9 @@ class Task:
     size: float | None = None
 
     def __post_init__(self) -> None:
+        # Checks and normalises the fields given, nothing else, and leaves a field at
+        # its default as it is: a bare payload's task (plain_task) skips this, and
+        # tests/test_task.py calls it on one to prove that skipping it changes nothing.
         if self.size is not None and (
             isinstance(self.size, bool)
             or not isinstance(self.size, (int, float))
@@ -216,7 +219,7 @@ def current_scope() -> str | None:
     return _SCOPED.get() if _scopes_used else None
 
 
-def _plain_task_maker() -> Any:
+def _plain_task_maker() -> Callable[[Any], Task]:
     """``Task(payload=p)`` for a bare payload, without the dataclass's ``__init__``:
     every field but the payload and the id takes its default, which
     ``__post_init__`` has nothing to check in, and the id is made valid. Each field is
@@ -228,7 +231,10 @@ def _plain_task_maker() -> Any:
     for f in dataclasses.fields(Task):
         if f.name not in ("payload", "task_id"):
             if f.default is dataclasses.MISSING:
-                raise TypeError(f"Task.{f.name} has no default: update _plain_task_maker")
+                raise TypeError(
+                    f"Task.{f.name} has no plain default (none, or a default_factory): "
+                    "update _plain_task_maker"
+                )
             setters.append((getattr(Task, f.name).__set__, f.default))
     set_payload = getattr(Task, "payload").__set__  # noqa: B009 - the slot's descriptor
     set_id = getattr(Task, "task_id").__set__  # noqa: B009
@@ -253,6 +259,8 @@ def as_task(task: Task | Any) -> Task:
     if not _scopes_used:
         return task if isinstance(task, Task) else plain_task(task)
     scoped = _SCOPED.get()
+    if scoped is None:  # outside any scope: as if none had ever been entered
+        return task if isinstance(task, Task) else plain_task(task)
     if isinstance(task, Task):
         if scoped is None or task.priority is not None:
             return task

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import threading
 import uuid
 
@@ -58,23 +59,47 @@ def test_as_task_wraps_payloads_and_passes_tasks_through():
     assert wrapped.payload == {"y": 2} and wrapped.endpoint is None and wrapped.idempotent
 
 
-@pytest.mark.parametrize("payload", [{"input_text": "hi"}, [1, 2], "text", None, 0])
-def test_a_bare_payloads_task_is_the_checked_constructors_field_by_field(payload):
+@pytest.mark.parametrize("payload", [{"input_text": "hi"}, [1, 2], "text", None, 0, 1.5])
+@pytest.mark.parametrize("scope_entered_before", [False, True])
+def test_a_bare_payloads_task_is_the_checked_constructors_field_by_field(
+    payload, scope_entered_before, monkeypatch
+):
+    from npu_sync import task as task_module
+
+    # Whatever ran before in this process: with no scope entered, and with one entered
+    # and left (a Flask route's), a bare payload outside any scope takes the fast path.
+    monkeypatch.setattr(task_module, "_scopes_used", scope_entered_before)
+    made_by = []
+    fast = task_module.plain_task
+    monkeypatch.setattr(task_module, "plain_task", lambda p: made_by.append(p) or fast(p))
     made = as_task(payload)
+    assert made_by == [payload]
     assert type(made) is Task
     checked = Task(payload=payload, task_id=made.task_id)
     for f in dataclasses.fields(Task):
-        assert getattr(made, f.name) is getattr(checked, f.name) or (
-            getattr(made, f.name) == getattr(checked, f.name)
-        ), f.name
+        mine, theirs = getattr(made, f.name), getattr(checked, f.name)
+        assert type(mine) is type(theirs) and (mine is theirs or mine == theirs), f.name
     assert made == checked and repr(made) == repr(checked)
+    assert pickle.dumps(made) == pickle.dumps(checked)
     if not isinstance(payload, (dict, list)):
         assert hash(made) == hash(checked)
     assert made.body() == checked.body()
+    # The checks the fast path skips would change nothing on its task.
+    before = pickle.dumps(made)
+    made.__post_init__()
+    assert pickle.dumps(made) == before
     assert uuid.UUID(made.task_id).version == 4
     assert as_task(payload).task_id != made.task_id
     with pytest.raises(dataclasses.FrozenInstanceError):
         made.payload = "changed"  # type: ignore[misc]
+
+
+def test_inside_a_scope_a_bare_payload_takes_the_scopes_class():
+    from npu_sync.task import priority_scope
+
+    with priority_scope("batch"):
+        assert as_task({"x": 1}).priority == "batch"
+    assert as_task({"x": 1}).priority is None
 
 
 def test_the_fast_constructor_refuses_a_task_field_without_a_default(monkeypatch):
@@ -84,7 +109,7 @@ def test_the_fast_constructor_refuses_a_task_field_without_a_default(monkeypatch
     needed = dataclasses.field()
     needed.name = "needed"
     monkeypatch.setattr(task_module.dataclasses, "fields", lambda cls: (*fields, needed))
-    with pytest.raises(TypeError, match=r"Task\.needed has no default"):
+    with pytest.raises(TypeError, match=r"Task\.needed has no plain default"):
         task_module._plain_task_maker()
 
 
