@@ -63,7 +63,6 @@ import contextlib
 import itertools
 import json
 import os
-import resource
 import selectors
 import socket
 import statistics
@@ -79,6 +78,7 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.callers_256 import own_usage, process_cpu, run_threads
 from npu_sync.config import TLSConfig, worker_config
 from npu_sync.errors import NpuSyncError
 from npu_sync.transport import BuiltinTransport
@@ -95,28 +95,7 @@ WORKER_SLOTS = 256
 READ_SIZE = 65536
 CONNECT_TIMEOUT = 2.0
 READ_TIMEOUT = 30.0
-# A run that has not ended by then is reported as stuck, not waited on forever.
-RUN_TIMEOUT = 300.0
 BASELINE = "a: blocking socket per caller"
-
-Usage = tuple[float, int]
-
-
-def own_usage() -> Usage:
-    """This process's CPU time and context switches, every thread's."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return time.process_time(), usage.ru_nvcsw + usage.ru_nivcsw
-
-
-def process_cpu(pid: int | None) -> float:
-    """CPU seconds (user + system) another process has used so far; 0 once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 # -- pure Python work of a known length ------------------------------------------------
 
@@ -471,48 +450,6 @@ class Run:
         return self.tasks / self.elapsed_s
 
 
-def run_threads(
-    call: Callable[[int], bool], callers: int, tasks: int
-) -> tuple[float, float, int, list[float], int]:
-    """``tasks`` calls on ``callers`` threads; ``call(i)`` (caller ``i``) says if it worked.
-
-    The threads are started and parked on a barrier first, so that their start-up is
-    not measured; the measured span ends when the last of them has ended.
-    """
-    claim = itertools.count()
-    failures = itertools.count()
-    latencies: list[float] = []
-    ready = threading.Barrier(callers + 1)
-    clock = time.perf_counter
-
-    def caller(i: int) -> None:
-        mine: list[float] = []
-        ready.wait()
-        while next(claim) < tasks:
-            t0 = clock()
-            if not call(i):
-                next(failures)
-            mine.append(clock() - t0)
-        latencies.extend(mine)
-
-    threads = [
-        threading.Thread(target=caller, args=(i,), name=f"bench-caller-{i}", daemon=True)
-        for i in range(callers)
-    ]
-    for thread in threads:
-        thread.start()
-    cpu0, sw0 = own_usage()
-    t0 = clock()
-    ready.wait()
-    for thread in threads:
-        thread.join(RUN_TIMEOUT)
-        if thread.is_alive():
-            raise RuntimeError(f"{thread.name} still running after {RUN_TIMEOUT:g} s")
-    elapsed = clock() - t0
-    cpu1, sw1 = own_usage()
-    return elapsed, cpu1 - cpu0, sw1 - sw0, latencies, next(failures)
-
-
 class Contender(Protocol):
     name: str
 
@@ -557,7 +494,9 @@ class BlockingSockets:
 
     def run(self, round_: int, tasks: int) -> Run:
         callers = len(self.conns)
-        elapsed, cpu, switches, latencies, failed = run_threads(self._call, callers, tasks)
+        elapsed, cpu, switches, latencies, failed = run_threads(
+            self._call, callers, tasks, own_usage
+        )
         return Run(callers, self.name, round_, tasks, elapsed, cpu, switches, failed, latencies)
 
     def close(self) -> None:
@@ -656,7 +595,9 @@ class SelectorThread:
             for k in range(self.io_threads)
         ]
         try:
-            elapsed, cpu, switches, latencies, failed = run_threads(self._call, callers, tasks)
+            elapsed, cpu, switches, latencies, failed = run_threads(
+                self._call, callers, tasks, own_usage
+            )
         finally:
             for engine in engines:
                 engine.close()
@@ -704,7 +645,9 @@ class TransportContender:
         return response.status == 200
 
     def run(self, round_: int, tasks: int) -> Run:
-        elapsed, cpu, switches, latencies, failed = run_threads(self._call, self.callers, tasks)
+        elapsed, cpu, switches, latencies, failed = run_threads(
+            self._call, self.callers, tasks, own_usage
+        )
         return Run(
             self.callers, self.name, round_, tasks, elapsed, cpu, switches, failed, latencies
         )

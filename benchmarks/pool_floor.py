@@ -36,7 +36,6 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.instant_worker import InstantWorkers
+from benchmarks.overhead_where import _bare
 from npu_sync import WorkerPool
 from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
 from npu_sync.task import new_task_id
@@ -51,7 +51,6 @@ from npu_sync.transport import make_transport
 from npu_sync.worker_server import LocalWorker
 
 PAYLOAD = {"model_id": "default", "input_text": "benchmark", "max_tokens": 16}
-HEADERS = {"X-NPU-Task-Id": "0" * 32, "X-NPU-Attempt": "1"}
 FLEET = 10
 _pc, _tt, _mono = time.perf_counter, time.thread_time, time.monotonic
 
@@ -127,19 +126,6 @@ class FloorPool:
     def close(self) -> None:
         for slot in self.slots:
             slot.transport.close()
-
-
-def _bare(url: str) -> tuple[Callable[[], Any], Callable[[], None]]:
-    transport = make_transport(worker_config("bare", url, max_concurrent=4), TransportConfig())
-
-    def call() -> Any:
-        body = json.dumps(PAYLOAD).encode()
-        response = transport.request(
-            "POST", "/inference", body=body, headers=HEADERS, timeout=20.0, connect_timeout=2.0
-        )
-        return json.loads(response.body)
-
-    return call, transport.close
 
 
 def one_fleet(urls: list[str], rounds: int) -> dict[str, dict[str, float]]:
