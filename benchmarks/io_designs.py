@@ -78,7 +78,7 @@ from typing import Any, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.callers_256 import own_usage, process_cpu, run_threads
+from benchmarks.callers_256 import _med, _pct, own_usage, process_cpu, run_threads
 from npu_sync.config import TLSConfig, worker_config
 from npu_sync.errors import NpuSyncError
 from npu_sync.transport import BuiltinTransport
@@ -660,10 +660,6 @@ class TransportContender:
 # -- the report --------------------------------------------------------------------------
 
 
-def _pct(values: Sequence[float], q: int) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
-
-
 def summary(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
     """Per contender of one caller count: medians over its rounds, percentiles over all
     its tasks, and its CPU and switches per task against design a's in the same round."""
@@ -696,15 +692,6 @@ def summary(runs: Sequence[Run]) -> dict[str, dict[str, Any]]:
             figures["kicks"] = [(r.kicks or 0) / r.tasks for r in mine]
         out[name] = figures
     return out
-
-
-def _med(values: Sequence[float], spec: str, span: bool = True) -> str:
-    if not values:
-        return "—"
-    text = format(statistics.median(values), spec)
-    if span and len(values) > 1:
-        text += f" ({format(min(values), spec)}-{format(max(values), spec)})"
-    return text
 
 
 def table(figures: dict[str, dict[str, Any]]) -> str:
