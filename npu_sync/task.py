@@ -262,7 +262,7 @@ def as_task(task: Task | Any) -> Task:
     if scoped is None:  # outside any scope: as if none had ever been entered
         return task if isinstance(task, Task) else plain_task(task)
     if isinstance(task, Task):
-        if scoped is None or task.priority is not None:
+        if task.priority is not None:
             return task
         return dataclasses.replace(task, priority=scoped)
     return Task(payload=task, priority=scoped)
