@@ -94,6 +94,34 @@ def _pool(urls: list[str], **options: Any) -> WorkerPool:
     return WorkerPool(config, **options)
 
 
+class FollowTheLast:
+    """Bare calls to the worker that answered the last tracked task: timed beside a
+    pool, they wake the same worker processes as its tasks, so that what differs is
+    the pool's work in the client. Each worker's bare call is closed with ``stack``."""
+
+    def __init__(self, urls: list[str], stack: ExitStack) -> None:
+        calls = []
+        for url in urls:
+            call, close = _bare(url)
+            stack.callback(close)
+            calls.append(call)
+        self.by_id = {call()["worker_id"]: call for call in calls}
+        self.last = next(iter(self.by_id))
+
+    def bare(self) -> Any:
+        return self.by_id[self.last]()
+
+    def tracked(self, execute: Callable[[Any], Any]) -> Callable[[], Any]:
+        """``execute(PAYLOAD)``, its answer's worker remembered for the next bare call."""
+
+        def call() -> Any:
+            result = execute(PAYLOAD)
+            self.last = result["worker_id"]
+            return result
+
+        return call
+
+
 def _round_robin(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
     turn = [0]
 
@@ -114,20 +142,8 @@ def split(urls: list[str], rounds: int) -> list[str]:
     lines = []
     with ExitStack() as stack:
         pool = stack.enter_context(_pool(urls))
-        bare = []
-        for url in urls:
-            call, close = _bare(url)
-            stack.callback(close)
-            bare.append(call)
-        by_id = {call()["worker_id"]: call for call in bare}
-        last = [next(iter(by_id))]
-
-        def execute() -> Any:
-            result = pool.execute(PAYLOAD)
-            last[0] = result["worker_id"]
-            return result
-
-        contenders = {"bare": lambda: by_id[last[0]](), "pool": execute}
+        follow = FollowTheLast(urls, stack)
+        contenders = {"bare": follow.bare, "pool": follow.tracked(pool.execute)}
         rows: dict[str, list[tuple[float, ...]]] = {name: [] for name in contenders}
         names = list(contenders)
         for i in range(rounds + 300):

@@ -43,9 +43,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.instant_worker import InstantWorkers
-from benchmarks.overhead_where import _bare
-from npu_sync import WorkerPool
-from npu_sync.config import HealthConfig, PoolConfig, TransportConfig, worker_config
+from benchmarks.overhead_where import FollowTheLast, _pool
+from npu_sync.config import TransportConfig, worker_config
 from npu_sync.task import new_task_id
 from npu_sync.transport import make_transport
 from npu_sync.worker_server import LocalWorker
@@ -131,37 +130,14 @@ class FloorPool:
 def one_fleet(urls: list[str], rounds: int) -> dict[str, dict[str, float]]:
     """Median wall and CPU µs of each contender on ``urls``, interleaved call by call."""
     with ExitStack() as stack:
-        config = PoolConfig(
-            workers=tuple(
-                worker_config(f"w{i}", url, max_concurrent=8) for i, url in enumerate(urls)
-            ),
-            health=HealthConfig(enabled=False),
-        )
-        pool = stack.enter_context(WorkerPool(config))
+        pool = stack.enter_context(_pool(urls))
         floor = FloorPool(urls)
         stack.callback(floor.close)
-        bare = []
-        for url in urls:
-            call, close = _bare(url)
-            stack.callback(close)
-            bare.append(call)
-        by_id = {call()["worker_id"]: call for call in bare}
-        last = [next(iter(by_id))]
-
-        def execute() -> Any:
-            result = pool.execute(PAYLOAD)
-            last[0] = result["worker_id"]
-            return result
-
-        def floor_execute() -> Any:
-            result = floor.execute(PAYLOAD)
-            last[0] = result["worker_id"]
-            return result
-
+        follow = FollowTheLast(urls, stack)
         contenders = {
-            "bare call": lambda: by_id[last[0]](),
-            "floor pool": floor_execute,
-            "npu_sync pool": execute,
+            "bare call": follow.bare,
+            "floor pool": follow.tracked(floor.execute),
+            "npu_sync pool": follow.tracked(pool.execute),
         }
         names = list(contenders)
         wall: dict[str, list[float]] = {name: [] for name in names}
